@@ -1,0 +1,138 @@
+"""When things happen: the training log file, throughput, and loss plots.
+
+`LogCallback` appends one JSON object per logging step to `output_dir/trainer_log.jsonl` with the
+progress (step, total steps, percentage, epoch), time (elapsed and remaining seconds), throughput
+(real, non-padding tokens per second: the Trainer's `num_input_tokens_seen`, which we switch to
+`non_padding` counting by default, so collators must return an `attention_mask`) and every metric the
+stage logged. `plot_loss` turns that file into one PNG per series.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+logger = logging.getLogger(__name__)
+
+LOG_FILE = "trainer_log.jsonl"
+
+
+class LogCallback(TrainerCallback):
+    """Writes `trainer_log.jsonl` with progress, ETA and tokens/s since the previous record."""
+
+    def __init__(self) -> None:
+        self.start_time = 0.0
+        self.start_step = 0
+        self.tokens_at_last_log = 0
+        self.time_at_last_log = 0.0
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        self.start_time = time.time()
+        self.time_at_last_log = self.start_time
+        self.start_step = state.global_step
+        self.tokens_at_last_log = state.num_input_tokens_seen
+        if state.is_world_process_zero:
+            os.makedirs(args.output_dir, exist_ok=True)
+            path = Path(args.output_dir) / LOG_FILE
+            if path.exists() and self.start_step == 0:
+                path.unlink()  # a fresh run starts a fresh log; a resumed one appends
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        now = time.time()
+        elapsed = now - self.start_time
+        done = max(state.global_step - self.start_step, 0)
+        total = state.max_steps or 0
+        remaining = (elapsed / done) * (total - state.global_step) if done and total else None
+        record: dict[str, Any] = {
+            "current_steps": state.global_step,
+            "total_steps": total,
+            "percentage": round(100.0 * state.global_step / total, 2) if total else None,
+            "epoch": round(state.epoch, 4) if state.epoch is not None else None,
+            "elapsed_time": round(elapsed, 2),
+            "remaining_time": round(remaining, 2) if remaining is not None else None,
+        }
+        tokens = state.num_input_tokens_seen
+        is_train_log = "loss" in logs or any(k.startswith("train_") for k in logs)
+        if tokens > self.tokens_at_last_log and is_train_log:
+            window = now - self.time_at_last_log
+            record["tokens_per_second"] = round((tokens - self.tokens_at_last_log) / window, 2) if window > 0 else None
+            self.tokens_at_last_log, self.time_at_last_log = tokens, now
+        if tokens:
+            record["total_tokens"] = tokens
+        for key, value in logs.items():
+            if key in ("epoch", "num_input_tokens_seen") or key.startswith("train_tokens_per_second"):
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                value = None
+            record[key] = value
+        with open(Path(args.output_dir) / LOG_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def read_log(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of `trainer_log.jsonl` (empty if the file does not exist)."""
+    path = Path(output_dir) / LOG_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def smooth(values: list[float], weight: float | None = None) -> list[float]:
+    """Exponential moving average (TensorBoard-style); weight grows with the number of points.
+
+    Example: smooth([1, 3], weight=0.5) -> [1, 0.5*1 + 0.5*3] = [1, 2].
+    """
+    if not values:
+        return []
+    if weight is None:
+        weight = 1.8 * (1 / (1 + math.exp(-0.05 * len(values))) - 0.5)
+    out, last = [], values[0]
+    for v in values:
+        last = last * weight + (1 - weight) * v
+        out.append(last)
+    return out
+
+
+def plot_loss(output_dir: str | os.PathLike, keys: list[str] | None = None) -> list[Path]:
+    """Write `training_<key>.png` (raw and smoothed curves) for each numeric series with > 1 point.
+
+    Keys default to every logged metric; `/` in a metric name becomes `_` in the file name.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_log(output_dir)
+    skip = {"current_steps", "total_steps", "percentage", "epoch", "elapsed_time", "remaining_time",
+            "tokens_per_second", "total_tokens", "learning_rate", "grad_norm"}
+    if keys is None:
+        keys = sorted({k for r in records for k, v in r.items() if k not in skip and isinstance(v, (int, float))})
+    written = []
+    for key in keys:
+        points = [(r["current_steps"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+        if len(points) < 2:
+            continue
+        steps, values = zip(*points)
+        plt.figure()
+        plt.plot(steps, values, color="#1f77b4", alpha=0.4, label="original")
+        plt.plot(steps, smooth(list(values)), color="#1f77b4", label="smoothed")
+        plt.title(f"{key} of {Path(output_dir).name}")
+        plt.xlabel("step")
+        plt.ylabel(key)
+        plt.legend()
+        name = key.replace("/", "_")
+        path = Path(output_dir) / f"training_{name}.png"
+        plt.savefig(path, format="png", dpi=100)
+        plt.close()
+        written.append(path)
+    return written

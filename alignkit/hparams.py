@@ -1,0 +1,475 @@
+"""Configuration: four argument dataclasses plus the training arguments, read from YAML and `key=value`.
+
+`alignkit train CONFIG.yaml key=value ...` merges the YAML mapping with the overrides (overrides win),
+hands each key to the dataclass that owns it, converts strings to the field's type, and builds the
+dataclasses. Anything wrong (an unknown key, a value of the wrong type, an invalid combination) raises
+`ConfigError` with a message that names the key and says how to fix it, before any model is loaded.
+
+Key names follow LLaMA-Factory where it has the feature and TRL otherwise; every field of
+`transformers.Seq2SeqTrainingArguments` is accepted as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from transformers import Seq2SeqTrainingArguments
+
+STAGES = ("pt", "sft", "rm", "dpo", "grpo", "ppo")
+BUNDLED_MODEL_NAME = "smollm2-135m-instruct"
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; the message says which key and how."""
+
+
+@dataclass
+class ModelArguments:
+    """Which model to load and how."""
+
+    model_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Local directory, hub id, or `smollm2-135m-instruct` (the bundled default, also used when "
+            "the key is absent)."
+        },
+    )
+    adapter_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "PEFT adapter(s) to start from, comma-separated. For a new stage they are merged into the "
+            "base in memory and a fresh adapter is trained on top, so the reference model includes them."
+        },
+    )
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "Where hub downloads are cached."})
+    model_revision: str = field(default="main", metadata={"help": "Hub revision (branch, tag or commit)."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow model code from the hub to run. Off unless you trust the repo."}
+    )
+    infer_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto",
+        metadata={"help": "Weights dtype. `auto`: float32 on CPU, bfloat16 on GPUs that support it, else float16."},
+    )
+    attn_implementation: Optional[str] = field(
+        default=None, metadata={"help": "Attention kernel passed to from_pretrained (`sdpa`, `eager`, ...)."}
+    )
+    low_cpu_mem_usage: bool = field(default=True, metadata={"help": "Load weights lazily to save host memory."})
+
+
+@dataclass
+class DataArguments:
+    """Which data to use and how to turn it into tokens."""
+
+    dataset: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Training data, comma-separated: names from `dataset_dir/dataset_info.json`, local "
+            ".json/.jsonl/.csv/.parquet files, or hub dataset ids."
+        },
+    )
+    eval_dataset: Optional[str] = field(default=None, metadata={"help": "Evaluation data, same forms as `dataset`."})
+    dataset_dir: str = field(
+        default="data", metadata={"help": "Folder holding `dataset_info.json` and the files it names."}
+    )
+    template: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Chat template: unset uses the tokenizer's own; built-in ones are `chatml`, `llama3`, "
+            "`plain` (for base models without a template)."
+        },
+    )
+    cutoff_len: int = field(default=2048, metadata={"help": "Maximum tokens per example after tokenisation."})
+    train_on_prompt: bool = field(default=False, metadata={"help": "Also compute the loss on prompt tokens."})
+    max_samples: Optional[int] = field(default=None, metadata={"help": "Keep only the first N rows of each dataset."})
+    val_size: float = field(
+        default=0.0, metadata={"help": "Held-out share (< 1) or count (>= 1) of the training data for evaluation."}
+    )
+    packing: bool = field(
+        default=False, metadata={"help": "SFT: pack several examples per row, attention kept inside each example."}
+    )
+    group_by_length: bool = field(
+        default=False, metadata={"help": "Batch examples of similar length together to reduce padding."}
+    )
+    overwrite_cache: bool = field(default=False, metadata={"help": "Re-tokenise even if a cached copy exists."})
+    tokenized_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Save the tokenised dataset here, or load it from here when it already exists."},
+    )
+    preprocessing_num_workers: Optional[int] = field(
+        default=None, metadata={"help": "Processes used for tokenisation."}
+    )
+    skip_invalid_rows: bool = field(
+        default=False, metadata={"help": "Skip malformed rows (and report them) instead of stopping."}
+    )
+    streaming: bool = field(default=False, metadata={"help": "Not supported yet; kept for LLaMA-Factory configs."})
+
+    def __post_init__(self) -> None:
+        if self.val_size < 0:
+            raise ConfigError(f"val_size={self.val_size} is negative: give a share in [0, 1) or a row count >= 1.")
+        if self.cutoff_len < 2:
+            raise ConfigError(f"cutoff_len={self.cutoff_len} leaves no room for a prompt and a response.")
+        if self.streaming:
+            raise ConfigError("streaming=true is not supported; remove the key (datasets are loaded in full).")
+
+
+@dataclass
+class FinetuningArguments:
+    """What is trained and with which objective."""
+
+    stage: Literal["pt", "sft", "rm", "dpo", "grpo", "ppo"] = field(
+        default="sft", metadata={"help": "Training stage: pt, sft, rm, dpo, grpo or ppo."}
+    )
+    finetuning_type: Literal["lora", "full", "freeze"] = field(
+        default="lora", metadata={"help": "LoRA adapter (default), full fine-tuning, or only the last layers."}
+    )
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r."})
+    lora_alpha: Optional[int] = field(default=None, metadata={"help": "LoRA scaling alpha (default: 2 * lora_rank)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
+    lora_target: str = field(
+        default="all",
+        metadata={"help": "Modules to adapt, comma-separated, or `all` = every linear layer but the output head."},
+    )
+    additional_target: Optional[str] = field(
+        default=None, metadata={"help": "Modules trained in full beside the adapter, comma-separated."}
+    )
+    freeze_trainable_layers: int = field(
+        default=2, metadata={"help": "finetuning_type=freeze: how many of the last layers are trained."}
+    )
+    pref_beta: float = field(default=0.1, metadata={"help": "DPO-family beta: how far the policy may move."})
+    pref_loss: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = field(
+        default="sigmoid", metadata={"help": "Preference loss: sigmoid (DPO), ipo, hinge, orpo or simpo."}
+    )
+    pref_ftx: float = field(default=0.0, metadata={"help": "Weight of the SFT loss on chosen added to DPO."})
+    dpo_label_smoothing: float = field(
+        default=0.0, metadata={"help": "Robust DPO label smoothing in [0, 0.5) for the sigmoid loss."}
+    )
+    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO target reward margin."})
+    precompute_ref_log_probs: bool = field(
+        default=False,
+        metadata={"help": "Compute reference log-probs once for the whole dataset before training (cached)."},
+    )
+    center_rewards_coefficient: Optional[float] = field(
+        default=None, metadata={"help": "RM: weight of the penalty pushing mean rewards towards zero (TRL's)."}
+    )
+    plot_loss: bool = field(default=False, metadata={"help": "Write training_<metric>.png for each logged series."})
+
+    def __post_init__(self) -> None:
+        if self.lora_alpha is None:
+            self.lora_alpha = 2 * self.lora_rank
+        if self.lora_rank < 1:
+            raise ConfigError(f"lora_rank={self.lora_rank} must be >= 1.")
+        if not 0 <= self.dpo_label_smoothing < 0.5:
+            raise ConfigError(f"dpo_label_smoothing={self.dpo_label_smoothing} must be in [0, 0.5).")
+        if self.dpo_label_smoothing and self.pref_loss != "sigmoid":
+            raise ConfigError("dpo_label_smoothing only applies to pref_loss=sigmoid; set one or the other.")
+        if self.freeze_trainable_layers < 1:
+            raise ConfigError(f"freeze_trainable_layers={self.freeze_trainable_layers} must be >= 1.")
+
+
+@dataclass
+class GeneratingArguments:
+    """How text is generated for prediction, evaluation and chat."""
+
+    do_sample: bool = field(default=False, metadata={"help": "Sample instead of greedy/beam decoding."})
+    temperature: float = field(default=0.95, metadata={"help": "Sampling temperature."})
+    top_p: float = field(default=0.7, metadata={"help": "Nucleus sampling: keep the smallest set with this mass."})
+    top_k: int = field(default=50, metadata={"help": "Sample among the k most likely tokens."})
+    num_beams: int = field(default=1, metadata={"help": "Beam search width (1 = no beam search)."})
+    max_new_tokens: int = field(default=512, metadata={"help": "Most tokens generated per prompt."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Penalty > 1 discourages repetition."})
+    length_penalty: float = field(default=1.0, metadata={"help": "Beam search length penalty."})
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: generation needs at least 1 new token.")
+        if self.temperature <= 0 and self.do_sample:
+            raise ConfigError("temperature must be > 0 when do_sample=true (use do_sample=false for greedy).")
+
+    def to_generation_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `model.generate` (sampling knobs only when sampling)."""
+        kwargs: dict[str, Any] = {
+            "do_sample": self.do_sample,
+            "num_beams": self.num_beams,
+            "max_new_tokens": self.max_new_tokens,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        if self.do_sample:
+            kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        if self.num_beams > 1:
+            kwargs["length_penalty"] = self.length_penalty
+        return kwargs
+
+
+@dataclass
+class TrainingArguments(Seq2SeqTrainingArguments):
+    """`transformers.Seq2SeqTrainingArguments`, plus the keys transformers 5 dropped that users still write."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start afresh even if output_dir holds checkpoints. Otherwise a run resumes from the last "
+            "complete checkpoint there."
+        },
+    )
+
+
+ARG_CLASSES = (ModelArguments, DataArguments, TrainingArguments, FinetuningArguments, GeneratingArguments)
+
+# Our defaults where transformers' do not suit this toolkit: logging often enough to see a curve,
+# no third-party reporters, and keep our own columns (collators decide what reaches the model).
+TRAINING_DEFAULTS: dict[str, Any] = {
+    "output_dir": "outputs/run",
+    "logging_steps": 1,
+    "report_to": "none",
+    "remove_unused_columns": False,
+    "save_strategy": "steps",
+    "save_steps": 500,
+    "include_num_input_tokens_seen": "non_padding",  # tokens/s in trainer_log.jsonl counts real tokens
+}
+
+
+@dataclass
+class Config:
+    """Everything one run needs, as parsed from YAML and overrides."""
+
+    model: ModelArguments
+    data: DataArguments
+    training: TrainingArguments
+    finetuning: FinetuningArguments
+    generating: GeneratingArguments
+    source: Optional[str] = None  # the YAML path, for messages
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _allowed(tp: Any) -> list[Any]:
+    """Flatten Optional/Union annotations into their member types."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        out: list[Any] = []
+        for arg in typing.get_args(tp):
+            out.extend(_allowed(arg))
+        return out
+    return [tp]
+
+
+def _convert(key: str, value: Any, tp: Any) -> Any:
+    """Convert a YAML or command-line value to the field's type, or raise ConfigError."""
+    allowed = _allowed(tp)
+    if value is None:
+        if type(None) in allowed or Any in allowed:
+            return None
+        raise ConfigError(f"{key}: null is not allowed; give a value of type {_type_name(tp)}.")
+    if isinstance(value, str) and value.lower() in ("null", "none", "~") and type(None) in allowed:
+        return None
+    last_error = None
+    for candidate in allowed:
+        if candidate is type(None):
+            continue
+        try:
+            return _convert_one(value, candidate)
+        except (TypeError, ValueError) as err:
+            last_error = err
+    detail = f" ({last_error})" if last_error and str(last_error) else ""
+    raise ConfigError(f"{key}={value!r} is not a valid {_type_name(tp)}{detail}.")
+
+
+def _convert_one(value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        raise ValueError(f"choose one of {', '.join(map(str, choices))}")
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(value).value if not isinstance(value, tp) else value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+            return False
+        raise ValueError("expected true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError("expected an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            return int(value)
+        raise ValueError("expected an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError("expected a number")
+        return float(value)
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError("expected a string")
+        return str(value)
+    if origin in (list, tuple) or tp in (list, tuple):
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        raise ValueError("expected a list")
+    if origin is dict or tp is dict:
+        if isinstance(value, dict):
+            return value
+        if isinstance(value, str):
+            parsed = yaml.safe_load(value)
+            if isinstance(parsed, dict):
+                return parsed
+        raise ValueError("expected a mapping")
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    names = []
+    for t in _allowed(tp):
+        if t is type(None):
+            continue
+        if typing.get_origin(t) is Literal:
+            names.append("one of " + ", ".join(map(str, typing.get_args(t))))
+        else:
+            names.append(getattr(t, "__name__", str(t)))
+    return " or ".join(names)
+
+
+def _owners() -> dict[str, type]:
+    owners: dict[str, type] = {}
+    for cls in ARG_CLASSES:
+        for name in _field_types(cls):
+            owners.setdefault(name, cls)
+    return owners
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split one `key=value` command-line override; the value stays a string unless it is YAML-structured."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. learning_rate=1e-4).")
+    key, value = text.split("=", 1)
+    key = key.strip().lstrip("-").replace("-", "_")
+    if not key:
+        raise ConfigError(f"override {text!r} has no key before '='.")
+    stripped = value.strip()
+    if stripped.startswith(("{", "[")):
+        try:
+            return key, yaml.safe_load(stripped)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{key}: cannot parse {value!r}: {err}") from None
+    return key, value
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML config into a flat mapping, with errors that name the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist.")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of key: value, got {type(data).__name__}.")
+    return data
+
+
+def parse_config(
+    values: dict[str, Any] | None = None, overrides: list[str] | None = None, source: str | None = None
+) -> Config:
+    """Build a `Config` from a mapping (e.g. a loaded YAML) and `key=value` overrides.
+
+    Raises:
+        ConfigError: unknown key (with the closest valid one), bad type, or an invalid combination.
+    """
+    merged: dict[str, Any] = dict(values or {})
+    for item in overrides or []:
+        key, value = parse_override(item)
+        merged[key] = value
+
+    owners = _owners()
+    where = f" in {source}" if source else ""
+    per_class: dict[type, dict[str, Any]] = {cls: {} for cls in ARG_CLASSES}
+    for key, value in merged.items():
+        if key not in owners:
+            close = difflib.get_close_matches(key, list(owners), n=1, cutoff=0.6)
+            hint = f" Did you mean `{close[0]}`?" if close else " See `alignkit train --help-keys` for every key."
+            raise ConfigError(f"unknown key `{key}`{where}.{hint}")
+        cls = owners[key]
+        per_class[cls][key] = _convert(key, value, _field_types(cls)[key])
+
+    for key, value in TRAINING_DEFAULTS.items():
+        per_class[TrainingArguments].setdefault(key, value)
+
+    built: dict[type, Any] = {}
+    for cls in ARG_CLASSES:
+        try:
+            built[cls] = cls(**per_class[cls])
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"invalid {cls.__name__} settings{where}: {err}") from None
+
+    config = Config(
+        model=built[ModelArguments],
+        data=built[DataArguments],
+        training=built[TrainingArguments],
+        finetuning=built[FinetuningArguments],
+        generating=built[GeneratingArguments],
+        source=source,
+    )
+    check_combinations(config)
+    return config
+
+
+def read_config(path: str | os.PathLike, overrides: list[str] | None = None) -> Config:
+    """Parse `alignkit train PATH key=value ...`."""
+    return parse_config(load_yaml(path), overrides, source=str(path))
+
+
+def check_combinations(config: Config) -> None:
+    """Reject settings that are valid alone but not together, saying how to fix them."""
+    t, d, f = config.training, config.data, config.finetuning
+    if t.do_train and not d.dataset and not d.tokenized_path:
+        raise ConfigError("do_train=true needs `dataset` (or a `tokenized_path` saved earlier).")
+    if (t.do_eval or t.do_predict) and not (d.eval_dataset or d.val_size or d.dataset or d.tokenized_path):
+        raise ConfigError("evaluation needs `eval_dataset` or `val_size` > 0.")
+    if d.packing and f.stage not in ("sft", "pt"):
+        raise ConfigError(f"packing=true applies to stage sft or pt, not {f.stage}; remove it.")
+    if t.predict_with_generate and f.stage not in ("sft", "pt"):
+        raise ConfigError(f"predict_with_generate applies to stage sft, not {f.stage}; remove it.")
+    if t.predict_with_generate and t.do_train and not (t.do_eval or t.do_predict):
+        raise ConfigError("predict_with_generate=true does nothing without do_eval or do_predict.")
+    if f.precompute_ref_log_probs and f.stage != "dpo":
+        raise ConfigError("precompute_ref_log_probs applies to stage dpo only.")
+    if f.precompute_ref_log_probs and f.pref_loss in ("orpo", "simpo"):
+        raise ConfigError(f"pref_loss={f.pref_loss} uses no reference model; drop precompute_ref_log_probs.")
+    if t.fp16 and t.bf16:
+        raise ConfigError("fp16 and bf16 are both true; choose one.")
+
+
+def all_keys() -> dict[str, str]:
+    """Every accepted key with its help text (for `alignkit train --help-keys`)."""
+    out: dict[str, str] = {}
+    for cls in ARG_CLASSES:
+        for f in dataclasses.fields(cls):
+            if f.init and f.name not in out:
+                out[f.name] = f"[{cls.__name__}] " + f.metadata.get("help", "")
+    return out

@@ -1,0 +1,98 @@
+"""A tiny random causal LM and tokenizer, built locally in about a second.
+
+Tests and the benchmark's quick mode use it instead of a hub model: 2 layers, hidden 64, a byte-level
+BPE tokenizer trained on a few sentences (English and Chinese) with a ChatML chat template and, as in
+the bundled SmolLM2 model, pad == eos == `<|im_end|>`, so label masking cannot lean on the pad token.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The capital of France is Paris. The capital of Japan is Tokyo.",
+    "Write a short poem about the sea. The waves roll in and out again.",
+    "What is 12 plus 7? 12 plus 7 is 19. What is 9 times 3? It is 27.",
+    "Translate to French: good morning. Bonjour.",
+    "Explain why the sky is blue: sunlight scatters off air molecules.",
+    "You are a helpful assistant. Answer briefly and correctly.",
+    "List three fruits: apple, banana, cherry. Name a colour: green.",
+    "Tom has 5 apples and buys 3 more. How many apples does he have? 8",
+    "中国的首都是北京。今天天气很好，我们去公园散步吧。",
+    "请用一句话介绍你自己。我是一个乐于助人的助手。",
+    "system user assistant question answer response prompt chosen rejected",
+    "0123456789 + - * / = ( ) . , ! ? : ; ' \" \n",
+]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tiny_tokenizer(vocab_size: int = 512):
+    """A `PreTrainedTokenizerFast` with ChatML template; eos = pad = `<|im_end|>` (id 2)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.padding_side = "right"
+    return fast
+
+
+def build_tiny_model(vocab_size: int, seed: int = 0, hidden_size: int = 64, num_layers: int = 2):
+    """A randomly initialised `LlamaForCausalLM` with tied embeddings, like SmolLM2 in miniature."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = 2
+    model.generation_config.eos_token_id = 2
+    return model
+
+
+def save_tiny_model(path: str | os.PathLike, seed: int = 0) -> Path:
+    """Write a tiny model + tokenizer directory loadable with `from_pretrained`; returns the path."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(len(tokenizer), seed=seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,36 @@
+"""Shared fixtures: a tiny random model directory built locally, and an offline environment."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Path to a tiny LlamaForCausalLM (2 layers, hidden 64) + ChatML tokenizer with pad == eos."""
+    from alignkit.model.tiny import save_tiny_model
+
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny_model")))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    """Keep caches written by a test (tokenised data, converted models) inside its tmp dir,
+    except the bundled model cache, which slow tests share through ALIGNKIT_HOME when set."""
+    if "ALIGNKIT_HOME" not in os.environ:
+        monkeypatch.setenv("ALIGNKIT_HOME", str(tmp_path / "alignkit_home"))
+    monkeypatch.setenv("ALIGNKIT_DATA_CACHE", str(tmp_path / "data_cache"))

@@ -418,6 +418,10 @@ def parse_config(
     for key, value in TRAINING_DEFAULTS.items():
         per_class[TrainingArguments].setdefault(key, value)
 
+    train_kwargs = per_class[TrainingArguments]
+    if train_kwargs.get("fp16") and train_kwargs.get("bf16"):
+        raise ConfigError(f"fp16 and bf16 are both true{where}; choose one.")
+
     built: dict[type, Any] = {}
     for cls in ARG_CLASSES:
         try:
@@ -461,8 +465,6 @@ def check_combinations(config: Config) -> None:
         raise ConfigError("precompute_ref_log_probs applies to stage dpo only.")
     if f.precompute_ref_log_probs and f.pref_loss in ("orpo", "simpo"):
         raise ConfigError(f"pref_loss={f.pref_loss} uses no reference model; drop precompute_ref_log_probs.")
-    if t.fp16 and t.bf16:
-        raise ConfigError("fp16 and bf16 are both true; choose one.")
 
 
 def all_keys() -> dict[str, str]:

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install (once) and run the test suite. Extra arguments go to pytest (e.g. -m "not slow").
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/setup.sh"
+cd "$root"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec "${ALIGNKIT_VENV:-$root/.venv}/bin/python" -m pytest -q "$@"

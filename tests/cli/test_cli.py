@@ -1,0 +1,24 @@
+"""The `alignkit` command, run in-process."""
+
+from alignkit.cli import main
+
+
+def test_misspelled_key_exits_non_zero_naming_the_right_key(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("stage: sft\n")
+    assert main(["train", str(cfg), "learnig_rate=1e-4"]) == 2
+    err = capsys.readouterr().err
+    assert "learnig_rate" in err and "learning_rate" in err
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_help_keys_lists_every_section(capsys):
+    assert main(["train", "--help-keys"]) == 0
+    out = capsys.readouterr().out
+    for key in ("model_name_or_path", "cutoff_len", "lora_rank", "pref_beta", "max_new_tokens", "learning_rate",
+                "overwrite_output_dir"):
+        assert f"\n{key}:" in "\n" + out

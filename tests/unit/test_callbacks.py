@@ -1,0 +1,45 @@
+"""trainer_log.jsonl records and loss plots."""
+
+import json
+
+import pytest
+from transformers import TrainerControl, TrainerState, TrainingArguments
+
+from alignkit.callbacks import LOG_FILE, LogCallback, plot_loss, read_log, smooth
+
+
+def test_smooth_hand_computed():
+    """weight 0.5: [1, 3, 5] -> [1, 0.5*1+0.5*3 = 2, 0.5*2+0.5*5 = 3.5]."""
+    assert smooth([1.0, 3.0, 5.0], weight=0.5) == pytest.approx([1.0, 2.0, 3.5])
+
+
+def test_log_callback_writes_one_record_per_log(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    state = TrainerState()
+    state.max_steps = 10
+    cb = LogCallback()
+    cb.on_train_begin(args, state, TrainerControl())
+    for step in (1, 2):
+        state.global_step = step
+        state.epoch = step / 10
+        state.num_input_tokens_seen = 100 * step
+        cb.on_log(args, state, TrainerControl(), logs={"loss": 2.0 / step, "learning_rate": 1e-4, "rewards/chosen": 0.5})
+    records = read_log(tmp_path)
+    assert len(records) == 2
+    first = records[0]
+    assert first["current_steps"] == 1 and first["total_steps"] == 10 and first["percentage"] == 10.0
+    assert first["loss"] == 2.0 and first["rewards/chosen"] == 0.5 and first["learning_rate"] == 1e-4
+    assert first["remaining_time"] is not None and first["elapsed_time"] >= 0
+    assert "tokens_per_second" in first and records[1]["total_tokens"] == 200
+    assert (tmp_path / LOG_FILE).read_text().count("\n") == 2
+
+
+def test_plot_loss_writes_png_per_series(tmp_path):
+    lines = [{"current_steps": i, "loss": 3.0 - i * 0.1, "eval_loss": None, "rewards/margins": i * 0.1}
+             for i in range(1, 6)]
+    lines.append({"current_steps": 5, "eval_loss": 2.0})
+    (tmp_path / LOG_FILE).write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    written = plot_loss(tmp_path)
+    names = sorted(p.name for p in written)
+    assert names == ["training_loss.png", "training_rewards_margins.png"]  # eval_loss has one point only
+    assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)

@@ -1,0 +1,158 @@
+"""Per-token log-probabilities of given tokens, without a second full-vocabulary copy of the logits.
+
+Every preference and RL stage needs `log p(token | prefix)` for the tokens of a response. The obvious
+`logits.log_softmax(-1).gather(-1, labels)` allocates a second `[N, L, V]` tensor for the log-softmax
+and keeps it alive for the backward pass; with SmolLM2's 49k-token vocabulary that copy is the largest
+tensor of a training step. Here the log-probability is `logit[label] - logsumexp(logits)`, computed in
+row chunks, and the backward pass writes `onehot - softmax` chunk by chunk into the one gradient buffer
+the output layer needs anyway. The logits themselves are kept by reference, not copied.
+
+Conventions: `labels` are the input ids with `-100` (ignore) on positions that carry no loss (prompt,
+padding), aligned with `input_ids`, as the data collators return them; the shift by one
+(logits at position t predict the token at t + 1) happens here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+# Rows per chunk are chosen so one chunk holds about this many logits (64 MiB in float32).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _rows_per_chunk(vocab_size: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(vocab_size, 1))
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """`log_softmax(logits)[..., index]` with O(chunk) extra memory in forward and backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        vocab = logits.size(-1)
+        rows = logits.reshape(-1, vocab)  # a view for the usual contiguous model output
+        flat_index = index.reshape(-1, 1)
+        out = torch.empty(rows.size(0), dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        step = _rows_per_chunk(vocab)
+        for start in range(0, rows.size(0), step):
+            chunk = rows[start : start + step].float()  # a no-op for fp32; bf16 logits get fp32 maths per chunk
+            chunk_lse = torch.logsumexp(chunk, dim=-1)
+            lse[start : start + step] = chunk_lse
+            out[start : start + step] = chunk.gather(-1, flat_index[start : start + step]).squeeze(-1) - chunk_lse
+        ctx.save_for_backward(logits, index, lse)
+        ctx.mark_non_differentiable(index)
+        return out.view(index.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, index, lse = ctx.saved_tensors
+        vocab = logits.size(-1)
+        rows = logits.reshape(-1, vocab)
+        flat_index = index.reshape(-1, 1)
+        flat_grad = grad_out.reshape(-1, 1).float()
+        grad_rows = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device)
+        step = _rows_per_chunk(vocab)
+        in_place = logits.dtype == torch.float32
+        for start in range(0, rows.size(0), step):
+            end = start + step
+            # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z); fp32 is computed straight into the gradient
+            # buffer (never into the logits themselves), other dtypes through one fp32 chunk.
+            chunk = grad_rows[start:end] if in_place else None
+            chunk = torch.sub(rows[start:end].float(), lse[start:end, None], out=chunk)
+            chunk.exp_().mul_(-flat_grad[start:end])
+            chunk.scatter_add_(-1, flat_index[start:end], flat_grad[start:end])
+            if not in_place:
+                grad_rows[start:end] = chunk
+        return grad_rows.view(logits.shape), None
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Log-softmax of `logits` over the last dimension, read at `index`, memory-lean.
+
+    Equal to `logits.log_softmax(-1).gather(-1, index[..., None]).squeeze(-1)` but never allocates a
+    second tensor of the logits' size in the forward pass, and only the one gradient buffer in backward.
+
+    Args:
+        logits: `[..., V]` float tensor. Pass a tensor whose leading dimensions flatten without a copy
+            (a model's output does; a slice such as `logits[:, :-1]` does not, so shift the index instead).
+        index: `[...]` integer tensor of token ids in `[0, V)`, same leading shape as `logits`.
+
+    Returns:
+        `[...]` float32 log-probabilities.
+    """
+    if index.shape != logits.shape[:-1]:
+        raise ValueError(f"index shape {tuple(index.shape)} must equal logits shape without the vocabulary "
+                         f"dimension {tuple(logits.shape[:-1])}.")
+    return _SelectiveLogSoftmax.apply(logits, index)
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each next token under `logits`, and which positions count.
+
+    Args:
+        logits: `[N, T, V]` logits of a causal LM; position t scores the token at t + 1.
+        labels: `[N, T]` token ids aligned with the logits' input positions, `-100` where no loss is taken.
+
+    Returns:
+        `(logps, mask)`, both `[N, T - 1]`: `logps[:, t] = log p(labels[:, t + 1] | prefix)`, zero where
+        `mask` (= `labels[:, 1:] != -100`) is False.
+    """
+    # Shift the labels left and pad the last position with -100 instead of slicing the logits, which
+    # would turn the flatten inside selective_log_softmax into a full copy.
+    next_tokens = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    mask = next_tokens != IGNORE_INDEX
+    logps = selective_log_softmax(logits, next_tokens.clamp(min=0))
+    logps = logps.masked_fill(~mask, 0.0)
+    return logps[:, :-1], mask[:, :-1]
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probability of each row's labelled tokens, and how many there are.
+
+    Args:
+        logits: `[N, T, V]` causal LM logits.
+        labels: `[N, T]` ids aligned with the inputs, `-100` on positions without loss.
+
+    Returns:
+        `(logps, lengths)`: `[N]` float32 sums of `log p(token)` over labelled tokens, `[N]` int64 counts.
+    """
+    logps, mask = token_logps(logits, labels)
+    return logps.sum(-1), mask.sum(-1)
+
+
+def forward_token_logps(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a causal LM and return `token_logps` for `labels`, computing logits only where needed.
+
+    The output layer is skipped for the positions before the earliest labelled token of the batch
+    (`logits_to_keep`), since a prompt's logits carry no loss: the saving is the prompt's share of the
+    vocabulary projection, in time and memory.
+
+    Args:
+        model: a causal LM (or a PEFT model around one) accepting `logits_to_keep`.
+        input_ids: `[N, L]`.
+        attention_mask: `[N, L]`.
+        labels: `[N, L]`, `-100` on positions without loss.
+
+    Returns:
+        `(logps, mask)`, both `[N, L - 1]`, as `token_logps` returns them for the whole sequence.
+    """
+    length = input_ids.size(1)
+    labelled = labels != IGNORE_INDEX
+    # The first labelled token is predicted by the position before it; keep logits from there on.
+    first = int(labelled.any(0).float().argmax()) if labelled.any() else 0
+    keep = min(length, length - first + 1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep).logits
+    logps, mask = token_logps(logits, labels[:, length - keep :])
+    skipped = length - keep
+    if skipped:
+        logps = F.pad(logps, (skipped, 0), value=0.0)
+        mask = F.pad(mask, (skipped, 0), value=False)
+    return logps, mask
+
+
+__all__ = ["IGNORE_INDEX", "selective_log_softmax", "token_logps", "sequence_logps", "forward_token_logps"]

@@ -1,0 +1,164 @@
+"""Per-token log-prob gathering: values, gradients, label shift, and that no second [N, L, V] copy is made."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from alignkit.model import logprobs
+from alignkit.model.logprobs import forward_token_logps, selective_log_softmax, sequence_logps, token_logps
+
+
+def test_selective_log_softmax_hand_computed():
+    """logits [0, ln 3] -> softmax [1/4, 3/4]: log p(1) = ln(3/4), log p(0) = ln(1/4).
+
+    A second row [0, 0, 0]: every token has log p = ln(1/3).
+    """
+    logits = torch.tensor([[0.0, math.log(3.0), -1e4], [0.0, 0.0, 0.0]])
+    out = selective_log_softmax(logits, torch.tensor([1, 2]))
+    assert out.tolist() == pytest.approx([math.log(0.75), math.log(1 / 3)], abs=1e-6)
+    out = selective_log_softmax(logits, torch.tensor([0, 0]))
+    assert out.tolist() == pytest.approx([math.log(0.25), math.log(1 / 3)], abs=1e-6)
+
+
+@pytest.mark.parametrize("chunk_elements", [7, 1 << 24])  # several chunks per call, and one
+def test_selective_log_softmax_matches_log_softmax_gather(monkeypatch, chunk_elements):
+    monkeypatch.setattr(logprobs, "_CHUNK_ELEMENTS", chunk_elements)
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.float64, requires_grad=True)
+    index = torch.randint(0, 11, (3, 5))
+    weights = torch.randn(3, 5, dtype=torch.float64)
+
+    ours = selective_log_softmax(logits, index)
+    (ours.double() * weights).sum().backward()
+    grad_ours = logits.grad.clone()
+    logits.grad = None
+    reference = logits.log_softmax(-1).gather(-1, index[..., None]).squeeze(-1)
+    (reference * weights).sum().backward()
+
+    assert torch.allclose(ours.double(), reference, atol=1e-6)
+    assert torch.allclose(grad_ours, logits.grad, atol=1e-6)
+
+
+def test_backward_leaves_fp32_logits_untouched():
+    logits = torch.randn(2, 4, 9, requires_grad=True)
+    before = logits.detach().clone()
+    selective_log_softmax(logits, torch.zeros(2, 4, dtype=torch.long)).sum().backward()
+    assert torch.equal(logits.detach(), before)
+
+
+def test_token_logps_shifts_and_masks():
+    """Position t scores label t+1. Uniform logits over V=4 give ln(1/4) per labelled token.
+
+    labels row 0: [-100, -100, 3, 1] -> next-token labels [-100, 3, 1] -> mask [F, T, T]
+    labels row 1: [-100, 2, -100, -100] -> [2, -100, -100] -> mask [T, F, F]
+    sums: row 0 = 2 ln(1/4), row 1 = ln(1/4); lengths 2 and 1.
+    """
+    logits = torch.zeros(2, 4, 4)
+    labels = torch.tensor([[-100, -100, 3, 1], [-100, 2, -100, -100]])
+    logps, mask = token_logps(logits, labels)
+    assert mask.tolist() == [[False, True, True], [True, False, False]]
+    q = math.log(0.25)
+    assert logps.flatten().tolist() == pytest.approx([0.0, q, q, q, 0.0, 0.0])
+    sums, lengths = sequence_logps(logits, labels)
+    assert sums.tolist() == pytest.approx([2 * q, q])
+    assert lengths.tolist() == [2, 1]
+
+
+def test_token_logps_reads_the_right_vocabulary_entry():
+    """Logit 10 on token 2 at position 0, else 0, V=3: log p(2) = 10 - ln(e^10 + 2)."""
+    logits = torch.zeros(1, 2, 3)
+    logits[0, 0, 2] = 10.0
+    logps, _ = token_logps(logits, torch.tensor([[-100, 2]]))
+    assert logps[0, 0].item() == pytest.approx(10 - math.log(math.exp(10) + 2), abs=1e-6)
+
+
+class _AllocationRecorder(TorchDispatchMode):
+    """Records the element count of every new tensor an aten op returns (views of an input are not new)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        input_storages = {a.untyped_storage().data_ptr() for a in inputs}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in input_storages:
+                self.sizes.append(t.numel())
+        return out
+
+
+def _saved_full_size_tensors(fn, logits: torch.Tensor) -> int:
+    """How many tensors of the logits' size autograd saves for backward, other than the logits themselves."""
+    count = 0
+
+    def pack(t):
+        nonlocal count
+        if t.numel() >= logits.numel() and t.data_ptr() != logits.data_ptr():
+            count += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(logits)
+    return count
+
+
+@pytest.mark.parametrize("chunk_elements", [4000, 1 << 24])  # 4 rows per chunk, and all rows in one
+def test_no_second_full_vocabulary_copy_is_saved_or_allocated(monkeypatch, chunk_elements):
+    """The naive log_softmax+gather saves (and allocates) a second [N, L, V] tensor; ours does neither.
+
+    Forward: count tensors of the full size kept for backward. Backward: count full-size tensors the
+    ops create; one (the gradient of the logits) is unavoidable, the naive way makes several.
+    """
+    monkeypatch.setattr(logprobs, "_CHUNK_ELEMENTS", chunk_elements)
+    torch.manual_seed(0)
+    logits = torch.randn(4, 16, 1000, requires_grad=True)
+    labels = torch.randint(0, 1000, (4, 16))
+    full = logits.numel()
+
+    def naive(x):
+        nxt = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=0)
+        return x.log_softmax(-1).gather(-1, nxt[..., None]).sum()
+
+    def ours(x):
+        return token_logps(x, labels)[0].sum()
+
+    assert _saved_full_size_tensors(naive, logits) >= 1  # the probe sees the copy when there is one
+    assert _saved_full_size_tensors(ours, logits) == 0
+
+    def full_size_allocations(fn) -> int:
+        logits.grad = None
+        loss = fn(logits)
+        with _AllocationRecorder() as rec:
+            loss.backward()
+        return sum(size >= full for size in rec.sizes)
+
+    assert full_size_allocations(naive) >= 2
+    assert full_size_allocations(ours) == 1
+
+
+def test_forward_token_logps_skips_prompt_logits_but_matches_full_forward(tiny_model_dir):
+    """Keeping logits only from the first labelled position gives the same log-probs as the full forward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    torch.manual_seed(0)
+    input_ids = torch.randint(3, 500, (2, 9))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 7:] = 0
+    labels = input_ids.clone()
+    labels[0, :4] = -100
+    labels[1, :5] = -100
+    labels[1, 7:] = -100
+    with torch.no_grad():
+        logps, mask = forward_token_logps(model, input_ids, attention_mask, labels)
+        full_logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    expected, expected_mask = token_logps(full_logits, labels)
+    assert logps.shape == (2, 8)
+    assert torch.equal(mask, expected_mask)
+    assert torch.allclose(logps, expected, atol=1e-5)

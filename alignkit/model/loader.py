@@ -1,0 +1,323 @@
+"""Tokenizer and model loading: where the weights come from, which head, and what is trained.
+
+`model_name_or_path` is a local directory, a hub id, or the bundled default (absent or
+`smollm2-135m-instruct`). `load_model` then applies, in this order:
+
+1. the head: a causal LM, or for reward models `AutoModelForSequenceClassification` with one label
+   over the same weights (so the checkpoint is a standard sequence-classification model);
+2. the adapters of `adapter_name_or_path`, merged into the base weights in memory. A new stage then
+   trains a fresh adapter on top, so "adapter disabled" is the earlier stage's model, which is the
+   reference DPO, GRPO and PPO need;
+3. what is trained (`finetuning_type`): a fresh LoRA adapter, every weight, or the last decoder layers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from ..hparams import BUNDLED_MODEL_NAME, ConfigError, FinetuningArguments, ModelArguments
+from .bundled import ensure_bundled_model
+
+logger = logging.getLogger(__name__)
+
+Head = Literal["causal_lm", "reward"]
+# Output heads are never LoRA targets: `lm_head` maps to the vocabulary (tied to the embeddings in
+# SmolLM2), `score` is the reward head, trained in full instead.
+OUTPUT_HEADS = ("lm_head", "score", "classifier", "v_head")
+
+
+def resolve_model_path(model_args: ModelArguments) -> str:
+    """The directory or hub id that `from_pretrained` should read.
+
+    Raises:
+        ConfigError: a path that is not a directory, or a hub id that cannot be reached offline.
+    """
+    name = model_args.model_name_or_path
+    if not name or name == BUNDLED_MODEL_NAME:
+        return str(ensure_bundled_model())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path)
+    # A hub id is `name` or `owner/name`; anything else that is not a directory is a mistyped path.
+    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+    if path.exists() or looks_like_path:
+        raise ConfigError(
+            f"model_name_or_path={name!r} is not a model directory (a hub id has the form owner/name). "
+            f"Give a folder holding config.json, or omit the key for the bundled `{BUNDLED_MODEL_NAME}`."
+        )
+    if _hub_offline() and not _in_hub_cache(name, model_args):
+        raise ConfigError(
+            f"model_name_or_path={name!r} is neither a local directory nor reachable offline "
+            "(HF_HUB_OFFLINE is set and the hub cache does not hold it). Give a local model directory, "
+            f"or omit the key to use the bundled default `{BUNDLED_MODEL_NAME}`."
+        )
+    return name
+
+
+def _hub_offline() -> bool:
+    # Read the environment at call time: huggingface_hub caches the flag at import.
+    from huggingface_hub import constants
+
+    flags = (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"))
+    return constants.HF_HUB_OFFLINE or any(str(f).upper() in ("1", "ON", "YES", "TRUE") for f in flags)
+
+
+def _in_hub_cache(repo_id: str, model_args: ModelArguments) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=model_args.cache_dir,
+                                       revision=model_args.model_revision)
+    except ValueError:  # not a valid repo id
+        return False
+    return isinstance(found, str)
+
+
+def _hub_kwargs(model_args: ModelArguments) -> dict:
+    return {"cache_dir": model_args.cache_dir, "revision": model_args.model_revision,
+            "trust_remote_code": model_args.trust_remote_code}
+
+
+def resolve_dtype(infer_dtype: str) -> torch.dtype:
+    """`auto` is float32 on CPU (bf16 has no hardware support there and runs ~50x slower), bfloat16 on
+    GPUs that support it, float16 on other GPUs; any other value names the dtype."""
+    if infer_dtype != "auto":
+        return getattr(torch, infer_dtype)
+    if torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def load_tokenizer(model_args: ModelArguments):
+    """The model's tokenizer with a pad token (eos when it has none) and right padding.
+
+    Right padding is what training collators expect; generation code pads prompts on the left itself.
+    """
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(model_args)
+    tokenizer = AutoTokenizer.from_pretrained(path, **_hub_kwargs(model_args))
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"the tokenizer of {path} has neither a pad nor an eos token; add one to its config.")
+        logger.warning("The tokenizer of %s has no pad token; using its eos token %r.", path, tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def load_model(
+    model_args: ModelArguments,
+    finetuning_args: FinetuningArguments,
+    *,
+    is_trainable: bool,
+    head: Head = "causal_lm",
+):
+    """Load the base model, merge `adapter_name_or_path` into it, and set up what is trained.
+
+    Args:
+        model_args: where the model and adapters come from, dtype, remote code.
+        finetuning_args: `finetuning_type` and its LoRA / freeze settings (used when `is_trainable`).
+        is_trainable: True for training (a fresh LoRA adapter named "default", or full / freeze);
+            False for inference (adapters merged, every weight frozen, eval mode).
+        head: `causal_lm`, or `reward` for a one-label sequence-classification model whose `score`
+            head trains in full.
+
+    Returns:
+        A `PeftModel` when training with LoRA, otherwise a `PreTrainedModel`.
+    """
+    if head not in ("causal_lm", "reward"):
+        raise ValueError(f"head={head!r}: expected 'causal_lm' or 'reward'.")
+    model = _load_base(model_args, head)
+    adapters = split_adapters(model_args.adapter_name_or_path)
+    if adapters:
+        model = merge_adapters(model, adapters, head=head)
+
+    if not is_trainable:
+        model.requires_grad_(False)
+        model.eval()
+        return model
+
+    model.config.use_cache = False  # the KV cache only costs memory in a training forward pass
+    kind = finetuning_args.finetuning_type
+    if kind == "lora":
+        model = add_lora(model, finetuning_args, head=head)
+    elif kind == "full":
+        model.requires_grad_(True)
+    elif kind == "freeze":
+        freeze_all_but_last_layers(model, finetuning_args.freeze_trainable_layers, head=head)
+    else:
+        raise ConfigError(f"finetuning_type={kind!r}: choose lora, full or freeze.")
+    model.train()
+    trainable, total = count_parameters(model)
+    logger.info("Trainable parameters: %s of %s (%.4f%%), finetuning_type=%s.",
+                f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1), kind)
+    return model
+
+
+def _load_base(model_args: ModelArguments, head: Head):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    path = resolve_model_path(model_args)
+    kwargs = dict(dtype=resolve_dtype(model_args.infer_dtype), low_cpu_mem_usage=model_args.low_cpu_mem_usage,
+                  **_hub_kwargs(model_args))
+    if model_args.attn_implementation:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    if head == "causal_lm":
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+    # The reward score is read at each sequence's last real token; transformers finds that token via
+    # `pad_token_id`, so the config must carry it for plain-transformers scoring to work.
+    config = AutoConfig.from_pretrained(path, num_labels=1, **_hub_kwargs(model_args))
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = load_tokenizer(model_args).pad_token_id
+    return AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
+
+
+def split_adapters(adapter_name_or_path: str | None) -> list[str]:
+    """`a,b` -> ["a", "b"]; None or "" -> []."""
+    return [a.strip() for a in (adapter_name_or_path or "").split(",") if a.strip()]
+
+
+def read_adapter_config(adapter_dir: str | os.PathLike) -> dict:
+    """The adapter's `adapter_config.json`, or a ConfigError naming the directory."""
+    path = Path(adapter_dir) / "adapter_config.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"adapter_name_or_path: {adapter_dir!r} holds no adapter_config.json; give the output_dir of a "
+            "LoRA run (or one of its checkpoint-N folders)."
+        )
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def is_reward_adapter(adapter_dir: str | os.PathLike) -> bool:
+    """True when the adapter belongs to a reward model (sequence classification with a `score` head)."""
+    cfg = read_adapter_config(adapter_dir)
+    return cfg.get("task_type") == "SEQ_CLS" or "score" in (cfg.get("modules_to_save") or [])
+
+
+def _check_adapter_base(model, adapter_dir: str, adapter_cfg: dict, head: Head) -> None:
+    """Reject an adapter trained on another kind of model, before PEFT fails with a shape error."""
+    # An SFT adapter may start a reward model (the decoder is shared), but a reward adapter needs its
+    # score head, which a causal LM lacks.
+    if head == "causal_lm" and is_reward_adapter(adapter_dir):
+        raise ConfigError(
+            f"adapter_name_or_path: {adapter_dir} is a reward-model adapter (score head), but this run loads a "
+            "causal LM. Use an adapter from an sft/dpo/grpo/ppo run, or give it as a reward model instead."
+        )
+    recorded = adapter_cfg.get("base_model_name_or_path")
+    recorded_config = Path(recorded) / "config.json" if recorded else None
+    if recorded_config is None or not recorded_config.is_file():
+        return  # the recorded base is not here to compare with; the shape check in PEFT still applies
+    base = json.loads(recorded_config.read_text(encoding="utf-8"))
+    mine = model.config.to_dict()
+    facts = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+    differing = [f"{k}: {base.get(k)} vs {mine.get(k)}" for k in facts if base.get(k) != mine.get(k)]
+    if differing:
+        raise ConfigError(
+            f"adapter_name_or_path: {adapter_dir} was trained on the base {recorded}, which does not match "
+            f"model_name_or_path={model.config.name_or_path} ({'; '.join(differing)}). Set model_name_or_path "
+            "to the model the adapter was trained on."
+        )
+
+
+def merge_adapters(model, adapter_dirs: list[str], *, head: Head = "causal_lm"):
+    """Load each PEFT adapter in turn and merge it into the base weights; returns the plain model."""
+    from peft import PeftModel
+
+    for adapter_dir in adapter_dirs:
+        adapter_cfg = read_adapter_config(adapter_dir)
+        _check_adapter_base(model, adapter_dir, adapter_cfg, head)
+        try:
+            peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
+        except (RuntimeError, ValueError, KeyError) as err:
+            # A state-dict error lists every mismatching tensor; the first one says enough.
+            lines = [line.strip() for line in str(err).strip().splitlines()]
+            detail = " ".join(lines[:2]) + (f" (and {len(lines) - 2} more)" if len(lines) > 2 else "")
+            raise ConfigError(
+                f"adapter_name_or_path: cannot apply {adapter_dir} (trained on "
+                f"{adapter_cfg.get('base_model_name_or_path')!r}) to {model.config.name_or_path}: {detail}. "
+                "Set model_name_or_path to the model the adapter was trained on."
+            ) from None
+        model = peft_model.merge_and_unload()
+        logger.info("Merged adapter %s into the base weights.", adapter_dir)
+    return model
+
+
+def find_linear_modules(model, exclude: tuple[str, ...] = OUTPUT_HEADS) -> list[str]:
+    """Sorted short names of every `nn.Linear` in `model` except the output heads (`lora_target: all`)."""
+    names = set()
+    for full_name, module in model.named_modules():
+        short = full_name.split(".")[-1]
+        if isinstance(module, nn.Linear) and short not in exclude:
+            names.add(short)
+    return sorted(names)
+
+
+def add_lora(model, finetuning_args: FinetuningArguments, *, head: Head = "causal_lm"):
+    """Wrap `model` in a fresh trainable LoRA adapter named "default"; returns the `PeftModel`."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    if finetuning_args.lora_target.strip() == "all":
+        targets = find_linear_modules(model)
+    else:
+        targets = [t.strip() for t in finetuning_args.lora_target.split(",") if t.strip()]
+        present = {name.split(".")[-1] for name, _ in model.named_modules()}
+        missing = [t for t in targets if t not in present and not any(n.endswith(t) for n in present)]
+        if missing:
+            raise ConfigError(
+                f"lora_target: {', '.join(missing)} not found in the model; its linear layers are "
+                f"{', '.join(find_linear_modules(model))} (or use lora_target=all)."
+            )
+    modules_to_save = [m.strip() for m in (finetuning_args.additional_target or "").split(",") if m.strip()]
+    if head == "reward" and "score" not in modules_to_save:
+        modules_to_save.append("score")  # a fresh score head must train in full, and is saved with the adapter
+    lora_config = LoraConfig(
+        task_type=TaskType.SEQ_CLS if head == "reward" else TaskType.CAUSAL_LM,
+        r=finetuning_args.lora_rank,
+        lora_alpha=finetuning_args.lora_alpha,
+        lora_dropout=finetuning_args.lora_dropout,
+        target_modules=targets,
+        modules_to_save=modules_to_save or None,
+    )
+    return get_peft_model(model, lora_config)
+
+
+def _decoder_layers(model) -> tuple[str, int]:
+    """Name prefix and count of the decoder layer list (the ModuleList as long as num_hidden_layers)."""
+    n_layers = getattr(model.config, "num_hidden_layers", None)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n_layers:
+            return name, n_layers
+    raise ConfigError(
+        f"finetuning_type=freeze: cannot find the {n_layers} decoder layers of {type(model).__name__}; "
+        "use finetuning_type=lora or full."
+    )
+
+
+def freeze_all_but_last_layers(model, num_trainable: int, *, head: Head = "causal_lm") -> None:
+    """Train only the last `num_trainable` decoder layers (and the `score` head of a reward model)."""
+    prefix, n_layers = _decoder_layers(model)
+    if num_trainable > n_layers:
+        raise ConfigError(f"freeze_trainable_layers={num_trainable} but the model has only {n_layers} layers.")
+    trainable = {str(i) for i in range(n_layers - num_trainable, n_layers)}
+    layer_re = re.compile(re.escape(prefix) + r"\.(\d+)\.")
+    for name, param in model.named_parameters():
+        match = layer_re.match(name)
+        in_trainable_layer = match is not None and match.group(1) in trainable
+        is_score = head == "reward" and name.split(".")[0] == "score"
+        param.requires_grad_(in_trainable_layer or is_score)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts; tied weights are counted once."""
+    params = list(model.parameters())  # `parameters()` yields a tied tensor once
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)

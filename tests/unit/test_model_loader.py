@@ -1,0 +1,219 @@
+"""load_tokenizer / load_model on the tiny model: targets, trainable counts, heads, adapter merging, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from alignkit.hparams import ConfigError, parse_config
+from alignkit.model import load_model, load_tokenizer, resolve_model_path
+from alignkit.model.loader import count_parameters, find_linear_modules, resolve_dtype
+
+
+def _config(model_dir, **keys):
+    return parse_config({"model_name_or_path": str(model_dir), **keys})
+
+
+def _trainable_names(model):
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _perturb_lora(model, seed: int = 1) -> None:
+    """Give the fresh adapter non-zero effect: PEFT initialises lora_B to zero."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+
+@pytest.fixture
+def batch(tiny_tokenizer):
+    enc = tiny_tokenizer(["The capital of France is Paris.", "What is 12 plus 7?"], return_tensors="pt",
+                         padding=True)
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def test_tokenizer_has_pad_and_right_padding(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    # A tokenizer saved without a pad token gets its eos as pad.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.pad_token = None
+    tokenizer.padding_side = "left"
+    tokenizer.save_pretrained(tmp_path)
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).symlink_to(f"{tiny_model_dir}/{name}")
+    loaded = load_tokenizer(_config(tmp_path).model)
+    assert loaded.pad_token == loaded.eos_token == "<|im_end|>"
+    assert loaded.padding_side == "right"
+
+
+def test_lora_all_targets_every_linear_but_the_head(tiny_model_dir):
+    config = _config(tiny_model_dir)
+    model = load_model(config.model, config.finetuning, is_trainable=True)
+    wrapped = {name.split(".")[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert not any("lm_head" in n or "embed" in n for n in _trainable_names(model))
+    assert all("lora_" in n for n in _trainable_names(model))
+    # r=8 on 2 layers, hidden 64, intermediate 128, 2 KV heads of 16: A is r x in, B is out x r.
+    shapes = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+              "gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64)}
+    expected = 2 * sum(8 * fan_in + 8 * fan_out for fan_in, fan_out in shapes.values())
+    assert count_parameters(model)[0] == expected
+    assert model.config.use_cache is False
+
+
+def test_lora_explicit_targets_and_unknown_target(tiny_model_dir):
+    config = _config(tiny_model_dir, lora_target="q_proj,v_proj", lora_rank=4)
+    model = load_model(config.model, config.finetuning, is_trainable=True)
+    assert {n.split(".")[-4] for n in _trainable_names(model)} == {"q_proj", "v_proj"}
+    config = _config(tiny_model_dir, lora_target="qkv_proj")
+    with pytest.raises(ConfigError, match="qkv_proj.*not found.*q_proj"):
+        load_model(config.model, config.finetuning, is_trainable=True)
+
+
+def test_full_and_freeze_trainable_counts(tiny_model_dir):
+    config = _config(tiny_model_dir, finetuning_type="full")
+    model = load_model(config.model, config.finetuning, is_trainable=True)
+    trainable, total = count_parameters(model)
+    assert trainable == total == sum(p.numel() for p in model.parameters())
+
+    config = _config(tiny_model_dir, finetuning_type="freeze", freeze_trainable_layers=1)
+    model = load_model(config.model, config.finetuning, is_trainable=True)
+    names = _trainable_names(model)
+    assert names and all(n.startswith("model.layers.1.") for n in names)
+    layer_size = sum(p.numel() for p in model.model.layers[1].parameters())
+    assert count_parameters(model)[0] == layer_size
+
+
+def test_inference_model_is_frozen_and_in_eval_mode(tiny_model_dir):
+    config = _config(tiny_model_dir)
+    model = load_model(config.model, config.finetuning, is_trainable=False)
+    assert count_parameters(model)[0] == 0 and not model.training
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_reward_head_lora_trains_score_in_full(tiny_model_dir, batch):
+    config = _config(tiny_model_dir)
+    model = load_model(config.model, config.finetuning, is_trainable=True, head="reward")
+    base = model.get_base_model()
+    assert type(base).__name__ == "LlamaForSequenceClassification"
+    assert base.config.num_labels == 1 and base.config.pad_token_id == 2
+    score_names = [n for n in _trainable_names(model) if "score" in n]
+    assert score_names and all("modules_to_save" in n for n in score_names)
+    assert "score" not in find_linear_modules(base)
+    assert model(**batch).logits.shape == (2, 1)
+
+
+def test_reward_head_freeze_trains_score(tiny_model_dir):
+    config = _config(tiny_model_dir, finetuning_type="freeze", freeze_trainable_layers=1)
+    model = load_model(config.model, config.finetuning, is_trainable=True, head="reward")
+    names = _trainable_names(model)
+    assert "score.weight" in names
+    assert all(n.startswith("model.layers.1.") or n == "score.weight" for n in names)
+
+
+def _save_perturbed_adapter(tiny_model_dir, out_dir, head="causal_lm"):
+    config = _config(tiny_model_dir)
+    model = load_model(config.model, config.finetuning, is_trainable=True, head=head)
+    _perturb_lora(model)
+    model.eval()
+    model.save_pretrained(out_dir)
+    return model
+
+
+def test_adapter_is_merged_and_fresh_adapter_disabled_reproduces_it(tiny_model_dir, tmp_path, batch):
+    adapter_dir = tmp_path / "sft_adapter"
+    trained = _save_perturbed_adapter(tiny_model_dir, adapter_dir)
+    with torch.no_grad():
+        expected = trained(**batch).logits
+        with trained.disable_adapter():
+            base_logits = trained(**batch).logits
+    assert (expected - base_logits).abs().max() > 1e-2  # the adapter really changes the model
+
+    config = _config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
+    model = load_model(config.model, config.finetuning, is_trainable=True)
+    model.eval()
+    # The new adapter is a fresh one: zero effect at step 0, and disabling it leaves the merged SFT model.
+    assert all(not p.abs().sum() for n, p in model.named_parameters() if "lora_B" in n)
+    with torch.no_grad(), model.disable_adapter():
+        reference = model(**batch).logits
+    torch.testing.assert_close(reference, expected, atol=1e-5, rtol=0)
+
+    inference = load_model(config.model, config.finetuning, is_trainable=False)
+    with torch.no_grad():
+        torch.testing.assert_close(inference(**batch).logits, expected, atol=1e-5, rtol=0)
+
+
+def test_reward_adapter_merge_restores_score(tiny_model_dir, tmp_path, batch):
+    adapter_dir = tmp_path / "rm_adapter"
+    trained = _save_perturbed_adapter(tiny_model_dir, adapter_dir, head="reward")
+    with torch.no_grad():
+        trained.base_model.model.score.modules_to_save["default"].weight.add_(1.0)
+        trained.save_pretrained(adapter_dir)
+        expected = trained(**batch).logits
+    config = _config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
+    model = load_model(config.model, config.finetuning, is_trainable=False, head="reward")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, expected, atol=1e-5, rtol=0)
+    with pytest.raises(ConfigError, match="reward-model adapter"):
+        load_model(config.model, config.finetuning, is_trainable=False)
+
+
+def test_adapter_for_another_base_is_rejected(tiny_model_dir, tmp_path):
+    from alignkit.model.tiny import build_tiny_model, build_tiny_tokenizer
+
+    other_dir = tmp_path / "wider"
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_model(len(tokenizer), hidden_size=32).save_pretrained(other_dir)
+    tokenizer.save_pretrained(other_dir)
+    adapter_dir = tmp_path / "adapter"
+    _save_perturbed_adapter(other_dir, adapter_dir)
+
+    config = _config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
+    with pytest.raises(ConfigError, match=r"does not match.*hidden_size: 32 vs 64"):
+        load_model(config.model, config.finetuning, is_trainable=True)
+
+    # When the recorded base is gone, PEFT's shape error is turned into the same advice.
+    cfg_path = adapter_dir / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = "/nowhere/else"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="cannot apply.*model_name_or_path to the model the adapter"):
+        load_model(config.model, config.finetuning, is_trainable=True)
+
+
+def test_missing_adapter_config_is_named(tiny_model_dir, tmp_path):
+    config = _config(tiny_model_dir, adapter_name_or_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="holds no adapter_config.json"):
+        load_model(config.model, config.finetuning, is_trainable=True)
+
+
+def test_offline_hub_id_fails_at_once_with_advice(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = parse_config({"model_name_or_path": "someone/not-a-cached-model", "cache_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="neither a local directory nor reachable offline.*smollm2-135m-instruct"):
+        resolve_model_path(config.model)
+    with pytest.raises(ConfigError, match="not a model directory"):
+        resolve_model_path(parse_config({"model_name_or_path": "./no/such/dir"}).model)
+
+
+def test_auto_dtype_is_fp32_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_dtype("auto") == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert resolve_dtype("auto") == torch.float16
+    assert resolve_dtype("bfloat16") == torch.bfloat16
+
+
+def test_find_linear_modules_skips_output_heads():
+    model = nn.Sequential()
+    model.add_module("proj", nn.Linear(2, 2))
+    model.add_module("lm_head", nn.Linear(2, 2))
+    model.add_module("score", nn.Linear(2, 1))
+    assert find_linear_modules(model) == ["proj"]

@@ -1,0 +1,452 @@
+"""`get_dataset`: find the data, validate every row, convert, tokenise (cached), split.
+
+Order of work: (1) a `tokenized_path` that exists is loaded as is; (2) each name in `dataset` /
+`eval_dataset` is resolved (registry entry in `dataset_dir/dataset_info.json`, local file or folder, or hub
+id); (3) a cache key is computed from everything that changes the result; a cached copy is loaded unless
+`overwrite_cache`; (4) otherwise rows are read (first `max_samples` of each dataset), checked for the
+stage's columns, converted row by row (a bad row stops the run with a `DataError` naming file, row and
+field, or is skipped and reported with `skip_invalid_rows`), split for `val_size`, tokenised, and written
+to the cache atomically (and to `tokenized_path` when given).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from datasets import Dataset, DatasetDict, load_from_disk
+from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+from . import processors
+from .errors import DataError, RowError, describe_value
+from .formats import FORMATTINGS, STAGE_KINDS, DatasetAttr, check_columns, convert_row, guess_formatting
+from .template import ChatFormatter
+
+logger = logging.getLogger(__name__)
+
+FILE_TYPES = (".json", ".jsonl", ".csv", ".parquet")
+CACHE_VERSION = 1  # bump when tokenisation changes so old caches are not reused
+_REGISTRY = "dataset_info.json"
+_REPORT_ROWS = 5  # rows named in a warning
+
+
+# ---------------------------------------------------------------------------------------------- resolve
+def _read_registry(dataset_dir: str) -> Optional[dict[str, Any]]:
+    path = Path(dataset_dir) / _REGISTRY
+    if not path.is_file():
+        return None
+    try:
+        registry = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: invalid JSON at line {err.lineno} column {err.colno} ({err.msg}).") from None
+    if not isinstance(registry, dict):
+        raise DataError(f"{path}: expected an object mapping dataset names to entries.")
+    return registry
+
+
+def _is_offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _attr_from_registry(name: str, entry: Any, dataset_dir: str) -> DatasetAttr:
+    where = f"{Path(dataset_dir) / _REGISTRY}, entry {name!r}"
+    if not isinstance(entry, dict):
+        raise DataError(f"{where}: expected an object with `file_name` or `hf_hub_url`.")
+    formatting = entry.get("formatting", "alpaca")
+    if formatting not in FORMATTINGS:
+        raise DataError(f"{where}: formatting {formatting!r} is unknown; use one of {', '.join(FORMATTINGS)}.")
+    for key in ("columns", "tags"):
+        if not isinstance(entry.get(key, {}), dict):
+            raise DataError(f"{where}: `{key}` must be an object mapping names to column/tag names.")
+    common = dict(formatting=formatting, ranking=bool(entry.get("ranking", False)),
+                  columns=dict(entry.get("columns", {})), tags=dict(entry.get("tags", {})),
+                  split=entry.get("split", "train"), subset=entry.get("subset"), revision=entry.get("revision"))
+    if entry.get("file_name"):
+        path = Path(entry["file_name"])
+        if not path.is_absolute():
+            path = Path(dataset_dir) / path
+        if not path.exists():
+            raise DataError(f"{where}: file_name {str(path)!r} does not exist. Fix the path in {_REGISTRY} "
+                            "or run scripts/make_demo_data.py for the demo datasets.")
+        return DatasetAttr(name=name, load_from="file", path=str(path), **common)
+    if entry.get("hf_hub_url"):
+        return DatasetAttr(name=name, load_from="hub", path=entry["hf_hub_url"], **common)
+    raise DataError(f"{where}: needs `file_name` (a local file) or `hf_hub_url`; other sources "
+                    "(ms_hub_url, script_url, ...) are not supported.")
+
+
+def resolve_datasets(names: str, dataset_dir: str) -> list[DatasetAttr]:
+    """Turn a comma-separated `dataset` value into the datasets to load, in order.
+
+    Each name is looked up in `dataset_dir/dataset_info.json`, then as a path (absolute, relative to the
+    working directory, or relative to `dataset_dir`), then as a hub id `org/name`.
+
+    Raises:
+        DataError: unknown name, missing file, or a hub id while offline.
+    """
+    registry = _read_registry(dataset_dir)
+    attrs = []
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        if registry is not None and name in registry:
+            attrs.append(_attr_from_registry(name, registry[name], dataset_dir))
+            continue
+        for candidate in (Path(name), Path(dataset_dir) / name):
+            if candidate.exists():
+                attrs.append(DatasetAttr(name=name, load_from="file", path=str(candidate)))
+                break
+        else:
+            if name.lower().endswith(FILE_TYPES) or name.startswith((".", "/", "~")):
+                raise DataError(f"dataset {name!r}: no such file (looked in the working directory and in "
+                                f"dataset_dir={dataset_dir!r}).")
+            if name.count("/") != 1:
+                known = ", ".join(sorted(registry)) if registry else f"none ({Path(dataset_dir) / _REGISTRY} not found)"
+                raise DataError(f"dataset {name!r} is not a file, not a name in {Path(dataset_dir) / _REGISTRY} "
+                                f"(known: {known}) and not a hub id of the form org/name.")
+            attrs.append(DatasetAttr(name=name, load_from="hub", path=name))
+    return attrs
+
+
+# ---------------------------------------------------------------------------------------------- read
+class _Rows:
+    """Rows of one dataset with their 1-based row (or .jsonl line) numbers; unparseable rows hold a RowError."""
+
+    def __init__(self, source: str, line_based: bool) -> None:
+        self.source = source
+        self.line_based = line_based
+        self.items: list[tuple[int, Any]] = []
+
+    def ref(self, number: int) -> str:
+        return f"{self.source}, {'line' if self.line_based else 'row'} {number}"
+
+
+def _data_files(attr: DatasetAttr) -> list[Path]:
+    path = Path(attr.path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_TYPES)
+        if not files:
+            raise DataError(f"dataset {attr.name!r}: folder {path} holds no {'/'.join(FILE_TYPES)} files.")
+        return files
+    if path.suffix.lower() not in FILE_TYPES:
+        raise DataError(f"dataset {attr.name!r}: {path} has an unsupported type; use {', '.join(FILE_TYPES)}.")
+    return [path]
+
+
+def _read_json_lines(path: Path, text: str, rows: _Rows) -> None:
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.items.append((number, json.loads(line)))
+        except json.JSONDecodeError as err:
+            rows.items.append((number, RowError(None, f"invalid JSON ({err.msg}, column {err.colno}).")))
+
+
+def _read_file(path: Path, max_rows: Optional[int]) -> _Rows:
+    suffix = path.suffix.lower()
+    source = str(path)
+    if suffix == ".jsonl":
+        rows = _Rows(source, line_based=True)
+        _read_json_lines(path, path.read_text(encoding="utf-8"), rows)
+    elif suffix == ".json":
+        text = path.read_text(encoding="utf-8")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            # A .json file holding JSON lines is common (LLaMA-Factory accepts it): read it line by line.
+            if err.msg == "Extra data" and text.lstrip().startswith("{"):
+                rows = _Rows(source, line_based=True)
+                _read_json_lines(path, text, rows)
+                return rows
+            raise DataError(f"{source}: invalid JSON at line {err.lineno} column {err.colno} ({err.msg}). "
+                            "Fix the file (a .json file must hold one list of objects).") from None
+        if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+            data = next(iter(data.values()))  # {"data": [...]} / {"train": [...]}
+        if not isinstance(data, list):
+            raise DataError(f"{source}: expected a list of objects at the top level, got {describe_value(data)}.")
+        rows = _Rows(source, line_based=False)
+        rows.items = list(enumerate(data, start=1))
+    elif suffix == ".csv":
+        rows = _Rows(source, line_based=False)
+        with path.open(newline="", encoding="utf-8") as f:
+            # Empty cells mean "absent" (an alpaca `input` left blank), not empty text.
+            rows.items = [(i, {k: v for k, v in r.items() if k is not None and v != ""})
+                          for i, r in enumerate(csv.DictReader(f), start=1)]
+    else:
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as err:  # pyarrow raises several types for a damaged file
+            raise DataError(f"{source}: cannot read parquet ({err}).") from None
+        rows = _Rows(source, line_based=False)
+        rows.items = list(enumerate(table.to_pylist(), start=1))
+    if max_rows is not None:
+        rows.items = rows.items[:max_rows]
+    return rows
+
+
+def _read_hub(attr: DatasetAttr, max_rows: Optional[int]) -> _Rows:
+    if _is_offline():
+        raise DataError(f"dataset {attr.name!r} is a hub dataset ({attr.path}) but the hub is offline "
+                        "(HF_HUB_OFFLINE=1 or no network). Download it where there is network and give the local "
+                        "file, or unset HF_HUB_OFFLINE.")
+    from datasets import load_dataset
+
+    try:
+        data = load_dataset(attr.path, name=attr.subset, split=attr.split, revision=attr.revision)
+    except Exception as err:  # network and hub errors come in many types; all mean the same to the user
+        raise DataError(f"dataset {attr.name!r}: cannot load {attr.path} from the hub ({err}).") from None
+    if max_rows is not None:
+        data = data.select(range(min(max_rows, len(data))))
+    rows = _Rows(f"{attr.path} ({attr.split})", line_based=False)
+    rows.items = list(enumerate(data, start=1))
+    return rows
+
+
+def read_rows(attr: DatasetAttr, max_samples: Optional[int]) -> list[_Rows]:
+    """The raw rows of one dataset (per file), at most `max_samples` in all."""
+    if attr.load_from == "hub":
+        return [_read_hub(attr, max_samples)]
+    out = []
+    left = max_samples
+    for path in _data_files(attr):
+        if left is not None and left <= 0:
+            break
+        rows = _read_file(path, left)
+        out.append(rows)
+        if left is not None:
+            left -= len(rows.items)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- convert
+def _resolve_formatting(attr: DatasetAttr, rows: _Rows, kind: str) -> str:
+    if attr.formatting != "auto":
+        return attr.formatting
+    first = next((row for _, row in rows.items if isinstance(row, dict)), None)
+    if first is None:
+        raise DataError(f"{rows.source}: holds no rows (or none that is a JSON object).")
+    formatting, _ = guess_formatting(list(first), rows.source)
+    if formatting == "text" and kind != "text":
+        raise DataError(f"{rows.source}: has only a `text` column (pretraining data); stage needs "
+                        f"{kind} examples. Use stage pt, or give prompt/response columns.")
+    return formatting
+
+
+def convert_dataset(attr: DatasetAttr, kind: str, stage: str, max_samples: Optional[int],
+                    skip_invalid_rows: bool) -> list[tuple[str, dict]]:
+    """Read, check and convert one dataset into (reference, canonical example) pairs.
+
+    Raises:
+        DataError: on the first bad row (unless `skip_invalid_rows`), or when the stage's columns are missing.
+    """
+    examples: list[tuple[str, dict]] = []
+    skipped: list[tuple[str, str]] = []
+    for rows in read_rows(attr, max_samples):
+        formatting = _resolve_formatting(attr, rows, kind)
+        if formatting in FORMATTINGS:
+            attr = dataclasses.replace(attr, formatting=formatting)  # its default column names apply
+        columns: list[str] = []
+        for _, row in rows.items:
+            if isinstance(row, dict):
+                columns += [k for k in row if k not in columns]
+        if columns:
+            check_columns(attr, formatting, columns, kind, stage, rows.source)
+        for number, row in rows.items:
+            try:
+                if isinstance(row, RowError):
+                    raise row
+                examples.append((rows.ref(number), convert_row(row, attr, formatting, kind)))
+            except RowError as err:
+                if not skip_invalid_rows:
+                    what = "line" if rows.line_based else "row"
+                    raise DataError(f"{rows.ref(number)}: {err} Fix the {what} or set skip_invalid_rows=true "
+                                    "to skip it.") from None
+                skipped.append((rows.ref(number), str(err)))
+    if skipped:
+        shown = "; ".join(f"{ref}: {msg}" for ref, msg in skipped[:_REPORT_ROWS])
+        logger.warning("Skipped %d invalid row(s) of dataset %r (skip_invalid_rows=true): %s%s", len(skipped),
+                       attr.name, shown, " ..." if len(skipped) > _REPORT_ROWS else "")
+    if not examples:
+        raise DataError(f"dataset {attr.name!r}: no usable rows" + (" (all were invalid)." if skipped else "."))
+    return examples
+
+
+def split_examples(examples: list, val_size: float, seed: int) -> tuple[list, list]:
+    """Hold out `val_size` (a share < 1 or a count >= 1) of the examples, chosen by a seeded shuffle.
+
+    Returns:
+        (train, eval), each in the original order.
+    """
+    n = len(examples)
+    count = int(val_size) if val_size >= 1 else max(1, round(n * val_size))
+    if count >= n:
+        raise DataError(f"val_size={val_size} holds out {count} of {n} examples, leaving none to train on; "
+                        "lower val_size.")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    held = set(order[:count])
+    return [e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held]
+
+
+# ---------------------------------------------------------------------------------------------- cache
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _attr_fingerprint(attr: DatasetAttr) -> dict[str, Any]:
+    fp: dict[str, Any] = {k: getattr(attr, k) for k in ("load_from", "formatting", "ranking", "columns", "tags",
+                                                          "split", "subset", "revision")}
+    if attr.load_from == "hub":
+        fp["hub"] = attr.path
+    else:
+        fp["files"] = [[p.name, _file_digest(p)] for p in _data_files(attr)]
+    return fp
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of what decides token ids: the vocabulary and merges, special tokens and chat template."""
+    digest = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        digest.update(backend.to_str().encode())
+    else:
+        digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    for part in (tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token):
+        digest.update(repr(part).encode())
+    return digest.hexdigest()
+
+
+def cache_root() -> Path:
+    """`$ALIGNKIT_DATA_CACHE`, else `$ALIGNKIT_HOME/tokenized`, else `~/.cache/alignkit/tokenized`."""
+    if os.environ.get("ALIGNKIT_DATA_CACHE"):
+        return Path(os.environ["ALIGNKIT_DATA_CACHE"])
+    home = os.environ.get("ALIGNKIT_HOME") or Path.home() / ".cache" / "alignkit"
+    return Path(home) / "tokenized"
+
+
+def _save_atomically(splits: DatasetDict, target: Path) -> None:
+    """Write to a sibling temporary folder and rename it into place, so a reader never sees half a cache."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    quiet = not are_progress_bars_disabled()
+    try:
+        if quiet:  # a progress bar per cache write is noise in the training log
+            disable_progress_bars()
+        splits.save_to_disk(str(tmp))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except OSError:
+        # Another process finished the same cache first; its copy is as good as ours.
+        if not target.exists():
+            raise
+    finally:
+        if quiet:
+            enable_progress_bars()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _as_result(splits: DatasetDict) -> dict[str, Optional[Dataset]]:
+    return {"train_dataset": splits.get("train"), "eval_dataset": splits.get("eval")}
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+def get_dataset(config, tokenizer, stage: str) -> dict[str, Optional[Dataset]]:
+    """Tokenised train and eval datasets for `stage` (see docs/ARCHITECTURE.md for the columns).
+
+    Args:
+        config: the run's `Config` (its `data` section and `training.seed` / `predict_with_generate`).
+        tokenizer: the model's tokenizer.
+        stage: pt, sft, rm, dpo, grpo or ppo.
+
+    Returns:
+        `{"train_dataset": Dataset | None, "eval_dataset": Dataset | None}`.
+
+    Raises:
+        DataError: a missing or malformed dataset, with file, row and field named.
+    """
+    if stage not in STAGE_KINDS:
+        raise DataError(f"stage {stage!r} is unknown; choose one of {', '.join(STAGE_KINDS)}.")
+    d = config.data
+    if d.tokenized_path and Path(d.tokenized_path).is_dir():
+        logger.warning("Loading tokenised data from tokenized_path=%s; the dataset settings are ignored.",
+                       d.tokenized_path)
+        return _as_result(load_from_disk(d.tokenized_path))
+
+    seed = config.training.seed
+    for_generation = bool(getattr(config.training, "predict_with_generate", False)) and stage == "sft"
+    train_attrs = resolve_datasets(d.dataset, d.dataset_dir) if d.dataset else []
+    eval_attrs = resolve_datasets(d.eval_dataset, d.dataset_dir) if d.eval_dataset else []
+    formatter = ChatFormatter(tokenizer, d.template)
+
+    key_parts = {
+        "version": CACHE_VERSION, "stage": stage, "train": [_attr_fingerprint(a) for a in train_attrs],
+        "eval": [_attr_fingerprint(a) for a in eval_attrs], "tokenizer": tokenizer_fingerprint(tokenizer),
+        "template": d.template, "cutoff_len": d.cutoff_len, "train_on_prompt": d.train_on_prompt,
+        "max_samples": d.max_samples, "val_size": d.val_size, "seed": seed, "for_generation": for_generation,
+        "skip_invalid_rows": d.skip_invalid_rows,
+    }
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    cached = cache_root() / key
+    if cached.is_dir() and not d.overwrite_cache:
+        logger.info("Loading tokenised data from cache %s.", cached)
+        splits = load_from_disk(str(cached))
+    else:
+        splits = _build(config, formatter, stage, train_attrs, eval_attrs, for_generation)
+        _save_atomically(splits, cached)
+    if d.tokenized_path:
+        _save_atomically(splits, Path(d.tokenized_path))
+        logger.info("Saved tokenised data to tokenized_path=%s.", d.tokenized_path)
+    return _as_result(splits)
+
+
+def _build(config, formatter: ChatFormatter, stage: str, train_attrs: list[DatasetAttr],
+           eval_attrs: list[DatasetAttr], for_generation: bool) -> DatasetDict:
+    d = config.data
+    kind = STAGE_KINDS[stage]
+
+    def convert(attrs: list[DatasetAttr]) -> list[tuple[str, dict]]:
+        out: list[tuple[str, dict]] = []
+        for attr in attrs:
+            out += convert_dataset(attr, kind, stage, d.max_samples, d.skip_invalid_rows)
+        return out
+
+    train, held = convert(train_attrs), convert(eval_attrs)
+    if train and not eval_attrs and d.val_size > 0:
+        train, held = split_examples(train, d.val_size, config.training.seed)
+    splits = {}
+    for split, examples in (("train", train), ("eval", held)):
+        if not examples:
+            continue
+        columns, dropped = processors.tokenize_examples(
+            examples, stage, formatter, d.cutoff_len, train_on_prompt=d.train_on_prompt,
+            for_generation=for_generation and split == "eval")
+        if dropped:
+            reasons = sorted({reason for _, reason in dropped})
+            logger.warning("Dropped %d of %d %s example(s): %s. Rows: %s%s. Raise cutoff_len or fix those rows.",
+                           len(dropped), len(examples), split, "; ".join(reasons),
+                           ", ".join(ref for ref, _ in dropped[:_REPORT_ROWS]),
+                           " ..." if len(dropped) > _REPORT_ROWS else "")
+        if not columns or not next(iter(columns.values())):
+            raise DataError(f"no {split} example is left after tokenisation (cutoff_len={d.cutoff_len}).")
+        try:
+            splits[split] = Dataset.from_dict(columns)
+        except Exception as err:  # pyarrow type clashes inside extra columns
+            raise DataError(f"{split} data: a kept column has values of mixed types across rows ({err}); "
+                            "make each column hold one type.") from None
+    return DatasetDict(splits)

@@ -1,0 +1,202 @@
+"""Canonical examples → token ids and labels, one function per kind of example.
+
+Every function works on chunks produced by `ChatFormatter.chunks` so label masks come from positions.
+`cutoff_len` is honoured the same way everywhere: the prompt keeps its end (where the generation prompt
+is) and loses its beginning, the response keeps its beginning; an example whose response would get no
+tokens at all is dropped (and reported by the caller), never trained on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .template import ChatFormatter
+
+IGNORE_INDEX = -100
+
+
+def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
+    """Split `cutoff_len` tokens between a prompt and a response that do not fit together.
+
+    A short response (under half the budget) is kept whole; else a short prompt is kept whole and the
+    response gets the rest; else both are cut in proportion to their lengths (LLaMA-Factory's rule).
+
+    Args:
+        source_len: prompt tokens.
+        target_len: response tokens.
+        cutoff_len: the budget.
+
+    Returns:
+        (new_source_len, new_target_len), summing to at most `cutoff_len`.
+    """
+    if target_len * 2 < cutoff_len:
+        max_target = cutoff_len
+    elif source_len * 2 < cutoff_len:
+        max_target = cutoff_len - source_len
+    else:
+        max_target = int(cutoff_len * target_len / (source_len + target_len))
+    new_target = min(max_target, target_len)
+    new_source = min(max(cutoff_len - new_target, 0), source_len)
+    return new_source, new_target
+
+
+def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
+    # Special tokens are written by the template as text; the tokenizer must not add its own bos/eos.
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def _left_cut(ids: list[int], keep: int) -> list[int]:
+    return ids[len(ids) - keep:] if keep > 0 else []
+
+
+def encode_supervised(formatter: ChatFormatter, example: dict, cutoff_len: int,
+                      train_on_prompt: bool = False) -> Optional[dict[str, list[int]]]:
+    """Token ids of a conversation with labels on every assistant reply (or on everything).
+
+    Truncation: whole turns are kept from the start while they fit; if not even the first turn fits,
+    its prompt and reply share the budget (`infer_seqlen`).
+
+    Returns:
+        `input_ids`, `attention_mask`, `labels` (-100 where not trained), or None when no reply token fits.
+    """
+    chunks = formatter.chunks(example["messages"], tools=example.get("tools"))
+    ids = _tokenize(formatter.tokenizer, [text for text, _ in chunks])
+    turns: list[tuple[list[int], list[int]]] = []
+    pending: list[int] = []
+    for (_, trained), chunk_ids in zip(chunks, ids):
+        if trained:
+            turns.append((pending, chunk_ids))
+            pending = []
+        else:
+            pending = pending + chunk_ids
+    kept: list[tuple[list[int], list[int]]] = []
+    used = 0
+    for prompt_ids, reply_ids in turns:
+        if used + len(prompt_ids) + len(reply_ids) > cutoff_len:
+            break
+        kept.append((prompt_ids, reply_ids))
+        used += len(prompt_ids) + len(reply_ids)
+    if not kept:
+        prompt_ids, reply_ids = turns[0]
+        source_len, target_len = infer_seqlen(len(prompt_ids), len(reply_ids), cutoff_len)
+        if target_len == 0:
+            return None
+        kept = [(_left_cut(prompt_ids, source_len), reply_ids[:target_len])]
+    input_ids: list[int] = []
+    labels: list[int] = []
+    for prompt_ids, reply_ids in kept:
+        input_ids += prompt_ids + reply_ids
+        labels += (prompt_ids if train_on_prompt else [IGNORE_INDEX] * len(prompt_ids)) + reply_ids
+    return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
+
+
+def encode_generation_eval(formatter: ChatFormatter, example: dict, cutoff_len: int) -> Optional[dict[str, list[int]]]:
+    """For `predict_with_generate`: the prompt (ending with the generation prompt) and, as `labels`, the
+    reference reply's ids (no -100). Returns None when no reply token fits."""
+    messages, tools = example["messages"], example.get("tools")
+    prompt_text = formatter.prompt_text(messages[:-1], tools=tools)
+    reply_text = formatter.reply_text(messages[:-1], messages[-1]["content"], tools=tools)
+    prompt_ids, reply_ids = _tokenize(formatter.tokenizer, [prompt_text, reply_text])
+    source_len, target_len = infer_seqlen(len(prompt_ids), len(reply_ids), cutoff_len)
+    if target_len == 0:
+        return None
+    prompt_ids = _left_cut(prompt_ids, source_len)
+    return {"input_ids": prompt_ids, "attention_mask": [1] * len(prompt_ids), "labels": reply_ids[:target_len]}
+
+
+def encode_pairwise(formatter: ChatFormatter, example: dict, cutoff_len: int) -> tuple[Optional[dict[str, Any]], str]:
+    """Chosen and rejected sequences sharing one prompt, labels -100 on the prompt.
+
+    Returns:
+        (features, "") or (None, reason) when the pair is dropped: identical replies, or no reply token
+        fits in `cutoff_len`, or the replies become identical after truncation.
+    """
+    if example["chosen"] == example["rejected"]:
+        return None, "chosen and rejected are identical"
+    prompt, tools = example["prompt"], example.get("tools")
+    texts = [formatter.prompt_text(prompt, tools=tools), formatter.reply_text(prompt, example["chosen"], tools=tools),
+             formatter.reply_text(prompt, example["rejected"], tools=tools)]
+    prompt_ids, chosen_ids, rejected_ids = _tokenize(formatter.tokenizer, texts)
+    source_len, target_len = infer_seqlen(len(prompt_ids), max(len(chosen_ids), len(rejected_ids)), cutoff_len)
+    if target_len == 0:
+        return None, f"no response token fits in cutoff_len={cutoff_len}"
+    prompt_ids = _left_cut(prompt_ids, source_len)
+    chosen_ids, rejected_ids = chosen_ids[:target_len], rejected_ids[:target_len]
+    if chosen_ids == rejected_ids:
+        return None, f"chosen and rejected are identical within cutoff_len={cutoff_len}"
+    features: dict[str, Any] = {}
+    for name, reply_ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
+        features[f"{name}_input_ids"] = prompt_ids + reply_ids
+        features[f"{name}_attention_mask"] = [1] * (len(prompt_ids) + len(reply_ids))
+        features[f"{name}_labels"] = [IGNORE_INDEX] * len(prompt_ids) + reply_ids
+    if example.get("margin") is not None:
+        features["margin"] = example["margin"]
+    return features, ""
+
+
+def encode_prompt(formatter: ChatFormatter, example: dict, cutoff_len: int) -> dict[str, Any]:
+    """The prompt for RL generation (left-truncated to `cutoff_len`) plus the row's other columns."""
+    (prompt_ids,) = _tokenize(formatter.tokenizer, [formatter.prompt_text(example["prompt"], tools=example.get("tools"))])
+    prompt_ids = _left_cut(prompt_ids, min(cutoff_len, len(prompt_ids)))
+    features: dict[str, Any] = {k: v for k, v in example["extra"].items()
+                                if k not in ("input_ids", "attention_mask")}
+    features.update(input_ids=prompt_ids, attention_mask=[1] * len(prompt_ids))
+    return features
+
+
+def encode_pretrain(tokenizer, texts: list[str], cutoff_len: int) -> dict[str, list[list[int]]]:
+    """Concatenate the texts (each closed by eos, opened by bos when the tokenizer has one) and cut the
+    stream into blocks of `cutoff_len` tokens; the last block may be shorter. Every token is trained."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stream: list[int] = []
+    for ids in _tokenize(tokenizer, texts):
+        stream += bos + ids + eos
+    blocks = [stream[i: i + cutoff_len] for i in range(0, len(stream), cutoff_len)]
+    return {"input_ids": blocks, "attention_mask": [[1] * len(b) for b in blocks], "labels": [list(b) for b in blocks]}
+
+
+def tokenize_examples(examples: list[tuple[str, dict]], stage: str, formatter: ChatFormatter, cutoff_len: int,
+                      train_on_prompt: bool = False, for_generation: bool = False
+                      ) -> tuple[dict[str, list], list[tuple[str, str]]]:
+    """Tokenise canonical examples for `stage`.
+
+    Args:
+        examples: (reference for messages, e.g. `data/x.json row 3`; canonical example) pairs.
+        stage: pt, sft, rm, dpo, grpo or ppo.
+        formatter: the chat template.
+        cutoff_len: most tokens per sequence.
+        train_on_prompt: sft/pt: also train on prompt tokens.
+        for_generation: sft: prompt-only inputs with reference-reply labels (predict_with_generate).
+
+    Returns:
+        (columns as a dict of lists, [(reference, reason)] of the dropped examples).
+    """
+    if stage == "pt":
+        return encode_pretrain(formatter.tokenizer, [ex["text"] for _, ex in examples], cutoff_len), []
+    rows: list[dict[str, Any]] = []
+    dropped: list[tuple[str, str]] = []
+    for ref, example in examples:
+        if stage == "sft":
+            feats = (encode_generation_eval(formatter, example, cutoff_len) if for_generation
+                     else encode_supervised(formatter, example, cutoff_len, train_on_prompt))
+            reason = f"no response token fits in cutoff_len={cutoff_len}"
+        elif stage in ("rm", "dpo"):
+            feats, reason = encode_pairwise(formatter, example, cutoff_len)
+        else:
+            feats, reason = encode_prompt(formatter, example, cutoff_len), ""
+        if feats is None:
+            dropped.append((ref, reason))
+        else:
+            rows.append(feats)
+    return _to_columns(rows, fill={"margin": 0.0}), dropped
+
+
+def _to_columns(rows: list[dict[str, Any]], fill: dict[str, Any]) -> dict[str, list]:
+    """Rows → columns; a column some rows lack gets `fill`'s value (0.0 margin = no margin) or None."""
+    names: list[str] = []
+    for row in rows:
+        names += [k for k in row if k not in names]
+    return {name: [row.get(name, fill.get(name)) for row in rows] for name in names}

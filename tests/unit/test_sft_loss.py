@@ -1,0 +1,76 @@
+"""`sft_loss` and `to_left_padding`: pure tensor functions against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from alignkit.stages.sft import sft_loss, to_left_padding
+
+
+def test_sft_loss_hand_computed():
+    """One row, vocab 2, logits uniform except at position 1.
+
+    labels = [-100, 0, 1]: after the shift, position 0 targets 0, position 1 targets 1, position 2 nothing.
+    position 0: logits [0, 0] -> -log softmax = log 2 = 0.693147
+    position 1: logits [0, ln 3] -> p(1) = 3/4 -> -log(3/4) = 0.287682
+    sum = 0.980829; 2 targets -> mean 0.490415; with num_items_in_batch = 4 (other micro-batches
+    hold 2 more targets) -> 0.980829 / 4 = 0.245207.
+    """
+    logits = torch.tensor([[[0.0, 0.0], [0.0, math.log(3.0)], [5.0, -5.0]]])
+    labels = torch.tensor([[-100, 0, 1]])
+    expected_sum = math.log(2) - math.log(0.75)
+    assert sft_loss(logits, labels).item() == pytest.approx(expected_sum / 2, abs=1e-6)
+    assert sft_loss(logits, labels, num_items_in_batch=4).item() == pytest.approx(expected_sum / 4, abs=1e-6)
+    assert sft_loss(logits, labels, num_items_in_batch=torch.tensor(4)).item() == pytest.approx(expected_sum / 4)
+
+
+def test_sft_loss_without_targets_is_zero_not_nan():
+    logits = torch.randn(2, 3, 5)
+    labels = torch.full((2, 3), -100)
+    assert sft_loss(logits, labels).item() == 0.0
+
+
+def test_sft_loss_matches_transformers_causal_lm_loss(tiny_model_dir):
+    """Same shift and -100 handling as the model's own loss (ForCausalLMLoss) on a padded batch."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    input_ids = torch.randint(3, 100, (2, 7))
+    attention_mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+    labels = input_ids.clone()
+    labels[:, :3] = -100
+    labels[1, 5:] = -100
+    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    ours = sft_loss(out.logits, labels)
+    assert ours.item() == pytest.approx(out.loss.item(), abs=1e-6)
+    count = int((labels[:, 1:] != -100).sum())  # 4 + 2 = 6 targets
+    assert count == 6
+    out_sum = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, num_items_in_batch=10)
+    assert sft_loss(out.logits, labels, 10).item() == pytest.approx(out_sum.loss.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_to_left_padding(side):
+    """Rows [5 6 7] and [8 9] padded with 0 on either side become [5 6 7] and [0 8 9]."""
+    if side == "right":
+        ids = torch.tensor([[5, 6, 7], [8, 9, 0]])
+        mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    else:
+        ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
+        mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    left_ids, left_mask = to_left_padding(ids, mask, pad_token_id=0)
+    assert left_ids.tolist() == [[5, 6, 7], [0, 8, 9]]
+    assert left_mask.tolist() == [[1, 1, 1], [0, 1, 1]]
+
+
+def test_to_left_padding_keeps_real_tokens_equal_to_pad_id():
+    """pad == eos: a real eos (id 2) inside a row must survive; only the mask says what is padding."""
+    ids = torch.tensor([[4, 2, 2]])
+    mask = torch.tensor([[1, 1, 0]])
+    left_ids, left_mask = to_left_padding(ids, mask, pad_token_id=2)
+    assert left_ids.tolist() == [[2, 4, 2]]
+    assert left_mask.tolist() == [[0, 1, 1]]

@@ -1,0 +1,514 @@
+"""Direct preference optimisation and its reference-free relatives (ORPO, SimPO).
+
+The policy learns to raise the log-probability of the chosen response of a pair relative to the
+rejected one, measured against a frozen reference (DPO, IPO, hinge) or against nothing (ORPO, SimPO).
+
+What this file simplifies, and why:
+- One forward pass over 2B rows: the `PairwiseCollator` stacks chosen rows first, then rejected. The
+  sequence log-probability is the sum of the response tokens' log-probs (labels are -100 on the prompt
+  and padding), gathered by `alignkit.model.logprobs` without a second full-vocabulary tensor.
+- The reference is the policy as it was at step 0, and never a second model read from disk:
+  under LoRA the same weights with the adapter disabled (`with model.disable_adapter()`), under full or
+  freeze fine-tuning a frozen deep copy made in memory when the trainer is built. With
+  `precompute_ref_log_probs` it is evaluated once for the whole dataset before training and cached on
+  disk, keyed by the token ids and the reference weights, so a second run (or a resumed one) reads it.
+- Loss definitions follow TRL 1.16 for sigmoid, ipo and hinge (IPO on per-token average log-ratios),
+  and the papers for ORPO (Hong et al. 2024, eq. 6-7: per-sequence mean NLL of chosen plus beta times
+  the odds-ratio loss on average log-probs) and SimPO (Meng et al. 2024, eq. 6:
+  `-log sigmoid(beta * (avg_c - avg_r) - gamma)`; LLaMA-Factory writes `beta * (delta - gamma / beta)`,
+  the same number). `dpo_label_smoothing` is the conservative-DPO smoothing of the sigmoid loss
+  (Mitchell 2023), what LLaMA-Factory's key meant with TRL's sigmoid loss; at 0 it is plain DPO.
+- Metrics as TRL logs them: rewards = beta * (policy - reference) summed log-probs; for the
+  reference-free losses, whose implicit reward is the length-normalised log-prob, beta * average
+  log-prob. `logps/*` are the policy's summed log-probs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Trainer
+
+from ..model.logprobs import forward_token_logps
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from ..hparams import Config, FinetuningArguments
+
+logger = logging.getLogger(__name__)
+
+REFERENCE_FREE_LOSSES = ("orpo", "simpo")
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure tensor functions. B = number of pairs; log-probs are per-sequence sums unless named avg_.
+# ---------------------------------------------------------------------------------------------------
+
+
+def sigmoid_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """DPO loss (Rafailov et al. 2023, eq. 7), with conservative-DPO label smoothing.
+
+    With `h = (chosen - ref_chosen) - (rejected - ref_rejected)`:
+    `loss = -(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h)`.
+
+    Args:
+        chosen_logps, rejected_logps: [B] policy log-probs of the chosen / rejected responses.
+        ref_chosen_logps, ref_rejected_logps: [B] reference log-probs of the same.
+        beta: scales the log-ratio difference (how far the policy may move from the reference).
+        label_smoothing: eps in [0, 0.5), the assumed share of flipped preference labels.
+
+    Returns:
+        [B] per-pair losses.
+    """
+    logits = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
+    loss = -F.logsigmoid(beta * logits)
+    if label_smoothing:
+        loss = (1 - label_smoothing) * loss - label_smoothing * F.logsigmoid(-beta * logits)
+    return loss
+
+
+def hinge_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float,
+) -> torch.Tensor:
+    """SLiC hinge loss on the DPO log-ratio (Zhao et al. 2023, eq. 3; TRL's `hinge`).
+
+    `loss = relu(1 - beta * h)` with `h = (chosen - ref_chosen) - (rejected - ref_rejected)`.
+
+    Args:
+        chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps: [B] summed log-probs.
+        beta: the margin is 1 / beta in log-ratio units.
+
+    Returns:
+        [B] per-pair losses.
+    """
+    logits = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
+    return torch.relu(1 - beta * logits)
+
+
+def ipo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    beta: float,
+) -> torch.Tensor:
+    """IPO loss (Azar et al. 2023, eq. 17) on per-token average log-ratios, as TRL 1.16 computes it.
+
+    `h = (chosen - ref_chosen) / n_chosen - (rejected - ref_rejected) / n_rejected`,
+    `loss = (h - 1 / (2 * beta))^2`; beta is the paper's tau.
+
+    Args:
+        chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps: [B] summed log-probs.
+        chosen_lengths, rejected_lengths: [B] response token counts (clamped to at least 1).
+        beta: regularisation tau; the target gap is 1 / (2 tau).
+
+    Returns:
+        [B] per-pair losses.
+    """
+    chosen_avg = (chosen_logps - ref_chosen_logps) / chosen_lengths.clamp(min=1)
+    rejected_avg = (rejected_logps - ref_rejected_logps) / rejected_lengths.clamp(min=1)
+    return (chosen_avg - rejected_avg - 1 / (2 * beta)) ** 2
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate near 0 and for very negative x (Maechler 2012)."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_loss(avg_chosen_logps: torch.Tensor, avg_rejected_logps: torch.Tensor, beta: float) -> torch.Tensor:
+    """ORPO loss (Hong et al. 2024, eq. 6-7): chosen NLL plus beta times the odds-ratio loss.
+
+    With `p = exp(avg log-prob)` and `odds = p / (1 - p)`:
+    `log_odds = (avg_c - avg_r) - (log(1 - exp(avg_c)) - log(1 - exp(avg_r)))`,
+    `loss = -avg_c + beta * -log sigmoid(log_odds)`.
+
+    Args:
+        avg_chosen_logps, avg_rejected_logps: [B] per-token average log-probs (< 0) of the responses.
+        beta: weight of the odds-ratio term (the paper's lambda).
+
+    Returns:
+        [B] per-pair losses.
+    """
+    log_odds = (avg_chosen_logps - avg_rejected_logps) - (
+        _log1mexp(avg_chosen_logps) - _log1mexp(avg_rejected_logps)
+    )
+    return -avg_chosen_logps - beta * F.logsigmoid(log_odds)
+
+
+def simpo_loss(
+    avg_chosen_logps: torch.Tensor, avg_rejected_logps: torch.Tensor, beta: float, gamma: float
+) -> torch.Tensor:
+    """SimPO loss (Meng et al. 2024, eq. 6): `-log sigmoid(beta * (avg_c - avg_r) - gamma)`.
+
+    Args:
+        avg_chosen_logps, avg_rejected_logps: [B] per-token average log-probs of the responses.
+        beta: reward scale.
+        gamma: target reward margin, in reward units (outside beta, as in the paper).
+
+    Returns:
+        [B] per-pair losses.
+    """
+    return -F.logsigmoid(beta * (avg_chosen_logps - avg_rejected_logps) - gamma)
+
+
+def sft_loss(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood per chosen response token over the batch (the `pref_ftx` term).
+
+    Args:
+        chosen_logps: [B] summed log-probs of the chosen responses.
+        chosen_lengths: [B] their token counts.
+
+    Returns:
+        Scalar `-sum(chosen_logps) / sum(chosen_lengths)`.
+    """
+    return -chosen_logps.sum() / chosen_lengths.sum().clamp(min=1)
+
+
+def preference_loss(
+    loss_type: str,
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    ref_chosen_logps: Optional[torch.Tensor],
+    ref_rejected_logps: Optional[torch.Tensor],
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair losses of `loss_type` and the implicit rewards logged as `rewards/*`.
+
+    Args:
+        loss_type: sigmoid, ipo, hinge, orpo or simpo.
+        chosen_logps, rejected_logps: [B] summed policy log-probs.
+        chosen_lengths, rejected_lengths: [B] response token counts.
+        ref_chosen_logps, ref_rejected_logps: [B] summed reference log-probs (None for orpo / simpo).
+        beta, label_smoothing, simpo_gamma: the loss's parameters.
+
+    Returns:
+        `(losses [B], chosen_rewards [B], rejected_rewards [B])`; rewards are detached.
+    """
+    if loss_type in REFERENCE_FREE_LOSSES:
+        avg_chosen = chosen_logps / chosen_lengths.clamp(min=1)
+        avg_rejected = rejected_logps / rejected_lengths.clamp(min=1)
+        if loss_type == "orpo":
+            losses = orpo_loss(avg_chosen, avg_rejected, beta)
+        else:
+            losses = simpo_loss(avg_chosen, avg_rejected, beta, simpo_gamma)
+        return losses, beta * avg_chosen.detach(), beta * avg_rejected.detach()
+
+    if ref_chosen_logps is None or ref_rejected_logps is None:
+        raise ValueError(f"pref_loss={loss_type} needs reference log-probs.")
+    pair = (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    if loss_type == "sigmoid":
+        losses = sigmoid_loss(*pair, beta, label_smoothing)
+    elif loss_type == "hinge":
+        losses = hinge_loss(*pair, beta)
+    elif loss_type == "ipo":
+        losses = ipo_loss(*pair, chosen_lengths, rejected_lengths, beta)
+    else:
+        raise ValueError(f"pref_loss={loss_type!r}: choose sigmoid, ipo, hinge, orpo or simpo.")
+    chosen_rewards = beta * (chosen_logps - ref_chosen_logps).detach()
+    rejected_rewards = beta * (rejected_logps - ref_rejected_logps).detach()
+    return losses, chosen_rewards, rejected_rewards
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reference log-probs computed once and cached
+# ---------------------------------------------------------------------------------------------------
+
+
+def _hash_arrow_columns(digest: "hashlib._Hash", dataset: "Dataset", columns: list[str]) -> None:
+    """Feed the bytes of `columns` (and the row selection, if any) into `digest`, without copying them."""
+    for name in columns:
+        digest.update(name.encode())
+        for chunk in dataset.data.column(name).chunks:
+            # The offset and length tell apart two slices that share buffers (e.g. after `select`).
+            digest.update(f"{chunk.offset}:{len(chunk)}".encode())
+            for buffer in chunk.buffers():
+                if buffer is not None:
+                    digest.update(memoryview(buffer))
+    indices = getattr(dataset, "_indices", None)
+    if indices is not None:
+        for chunk in indices.column(0).chunks:
+            digest.update(f"idx{chunk.offset}:{len(chunk)}".encode())
+            for buffer in chunk.buffers():
+                if buffer is not None:
+                    digest.update(memoryview(buffer))
+
+
+def _hash_parameters(digest: "hashlib._Hash", named_parameters: Iterator[tuple[str, nn.Parameter]]) -> None:
+    for name, param in named_parameters:
+        tensor = param.detach().contiguous().cpu()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
+
+
+def reference_cache_path(dataset: "Dataset", reference_parameters: Iterator[tuple[str, nn.Parameter]]) -> Path:
+    """Where the reference log-probs of `dataset` under these weights are cached.
+
+    The key covers the token ids and labels of both responses and every weight of the reference, so a
+    changed dataset, cutoff, template or base model gets its own file. The file sits beside the
+    dataset's own cache files when it has them, else under `$ALIGNKIT_DATA_CACHE` (default
+    `~/.cache/alignkit/data`).
+    """
+    digest = hashlib.sha256(b"alignkit-ref-logps-v1")
+    columns = [c for c in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+               if c in dataset.column_names]
+    _hash_arrow_columns(digest, dataset, columns)
+    _hash_parameters(digest, reference_parameters)
+    cache_files = getattr(dataset, "cache_files", None)
+    if cache_files:
+        folder = Path(cache_files[0]["filename"]).parent
+    else:
+        folder = Path(os.environ.get("ALIGNKIT_DATA_CACHE", Path.home() / ".cache" / "alignkit" / "data"))
+    return folder / "ref_logps" / f"{digest.hexdigest()[:32]}.pt"
+
+
+class _CollateWithReference:
+    """Runs the pairwise collator on the token columns and adds the precomputed reference log-probs."""
+
+    def __init__(self, collator: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
+        self.collator = collator
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.collator([{k: v for k, v in f.items() if k not in REF_COLUMNS} for f in features])
+        if features and REF_COLUMNS[0] in features[0]:
+            for name in REF_COLUMNS:
+                batch[name] = torch.tensor([f[name] for f in features], dtype=torch.float32)
+        return batch
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+class DPOTrainer(Trainer):
+    """`Trainer` whose loss is a preference loss over a batch of 2B rows (chosen first, then rejected).
+
+    Args:
+        finetuning_args: `pref_loss`, `pref_beta`, `pref_ftx`, `dpo_label_smoothing`, `simpo_gamma`,
+            `precompute_ref_log_probs`.
+        ref_model: an explicit frozen reference model. Default: the policy with its LoRA adapter disabled,
+            or a frozen in-memory deep copy of the policy as it is now (full / freeze fine-tuning).
+        *args, **kwargs: as for `transformers.Trainer` (`data_collator` must be a pairwise collator).
+    """
+
+    # The loss is a per-micro-batch mean over pairs: let Trainer divide it by the accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, finetuning_args: "FinetuningArguments", ref_model: Optional[nn.Module] = None,
+                 **kwargs) -> None:
+        self.loss_type = finetuning_args.pref_loss
+        self.beta = finetuning_args.pref_beta
+        self.pref_ftx = finetuning_args.pref_ftx
+        self.label_smoothing = finetuning_args.dpo_label_smoothing
+        self.simpo_gamma = finetuning_args.simpo_gamma
+        self.needs_reference = self.loss_type not in REFERENCE_FREE_LOSSES
+        self.precompute_ref_logps = finetuning_args.precompute_ref_log_probs and self.needs_reference
+        if self.precompute_ref_logps and kwargs.get("data_collator") is not None:
+            kwargs["data_collator"] = _CollateWithReference(kwargs["data_collator"])
+        super().__init__(*args, **kwargs)
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+        self.ref_model = None
+        if ref_model is not None and self.needs_reference:
+            self.ref_model = ref_model.to(self.args.device).eval().requires_grad_(False)
+        elif self.needs_reference and not _is_peft_model(self.model) and not self.precompute_ref_logps:
+            # Full / freeze: the policy as it is now, in memory (never re-read from disk, so a policy
+            # changed in memory before training gets the matching reference).
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+        if self.precompute_ref_logps:
+            # Before any update, so that a full fine-tuning policy can serve as its own reference here.
+            if self.train_dataset is not None:
+                self.train_dataset = self._with_reference_logps(self.train_dataset, "train")
+            if isinstance(self.eval_dataset, dict):
+                self.eval_dataset = {k: self._with_reference_logps(v, f"eval {k}") for k, v in self.eval_dataset.items()}
+            elif self.eval_dataset is not None:
+                self.eval_dataset = self._with_reference_logps(self.eval_dataset, "eval")
+
+    # ---- the reference ----
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[nn.Module]:
+        """The module to run for reference log-probs, in eval mode and without gradients."""
+        with torch.no_grad():
+            if self.ref_model is not None:
+                yield self.ref_model
+                return
+            model = self.model
+            was_training = model.training
+            model.eval()  # no dropout in the reference
+            try:
+                with model.disable_adapter() if _is_peft_model(model) else contextlib.nullcontext():
+                    yield model
+            finally:
+                model.train(was_training)
+
+    def _reference_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        if self.ref_model is not None:
+            return self.ref_model.named_parameters()
+        if _is_peft_model(self.model):  # the adapter is disabled for the reference: hash only the base
+            return ((n, p) for n, p in self.model.named_parameters() if not p.requires_grad)
+        return self.model.named_parameters()
+
+    def reference_logps(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed reference log-probs of the chosen and rejected rows of a pairwise batch: ([B], [B])."""
+        with self._reference() as reference:
+            logps, _ = forward_token_logps(reference, inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
+        return logps.sum(-1).chunk(2)
+
+    def _with_reference_logps(self, dataset: "Dataset", name: str) -> "Dataset":
+        """`dataset` plus `ref_chosen_logps` / `ref_rejected_logps` columns, from the cache when it has them."""
+        if all(c in dataset.column_names for c in REF_COLUMNS):
+            return dataset
+        path = reference_cache_path(dataset, self._reference_parameters())
+        if path.is_file():
+            logger.info("Reading reference log-probs of the %s dataset from %s", name, path)
+            table = torch.load(path)
+        else:
+            logger.info("Computing reference log-probs of the %s dataset (%d pairs) once", name, len(dataset))
+            collator = self.data_collator.collator if isinstance(self.data_collator, _CollateWithReference) \
+                else self.data_collator
+            batch_size = self.args.per_device_eval_batch_size
+            chosen, rejected = [], []
+            for start in range(0, len(dataset), batch_size):
+                rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+                batch = self._prepare_inputs(collator(rows))
+                ref_chosen, ref_rejected = self.reference_logps(batch)
+                chosen.append(ref_chosen.float().cpu())
+                rejected.append(ref_rejected.float().cpu())
+            table = {"ref_chosen_logps": torch.cat(chosen), "ref_rejected_logps": torch.cat(rejected)}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            torch.save(table, tmp)
+            os.replace(tmp, path)  # atomic: a killed run never leaves a half-written cache
+        for column in REF_COLUMNS:
+            dataset = dataset.add_column(column, table[column].tolist())
+        return dataset
+
+    # ---- the loss ----
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logps, mask = forward_token_logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
+        chosen_logps, rejected_logps = logps.sum(-1).chunk(2)
+        chosen_lengths, rejected_lengths = mask.sum(-1).chunk(2)
+
+        ref_chosen_logps = ref_rejected_logps = None
+        if self.needs_reference:
+            if "ref_chosen_logps" in inputs:
+                ref_chosen_logps, ref_rejected_logps = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+            else:
+                ref_chosen_logps, ref_rejected_logps = self.reference_logps(inputs)
+
+        losses, chosen_rewards, rejected_rewards = preference_loss(
+            self.loss_type, chosen_logps, rejected_logps, chosen_lengths, rejected_lengths,
+            ref_chosen_logps, ref_rejected_logps,
+            beta=self.beta, label_smoothing=self.label_smoothing, simpo_gamma=self.simpo_gamma,
+        )
+        loss = losses.mean()
+        if self.pref_ftx:
+            loss = loss + self.pref_ftx * sft_loss(chosen_logps, chosen_lengths)
+
+        metrics = self._metrics["train" if model.training else "eval"]
+        metrics["rewards/chosen"].append(chosen_rewards.mean().item())
+        metrics["rewards/rejected"].append(rejected_rewards.mean().item())
+        metrics["rewards/accuracies"].append((chosen_rewards > rejected_rewards).float().mean().item())
+        metrics["rewards/margins"].append((chosen_rewards - rejected_rewards).mean().item())
+        metrics["logps/chosen"].append(chosen_logps.detach().mean().item())
+        metrics["logps/rejected"].append(rejected_logps.detach().mean().item())
+        if return_outputs:
+            return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        averaged = {key: sum(values) / len(values) for key, values in self._metrics[mode].items() if values}
+        if mode == "eval":
+            averaged = {f"eval_{key}": value for key, value in averaged.items()}
+        logs.update(averaged)
+        self._metrics[mode].clear()
+        super().log(logs, start_time)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage entry point
+# ---------------------------------------------------------------------------------------------------
+
+
+def run_dpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
+    """Train and/or evaluate with a preference loss as `config` says; outputs go to `output_dir`."""
+    from ..data import PairwiseCollator, get_dataset
+    from ..model.loader import load_model, load_tokenizer
+    from ..train import finish_training, save_eval_metrics
+
+    tokenizer = load_tokenizer(config.model)
+    datasets = get_dataset(config, tokenizer, "dpo")
+    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
+    trainer = DPOTrainer(
+        model=model,
+        args=config.training,
+        finetuning_args=config.finetuning,
+        data_collator=PairwiseCollator(tokenizer),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        **datasets,
+    )
+    if config.training.do_train:
+        result = trainer.train(resume_from_checkpoint=config.training.resume_from_checkpoint)
+        finish_training(trainer, result, config)
+    if config.training.do_eval:
+        save_eval_metrics(trainer, trainer.evaluate(metric_key_prefix="eval"), "eval")
+
+
+__all__ = [
+    "sigmoid_loss",
+    "hinge_loss",
+    "ipo_loss",
+    "orpo_loss",
+    "simpo_loss",
+    "sft_loss",
+    "preference_loss",
+    "reference_cache_path",
+    "DPOTrainer",
+    "run_dpo",
+]

@@ -1,0 +1,173 @@
+"""export_model, chat and env_info on the tiny model, in-process."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from alignkit.chat import chat
+from alignkit.env import env_info, format_env
+from alignkit.export import export_model
+from alignkit.hparams import ConfigError, parse_config
+from alignkit.model import load_model
+
+
+@pytest.fixture
+def batch(tiny_tokenizer):
+    enc = tiny_tokenizer(["The capital of France is Paris.", "Write a short poem"], return_tensors="pt", padding=True)
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def _save_adapter(model_dir, out_dir, head="causal_lm"):
+    """A LoRA adapter with non-zero effect (lora_B perturbed, as training would), saved to `out_dir`."""
+    config = parse_config({"model_name_or_path": str(model_dir)})
+    model = load_model(config.model, config.finetuning, is_trainable=True, head=head)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    model.eval()
+    model.save_pretrained(out_dir)
+    return model
+
+
+def test_export_merges_adapter_into_standalone_model(tiny_model_dir, tmp_path, batch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter_dir = tmp_path / "adapter"
+    with_adapter = _save_adapter(tiny_model_dir, adapter_dir)
+    with torch.no_grad():
+        expected = with_adapter(**batch).logits
+        with with_adapter.disable_adapter():
+            assert (with_adapter(**batch).logits - expected).abs().max() > 1e-2
+
+    model_args = parse_config({"model_name_or_path": tiny_model_dir, "adapter_name_or_path": str(adapter_dir)}).model
+    out = export_model(model_args, str(tmp_path / "merged"))
+    assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()
+
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert type(merged).__name__ == "LlamaForCausalLM" and merged.config.use_cache is True
+    assert merged.generation_config.eos_token_id == merged.generation_config.pad_token_id == 2
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**batch).logits, expected, atol=1e-5, rtol=0)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template and tokenizer.pad_token == "<|im_end|>"
+
+
+def test_export_of_reward_adapter_is_sequence_classifier(tiny_model_dir, tmp_path, batch):
+    from transformers import AutoModelForSequenceClassification
+
+    adapter_dir = tmp_path / "rm_adapter"
+    with_adapter = _save_adapter(tiny_model_dir, adapter_dir, head="reward")
+    with torch.no_grad():
+        expected = with_adapter(**batch).logits
+
+    model_args = parse_config({"model_name_or_path": tiny_model_dir, "adapter_name_or_path": str(adapter_dir)}).model
+    out = export_model(model_args, str(tmp_path / "rm"))
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
+    scorer = AutoModelForSequenceClassification.from_pretrained(out)
+    assert scorer.config.num_labels == 1 and scorer.config.pad_token_id == 2
+    with torch.no_grad():
+        torch.testing.assert_close(scorer(**batch).logits, expected, atol=1e-5, rtol=0)
+
+
+def test_export_refuses_non_empty_dir_unless_forced(tiny_model_dir, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "adapter_config.json").write_text("{}")  # a stale adapter would hijack from_pretrained
+    (out / "notes.txt").write_text("keep me")
+    model_args = parse_config({"model_name_or_path": tiny_model_dir}).model
+    with pytest.raises(ConfigError, match=f"{out}.*not empty.*--force"):
+        export_model(model_args, str(out))
+    export_model(model_args, str(out), force=True)
+    assert not (out / "adapter_config.json").exists()
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert (out / "model.safetensors").is_file()
+
+
+# The random tiny model answers every greedy prompt with newlines, which would make replies
+# indistinguishable; sampling with a fixed seed gives distinct, reproducible replies instead.
+SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
+def _reference_reply(model_dir, messages, generating_args, seed=0):
+    """The same decoding done directly with transformers, from the same seed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(**inputs, **generating_args.to_generation_kwargs(), pad_token_id=2, eos_token_id=2)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_chat_one_shot_streams_and_returns_reply(tiny_model_dir):
+    config = parse_config({"model_name_or_path": tiny_model_dir, "max_new_tokens": 12, **SAMPLING})
+    stream = io.StringIO()
+    torch.manual_seed(0)
+    reply = chat(config.model, config.generating, prompt="What is 12 plus 7?", system="Answer briefly.", stream=stream)
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 12 plus 7?"}]
+    assert reply.strip() and reply == _reference_reply(tiny_model_dir, messages, config.generating)
+    assert stream.getvalue() == reply + "\n"
+
+
+def test_chat_interactive_keeps_history_and_clears_it(tiny_model_dir, monkeypatch):
+    import alignkit.chat as chat_module
+
+    # The random tiny model's replies barely depend on the context, so the conversation each turn
+    # sends is checked where it enters generation.
+    sent, replies = [], []
+    real_stream_reply = chat_module.stream_reply
+
+    def recording_stream_reply(model, tokenizer, messages, generating_args, stream):
+        sent.append([dict(m) for m in messages])
+        replies.append(real_stream_reply(model, tokenizer, messages, generating_args, stream))
+        return replies[-1]
+
+    monkeypatch.setattr(chat_module, "stream_reply", recording_stream_reply)
+    config = parse_config({"model_name_or_path": tiny_model_dir, "max_new_tokens": 8, **SAMPLING})
+    lines = iter(["Name a colour", "Translate to French", "clear", "", "Translate to French", "exit", "never read"])
+    stream = io.StringIO()
+    assert chat(config.model, config.generating, system="Be brief.", stream=stream,
+                input_fn=lambda _prompt: next(lines)) is None
+    assert next(lines) == "never read"  # `exit` stopped the loop
+
+    system = {"role": "system", "content": "Be brief."}
+    colour, french = {"role": "user", "content": "Name a colour"}, {"role": "user", "content": "Translate to French"}
+    assert sent == [
+        [system, colour],
+        [system, colour, {"role": "assistant", "content": replies[0]}, french],
+        [system, french],  # after `clear`; the empty line was skipped
+    ]
+    assert all(r.strip() for r in replies)
+    text = stream.getvalue()
+    assert f"Assistant: {replies[0]}\nAssistant: {replies[1]}\nHistory cleared.\nAssistant: {replies[2]}\n" in text
+
+
+def test_chat_raises_generation_errors_instead_of_hanging(tiny_model_dir, monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    def broken_generate(self, **kwargs):
+        raise RuntimeError("generation failed")
+
+    monkeypatch.setattr(LlamaForCausalLM, "generate", broken_generate)
+    config = parse_config({"model_name_or_path": tiny_model_dir, "max_new_tokens": 4})
+    with pytest.raises(RuntimeError, match="generation failed"):
+        chat(config.model, config.generating, prompt="hi", stream=io.StringIO())
+
+
+def test_env_info_names_versions_and_device():
+    info = env_info()
+    for key in ("alignkit", "python", "platform", "torch", "transformers", "peft", "datasets", "accelerate",
+                "device", "device_count", "bf16_supported", "num_threads"):
+        assert key in info, key
+    assert info["torch"] == torch.__version__
+    assert info["num_threads"] == torch.get_num_threads()
+    text = format_env(info)
+    assert len(text.splitlines()) == len(info) and "torch" in text and info["device"] in text

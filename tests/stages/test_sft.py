@@ -1,0 +1,142 @@
+"""SFT and PT end to end on the tiny model via `run_train(parse_config(...))`, plus bad-input errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from alignkit.callbacks import read_log
+from alignkit.hparams import ConfigError, parse_config
+from alignkit.train import run_train
+
+QA = [("What is 12 plus 7?", "19"), ("Name a colour.", "green"), ("The capital of France?", "Paris."),
+      ("The capital of Japan?", "Tokyo."), ("List three fruits.", "apple, banana, cherry"),
+      ("Translate to French: good morning.", "Bonjour."), ("What is 9 times 3?", "It is 27."),
+      ("Why is the sky blue?", "sunlight scatters off air molecules."), ("中国的首都是哪里？", "北京。"),
+      ("请介绍你自己。", "我是一个乐于助人的助手。"), ("Tom has 5 apples and buys 3 more.", "8"),
+      ("Write a short poem about the sea.", "The waves roll in and out again.")]
+
+
+def write_alpaca(path: Path) -> str:
+    path.write_text("\n".join(json.dumps({"instruction": q, "output": a}, ensure_ascii=False) for q, a in QA),
+                    encoding="utf-8")
+    return str(path)
+
+
+class ParameterSnapshot(TrainerCallback):
+    """Copies every parameter at train begin and end, to tell trained from frozen ones."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self.trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.after = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def base_config(tiny_model_dir, tmp_path, **extra):
+    values = {
+        "model_name_or_path": tiny_model_dir, "stage": "sft", "finetuning_type": "lora", "lora_rank": 4,
+        "dataset": write_alpaca(tmp_path / "qa.jsonl"), "cutoff_len": 64, "val_size": 4,
+        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "per_device_eval_batch_size": 4,
+        "num_train_epochs": 2, "learning_rate": 5e-3, "use_cpu": True, "save_strategy": "no",
+        "max_new_tokens": 6,
+    }
+    values.update(extra)
+    return values
+
+
+def test_sft_lora_train_eval_predict(tiny_model_dir, tmp_path):
+    snapshot = ParameterSnapshot()
+    config = parse_config(base_config(tiny_model_dir, tmp_path, do_train=True, do_eval=True, do_predict=True,
+                                      predict_with_generate=True))
+    run_train(config, callbacks=[snapshot])
+    out = Path(config.training.output_dir)
+
+    losses = [r["loss"] for r in read_log(out) if "loss" in r]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(x)) for x in losses)  # 8 rows / 4 x 2 epochs
+
+    changed = {n for n in snapshot.before if not torch.equal(snapshot.before[n], snapshot.after[n])}
+    assert snapshot.trainable and all("lora_" in n for n in snapshot.trainable)
+    assert changed == {n for n in snapshot.trainable if "lora_B" in n or "lora_A" in n}
+
+    for split in ("eval", "predict"):
+        results = json.loads((out / f"{split}_results.json").read_text())
+        for key in ("bleu-4", "rouge-1", "rouge-2", "rouge-l"):
+            assert 0.0 <= results[f"{split}_{key}"] <= 100.0
+    records = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    assert all(set(r) == {"prompt", "predict", "label"} for r in records)
+    assert {r["label"] for r in records} <= {a for _, a in QA}
+    assert all(r["prompt"].rstrip().endswith("assistant") for r in records)
+
+    # The adapter reloads over the base and reproduces the trained weights.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(out))
+    reloaded_params = dict(reloaded.named_parameters())
+    for name in changed:
+        torch.testing.assert_close(reloaded_params[name], snapshot.after[name])
+
+
+def test_sft_eval_loss_and_accuracy_with_packing(tiny_model_dir, tmp_path):
+    """Without generation, evaluation reports loss and token accuracy; packing and group_by_length run."""
+    config = parse_config(base_config(tiny_model_dir, tmp_path, do_train=True, do_eval=True, packing=True,
+                                      eval_strategy="steps", eval_steps=1, max_steps=2, finetuning_type="full"))
+    run_train(config)
+    out = Path(config.training.output_dir)
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["eval_loss"] > 0 and 0.0 <= results["eval_accuracy"] <= 1.0
+    evals = [r for r in read_log(out) if "eval_loss" in r]
+    assert len(evals) >= 2  # evaluated every step
+
+
+def test_group_by_length_sets_sampling_strategy(tiny_model_dir, tmp_path):
+    config = parse_config(base_config(tiny_model_dir, tmp_path, do_train=True, group_by_length=True, max_steps=1))
+    run_train(config)
+    assert config.training.train_sampling_strategy == "group_by_length"
+
+
+def test_pt_trains_on_raw_text(tiny_model_dir, tmp_path):
+    data = tmp_path / "text.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"{q} {a}"}, ensure_ascii=False) for q, a in QA * 3))
+    config = parse_config(base_config(tiny_model_dir, tmp_path, stage="pt", dataset=str(data), cutoff_len=32,
+                                      val_size=0, do_train=True, max_steps=2))
+    run_train(config)
+    losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
+    assert len(losses) == 2 and all(x > 0 for x in losses)
+    assert (Path(config.training.output_dir) / "adapter_model.safetensors").is_file()
+
+
+def test_max_new_tokens_zero_is_a_config_error(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="max_new_tokens=0"):
+        parse_config(base_config(tiny_model_dir, tmp_path, do_predict=True, predict_with_generate=True,
+                                 max_new_tokens=0))
+
+
+def test_check_sft_inputs_errors(tiny_model_dir, tmp_path):
+    """No pad token with generation, an empty eval set, packing with generation: ConfigError before work."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from alignkit.stages.sft import check_sft_inputs
+
+    rows = Dataset.from_dict({"input_ids": [[1, 2]], "labels": [[1, 2]]})
+    empty = Dataset.from_dict({"input_ids": [], "labels": []})
+    with_pad, without_pad = SimpleNamespace(pad_token_id=2), SimpleNamespace(pad_token_id=None)
+    generating = parse_config(base_config(tiny_model_dir, tmp_path, do_predict=True, predict_with_generate=True))
+    with pytest.raises(ConfigError, match="pad token"):
+        check_sft_inputs(generating, without_pad, {"train_dataset": None, "eval_dataset": rows})
+    with pytest.raises(ConfigError, match="evaluation set is empty"):
+        check_sft_inputs(generating, with_pad, {"train_dataset": None, "eval_dataset": empty})
+    packed = parse_config(base_config(tiny_model_dir, tmp_path, do_predict=True, predict_with_generate=True,
+                                      packing=True))
+    with pytest.raises(ConfigError, match="packing=true with predict_with_generate"):
+        check_sft_inputs(packed, with_pad, {"train_dataset": None, "eval_dataset": rows})
+    check_sft_inputs(generating, with_pad, {"train_dataset": None, "eval_dataset": rows})  # fine

@@ -231,13 +231,18 @@ def _check_adapter_base(model, adapter_dir: str, adapter_cfg: dict, head: Head) 
 
 def merge_adapters(model, adapter_dirs: list[str], *, head: Head = "causal_lm"):
     """Load each PEFT adapter in turn and merge it into the base weights; returns the plain model."""
-    from peft import PeftModel
+    from peft import PeftConfig, PeftModel
 
     for adapter_dir in adapter_dirs:
         adapter_cfg = read_adapter_config(adapter_dir)
         _check_adapter_base(model, adapter_dir, adapter_cfg, head)
+        peft_config = PeftConfig.from_pretrained(adapter_dir)
+        if head == "reward" and peft_config.task_type != "SEQ_CLS":
+            # An SFT adapter starting a reward model: its CAUSAL_LM wrapper expects generation methods a
+            # sequence classifier lacks, and only its decoder weights are needed for the merge.
+            peft_config.task_type = None
         try:
-            peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
+            peft_model = PeftModel.from_pretrained(model, adapter_dir, config=peft_config, is_trainable=False)
         except (RuntimeError, ValueError, KeyError) as err:
             # A state-dict error lists every mismatching tensor; the first one says enough.
             lines = [line.strip() for line in str(err).strip().splitlines()]

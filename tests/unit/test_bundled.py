@@ -99,3 +99,27 @@ def test_bundled_conversion_caches_and_answers(monkeypatch, tmp_path):
         out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_concurrent_callers_convert_once(monkeypatch, tmp_path):
+    """Two callers racing for the cache: the lock makes the second wait and reuse the first's result."""
+    import threading
+
+    monkeypatch.setenv("ALIGNKIT_HOME", str(tmp_path))
+    monkeypatch.setattr(bundled, "find_gguf_file", lambda: tmp_path / "fake.gguf")
+    conversions = []
+
+    def slow_convert(gguf_path, out_dir):
+        conversions.append(out_dir)
+        time.sleep(0.5)
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(bundled, "convert_gguf", slow_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(ensure_bundled_model())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(conversions) == 1
+    assert results == [bundled_model_dir()] * 2 and (bundled_model_dir() / "config.json").is_file()

@@ -217,3 +217,20 @@ def test_find_linear_modules_skips_output_heads():
     model.add_module("lm_head", nn.Linear(2, 2))
     model.add_module("score", nn.Linear(2, 1))
     assert find_linear_modules(model) == ["proj"]
+
+
+def test_sft_adapter_can_start_a_reward_model(tiny_model_dir, tmp_path, batch):
+    adapter_dir = tmp_path / "sft_adapter"
+    _save_perturbed_adapter(tiny_model_dir, adapter_dir)
+    config = _config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
+    sft_merged = load_model(config.model, config.finetuning, is_trainable=False)
+    reward = load_model(config.model, config.finetuning, is_trainable=True, head="reward")
+    reward.eval()
+    # The reward model's decoder is the SFT model's merged decoder (its fresh LoRA is a no-op at step 0).
+    with torch.no_grad():
+        expected = sft_merged.model(**batch).last_hidden_state
+        got = reward.get_base_model().model(**batch).last_hidden_state
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        plain = load_model(_config(tiny_model_dir).model, config.finetuning, is_trainable=False).model(**batch)
+    assert (plain.last_hidden_state - expected).abs().max() > 1e-2

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import EvalPrediction, Trainer
+from transformers import EvalPrediction, Trainer, set_seed
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -266,6 +266,8 @@ def run_rm(config: "Config", callbacks: list["TrainerCallback"]) -> None:
 
     tokenizer = load_tokenizer(config.model)
     datasets = get_dataset(config, tokenizer, "rm")
+    # A fresh score head is initialised randomly while loading: seed first so that runs repeat.
+    set_seed(config.training.seed)
     model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train, head="reward")
     # Plain-transformers batched scoring of the saved model needs a pad id in its config.
     if model.config.pad_token_id is None:

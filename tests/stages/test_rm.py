@@ -1,0 +1,236 @@
+"""The rm stage end to end on the tiny model: training, metrics, outputs, reload, resume, scoring, bad data."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, TrainerCallback
+
+from alignkit.callbacks import read_log
+from alignkit.data.errors import DataError
+from alignkit.hparams import parse_config
+from alignkit.score import RewardScorer, score_file
+from alignkit.train import run_train
+
+PAIRS = [
+    ("What is the capital of France?", "The capital of France is Paris.", "The capital of France is Tokyo."),
+    ("What is 12 plus 7?", "12 plus 7 is 19.", "12 plus 7 is 27."),
+    ("Name a colour.", "green", "apple"),
+    ("List three fruits.", "apple, banana, cherry", "green, blue, red"),
+    ("Translate to French: good morning.", "Bonjour.", "Good morning."),
+    ("Why is the sky blue?", "Sunlight scatters off air molecules.", "Because it is."),
+    ("What is 9 times 3?", "It is 27.", "It is 19."),
+    ("Tom has 5 apples and buys 3 more. How many?", "8", "5"),
+]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def _pref_rows(pairs=PAIRS, **extra) -> list[dict]:
+    return [{"prompt": p, "chosen": c, "rejected": r, **extra} for p, c, r in pairs]
+
+
+def _config(tmp_path, model_dir, out="out", **overrides):
+    values = {
+        "stage": "rm",
+        "model_name_or_path": model_dir,
+        "dataset": _write_jsonl(tmp_path / "train.jsonl", _pref_rows()),
+        "eval_dataset": _write_jsonl(tmp_path / "eval.jsonl", _pref_rows(PAIRS[:4])),
+        "output_dir": str(tmp_path / out),
+        "do_train": True,
+        "do_eval": True,
+        "max_steps": 3,
+        "per_device_train_batch_size": 2,
+        "per_device_eval_batch_size": 3,
+        "learning_rate": 1e-3,
+        "lora_rank": 4,
+        "cutoff_len": 64,
+        "save_strategy": "no",
+        "seed": 0,
+    }
+    values.update(overrides)
+    return parse_config(values)
+
+
+def test_lora_run_logs_metrics_writes_outputs_and_trains_only_adapter_and_head(tmp_path, tiny_model_dir):
+    config = _config(tmp_path, tiny_model_dir, do_predict=True)
+    run_train(config)
+    out = Path(config.training.output_dir)
+
+    records = [r for r in read_log(out) if "loss" in r]
+    assert len(records) == 3
+    for r in records:
+        assert r["loss"] is not None and r["loss"] > 0
+        assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"} <= set(r)
+        assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"], abs=1e-5)
+
+    eval_results = json.loads((out / "eval_results.json").read_text())
+    for key in ("eval_loss", "eval_accuracy", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins"):
+        assert key in eval_results
+    predictions = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
+    assert len(predictions) == 4 and set(predictions[0]) == {"chosen", "rejected"}
+    accuracy = sum(p["chosen"] > p["rejected"] for p in predictions) / 4
+    assert eval_results["eval_accuracy"] == pytest.approx(accuracy)
+
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert any("score" in name for name in adapter), "the trained score head must be saved with the adapter"
+    assert any("lora_B" in name and tensor.abs().sum() > 0 for name, tensor in adapter.items())
+    # The base decoder is frozen: none of its weights is in the adapter file.
+    assert not any("embed_tokens" in name or name.endswith("q_proj.weight") for name in adapter)
+
+    # Reload: plain transformers + peft gives the scores of our eval predictions (one unpadded pair at a time).
+    from peft import PeftModel
+
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    plain = PeftModel.from_pretrained(base, str(out)).eval()
+    plain.config.pad_token_id = None  # score one unpadded sequence: transformers then pools its last token
+    scorer = RewardScorer(out)
+    for (prompt, chosen, rejected), expected in zip(PAIRS[:4], predictions):
+        for response, value in ((chosen, expected["chosen"]), (rejected, expected["rejected"])):
+            ids = torch.tensor([scorer.encode(prompt, response)])
+            with torch.no_grad():
+                assert plain(input_ids=ids).logits[0, 0].item() == pytest.approx(value, abs=1e-4)
+
+
+def test_margin_column_changes_the_loss(tmp_path, tiny_model_dir):
+    """Same model, same pairs, lr 0: a margin of 1 on every pair must raise the loss (the chosen reward
+    has to beat the rejected by one more unit)."""
+    losses = []
+    for name, rows in (("plain", _pref_rows()), ("margin", _pref_rows(margin=1.0))):
+        data = _write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        config = _config(tmp_path, tiny_model_dir, out=name, dataset=data, eval_dataset=data, do_train=False,
+                         do_eval=True)
+        run_train(config)
+        losses.append(json.loads((Path(config.training.output_dir) / "eval_results.json").read_text())["eval_loss"])
+    assert losses[1] > losses[0]
+
+
+def test_full_finetuning_saves_a_plain_sequence_classification_model(tmp_path, tiny_model_dir):
+    config = _config(tmp_path, tiny_model_dir, finetuning_type="full", max_steps=2, do_eval=False)
+    run_train(config)
+    out = config.training.output_dir
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert model.config.num_labels == 1
+    scorer = RewardScorer(out)
+    prompt, chosen, _ = PAIRS[0]
+    model.config.pad_token_id = None
+    with torch.no_grad():
+        plain = model(input_ids=torch.tensor([scorer.encode(prompt, chosen)])).logits[0, 0].item()
+    assert scorer.score([prompt], [chosen])[0] == pytest.approx(plain, abs=1e-5)
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    assert not torch.allclose(base.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_resumed_run_matches_uninterrupted_run(tmp_path, tiny_model_dir):
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, do_eval=False, logging_steps=1)
+    straight = _config(tmp_path, tiny_model_dir, out="straight", **common)
+    run_train(straight)
+
+    interrupted = _config(tmp_path, tiny_model_dir, out="resumed", **common)
+    run_train(interrupted, callbacks=[_StopAt(2)])
+    assert (Path(interrupted.training.output_dir) / "checkpoint-2").is_dir()
+    resumed = _config(tmp_path, tiny_model_dir, out="resumed", **common)
+    run_train(resumed)  # finds checkpoint-2 in output_dir and resumes from it
+    assert resumed.training.resume_from_checkpoint.endswith("checkpoint-2")
+
+    def final(config):
+        out = Path(config.training.output_dir)
+        losses = {r["current_steps"]: r["loss"] for r in read_log(out) if "loss" in r}
+        return losses, load_file(out / "adapter_model.safetensors")
+
+    losses_a, weights_a = final(straight)
+    losses_b, weights_b = final(resumed)
+    assert losses_b[4] == pytest.approx(losses_a[4], abs=1e-6)
+    assert losses_b[3] == pytest.approx(losses_a[3], abs=1e-6)
+    assert weights_a.keys() == weights_b.keys()
+    for name in weights_a:
+        torch.testing.assert_close(weights_a[name], weights_b[name], atol=1e-6, rtol=0)
+
+
+def test_identical_and_vanishing_pairs_are_dropped_with_a_warning(tmp_path, tiny_model_dir, caplog):
+    """With cutoff_len 24: a 731-token prompt leaves int(24 * 12 / 743) = 0 response tokens; two replies that
+    differ only after their first 24 tokens become identical once cut."""
+    rows = _pref_rows() + [
+        {"prompt": "Name a colour.", "chosen": "green", "rejected": "green"},
+        {"prompt": "You are a helpful assistant. " * 80, "chosen": "The waves roll in and out again.",
+         "rejected": "The sky is blue, the sea is green."},
+        {"prompt": "hi", "chosen": "The capital of France is Paris. " * 5 + "Yes",
+         "rejected": "The capital of France is Paris. " * 5 + "No"},
+    ]
+    data = _write_jsonl(tmp_path / "mixed.jsonl", rows)
+    config = _config(tmp_path, tiny_model_dir, dataset=data, eval_dataset=None, do_eval=False, max_steps=1,
+                     cutoff_len=24)
+    with caplog.at_level(logging.WARNING):
+        run_train(config)
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "Dropped 3 of 11 train" in messages
+    assert "chosen and rejected are identical;" in messages or "chosen and rejected are identical." in messages
+    assert "identical within cutoff_len=24" in messages
+    assert "no response token fits in cutoff_len=24" in messages
+
+
+def test_sft_data_for_rm_is_a_clear_error(tmp_path, tiny_model_dir):
+    data = _write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "Name a colour.", "output": "green"}])
+    config = _config(tmp_path, tiny_model_dir, dataset=data, eval_dataset=None, do_eval=False)
+    with pytest.raises(DataError, match=r"stage rm needs preference pairs.*`chosen`.*`rejected`"):
+        run_train(config)
+
+
+def test_score_file_ranks_like_eval_and_handles_messages_and_padding_sides(tmp_path, tiny_model_dir):
+    config = _config(tmp_path, tiny_model_dir, do_eval=False, do_predict=True)
+    run_train(config)
+    out = Path(config.training.output_dir)
+    predictions = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
+
+    rows = []
+    for prompt, chosen, rejected in PAIRS[:4]:
+        rows.append({"prompt": prompt, "response": chosen, "id": len(rows)})
+        rows.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": rejected}]})
+    src = _write_jsonl(tmp_path / "to_score.jsonl", rows)
+    n = score_file(out, src, tmp_path / "scored.jsonl", batch_size=3, cutoff_len=64)
+    scored = [json.loads(line) for line in (tmp_path / "scored.jsonl").read_text().splitlines()]
+    assert n == 8 and scored[0]["id"] == 0 and "messages" in scored[1]
+    for i, p in enumerate(predictions):
+        assert scored[2 * i]["score"] == pytest.approx(p["chosen"], abs=1e-4)
+        assert scored[2 * i + 1]["score"] == pytest.approx(p["rejected"], abs=1e-4)
+
+    left = RewardScorer(out, padding_side="left", batch_size=4)
+    assert left.score([p for p, _, _ in PAIRS[:4]], [c for _, c, _ in PAIRS[:4]]) == pytest.approx(
+        [p["chosen"] for p in predictions], abs=1e-4)
+
+
+def test_score_file_names_the_line_and_missing_field(tmp_path, tiny_model_dir):
+    src = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "hi", "response": "hello"}, {"prompt": "hi"}])
+    with pytest.raises(DataError, match=r"bad.jsonl line 2: missing `response`"):
+        score_file(tiny_model_dir, src, tmp_path / "o.jsonl")
+
+
+def test_exported_reward_adapter_scores_the_same(tmp_path, tiny_model_dir):
+    from alignkit.export import export_model
+    from alignkit.hparams import ModelArguments
+
+    config = _config(tmp_path, tiny_model_dir, do_eval=False, max_steps=2)
+    run_train(config)
+    out = config.training.output_dir
+    exported = export_model(ModelArguments(model_name_or_path=tiny_model_dir, adapter_name_or_path=out),
+                            str(tmp_path / "exported"))
+    prompts, responses = [p for p, _, _ in PAIRS[:3]], [c for _, c, _ in PAIRS[:3]]
+    assert RewardScorer(exported).score(prompts, responses) == pytest.approx(
+        RewardScorer(out).score(prompts, responses), abs=1e-5)

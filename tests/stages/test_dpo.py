@@ -1,0 +1,241 @@
+"""DPO stage end to end on the tiny model: references, training, metrics, precomputed log-probs, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from alignkit.hparams import parse_config
+from alignkit.model.logprobs import forward_token_logps
+from alignkit.stages import dpo as dpo_module
+from alignkit.stages.dpo import DPOTrainer
+
+PAIRS = [
+    ("What is 12 plus 7?", "12 plus 7 is 19.", "It is 27."),
+    ("The capital of France?", "The capital of France is Paris.", "Tokyo."),
+    ("Name a colour.", "green", "apple, banana, cherry"),
+    ("Translate to French: good morning.", "Bonjour.", "The waves roll in and out again."),
+    ("Write a short poem about the sea.", "The waves roll in and out again.", "8"),
+    ("How many apples does Tom have?", "Tom has 8 apples.", "It is 27."),
+]
+
+
+def _encode(tokenizer, prompt: str, response: str) -> dict[str, list[int]]:
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               tokenize=True)["input_ids"]
+    full = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
+                                          {"role": "assistant", "content": response}], tokenize=True)["input_ids"]
+    labels = [-100] * len(prompt_ids) + full[len(prompt_ids):]
+    return {"input_ids": full, "attention_mask": [1] * len(full), "labels": labels}
+
+
+def pair_dataset(tokenizer, pairs=PAIRS) -> Dataset:
+    """The `get_dataset(..., "dpo")` columns, built by hand from chat-templated pairs."""
+    columns: dict[str, list] = {}
+    for prompt, chosen, rejected in pairs:
+        for side, response in (("chosen", chosen), ("rejected", rejected)):
+            for key, value in _encode(tokenizer, prompt, response).items():
+                columns.setdefault(f"{side}_{key}", []).append(value)
+    return Dataset.from_dict(columns)
+
+
+def pairwise_collate(features: list[dict]) -> dict[str, torch.Tensor]:
+    """Chosen rows first, then rejected, right-padded to the longest row (the PairwiseCollator contract)."""
+    rows = [(f["chosen_input_ids"], f["chosen_labels"]) for f in features]
+    rows += [(f["rejected_input_ids"], f["rejected_labels"]) for f in features]
+    length = max(len(ids) for ids, _ in rows)
+    batch = {"input_ids": [], "attention_mask": [], "labels": []}
+    for ids, labels in rows:
+        pad = length - len(ids)
+        batch["input_ids"].append(ids + [2] * pad)
+        batch["attention_mask"].append([1] * len(ids) + [0] * pad)
+        batch["labels"].append(labels + [-100] * pad)
+    return {k: torch.tensor(v) for k, v in batch.items()}
+
+
+def make_config(tmp_path, **overrides):
+    values = {
+        "stage": "dpo",
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 2,
+        "per_device_eval_batch_size": 4,
+        "max_steps": 3,
+        "learning_rate": 5e-3,
+        "lr_scheduler_type": "constant",
+        "save_strategy": "no",
+        "use_cpu": True,
+        "seed": 0,
+        "data_seed": 0,
+        "dataloader_num_workers": 0,
+    }
+    values.update(overrides)
+    return parse_config(values)
+
+
+def lora_model(tiny_model_dir, init_lora_weights=True):
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj"],
+                        init_lora_weights=init_lora_weights)
+    torch.manual_seed(1)
+    return get_peft_model(base, config)
+
+
+def make_trainer(model, config, dataset, eval_dataset=None, callbacks=None):
+    return DPOTrainer(model=model, args=config.training, finetuning_args=config.finetuning,
+                      data_collator=pairwise_collate, train_dataset=dataset, eval_dataset=eval_dataset,
+                      callbacks=callbacks)
+
+
+def losses_of(trainer) -> list[float]:
+    return [record["loss"] for record in trainer.state.log_history if "loss" in record]
+
+
+def test_lora_reference_equals_base_model_logps(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """With a non-zero adapter the policy differs from the base; the reference equals the plain base model."""
+    dataset = pair_dataset(tiny_tokenizer)
+    trainer = make_trainer(lora_model(tiny_model_dir, init_lora_weights=False), make_config(tmp_path), dataset)
+    assert trainer.ref_model is None  # no second copy under LoRA
+    batch = pairwise_collate([dataset[i] for i in range(3)])
+    trainer.model.train()
+    ref_chosen, ref_rejected = trainer.reference_logps(batch)
+    assert trainer.model.training  # the reference pass ran in eval mode and restored training mode
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        base_logps = forward_token_logps(base, batch["input_ids"], batch["attention_mask"], batch["labels"])[0]
+        policy_logps = forward_token_logps(trainer.model, batch["input_ids"], batch["attention_mask"],
+                                           batch["labels"])[0]
+    assert torch.allclose(torch.cat([ref_chosen, ref_rejected]), base_logps.sum(-1), atol=1e-5)
+    assert not torch.allclose(policy_logps.sum(-1), base_logps.sum(-1), atol=1e-3)
+
+
+def test_lora_training_logs_metrics_and_moves_only_the_adapter(tiny_model_dir, tiny_tokenizer, tmp_path):
+    dataset = pair_dataset(tiny_tokenizer)
+    model = lora_model(tiny_model_dir)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = make_config(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=3, eval_dataset="hand-built")
+    trainer = make_trainer(model, config, dataset, eval_dataset=dataset)
+    trainer.train()
+
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    train_logs = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(train_logs) == 6
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                "logps/chosen", "logps/rejected"):
+        assert all(key in r and torch.isfinite(torch.tensor(r[key])) for r in train_logs), key
+    # Step 1: policy == reference (fresh adapter), so rewards are 0 and the loss is log 2.
+    assert train_logs[0]["loss"] == pytest.approx(0.693147, abs=1e-4)
+    assert train_logs[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert train_logs[-1]["rewards/margins"] > 0
+    eval_logs = [r for r in trainer.state.log_history if "eval_loss" in r]
+    assert len(eval_logs) == 2 and "eval_rewards/accuracies" in eval_logs[-1]
+    assert "rewards/chosen" not in eval_logs[-1]
+
+
+def test_full_finetuning_reference_is_the_in_memory_policy_at_init(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """A policy changed in memory before the trainer is built gets that policy as reference, frozen after."""
+    dataset = pair_dataset(tiny_tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(3.0)  # differs from what is on disk
+    trainer = make_trainer(model, make_config(tmp_path, finetuning_type="full", max_steps=2), dataset)
+    batch = pairwise_collate([dataset[i] for i in range(2)])
+    with torch.no_grad():
+        at_init = forward_token_logps(model, batch["input_ids"], batch["attention_mask"], batch["labels"])[0]
+    assert torch.allclose(torch.cat(trainer.reference_logps(batch)), at_init.sum(-1), atol=1e-5)
+    trainer.train()
+    assert torch.allclose(torch.cat(trainer.reference_logps(batch)), at_init.sum(-1), atol=1e-5)
+    assert not any(p.requires_grad for p in trainer.ref_model.parameters())
+
+
+@pytest.mark.parametrize("loss_type", ["orpo", "simpo"])
+def test_reference_free_losses_run_no_reference_pass(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch,
+                                                     loss_type):
+    dataset = pair_dataset(tiny_tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    trainer = make_trainer(model, make_config(tmp_path, pref_loss=loss_type, finetuning_type="full", max_steps=2),
+                           dataset)
+    assert trainer.ref_model is None  # no frozen copy either
+    monkeypatch.setattr(DPOTrainer, "reference_logps", lambda *a, **k: pytest.fail("reference pass"))
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(x)) for x in losses_of(trainer))
+
+
+def test_pref_ftx_adds_the_chosen_nll(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """At step 0 (fresh adapter) DPO's loss is log 2, so loss - log 2 = pref_ftx * mean chosen-token NLL."""
+    dataset = pair_dataset(tiny_tokenizer)
+    trainer = make_trainer(lora_model(tiny_model_dir), make_config(tmp_path, pref_ftx=0.5), dataset)
+    batch = pairwise_collate([dataset[i] for i in range(4)])
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch).item()
+        logps, mask = forward_token_logps(trainer.model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+    chosen_nll = -logps[:4].sum() / mask[:4].sum()
+    assert loss == pytest.approx(0.6931472 + 0.5 * chosen_nll.item(), abs=1e-5)
+
+
+def test_precomputed_reference_matches_on_the_fly_and_is_cached(tiny_model_dir, tiny_tokenizer, tmp_path,
+                                                                monkeypatch):
+    dataset = pair_dataset(tiny_tokenizer)
+    on_the_fly = make_trainer(lora_model(tiny_model_dir), make_config(tmp_path / "a", max_steps=4), dataset)
+    on_the_fly.train()
+
+    config = make_config(tmp_path / "b", max_steps=4, precompute_ref_log_probs=True)
+    precomputed = make_trainer(lora_model(tiny_model_dir), config, dataset, eval_dataset=dataset)
+    assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(precomputed.train_dataset.column_names)
+    calls = []
+    original = DPOTrainer.reference_logps
+    monkeypatch.setattr(DPOTrainer, "reference_logps", lambda self, inputs: calls.append(1) or original(self, inputs))
+    precomputed.train()
+    assert calls == []  # training read the columns, never ran the reference
+    assert losses_of(precomputed) == pytest.approx(losses_of(on_the_fly), abs=1e-5)
+    assert precomputed.evaluate()["eval_rewards/margins"] > 0
+
+    # A second run over the same tokens and weights reads the cache instead of recomputing.
+    again = make_trainer(lora_model(tiny_model_dir), config, dataset)
+    assert calls == []
+    assert again.train_dataset["ref_chosen_logps"] == precomputed.train_dataset["ref_chosen_logps"]
+    # Other weights are another key: recomputed.
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(2.0)
+    make_trainer(other, make_config(tmp_path / "c", precompute_ref_log_probs=True, finetuning_type="full"), dataset)
+    assert calls
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = True
+            control.should_training_stop = True
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tiny_tokenizer, tmp_path, precompute):
+    dataset = pair_dataset(tiny_tokenizer)
+    common = dict(max_steps=6, precompute_ref_log_probs=precompute)
+    full = make_trainer(lora_model(tiny_model_dir), make_config(tmp_path / "full", **common), dataset)
+    full.train()
+
+    config = make_config(tmp_path / "resumed", **common)
+    first = make_trainer(lora_model(tiny_model_dir), config, dataset, callbacks=[_StopAt(3)])
+    first.train()
+    checkpoint = tmp_path / "resumed" / "out" / "checkpoint-3"
+    assert (checkpoint / "trainer_state.json").is_file()
+    second = make_trainer(lora_model(tiny_model_dir), config, dataset)
+    second.train(resume_from_checkpoint=str(checkpoint))
+    resumed_losses = losses_of(second)
+    assert len(resumed_losses) == 6  # the checkpoint's log history plus steps 4-6
+    assert resumed_losses == pytest.approx(losses_of(full), abs=1e-5)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["global_step"] == 3

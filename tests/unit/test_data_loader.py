@@ -1,0 +1,230 @@
+"""Loading: sources, registry, bad input, skipping, cutoff drops, caching, tokenized_path, val_size."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import time
+
+import pytest
+
+from alignkit.data import DataError, get_dataset, processors
+from alignkit.data.loader import split_examples
+from alignkit.hparams import parse_config
+
+SFT_ROWS = [{"instruction": f"What is {i} plus 2?", "output": f"{i} plus 2 is {i + 2}."} for i in range(10)]
+
+
+def config(tmp_path, dataset, stage="sft", **keys):
+    return parse_config({"dataset": dataset, "dataset_dir": str(tmp_path), "stage": stage, "cutoff_len": 256, **keys})
+
+
+def write(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content if isinstance(content, str) else json.dumps(content, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+def load(tmp_path, tokenizer, rows, stage="sft", name="d.json", **keys):
+    path = write(tmp_path, name, rows)
+    return get_dataset(config(tmp_path, str(path), stage, **keys), tokenizer, stage)
+
+
+# ---------------------------------------------------------------------------------------------- sources
+def test_jsonl_csv_and_parquet_files_give_the_same_examples(tmp_path, tiny_tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write(tmp_path, "a.jsonl", "\n".join(json.dumps(r) for r in SFT_ROWS[:3]) + "\n\n")
+    with (tmp_path / "a.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["instruction", "input", "output"])
+        writer.writeheader()
+        writer.writerows([dict(r, input="") for r in SFT_ROWS[:3]])
+    pq.write_table(pa.Table.from_pylist(SFT_ROWS[:3]), tmp_path / "a.parquet")
+    results = [get_dataset(config(tmp_path, str(tmp_path / n)), tiny_tokenizer, "sft")["train_dataset"]["input_ids"]
+               for n in ("a.jsonl", "a.csv", "a.parquet")]
+    assert results[0] == results[1] == results[2] and len(results[0]) == 3
+
+
+def test_several_datasets_are_concatenated_and_max_samples_applies_to_each(tmp_path, tiny_tokenizer):
+    a, b = write(tmp_path, "a.json", SFT_ROWS[:5]), write(tmp_path, "b.json", SFT_ROWS[5:])
+    out = get_dataset(config(tmp_path, f"{a},{b}", max_samples=2), tiny_tokenizer, "sft")["train_dataset"]
+    decoded = [tiny_tokenizer.decode(ids) for ids in out["input_ids"]]
+    assert len(decoded) == 4
+    assert ["What is 0 " in decoded[0], "What is 1 " in decoded[1], "What is 5 " in decoded[2]] == [True] * 3
+
+
+def test_registry_columns_and_tags(tmp_path, tiny_tokenizer):
+    write(tmp_path, "qa.json", [{"question": "Hi", "answer": "Hello!", "persona": "Be brief."}])
+    write(tmp_path, "chat.json", [{"dialog": [{"speaker": "U", "text": "Hi"}, {"speaker": "A", "text": "Hello!"}]}])
+    write(tmp_path, "dataset_info.json", {
+        "qa": {"file_name": "qa.json", "columns": {"prompt": "question", "response": "answer", "system": "persona"}},
+        "chat": {"file_name": "chat.json", "formatting": "sharegpt", "columns": {"messages": "dialog"},
+                 "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "U", "assistant_tag": "A"}}})
+    out = get_dataset(config(tmp_path, "qa,chat"), tiny_tokenizer, "sft")["train_dataset"]
+    first, second = (tiny_tokenizer.decode(ids) for ids in out["input_ids"])
+    assert first == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                     "<|im_start|>assistant\nHello!<|im_end|>")
+    assert second == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>"
+
+
+def test_registry_file_relative_to_dataset_dir_and_missing_file(tmp_path, tiny_tokenizer):
+    write(tmp_path, "dataset_info.json", {"gone": {"file_name": "nowhere.json"}})
+    with pytest.raises(DataError, match="nowhere.json.*does not exist"):
+        get_dataset(config(tmp_path, "gone"), tiny_tokenizer, "sft")
+
+
+def test_hub_id_fails_at_once_when_offline(tmp_path, tiny_tokenizer, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    with pytest.raises(DataError, match="someorg/somedata.*offline"):
+        get_dataset(config(tmp_path, "someorg/somedata"), tiny_tokenizer, "sft")
+    assert time.monotonic() - start < 5
+
+
+def test_unknown_name_lists_the_registry(tmp_path, tiny_tokenizer):
+    write(tmp_path, "dataset_info.json", {"known": {"file_name": "k.json"}})
+    write(tmp_path, "k.json", SFT_ROWS)
+    with pytest.raises(DataError, match=r"'unknwon'.*known: known"):
+        get_dataset(config(tmp_path, "unknwon"), tiny_tokenizer, "sft")
+
+
+def test_bundled_demo_registry_loads_for_every_stage(tiny_tokenizer):
+    """data/dataset_info.json as committed: each demo dataset gives examples for the stages it serves."""
+    for name, stage in [("demo_sft", "sft"), ("demo_sft_sharegpt", "sft"), ("demo_pref", "rm"),
+                        ("demo_math", "grpo"), ("demo_pt", "pt")]:
+        values = {"dataset": name, "dataset_dir": "data", "stage": stage, "max_samples": 20, "cutoff_len": 64}
+        out = get_dataset(parse_config(values), tiny_tokenizer, stage)["train_dataset"]
+        assert len(out) > 0, name
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("content, name, match", [
+    ('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": "d"}\n{"instruction": "e" "output": "f"}\n',
+     "x.jsonl", r"x\.jsonl, line 3: invalid JSON \(Expecting ',' delimiter.*Fix the line or set skip_invalid_rows=true"),
+    ('[{"instruction": "a", "output": "b"},\n {"instruction": "c" "output": "d"}]', "x.json",
+     r"x\.json: invalid JSON at line 2 column"),
+    ([{"instruction": "a", "output": "b"}, {"instruction": "c"}], "x.json", r"x\.json, row 2: field `output`: is missing"),
+    ([{"instruction": "a", "output": 42}], "x.json", r"x\.json, row 1: field `output`: expected text, got number 42"),
+    ([{"instruction": "a", "output": "  "}], "x.json", r"row 1: field `output`: is empty"),
+    ([{"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}]}], "x.json",
+     r"row 1: field `conversations\[1\]\.from`: role 'human' is out of order"),
+    ([{"conversations": [{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}]}], "x.json",
+     r"row 1: field `conversations\[1\]\.from`: unknown role 'bot'"),
+    ([{"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}, {"from": "human", "value": "c"}]}],
+     "x.json", r"row 1: field `conversations`: the conversation ends with a user turn"),
+    ([{"instruction": "a", "output": "b", "history": "not a list"}], "x.json", r"row 1: field `history`: expected a list"),
+])
+def test_bad_rows_name_file_row_and_field(tmp_path, tiny_tokenizer, content, name, match):
+    with pytest.raises(DataError, match=match):
+        load(tmp_path, tiny_tokenizer, content, name=name)
+
+
+def test_preference_data_given_to_sft_names_the_fix(tmp_path, tiny_tokenizer):
+    rows = [{"instruction": "a", "chosen": "b", "rejected": "c"}]
+    with pytest.raises(DataError, match=r"stage sft needs.*`output`.*use stage rm or dpo"):
+        load(tmp_path, tiny_tokenizer, rows, stage="sft")
+
+
+@pytest.mark.parametrize("stage", ["rm", "dpo"])
+def test_sft_data_given_to_preference_stage_names_missing_columns(tmp_path, tiny_tokenizer, stage):
+    with pytest.raises(DataError, match=rf"stage {stage} needs preference pairs.*`chosen`, `rejected`"):
+        load(tmp_path, tiny_tokenizer, SFT_ROWS, stage=stage)
+
+
+def test_skip_invalid_rows_skips_and_reports(tmp_path, tiny_tokenizer, caplog):
+    lines = [json.dumps(SFT_ROWS[0]), "{broken", json.dumps(SFT_ROWS[1]), json.dumps({"instruction": "a", "output": 3})]
+    with caplog.at_level(logging.WARNING):
+        out = load(tmp_path, tiny_tokenizer, "\n".join(lines), name="x.jsonl", skip_invalid_rows=True)
+    assert len(out["train_dataset"]) == 2
+    assert "Skipped 2 invalid row(s)" in caplog.text
+    assert "x.jsonl, line 2" in caplog.text and "x.jsonl, line 4" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------- cutoff
+def test_response_that_cannot_fit_is_dropped_with_one_warning(tmp_path, tiny_tokenizer, caplog):
+    """cutoff_len=8. Row 2: the reply `Hello!<|im_end|>` has r tokens with 4 <= r < 8 (not under half the
+    budget) and the prompt p > 200 tokens (not under half either), so the reply gets
+    int(8 * r / (p + r)) <= int(8 * 7 / 204) = 0 tokens and the row is dropped.
+    Row 3: the prompt is cut from the left and the reply keeps its first tokens."""
+    r = len(tiny_tokenizer("Hello!<|im_end|>", add_special_tokens=False)["input_ids"])
+    assert 4 <= r < 8
+    rows = [{"instruction": "Hi", "output": "Hello!"},
+            {"instruction": "word " * 200, "output": "Hello!"},
+            {"instruction": "Hi", "output": "Hello there, how are you today?"}]
+    with caplog.at_level(logging.WARNING):
+        out = load(tmp_path, tiny_tokenizer, rows, cutoff_len=8)["train_dataset"]
+    assert len(out) == 2
+    assert all(len(ids) <= 8 for ids in out["input_ids"])
+    assert all(any(label != -100 for label in labels) for labels in out["labels"])
+    assert "Dropped 1 of 3 train example(s)" in caplog.text and "row 2" in caplog.text
+    # The long reply keeps its beginning; the prompt keeps its end (the generation prompt).
+    kept_reply = tiny_tokenizer.decode(out["input_ids"][1]).split("assistant\n")[-1]
+    assert kept_reply and "Hello there, how are you today?".startswith(kept_reply)
+
+
+def test_identical_pairs_are_dropped_with_a_warning(tmp_path, tiny_tokenizer, caplog):
+    rows = [{"instruction": "a", "chosen": "same", "rejected": "same"},
+            {"instruction": "b", "chosen": "good answer", "rejected": "bad"}]
+    with caplog.at_level(logging.WARNING):
+        out = load(tmp_path, tiny_tokenizer, rows, stage="dpo")["train_dataset"]
+    assert len(out) == 1
+    assert "Dropped 1 of 2" in caplog.text and "identical" in caplog.text and "row 1" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------- cache
+def test_second_run_hits_the_cache_and_key_changes_retokenise(tmp_path, tiny_tokenizer, monkeypatch):
+    path = write(tmp_path, "d.json", SFT_ROWS)
+    first = get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")["train_dataset"]
+
+    def fail(*args, **kwargs):
+        raise AssertionError("tokenised again")
+
+    monkeypatch.setattr(processors, "tokenize_examples", fail)
+    again = get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")["train_dataset"]
+    assert again["input_ids"] == first["input_ids"]
+    for changed in ({"cutoff_len": 128}, {"overwrite_cache": True}, {"train_on_prompt": True}, {"max_samples": 3},
+                    {"template": "plain"}):
+        with pytest.raises(AssertionError, match="tokenised again"):
+            get_dataset(config(tmp_path, str(path), **changed), tiny_tokenizer, "sft")
+    write(tmp_path, "d.json", SFT_ROWS[:9])  # new contents
+    with pytest.raises(AssertionError, match="tokenised again"):
+        get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")
+
+
+def test_tokenized_path_saves_then_loads_without_the_source(tmp_path, tiny_tokenizer):
+    path = write(tmp_path, "d.json", SFT_ROWS)
+    saved = tmp_path / "tok"
+    first = get_dataset(config(tmp_path, str(path), tokenized_path=str(saved), val_size=2), tiny_tokenizer, "sft")
+    assert (saved / "train").is_dir() and (saved / "eval").is_dir()
+    path.unlink()
+    again = get_dataset(config(tmp_path, str(path), tokenized_path=str(saved)), tiny_tokenizer, "sft")
+    assert again["train_dataset"]["input_ids"] == first["train_dataset"]["input_ids"]
+    assert again["eval_dataset"]["input_ids"] == first["eval_dataset"]["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------- val_size
+@pytest.mark.parametrize("val_size, sizes", [(0.2, (8, 2)), (3, (7, 3)), (0.01, (9, 1))])
+def test_val_size_split_sizes(tmp_path, tiny_tokenizer, val_size, sizes):
+    out = load(tmp_path, tiny_tokenizer, SFT_ROWS, val_size=val_size)
+    assert (len(out["train_dataset"]), len(out["eval_dataset"])) == sizes
+
+
+def test_val_split_is_deterministic_per_seed_and_disjoint():
+    items = list(range(100))
+    train, held = split_examples(items, 0.1, seed=42)
+    assert (train, held) == split_examples(items, 0.1, seed=42)
+    assert held != split_examples(items, 0.1, seed=7)[1]
+    assert sorted(train + held) == items and len(held) == 10
+
+
+def test_val_size_too_large_is_an_error():
+    with pytest.raises(DataError, match="val_size=5.*leaving none"):
+        split_examples(list(range(5)), 5, seed=0)
+
+
+def test_eval_dataset_key_loads_a_separate_set(tmp_path, tiny_tokenizer):
+    train, held = write(tmp_path, "t.json", SFT_ROWS[:6]), write(tmp_path, "e.json", SFT_ROWS[6:])
+    out = get_dataset(config(tmp_path, str(train), eval_dataset=str(held), val_size=0.5), tiny_tokenizer, "sft")
+    assert (len(out["train_dataset"]), len(out["eval_dataset"])) == (6, 4)

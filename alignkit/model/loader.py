@@ -167,8 +167,8 @@ def _load_base(model_args: ModelArguments, head: Head):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     path = resolve_model_path(model_args)
-    kwargs = dict(dtype=resolve_dtype(model_args.infer_dtype), low_cpu_mem_usage=model_args.low_cpu_mem_usage,
-                  **_hub_kwargs(model_args))
+    # `low_cpu_mem_usage` is accepted in configs but not passed: transformers 5 always loads lazily.
+    kwargs = dict(dtype=resolve_dtype(model_args.infer_dtype), **_hub_kwargs(model_args))
     if model_args.attn_implementation:
         kwargs["attn_implementation"] = model_args.attn_implementation
     if head == "causal_lm":

@@ -140,3 +140,20 @@ def test_check_sft_inputs_errors(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="packing=true with predict_with_generate"):
         check_sft_inputs(packed, with_pad, {"train_dataset": None, "eval_dataset": rows})
     check_sft_inputs(generating, with_pad, {"train_dataset": None, "eval_dataset": rows})  # fine
+
+
+@pytest.mark.parametrize("name", ["sft_lora.yaml", "sft_full.yaml", "pt_lora.yaml"])
+def test_example_yaml_runs(name, tiny_model_dir, tmp_path):
+    """Each shipped example parses and runs a step on the tiny model with its own dataset and settings."""
+    from alignkit.hparams import read_config
+
+    root = Path(__file__).resolve().parents[2]
+    path = root / "examples" / name
+    assert path.read_text(encoding="utf-8").startswith(f"# alignkit train examples/{name}\n")
+    config = read_config(path, [f"model_name_or_path={tiny_model_dir}", f"dataset_dir={root / 'data'}",
+                                f"output_dir={tmp_path / 'out'}", "max_samples=24", "max_steps=1",
+                                "per_device_train_batch_size=2", "gradient_accumulation_steps=1", "use_cpu=true"])
+    run_train(config)
+    out = Path(config.training.output_dir)
+    assert any("loss" in r for r in read_log(out))
+    assert (out / "eval_results.json").is_file()

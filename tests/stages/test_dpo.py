@@ -9,10 +9,14 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
+from alignkit.callbacks import read_log
+from alignkit.data import PairwiseCollator
 from alignkit.hparams import parse_config
 from alignkit.model.logprobs import forward_token_logps
+from alignkit.model.tiny import build_tiny_tokenizer
 from alignkit.stages import dpo as dpo_module
 from alignkit.stages.dpo import DPOTrainer
+from alignkit.train import run_train
 
 PAIRS = [
     ("What is 12 plus 7?", "12 plus 7 is 19.", "It is 27."),
@@ -41,20 +45,6 @@ def pair_dataset(tokenizer, pairs=PAIRS) -> Dataset:
             for key, value in _encode(tokenizer, prompt, response).items():
                 columns.setdefault(f"{side}_{key}", []).append(value)
     return Dataset.from_dict(columns)
-
-
-def pairwise_collate(features: list[dict]) -> dict[str, torch.Tensor]:
-    """Chosen rows first, then rejected, right-padded to the longest row (the PairwiseCollator contract)."""
-    rows = [(f["chosen_input_ids"], f["chosen_labels"]) for f in features]
-    rows += [(f["rejected_input_ids"], f["rejected_labels"]) for f in features]
-    length = max(len(ids) for ids, _ in rows)
-    batch = {"input_ids": [], "attention_mask": [], "labels": []}
-    for ids, labels in rows:
-        pad = length - len(ids)
-        batch["input_ids"].append(ids + [2] * pad)
-        batch["attention_mask"].append([1] * len(ids) + [0] * pad)
-        batch["labels"].append(labels + [-100] * pad)
-    return {k: torch.tensor(v) for k, v in batch.items()}
 
 
 def make_config(tmp_path, **overrides):
@@ -87,9 +77,13 @@ def lora_model(tiny_model_dir, init_lora_weights=True):
     return get_peft_model(base, config)
 
 
+def pairwise_collate(features):
+    return PairwiseCollator(build_tiny_tokenizer())(features)
+
+
 def make_trainer(model, config, dataset, eval_dataset=None, callbacks=None):
     return DPOTrainer(model=model, args=config.training, finetuning_args=config.finetuning,
-                      data_collator=pairwise_collate, train_dataset=dataset, eval_dataset=eval_dataset,
+                      data_collator=PairwiseCollator(build_tiny_tokenizer()), train_dataset=dataset, eval_dataset=eval_dataset,
                       callbacks=callbacks)
 
 
@@ -239,3 +233,26 @@ def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tiny_tokenizer, tm
     assert resumed_losses == pytest.approx(losses_of(full), abs=1e-5)
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["global_step"] == 3
+
+
+def test_run_train_dpo_end_to_end(tiny_model_dir, tmp_path):
+    """`stage: dpo` from a preference file: trainer_log.jsonl carries the reward metrics, outputs are written."""
+    rows = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS]
+    data_file = tmp_path / "pairs.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    config = parse_config({
+        "stage": "dpo", "model_name_or_path": tiny_model_dir, "dataset": str(data_file),
+        "eval_dataset": str(data_file), "output_dir": str(tmp_path / "out"), "do_train": True, "do_eval": True,
+        "max_steps": 3, "per_device_train_batch_size": 2, "per_device_eval_batch_size": 3,
+        "learning_rate": 5e-3, "lora_rank": 4, "cutoff_len": 64, "save_strategy": "no", "seed": 0,
+        "precompute_ref_log_probs": True,
+    })
+    run_train(config)
+    out = tmp_path / "out"
+    records = [r for r in read_log(out) if "loss" in r]
+    assert len(records) == 3
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+            "logps/rejected"} <= set(records[-1])
+    assert (out / "adapter_model.safetensors").is_file()
+    eval_results = json.loads((out / "eval_results.json").read_text())
+    assert {"eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"} <= set(eval_results)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .template import ChatFormatter
+from .template import ChatFormatter, adds_bos
 
 IGNORE_INDEX = -100
 
@@ -147,9 +147,9 @@ def encode_prompt(formatter: ChatFormatter, example: dict, cutoff_len: int) -> d
 
 
 def encode_pretrain(tokenizer, texts: list[str], cutoff_len: int) -> dict[str, list[list[int]]]:
-    """Concatenate the texts (each closed by eos, opened by bos when the tokenizer has one) and cut the
+    """Concatenate the texts (each closed by eos, opened by bos when the tokenizer adds one) and cut the
     stream into blocks of `cutoff_len` tokens; the last block may be shorter. Every token is trained."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     stream: list[int] = []
     for ids in _tokenize(tokenizer, texts):

@@ -90,6 +90,15 @@ BUILTIN_TEMPLATES: dict[str, BuiltinTemplate] = {
 _REPLY_END = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
 
 
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer itself opens a text with bos. Some declare a bos they never use (SmolLM2's GGUF
+    tokenizer names `<|im_start|>`), so the declared token alone does not decide."""
+    if tokenizer.bos_token_id is None:
+        return False
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
 class ChatFormatter:
     """Renders conversations with one template and splits them into prompt/response chunks by position.
 
@@ -110,7 +119,7 @@ class ChatFormatter:
             self.reply_end = eos
         elif template in BUILTIN_TEMPLATES:
             builtin = BUILTIN_TEMPLATES[template]
-            bos = tokenizer.bos_token or ""
+            bos = tokenizer.bos_token if adds_bos(tokenizer) else ""
             self._render = lambda messages, add_generation_prompt, tools=None: builtin.render(
                 messages, add_generation_prompt, eos=eos, bos=bos, tools=tools)
             self.reply_end = _REPLY_END.get(template, eos)

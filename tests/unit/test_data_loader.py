@@ -228,3 +228,15 @@ def test_eval_dataset_key_loads_a_separate_set(tmp_path, tiny_tokenizer):
     train, held = write(tmp_path, "t.json", SFT_ROWS[:6]), write(tmp_path, "e.json", SFT_ROWS[6:])
     out = get_dataset(config(tmp_path, str(train), eval_dataset=str(held), val_size=0.5), tiny_tokenizer, "sft")
     assert (len(out["train_dataset"]), len(out["eval_dataset"])) == (6, 4)
+
+
+def test_bare_file_name_is_found_in_dataset_dir(tmp_path, tiny_tokenizer, monkeypatch):
+    write(tmp_path, "only_here.jsonl", "\n".join(json.dumps(r) for r in SFT_ROWS[:2]))
+    monkeypatch.chdir(tmp_path.parent)  # not found relative to the working directory
+    out = get_dataset(config(tmp_path, "only_here.jsonl"), tiny_tokenizer, "sft")["train_dataset"]
+    assert len(out) == 2
+
+
+def test_prompt_completion_rows_are_supervised(tmp_path, tiny_tokenizer):
+    out = load(tmp_path, tiny_tokenizer, [{"prompt": "Hi", "completion": "Hello!"}])["train_dataset"][0]
+    assert tiny_tokenizer.decode([t for t in out["labels"] if t != -100]) == "Hello!<|im_end|>"

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-SKIP_HINT = "Fix the row or set skip_invalid_rows=true to skip it."
-
 
 class DataError(ValueError):
     """A dataset problem the user must fix; the message says where (file, row, field) and how."""
@@ -31,11 +29,6 @@ class RowError(ValueError):
         super().__init__(f"field `{field}`: {problem}" if field else problem)
         self.field = field
         self.problem = problem
-
-
-def row_location(source: str, row: int, line_based: bool) -> str:
-    """`data/x.jsonl, line 7` or `data/x.json, row 3` (both 1-based)."""
-    return f"{source}, {'line' if line_based else 'row'} {row}"
 
 
 def describe_value(value: object) -> str:

@@ -147,7 +147,7 @@ def check_columns(attr: DatasetAttr, formatting: str, columns: list[str], kind: 
         if formatting == "alpaca":
             need([attr.column("prompt")], "prompts", fix)
         elif formatting == "trl":
-            need(["prompt"] if "prompt" in cols or not {"chosen"} <= cols else ["chosen"], "prompts", fix)
+            need(["prompt"], "prompts", fix)
         else:
             need([attr.column("messages")], "prompts", fix)
 

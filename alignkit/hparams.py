@@ -150,7 +150,11 @@ class FinetuningArguments:
     )
     pref_ftx: float = field(default=0.0, metadata={"help": "Weight of the SFT loss on chosen added to DPO."})
     dpo_label_smoothing: float = field(
-        default=0.0, metadata={"help": "Conservative-DPO label smoothing in [0, 0.5) for the sigmoid loss: the assumed share of flipped preference labels (0 = plain DPO)."}
+        default=0.0,
+        metadata={
+            "help": "Conservative-DPO label smoothing in [0, 0.5) for the sigmoid loss: the assumed share of "
+            "flipped preference labels (0 = plain DPO)."
+        },
     )
     simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO target reward margin."})
     precompute_ref_log_probs: bool = field(

@@ -370,6 +370,12 @@ class DPOTrainer(Trainer):
                 yield self.ref_model
                 return
             model = self.model
+            if not _is_peft_model(model) and self.state.global_step > 0:
+                raise ValueError(
+                    "precompute_ref_log_probs=true with full/freeze fine-tuning keeps no reference copy, and the "
+                    "policy has been trained since: reference log-probs exist only for the datasets given when the "
+                    "trainer was built. Pass this dataset as eval_dataset then, or set precompute_ref_log_probs=false."
+                )
             was_training = model.training
             model.eval()  # no dropout in the reference
             try:

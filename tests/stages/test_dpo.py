@@ -150,6 +150,18 @@ def test_full_finetuning_reference_is_the_in_memory_policy_at_init(tiny_model_di
     assert not any(p.requires_grad for p in trainer.ref_model.parameters())
 
 
+def test_full_finetuning_with_precomputed_reference_refuses_new_data_after_training(tiny_model_dir, tiny_tokenizer,
+                                                                                     tmp_path):
+    """No frozen copy is kept then; a dataset not precomputed at init cannot get a correct reference later."""
+    dataset = pair_dataset(tiny_tokenizer)
+    config = make_config(tmp_path, finetuning_type="full", max_steps=1, precompute_ref_log_probs=True)
+    trainer = make_trainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config, dataset)
+    assert trainer.ref_model is None
+    trainer.train()
+    with pytest.raises(ValueError, match="eval_dataset"):
+        trainer.evaluate(eval_dataset=dataset)
+
+
 @pytest.mark.parametrize("loss_type", ["orpo", "simpo"])
 def test_reference_free_losses_run_no_reference_pass(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch,
                                                      loss_type):

@@ -43,6 +43,22 @@ def test_selective_log_softmax_matches_log_softmax_gather(monkeypatch, chunk_ele
     assert torch.allclose(grad_ours, logits.grad, atol=1e-6)
 
 
+def test_bf16_logits_get_fp32_maths():
+    """bf16 logits: log-probs and gradients equal the fp32 computation on the same (rounded) values."""
+    torch.manual_seed(0)
+    logits16 = (torch.randn(2, 3, 50) * 5).bfloat16().requires_grad_(True)
+    logits32 = logits16.detach().float().requires_grad_(True)
+    index = torch.randint(0, 50, (2, 3))
+    out16 = selective_log_softmax(logits16, index)
+    out32 = logits32.log_softmax(-1).gather(-1, index[..., None]).squeeze(-1)
+    assert out16.dtype == torch.float32
+    assert torch.allclose(out16, out32, atol=1e-5)
+    out16.sum().backward()
+    out32.sum().backward()
+    assert logits16.grad.dtype == torch.bfloat16
+    assert torch.allclose(logits16.grad.float(), logits32.grad, atol=1e-2)
+
+
 def test_backward_leaves_fp32_logits_untouched():
     logits = torch.randn(2, 4, 9, requires_grad=True)
     before = logits.detach().clone()

@@ -157,3 +157,13 @@ def test_example_yaml_runs(name, tiny_model_dir, tmp_path):
     out = Path(config.training.output_dir)
     assert any("loss" in r for r in read_log(out))
     assert (out / "eval_results.json").is_file()
+
+
+def test_gradient_checkpointing_with_lora_trains(tiny_model_dir, tmp_path):
+    """Checkpointed LoRA still gets gradients (inputs of the frozen embedding must require grad).
+    lora_B starts at zero, so after one step only lora_B has moved (lora_A's gradient is B^T(...) = 0)."""
+    snapshot = ParameterSnapshot()
+    config = parse_config(base_config(tiny_model_dir, tmp_path, do_train=True, max_steps=1,
+                                      gradient_checkpointing=True))
+    run_train(config, callbacks=[snapshot])
+    assert any(not torch.equal(snapshot.before[n], snapshot.after[n]) for n in snapshot.trainable if "lora_B" in n)

@@ -1,0 +1,446 @@
+"""alignkit against TRL 1.16, side by side: `python -m bench [--stage sft rm dpo] [--model tiny] [--reps 2]`.
+
+For each stage both tools train the same LoRA adapter (r=8, alpha=16, dropout 0, every linear layer but the
+head) on the same model, the same generated data (see `bench.workloads`), the same batch, learning rate,
+cutoff and number of steps, in fp32 on the CPU (bf16 autocast over fp32 weights with `--device cuda`), with
+the same thread count. Every run is a fresh process (`python -m bench.worker`), and the runs alternate
+alignkit, TRL default, TRL best, alignkit, ... over `--reps` repetitions, so a slow spell of the machine
+touches all of them rather than one. "TRL default" is TRL's own config defaults except `bf16=False` on the
+CPU (which has no bf16); "TRL best" adds its faster settings (`bench.worker.TRL_BEST`).
+
+The machine's limit is measured in the same run: a timed square `torch.mm` loop at the same thread count,
+before and after the training runs. Model-FLOPs utilisation (MFU) divides each trainer's model FLOPs per
+second by the faster of the two measurements.
+
+Outputs: `<output-dir>/<name>.json` (everything, including per-step times) and `<name>.md` (the tables,
+also printed), by default `bench/results/latest.json` and `latest.md`. Time figures are never asserted by
+tests; the report prints each target as met or not met with its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # `python bench/run.py`: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import workloads  # noqa: E402
+from bench.worker import TRL_BEST  # noqa: E402
+
+STAGES = ("sft", "rm", "dpo")
+VARIANTS = ("alignkit", "trl_default", "trl_best")
+BUNDLED = "smollm2-135m-instruct"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+FIGURES = ("step_time_s", "tokens_per_s", "peak_rss_mb", "final_loss", "mfu")
+
+# (stage, figure, compared variant, bound, sense) — sense "min": alignkit / other >= bound is met; "max": <=.
+# Targets on the figure "mfu" compare alignkit's MFU itself (no other variant) with the bound.
+TARGETS = [
+    ("sft", "tokens_per_s", "trl_default", 1.4, "min"),
+    ("sft", "tokens_per_s", "trl_best", 1.0, "min"),
+    ("sft", "mfu", None, 0.8, "min"),
+    ("rm", "step_time_s", "trl_default", 1.0, "max"),
+    ("dpo", "step_time_s", "trl_default", 0.7, "max"),
+    ("dpo", "step_time_s", "trl_best", 1.0, "max"),
+    ("dpo", "peak_rss_mb", "trl_default", 1.0, "max"),
+    ("dpo", "peak_rss_mb", "trl_best", 1.0, "max"),
+]
+
+
+def alignkit_has_stage(stage: str) -> bool:
+    """True when `alignkit.stages.<stage>` exists and defines `run_<stage>` (stages land one by one)."""
+    if importlib.util.find_spec(f"alignkit.stages.{stage}") is None:
+        return False
+    module = __import__(f"alignkit.stages.{stage}", fromlist=[f"run_{stage}"])
+    return hasattr(module, f"run_{stage}")
+
+
+def resolve_model(model: str, work_dir: Path) -> tuple[str, str]:
+    """(name, directory) for `--model`: the bundled default's converted cache, `tiny`, or a local directory."""
+    if model == BUNDLED:
+        from alignkit.model.bundled import ensure_bundled_model
+
+        return BUNDLED, str(ensure_bundled_model())
+    if model == "tiny":
+        from alignkit.model.tiny import save_tiny_model
+
+        return "tiny (alignkit.model.tiny: 2 layers, hidden 64)", str(save_tiny_model(work_dir / "tiny_model"))
+    if Path(model).is_dir():
+        return model, str(Path(model).resolve())
+    raise SystemExit(f"--model {model!r}: expected `{BUNDLED}`, `tiny`, or an existing local model directory.")
+
+
+def prepare_data(model_dir: str, stages: list[str], n_rows: int, cutoff: int, work_dir: Path) -> dict[str, Any]:
+    """Generate, fit to the cutoff, and write each stage's data; returns paths and length statistics per stage."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    out: dict[str, Any] = {}
+    for kind in sorted({"sft" if s == "sft" else "pref" for s in stages}):
+        rows = workloads.fit_to_cutoff(tokenizer, workloads.canonical_rows(kind, n_rows), cutoff)
+        paths = workloads.write_datasets(rows, work_dir / "data", f"bench_{kind}")
+        keys = ["response"] if kind == "sft" else ["chosen", "rejected"]
+        lengths = [workloads.chat_length(tokenizer, r, k) for r in rows for k in keys]
+        paths["rows"] = len(rows)
+        paths["chat_tokens"] = {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths),
+                                "total": sum(lengths)}
+        out[kind] = paths
+    return out
+
+
+def run_worker(args: list[str], threads: int, timeout: float, log_path: Path) -> dict[str, Any]:
+    """Run `python -m bench.worker ARGS` in a fresh process; returns its JSON line (or a failure record)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1")
+    command = [sys.executable, "-m", "bench.worker", *args]
+    root = Path(__file__).resolve().parents[1]
+    with open(log_path, "w", encoding="utf-8") as log:
+        try:
+            proc = subprocess.run(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": f"timed out after {timeout:.0f} s", "log": str(log_path)}
+    lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("{")]
+    if not lines:
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
+        return {"ok": False, "error": f"worker exited {proc.returncode} without a result", "stderr_tail": tail,
+                "log": str(log_path)}
+    result = json.loads(lines[-1])
+    result["log"] = str(log_path)
+    return result
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarise_stage(runs: list[dict[str, Any]], n_params: int, peak_gflops: float) -> dict[str, Any]:
+    """Per variant: median and min-max of each figure over the repetitions; MFU per run from its own formula."""
+    summary: dict[str, Any] = {}
+    for variant in VARIANTS:
+        ok = [r for r in runs if r.get("variant_key") == variant and r.get("ok")]
+        if not ok:
+            continue
+        for r in ok:
+            flops, _ = workloads.flops_per_token(n_params, lora=True, reference_forward=r["reference_forward"])
+            r["flops_per_token"] = flops
+            r["mfu"] = flops * r["tokens_per_s"] / (peak_gflops * 1e9) if r.get("tokens_per_s") else None
+        summary[variant] = {fig: spread([r.get(fig) for r in ok]) for fig in FIGURES}
+        summary[variant]["first_loss"] = spread([r.get("first_loss") for r in ok])
+        summary[variant]["setup_s"] = spread([r.get("setup_s") for r in ok])
+        summary[variant]["tokens_per_step_mean"] = statistics.mean(
+            statistics.mean(r["tokens_per_step"]) for r in ok)
+        summary[variant]["formula"] = workloads.flops_per_token(
+            n_params, lora=True, reference_forward=ok[0]["reference_forward"])[1]
+    ratios: dict[str, Any] = {}
+    if "alignkit" in summary:
+        for other in ("trl_default", "trl_best"):
+            if other not in summary:
+                continue
+            ratios[f"alignkit/{other}"] = {
+                fig: (summary["alignkit"][fig]["median"] / summary[other][fig]["median"]
+                      if summary["alignkit"].get(fig) and summary[other].get(fig) and summary[other][fig]["median"]
+                      else None)
+                for fig in ("step_time_s", "tokens_per_s", "peak_rss_mb", "mfu")
+            }
+    return {"summary": summary, "ratios": ratios}
+
+
+def check_targets(stages: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target with its figures and met / not met (None when a run it needs is missing or failed)."""
+    out = []
+    for stage, figure, other, bound, sense in TARGETS:
+        if stage not in stages:
+            continue
+        summary = stages[stage]["summary"]
+        mine = (summary.get("alignkit") or {}).get(figure)
+        if other is None:
+            value = mine["median"] if mine else None
+            text = f"alignkit MFU {value:.2f}" if value is not None else "alignkit run missing"
+            name = f"{figure} >= {bound}"
+        else:
+            theirs = (summary.get(other) or {}).get(figure)
+            value = mine["median"] / theirs["median"] if mine and theirs and theirs["median"] else None
+            text = (f"alignkit {_fmt(mine['median'])} vs {other} {_fmt(theirs['median'])}: ratio {value:.2f}"
+                    if value is not None else "a run is missing or failed")
+            name = f"{figure} alignkit/{other} {'>=' if sense == 'min' else '<='} {bound}"
+        met = None if value is None else (value >= bound if sense == "min" else value <= bound)
+        out.append({"stage": stage, "target": name, "value": value, "figures": text, "met": met})
+    return out
+
+
+def machine_info(threads: int, device: str) -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "device": device,
+            "platform": platform.platform(), "python": platform.python_version()}
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "alignkit"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = "not installed"
+    try:
+        root = Path(__file__).resolve().parents[1]
+        out["alignkit_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                                                capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return out
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "—"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.{digits}g}"
+
+
+def _cell(s: dict[str, float] | None, digits: int = 3) -> str:
+    if not s:
+        return "—"
+    if s["n"] > 1 and s["min"] != s["max"]:
+        return f"{_fmt(s['median'], digits)} ({_fmt(s['min'], digits)}–{_fmt(s['max'], digits)})"
+    return _fmt(s["median"], digits)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The tables for README's Performance section."""
+    s, m = report["settings"], report["machine"]
+    v = report["versions"]
+    lines = [
+        f"Command: `{report['command']}`  ",
+        f"Date: {report['date']}; machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, "
+        f"device {m['device']}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}.  ",
+        f"Versions: alignkit {v.get('alignkit')} ({v.get('alignkit_commit', '?')}), TRL {v['trl']}, "
+        f"transformers {v['transformers']}, peft {v['peft']}, torch {v['torch']}.  ",
+        f"Model: {report['model']['name']} (N = {report['model']['matmul_params_causal_lm']:,} matmul weights; "
+        f"{report['model']['matmul_params_reward']:,} with the reward head).  ",
+        f"Settings: LoRA r=8 alpha=16 dropout 0 on every linear layer but the head; batch {s['batch']}; "
+        f"{s['steps']} steps ({s['warmup']} warm-up steps not timed); cutoff {s['cutoff']}; lr {s['lr']}; "
+        f"{s['precision']}; {s['reps']} repetitions, alternating; every run a fresh process.  ",
+        f"Data: {report['data_note']}  ",
+        f"TRL default = TRL {v['trl']} config defaults except {s['trl_default_overrides']}; TRL best adds "
+        + "; ".join(f"{st}: {', '.join(f'{k}={val}' for k, val in kv.items())}" for st, kv in TRL_BEST.items())
+        + ".  ",
+        f"Machine limit: {report['matmul']['size']}x{report['matmul']['size']} {report['matmul']['dtype']} "
+        f"matmul, {_fmt(report['matmul']['gflops'])} GFLOP/s (probes: "
+        f"{', '.join(_fmt(g) for g in report['matmul']['probes_gflops'])}).  ",
+        f"MFU = FLOPs per real token x real tokens/s / matmul GFLOP/s, with {report['formula']}.",
+        "",
+        "Figures are medians over the repetitions, (min–max) when they differ. Step time excludes setup "
+        "(model load, tokenisation, and TRL's reference precomputation, shown as setup).",
+        "",
+        "| stage | run | step time (s) | real tokens/s | tokens/step | peak RSS (MB) | first loss | final loss "
+        "| MFU | setup (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for stage, data in report["stages"].items():
+        for variant in VARIANTS:
+            row = data["summary"].get(variant)
+            if row is None:
+                failed = [r for r in data["runs"] if r.get("variant_key") == variant and not r.get("ok")]
+                if failed:
+                    lines.append(f"| {stage} | {variant} | failed: {failed[0].get('error', '?')[:80]} "
+                                 "| | | | | | | |")
+                continue
+            lines.append(
+                f"| {stage} | {variant} | {_cell(row['step_time_s'])} | {_cell(row['tokens_per_s'])} "
+                f"| {row['tokens_per_step_mean']:.0f} | {_cell(row['peak_rss_mb'], 4)} | {_cell(row['first_loss'], 4)} "
+                f"| {_cell(row['final_loss'], 4)} | {_cell(row['mfu'], 2)} | {_cell(row['setup_s'])} |")
+        for name, ratio in data["ratios"].items():
+            lines.append(
+                f"| {stage} | {name} | {_fmt(ratio['step_time_s'], 2)}x | {_fmt(ratio['tokens_per_s'], 2)}x | "
+                f"| {_fmt(ratio['peak_rss_mb'], 2)}x | | | {_fmt(ratio['mfu'], 2)}x | |")
+    lines += ["", "| stage | target | figures | met |", "|---|---|---|---|"]
+    for t in report["targets"]:
+        verdict = {True: "met", False: "not met", None: "not measured"}[t["met"]]
+        lines.append(f"| {t['stage']} | {t['target']} | {t['figures']} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description="alignkit vs TRL 1.16, side by side.")
+    p.add_argument("--stage", nargs="+", choices=STAGES, action="extend", default=None,
+                   help="Stages to run (repeatable; default: every stage alignkit has).")
+    p.add_argument("--model", default=BUNDLED,
+                   help=f"`{BUNDLED}` (default: the bundled model's converted cache), `tiny`, or a local directory.")
+    p.add_argument("--reps", type=int, default=2, help="Repetitions of each run (alternating tools).")
+    p.add_argument("--steps", type=int, default=6, help="Optimisation steps per run.")
+    p.add_argument("--warmup", type=int, default=2, help="Leading steps left out of the timings.")
+    p.add_argument("--batch", type=int, default=8, help="Examples (pairs for rm/dpo) per step, in both tools.")
+    p.add_argument("--cutoff", type=int, default=256, help="Max tokens per conversation; data is fitted to it.")
+    p.add_argument("--lr", type=float, default=1e-4, help="Learning rate, in both tools.")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every process.")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: bf16 autocast (bf16=True) in both tools, bf16 matmul probe.")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"Comma-separated subset of {', '.join(VARIANTS)}.")
+    p.add_argument("--matmul-size", type=int, default=None, help="Probe matrix size (default 2048; 8192 on cuda).")
+    p.add_argument("--matmul-seconds", type=float, default=4.0, help="Seconds per matmul probe.")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="Seconds before a run is abandoned.")
+    p.add_argument("--output-dir", default=str(RESULTS_DIR), help="Where <name>.json and <name>.md go.")
+    p.add_argument("--name", default="latest", help="Base name of the output files.")
+    p.add_argument("--work-dir", default=None, help="Data, logs, tiny model (default: a temporary directory).")
+    p.add_argument("--dry-run", action="store_true", help="Print the plan (runs, settings) and exit.")
+    opts = p.parse_args(argv)
+    opts.variants = [v.strip() for v in opts.variants.split(",") if v.strip()]
+    unknown = set(opts.variants) - set(VARIANTS)
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}.")
+    if opts.warmup >= opts.steps:
+        p.error(f"--warmup {opts.warmup} must be smaller than --steps {opts.steps}: no step would be timed.")
+    if opts.matmul_size is None:
+        opts.matmul_size = 8192 if opts.device == "cuda" else 2048
+    return opts
+
+
+def plan_runs(opts: argparse.Namespace, stages: list[str], available: dict[str, bool]) -> list[tuple[str, int, str]]:
+    """(stage, rep, variant) in execution order: per stage, the variants alternate within each repetition."""
+    plan = []
+    for stage in stages:
+        for rep in range(opts.reps):
+            for variant in opts.variants:
+                if variant == "alignkit" and not available[stage]:
+                    continue
+                plan.append((stage, rep, variant))
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    command = "python -m bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    available = {s: alignkit_has_stage(s) for s in STAGES}
+    stages = list(dict.fromkeys(opts.stage)) if opts.stage else [s for s in STAGES if available[s]]
+    if not stages:
+        raise SystemExit("no alignkit stage is available yet; name stages with --stage to benchmark TRL alone.")
+    plan = plan_runs(opts, stages, available)
+    if opts.dry_run:
+        print(json.dumps({"stages": stages, "alignkit_available": available, "device": opts.device,
+                          "bf16": opts.device == "cuda", "runs": plan}, indent=1))
+        return 0
+
+    work_dir = Path(opts.work_dir or tempfile.mkdtemp(prefix="alignkit-bench-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / "logs").mkdir(exist_ok=True)
+    started = time.time()
+    model_name, model_dir = resolve_model(opts.model, work_dir)
+    n_rows = opts.steps * opts.batch  # one epoch is exactly the run, so a precomputation covers only used rows
+    data = prepare_data(model_dir, stages, n_rows, opts.cutoff, work_dir)
+    n_causal = workloads.matmul_params(model_dir, "causal_lm")
+    n_reward = workloads.matmul_params(model_dir, "reward")
+
+    def probe(tag: str) -> dict[str, Any]:
+        result = run_worker(["--matmul", "--threads", str(opts.threads), "--device", opts.device,
+                             "--matmul-size", str(opts.matmul_size), "--matmul-seconds", str(opts.matmul_seconds)],
+                            opts.threads, opts.run_timeout, work_dir / "logs" / f"matmul_{tag}.log")
+        print(f"[bench] matmul {tag}: {result.get('matmul_gflops', float('nan')):.1f} GFLOP/s", file=sys.stderr)
+        return result
+
+    probes = [probe("before")]
+    runs: list[dict[str, Any]] = []
+    for i, (stage, rep, variant) in enumerate(plan, 1):
+        kind = "sft" if stage == "sft" else "pref"
+        tool = "alignkit" if variant == "alignkit" else "trl"
+        args = ["--tool", tool, "--variant", "best" if variant == "trl_best" else "default", "--stage", stage,
+                "--model-dir", model_dir, "--steps", str(opts.steps), "--warmup", str(opts.warmup),
+                "--batch", str(opts.batch), "--cutoff", str(opts.cutoff), "--lr", str(opts.lr),
+                "--threads", str(opts.threads), "--device", opts.device]
+        if tool == "alignkit":
+            args += ["--alignkit-dataset", data[kind]["alignkit_dataset"],
+                     "--alignkit-dataset-dir", data[kind]["alignkit_dataset_dir"]]
+        else:
+            args += ["--trl-file", data[kind]["trl_file"]]
+        print(f"[bench] {i}/{len(plan)} {stage} rep {rep + 1} {variant} ...", file=sys.stderr, flush=True)
+        result = run_worker(args, opts.threads, opts.run_timeout, work_dir / "logs" / f"{stage}_{variant}_{rep}.log")
+        result.update(variant_key=variant, rep=rep, stage=stage,
+                      reference_forward=stage == "dpo" and variant != "trl_best")
+        status = (f"{result['step_time_s']:.2f} s/step, {result['tokens_per_s']:.0f} tok/s, "
+                  f"{result['peak_rss_mb']:.0f} MB" if result.get("ok") else f"FAILED: {result.get('error')}")
+        print(f"[bench]   {status}", file=sys.stderr, flush=True)
+        runs.append(result)
+    probes.append(probe("after"))
+
+    good = [p["matmul_gflops"] for p in probes if p.get("ok")]
+    peak = max(good) if good else float("nan")
+    stage_reports = {}
+    for stage in stages:
+        stage_runs = [r for r in runs if r["stage"] == stage]
+        n = n_reward if stage == "rm" else n_causal
+        stage_reports[stage] = {"matmul_params": n, "runs": stage_runs, **summarise_stage(stage_runs, n, peak)}
+    precision = "bf16 autocast over fp32 weights" if opts.device == "cuda" else "fp32"
+    report = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command,
+        "wall_s": round(time.time() - started, 1),
+        "machine": machine_info(opts.threads, opts.device),
+        "versions": versions(),
+        "model": {"name": model_name, "path": model_dir, "matmul_params_causal_lm": n_causal,
+                  "matmul_params_reward": n_reward},
+        "settings": {"steps": opts.steps, "warmup": opts.warmup, "batch": opts.batch, "cutoff": opts.cutoff,
+                     "lr": opts.lr, "reps": opts.reps, "threads": opts.threads, "device": opts.device,
+                     "precision": precision, "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target": "all linear"},
+                     "variants": opts.variants,
+                     "trl_default_overrides": "bf16=True" if opts.device == "cuda" else "bf16=False",
+                     "trl_best": TRL_BEST},
+        "data": data,
+        "data_note": (f"generated deterministically (bench/workloads.py), {n_rows} rows per stage = steps x batch, "
+                      "chat-formatted by the model's own template in both tools, fitted so nothing is truncated; "
+                      + "; ".join(f"{k}: {v['chat_tokens']['min']}–{v['chat_tokens']['max']} tokens, "
+                                  f"median {v['chat_tokens']['median']:.0f}" for k, v in data.items()) + "."),
+        "matmul": {"size": opts.matmul_size, "dtype": "bfloat16" if opts.device == "cuda" else "float32",
+                   "probes_gflops": good, "gflops": peak},
+        "formula": ("FLOPs per real token = 4N for LoRA training (2N forward + 2N backward, no weight gradients "
+                    "for frozen weights; 6N would be full fine-tuning), + 2N for DPO's reference forward when it "
+                    "runs inside the step (not with TRL's precompute_ref_log_probs); N = weights in matmuls "
+                    "(linear layers + LM or score head, not the embedding lookup)"),
+        "stages": stage_reports,
+    }
+    report["targets"] = check_targets(stage_reports)
+    out_dir = Path(opts.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    markdown = render_markdown(report)
+    (out_dir / f"{opts.name}.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    (out_dir / f"{opts.name}.md").write_text(markdown, encoding="utf-8")
+    print(markdown)
+    print(f"[bench] wrote {out_dir / (opts.name + '.json')} and .md in {report['wall_s']:.0f} s; logs in "
+          f"{work_dir / 'logs'}", file=sys.stderr)
+    return 0 if all(r.get("ok") for r in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,349 @@
+"""One benchmark run in a fresh process: `python -m bench.worker --tool alignkit|trl ...` prints one JSON line.
+
+Both tools are `transformers.Trainer` subclasses, so the same callback measures both:
+- step time: `on_step_end` timestamps; step k lasted t[k] - t[k-1] (t[-1] = `on_train_begin`); the first
+  `--warmup` steps (allocator growth, lazy initialisation) are left out;
+- real tokens: the training dataloader's collate function is wrapped at `on_train_begin`, and each batch's
+  tokens are counted from its attention masks (every tensor whose key ends in `attention_mask`); a
+  padding-free batch has no mask and no padding, so its `input_ids` are all counted. Batch k belongs to step k
+  (one micro-batch per step). Collator calls outside the training loop (TRL's reference precomputation)
+  are not counted, because that loop uses its own dataloader;
+- peak resident memory of the whole process: `getrusage(RUSAGE_SELF).ru_maxrss`;
+- losses: the Trainer's own `log_history` (logging every step).
+
+`--matmul` instead times a large square `torch.mm` at the same thread count: the machine's limit.
+
+Everything the libraries print goes to stderr, so stdout carries exactly one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+# Settings used in every run of both tools, beyond the shared ones passed on the command line. They are
+# measurement settings (log every step to read the losses; never save checkpoints mid-run; no reporters).
+COMMON_TRAINING = {"logging_steps": 1, "save_strategy": "no", "report_to": "none", "seed": 42,
+                   "gradient_accumulation_steps": 1, "dataloader_num_workers": 0, "warmup_steps": 0}
+
+# TRL's faster settings, per stage. "default" is TRL 1.16's own defaults (bf16 aside).
+# SFT: padding-free batches (TRL requires max_length=None with it; the data is already fitted to the cutoff,
+# so nothing would be truncated anyway). DPO: reference log-probs computed once before training.
+# Both also turn off gradient checkpointing, which TRL enables by default and which only saves memory.
+TRL_BEST = {
+    "sft": {"padding_free": True, "max_length": None, "gradient_checkpointing": False},
+    "rm": {"gradient_checkpointing": False},
+    "dpo": {"precompute_ref_log_probs": True, "gradient_checkpointing": False},
+}
+
+
+class StepRecorder:
+    """Trainer callback: step-end timestamps and real tokens per consumed batch (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.train_begin = 0.0
+        self.step_ends: list[float] = []
+        self.batch_tokens: list[int] = []
+        self.threads_at_begin = 0
+
+
+def count_real_tokens(batch: dict[str, Any]) -> int:
+    """Real (non-pad) tokens of one collated batch, from its attention masks; all `input_ids` if it has none."""
+    masks = [v for k, v in batch.items() if k.endswith("attention_mask") and hasattr(v, "sum")]
+    if masks:
+        return int(sum(int(m.sum()) for m in masks))
+    ids = [v for k, v in batch.items() if k.endswith("input_ids") and hasattr(v, "numel")]
+    if not ids:
+        raise KeyError(f"cannot count tokens: batch keys {sorted(batch)} have no attention mask or input_ids.")
+    return int(sum(int(t.numel()) for t in ids))
+
+
+def make_callback(recorder: StepRecorder):
+    """The TrainerCallback feeding `recorder` (built here so that `--matmul` never imports transformers)."""
+    import torch
+    from transformers import TrainerCallback
+
+    class _Callback(TrainerCallback):
+        def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+            recorder.threads_at_begin = torch.get_num_threads()
+            if train_dataloader is None:
+                raise RuntimeError("the Trainer did not pass train_dataloader to callbacks; cannot count tokens.")
+            loader = getattr(train_dataloader, "base_dataloader", train_dataloader)  # accelerate's wrapper
+            collate = loader.collate_fn
+
+            def counting_collate(examples):
+                batch = collate(examples)
+                recorder.batch_tokens.append(count_real_tokens(batch))
+                return batch
+
+            loader.collate_fn = counting_collate
+            recorder.train_begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if args.device.type == "cuda":
+                torch.cuda.synchronize()
+            recorder.step_ends.append(time.perf_counter())
+
+    return _Callback()
+
+
+def summarise(recorder: StepRecorder, log_history: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Per-run figures from the recorded timestamps, token counts and the Trainer's log history."""
+    stamps = [recorder.train_begin] + recorder.step_ends
+    durations = [b - a for a, b in zip(stamps, stamps[1:])]
+    steps = len(durations)
+    measured = list(range(min(warmup, max(steps - 1, 0)), steps))  # keep at least one step
+    tokens = recorder.batch_tokens[:steps]
+    if len(tokens) < steps:
+        raise RuntimeError(f"counted {len(tokens)} batches for {steps} steps; the token counter missed batches.")
+    time_measured = sum(durations[i] for i in measured)
+    tokens_measured = sum(tokens[i] for i in measured)
+    losses = [h["loss"] for h in log_history if "loss" in h]
+    return {
+        "steps": steps,
+        "measured_steps": len(measured),
+        "step_times_s": [round(d, 4) for d in durations],
+        "tokens_per_step": tokens,
+        "step_time_s": time_measured / len(measured) if measured else None,
+        "tokens_per_s": tokens_measured / time_measured if time_measured > 0 else None,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+    }
+
+
+def run_alignkit(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Train with `alignkit.train.run_train`; returns (log_history, settings used)."""
+    from alignkit.hparams import parse_config
+    from alignkit.train import run_train
+
+    values: dict[str, Any] = {
+        "stage": opts.stage,
+        "model_name_or_path": opts.model_dir,
+        "dataset": opts.alignkit_dataset,
+        "dataset_dir": opts.alignkit_dataset_dir,
+        "cutoff_len": opts.cutoff,
+        "finetuning_type": "lora",
+        "lora_rank": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.0,
+        "lora_target": "all",
+        "output_dir": opts.output_dir,
+        "overwrite_output_dir": True,
+        "do_train": True,
+        "per_device_train_batch_size": opts.batch,
+        "max_steps": opts.steps,
+        "learning_rate": opts.lr,
+        "pref_beta": 0.1,
+        # alignkit already defaults to report_to none; passing the string would read as YAML null.
+        **{k: v for k, v in COMMON_TRAINING.items() if k != "report_to"},
+    }
+    if opts.device == "cuda":
+        # Same as the TRL side: fp32 master weights under bf16 autocast.
+        values.update(bf16=True, infer_dtype="float32")
+    else:
+        values.update(bf16=False, use_cpu=True)
+    values.update(_parse_extra(opts.extra))
+    config = parse_config(values)
+    histories: list[list[dict[str, Any]]] = []
+
+    from transformers import TrainerCallback
+
+    class _History(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            histories.append(list(state.log_history))
+
+    run_train(config, callbacks=[callback, _History()])
+    return (histories[-1] if histories else []), values
+
+
+def run_trl(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Train with TRL 1.16's trainer for the stage, with its defaults except precision; returns (history, settings)."""
+    from datasets import load_dataset
+    from peft import LoraConfig
+
+    dataset = load_dataset("json", data_files=opts.trl_file, split="train")
+    settings: dict[str, Any] = {
+        "output_dir": opts.output_dir,
+        "per_device_train_batch_size": opts.batch,
+        "max_steps": opts.steps,
+        "learning_rate": opts.lr,
+        "max_length": opts.cutoff,
+        **COMMON_TRAINING,
+    }
+    if opts.device == "cuda":
+        settings["bf16"] = True
+    else:
+        settings.update(bf16=False, use_cpu=True)
+    if opts.variant == "best":
+        settings.update(TRL_BEST[opts.stage])
+    settings.update(_parse_extra(opts.extra))
+    lora = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
+
+    if opts.stage == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        trainer = SFTTrainer(model=opts.model_dir, args=SFTConfig(**settings), train_dataset=dataset,
+                             peft_config=LoraConfig(task_type="CAUSAL_LM", **lora), callbacks=[callback])
+    elif opts.stage == "rm":
+        from trl import RewardConfig, RewardTrainer
+
+        # The score head is new, so it is trained in full beside the adapter, as alignkit does.
+        trainer = RewardTrainer(model=opts.model_dir, args=RewardConfig(**settings), train_dataset=dataset,
+                                peft_config=LoraConfig(task_type="SEQ_CLS", modules_to_save=["score"], **lora),
+                                callbacks=[callback])
+    elif opts.stage == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        settings.setdefault("beta", 0.1)
+        trainer = DPOTrainer(model=opts.model_dir, args=DPOConfig(**settings), train_dataset=dataset,
+                             peft_config=LoraConfig(task_type="CAUSAL_LM", **lora), callbacks=[callback])
+    else:
+        raise ValueError(f"stage {opts.stage!r} has no TRL runner in the benchmark yet.")
+    effective = {k: _jsonable(getattr(trainer.args, k)) for k in
+                 ("gradient_checkpointing", "bf16", "max_length", "learning_rate", "lr_scheduler_type",
+                  "per_device_train_batch_size", "padding_free", "precompute_ref_log_probs", "packing",
+                  "beta", "loss_type", "disable_dropout") if hasattr(trainer.args, k)}
+    trainer.train()
+    return list(trainer.state.log_history), {"passed": {k: _jsonable(v) for k, v in settings.items()},
+                                             "effective": effective}
+
+
+def _parse_extra(items: list[str]) -> dict[str, Any]:
+    import yaml
+
+    out = {}
+    for item in items or []:
+        key, _, value = item.partition("=")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def measure_matmul(size: int, device: str, seconds: float) -> dict[str, Any]:
+    """Sustained square-matmul throughput in GFLOP/s (2*n^3 FLOPs per product); fp32 on CPU, bf16 on CUDA."""
+    import torch
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(2):  # warm-up: thread pool start, allocator, clocks
+        torch.mm(a, b)
+    sync()
+    iterations, start = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        iterations += 1
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds and iterations >= 3:
+            break
+    return {"matmul_size": size, "matmul_dtype": str(dtype).replace("torch.", ""), "matmul_iterations": iterations,
+            "matmul_gflops": 2 * size**3 * iterations / elapsed / 1e9}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.worker", description=__doc__.splitlines()[0])
+    p.add_argument("--tool", choices=["alignkit", "trl"])
+    p.add_argument("--variant", choices=["default", "best"], default="default",
+                   help="TRL only: its defaults, or its faster settings (bench.worker.TRL_BEST).")
+    p.add_argument("--stage", choices=["sft", "rm", "dpo"])
+    p.add_argument("--model-dir")
+    p.add_argument("--alignkit-dataset")
+    p.add_argument("--alignkit-dataset-dir")
+    p.add_argument("--trl-file")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--cutoff", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--output-dir", default=None, help="Trainer output_dir (default: a temporary directory).")
+    p.add_argument("--extra", nargs="*", default=[], help="key=value training settings added for this run.")
+    p.add_argument("--matmul", action="store_true", help="Only measure matmul throughput.")
+    p.add_argument("--matmul-size", type=int, default=2048)
+    p.add_argument("--matmul-seconds", type=float, default=4.0)
+    opts = p.parse_args(argv)
+    if not opts.matmul:
+        missing = [name for name in ("tool", "stage", "model_dir") if getattr(opts, name) is None]
+        if opts.tool == "alignkit" and not opts.alignkit_dataset:
+            missing.append("alignkit_dataset")
+        if opts.tool == "trl" and not opts.trl_file:
+            missing.append("trl_file")
+        if missing:
+            p.error("missing " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    # Keep stdout for the one result line: whatever the libraries print goes to stderr.
+    result_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
+    os.environ.setdefault("MKL_NUM_THREADS", str(opts.threads))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    import torch
+
+    torch.set_num_threads(opts.threads)
+    result: dict[str, Any] = {"tool": opts.tool, "variant": opts.variant, "stage": opts.stage, "ok": False}
+    started = time.perf_counter()
+    try:
+        if opts.matmul:
+            result = {"tool": "matmul", "ok": True, "threads": torch.get_num_threads(),
+                      **measure_matmul(opts.matmul_size, opts.device, opts.matmul_seconds)}
+        else:
+            if opts.device == "cuda" and not torch.cuda.is_available():
+                raise RuntimeError("--device cuda was given but torch sees no CUDA device.")
+            with tempfile.TemporaryDirectory(prefix="alignkit-bench-") as tmp:
+                # Fresh caches per run: nothing tokenised or precomputed by an earlier run is reused.
+                os.environ["HF_DATASETS_CACHE"] = str(Path(tmp) / "hf_datasets")
+                os.environ["ALIGNKIT_DATA_CACHE"] = str(Path(tmp) / "alignkit_data")
+                opts.output_dir = opts.output_dir or str(Path(tmp) / "out")
+                recorder = StepRecorder()
+                callback = make_callback(recorder)
+                runner = run_alignkit if opts.tool == "alignkit" else run_trl
+                history, settings = runner(opts, callback)
+                result.update(summarise(recorder, history, opts.warmup))
+                result.update(ok=True, settings=settings, threads=torch.get_num_threads(),
+                              threads_at_train_begin=recorder.threads_at_begin,
+                              setup_s=recorder.train_begin - started if recorder.train_begin else None)
+    except Exception as err:  # the orchestrator reports a failed run instead of stopping the benchmark
+        result.update(error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=8))
+    result["wall_s"] = time.perf_counter() - started
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    if opts.device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    with os.fdopen(result_fd, "w") as out:
+        out.write(json.dumps(result) + "\n")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

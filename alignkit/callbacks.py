@@ -22,6 +22,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 logger = logging.getLogger(__name__)
 
 LOG_FILE = "trainer_log.jsonl"
+_RUNNING_SPEED_KEYS = {"train_runtime", "train_tokens_per_second", "train_samples_per_second", "train_steps_per_second"}
 
 
 class LogCallback(TrainerCallback):
@@ -61,15 +62,17 @@ class LogCallback(TrainerCallback):
             "remaining_time": round(remaining, 2) if remaining is not None else None,
         }
         tokens = state.num_input_tokens_seen
-        is_train_log = "loss" in logs or any(k.startswith("train_") for k in logs)
-        if tokens > self.tokens_at_last_log and is_train_log:
+        is_step_log = "loss" in logs
+        if tokens > self.tokens_at_last_log and is_step_log:
             window = now - self.time_at_last_log
             record["tokens_per_second"] = round((tokens - self.tokens_at_last_log) / window, 2) if window > 0 else None
             self.tokens_at_last_log, self.time_at_last_log = tokens, now
         if tokens:
             record["total_tokens"] = tokens
         for key, value in logs.items():
-            if key in ("epoch", "num_input_tokens_seen") or key.startswith("train_tokens_per_second"):
+            # The Trainer repeats its running speed metrics in every step's logs; the record already
+            # has elapsed time and tokens/s, and the final summary keeps them.
+            if key in ("epoch", "num_input_tokens_seen") or (is_step_log and key in _RUNNING_SPEED_KEYS):
                 continue
             if isinstance(value, float) and not math.isfinite(value):
                 value = None
@@ -114,9 +117,13 @@ def plot_loss(output_dir: str | os.PathLike, keys: list[str] | None = None) -> l
 
     records = read_log(output_dir)
     skip = {"current_steps", "total_steps", "percentage", "epoch", "elapsed_time", "remaining_time",
-            "tokens_per_second", "total_tokens", "learning_rate", "grad_norm"}
+            "tokens_per_second", "total_tokens", "learning_rate", "grad_norm", "total_flos"}
+
+    def is_metric(key: str) -> bool:
+        return key not in skip and not key.endswith(("_runtime", "_per_second"))
+
     if keys is None:
-        keys = sorted({k for r in records for k, v in r.items() if k not in skip and isinstance(v, (int, float))})
+        keys = sorted({k for r in records for k, v in r.items() if is_metric(k) and isinstance(v, (int, float))})
     written = []
     for key in keys:
         points = [(r["current_steps"], r[key]) for r in records if isinstance(r.get(key), (int, float))]

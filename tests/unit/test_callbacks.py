@@ -23,7 +23,8 @@ def test_log_callback_writes_one_record_per_log(tmp_path):
         state.global_step = step
         state.epoch = step / 10
         state.num_input_tokens_seen = 100 * step
-        cb.on_log(args, state, TrainerControl(), logs={"loss": 2.0 / step, "learning_rate": 1e-4, "rewards/chosen": 0.5})
+        cb.on_log(args, state, TrainerControl(), logs={"loss": 2.0 / step, "learning_rate": 1e-4, "rewards/chosen": 0.5,
+                                                          "train_runtime": 1.0 * step})
     records = read_log(tmp_path)
     assert len(records) == 2
     first = records[0]
@@ -31,11 +32,13 @@ def test_log_callback_writes_one_record_per_log(tmp_path):
     assert first["loss"] == 2.0 and first["rewards/chosen"] == 0.5 and first["learning_rate"] == 1e-4
     assert first["remaining_time"] is not None and first["elapsed_time"] >= 0
     assert "tokens_per_second" in first and records[1]["total_tokens"] == 200
+    assert "train_runtime" not in first  # running speed metrics stay out of step records
     assert (tmp_path / LOG_FILE).read_text().count("\n") == 2
 
 
 def test_plot_loss_writes_png_per_series(tmp_path):
-    lines = [{"current_steps": i, "loss": 3.0 - i * 0.1, "eval_loss": None, "rewards/margins": i * 0.1}
+    lines = [{"current_steps": i, "loss": 3.0 - i * 0.1, "eval_loss": None, "rewards/margins": i * 0.1,
+              "eval_runtime": 1.0 * i}
              for i in range(1, 6)]
     lines.append({"current_steps": 5, "eval_loss": 2.0})
     (tmp_path / LOG_FILE).write_text("\n".join(json.dumps(r) for r in lines) + "\n")

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 
+from .data.errors import DataError
 from .hparams import ConfigError
 
 
@@ -141,16 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging()
     try:
         return args.func(args)
-    except (ConfigError, FileExistsError, FileNotFoundError) as err:
+    except (ConfigError, DataError, FileExistsError, FileNotFoundError) as err:
+        # Raised where input enters, with a message written for the user; anything else is a bug
+        # and keeps its traceback.
         print(f"alignkit: error: {err}", file=sys.stderr)
         return 2
-    except ValueError as err:
-        # DataError and other validation errors raised where input enters are ValueErrors with a
-        # message written for the user; anything else is a bug and keeps its traceback.
-        if type(err).__name__ in ("DataError", "ConfigError"):
-            print(f"alignkit: error: {err}", file=sys.stderr)
-            return 2
-        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

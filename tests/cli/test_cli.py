@@ -22,3 +22,19 @@ def test_help_keys_lists_every_section(capsys):
     for key in ("model_name_or_path", "cutoff_len", "lora_rank", "pref_beta", "max_new_tokens", "learning_rate",
                 "overwrite_output_dir"):
         assert f"\n{key}:" in "\n" + out
+
+
+def test_broken_jsonl_line_exits_non_zero_naming_file_and_line(tmp_path, tiny_model_dir, capsys):
+    import json
+
+    lines = [json.dumps({"instruction": f"question {i}", "output": f"answer {i}"}) for i in range(10)]
+    lines[6] = '{"instruction": "question 6", "output": "answer 6"'  # line 7 lacks its closing brace
+    data = tmp_path / "broken.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"stage: sft\ndo_train: true\nmodel_name_or_path: {tiny_model_dir}\ndataset: {data}\n"
+                   f"output_dir: {tmp_path / 'out'}\n")
+    assert main(["train", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "broken.jsonl" in err and "line 7" in err and "skip_invalid_rows" in err
+    assert not (tmp_path / "out" / "trainer_state.json").exists()

@@ -1,0 +1,147 @@
+"""The benchmark harness (`python -m bench`): its bookkeeping by hand, and one end-to-end run on the tiny model.
+
+Times are never asserted: the end-to-end test checks that the JSON and Markdown reports carry every field
+the README's Performance section and the lead's comparison rely on.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # `bench/` is a folder of the checkout, not part of the installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench import run as bench_run  # noqa: E402
+from bench import workloads  # noqa: E402
+from bench.worker import StepRecorder, count_real_tokens, summarise  # noqa: E402
+
+
+def test_count_real_tokens_sums_every_attention_mask():
+    """Masks [[1,1,0],[1,0,0]] hold 3 real tokens; a second `rejected_attention_mask` [[1,1,1]] adds 3: 6.
+    A padding-free batch (no mask) counts its input_ids: 1 x 5 = 5."""
+    batch = {"input_ids": torch.zeros(2, 3), "attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
+             "rejected_attention_mask": torch.tensor([[1, 1, 1]])}
+    assert count_real_tokens(batch) == 6
+    assert count_real_tokens({"input_ids": torch.zeros(1, 5), "position_ids": torch.zeros(1, 5)}) == 5
+    with pytest.raises(KeyError, match="no attention mask"):
+        count_real_tokens({"labels": torch.zeros(2)})
+
+
+def test_summarise_leaves_out_warmup_steps():
+    """Begin at t=0, steps end at 10, 12, 15, 19: durations 10, 2, 3, 4. With warmup 2 the measured steps
+    are the last two: (3 + 4) / 2 = 3.5 s per step; their tokens 30 + 40 = 70 over 7 s = 10 tokens/s."""
+    recorder = StepRecorder()
+    recorder.train_begin, recorder.step_ends = 0.0, [10.0, 12.0, 15.0, 19.0]
+    recorder.batch_tokens = [100, 20, 30, 40, 999]  # a prefetched batch beyond the last step is ignored
+    history = [{"loss": 2.0}, {"loss": 1.5}, {"train_runtime": 19.0}]
+    out = summarise(recorder, history, warmup=2)
+    assert out["measured_steps"] == 2
+    assert out["step_time_s"] == pytest.approx(3.5)
+    assert out["tokens_per_s"] == pytest.approx(10.0)
+    assert (out["first_loss"], out["final_loss"]) == (2.0, 1.5)
+
+
+def test_flops_per_token_formula():
+    """N = 1000: LoRA 4N = 4000; full 6N = 6000; LoRA with a reference forward 4N + 2N = 6000."""
+    assert workloads.flops_per_token(1000, lora=True, reference_forward=False)[0] == 4000
+    assert workloads.flops_per_token(1000, lora=False, reference_forward=False)[0] == 6000
+    flops, text = workloads.flops_per_token(1000, lora=True, reference_forward=True)
+    assert flops == 6000 and "reference" in text
+
+
+def test_matmul_params_counts_linear_layers_and_head(tiny_model_dir):
+    """Tiny model: hidden 64, intermediate 128, 4 heads of 16, 2 KV heads, vocab V, 2 layers.
+    Per layer: q 64*64 + k 64*32 + v 64*32 + o 64*64 + gate/up 2*64*128 + down 128*64 = 36864;
+    2 layers = 73728; LM head 64*V; score head 64*1."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny_model_dir).vocab_size
+    assert workloads.matmul_params(tiny_model_dir, "causal_lm") == 73728 + 64 * vocab
+    assert workloads.matmul_params(tiny_model_dir, "reward") == 73728 + 64
+
+
+def test_generated_data_is_deterministic_and_fits_the_cutoff(tiny_tokenizer):
+    rows = workloads.canonical_rows("pref", 6)
+    assert rows == workloads.canonical_rows("pref", 6)
+    fitted = workloads.fit_to_cutoff(tiny_tokenizer, rows, 120)
+    for row in fitted:
+        for key in ("chosen", "rejected"):
+            assert workloads.chat_length(tiny_tokenizer, row, key) <= 120
+    assert rows[0]["chosen"] != fitted[0]["chosen"] or workloads.chat_length(tiny_tokenizer, rows[0], "chosen") <= 120
+
+
+def test_targets_met_and_not_met():
+    """SFT tokens/s 150 vs TRL default 100: 1.5 >= 1.4 met; vs TRL best 200: 0.75 < 1.0 not met.
+    DPO step time 7 vs 10: 0.7 <= 0.7 met."""
+    def fig(v):
+        return {"median": v, "min": v, "max": v, "n": 1}
+
+    stages = {
+        "sft": {"summary": {"alignkit": {"tokens_per_s": fig(150.0), "mfu": fig(0.5)},
+                            "trl_default": {"tokens_per_s": fig(100.0)}, "trl_best": {"tokens_per_s": fig(200.0)}}},
+        "dpo": {"summary": {"alignkit": {"step_time_s": fig(7.0), "peak_rss_mb": fig(1.0)},
+                            "trl_default": {"step_time_s": fig(10.0), "peak_rss_mb": fig(1.0)}}},
+    }
+    got = {(t["stage"], t["target"]): t["met"] for t in bench_run.check_targets(stages)}
+    assert got[("sft", "tokens_per_s alignkit/trl_default >= 1.4")] is True
+    assert got[("sft", "tokens_per_s alignkit/trl_best >= 1.0")] is False
+    assert got[("sft", "mfu >= 0.8")] is False
+    assert got[("dpo", "step_time_s alignkit/trl_default <= 0.7")] is True
+    assert got[("dpo", "step_time_s alignkit/trl_best <= 1.0")] is None  # no TRL best run
+
+
+def test_cuda_mode_parses_and_plans_bf16(capsys):
+    opts = bench_run.parse_args(["--device", "cuda", "--stage", "sft", "--stage", "dpo"])
+    assert opts.device == "cuda" and opts.matmul_size == 8192 and opts.stage == ["sft", "dpo"]
+    assert bench_run.main(["--device", "cuda", "--stage", "sft", "--dry-run", "--reps", "2"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["bf16"] is True
+    assert [r[2] for r in plan["runs"]] == ["alignkit", "trl_default", "trl_best"] * 2  # alternating
+    with pytest.raises(SystemExit):
+        bench_run.parse_args(["--steps", "2", "--warmup", "2"])
+
+
+def test_bench_end_to_end_on_tiny_model(tmp_path):
+    """All three stages, alignkit and TRL's default, 2 steps (1 timed), one repetition."""
+    out_dir = tmp_path / "results"
+    cmd = [sys.executable, "-m", "bench", "--model", "tiny", "--stage", "sft", "rm", "dpo", "--reps", "1",
+           "--steps", "2", "--warmup", "1", "--batch", "2", "--cutoff", "96", "--variants", "alignkit,trl_default",
+           "--matmul-size", "256", "--matmul-seconds", "0.2", "--output-dir", str(out_dir), "--name", "smoke",
+           "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out_dir / "smoke.json").read_text())
+    for key in ("date", "command", "machine", "versions", "model", "settings", "formula", "matmul", "targets"):
+        assert key in report
+    assert report["machine"]["cores"] >= 1 and report["machine"]["cpu"]
+    assert report["versions"]["trl"] == "1.16.0"
+    assert report["matmul"]["gflops"] > 0
+    assert set(report["stages"]) == {"sft", "rm", "dpo"}
+    for stage, data in report["stages"].items():
+        assert {r["variant_key"] for r in data["runs"]} == {"alignkit", "trl_default"}
+        for run in data["runs"]:
+            assert run["ok"], run.get("error")
+            assert run["steps"] == 2 and run["measured_steps"] == 1
+            assert run["threads"] == 2
+            assert run["tokens_per_s"] > 0 and run["peak_rss_mb"] > 0 and run["final_loss"] is not None
+        for variant in ("alignkit", "trl_default"):
+            for figure in ("step_time_s", "tokens_per_s", "peak_rss_mb", "final_loss", "mfu"):
+                assert data["summary"][variant][figure]["median"] is not None, (stage, variant, figure)
+        assert data["ratios"]["alignkit/trl_default"]["tokens_per_s"] > 0
+    # Same data, same sampler seed: both tools see the same batches, so their token counts nearly agree
+    # (templates may differ by a trailing newline token per sequence).
+    sft = report["stages"]["sft"]["summary"]
+    assert abs(sft["alignkit"]["tokens_per_step_mean"] - sft["trl_default"]["tokens_per_step_mean"]) <= 2 * 2
+    assert len(report["targets"]) == len(bench_run.TARGETS)
+    markdown = (out_dir / "smoke.md").read_text()
+    for text in ("| stage | run | step time (s)", "alignkit/trl_default", "GFLOP/s", "4N", "not measured",
+                 report["machine"]["cpu"]):
+        assert text in markdown
+    assert markdown in proc.stdout

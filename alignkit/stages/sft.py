@@ -164,24 +164,30 @@ class SFTTrainer(Trainer):
         return path
 
 
-def check_sft_inputs(config: Config, tokenizer: Any, datasets: dict[str, Any]) -> None:
-    """Stop before any work on settings that would fail later or silently do nothing."""
+def check_sft_inputs(config: Config, tokenizer: Any, datasets: dict[str, Any] | None = None) -> None:
+    """Stop on settings that would fail later or silently do nothing.
+
+    Called twice by the stage: before the data is tokenised (`datasets=None`: settings only) and
+    before the model is loaded (the splits' sizes).
+    """
     t = config.training
     if t.predict_with_generate and tokenizer.pad_token_id is None:
         raise ConfigError(
             "predict_with_generate=true needs a pad token to batch prompts, and the tokenizer has none: "
             "use a tokenizer with pad_token (or eos_token) set, or predict_with_generate=false."
         )
+    if config.data.packing and t.predict_with_generate:
+        raise ConfigError(
+            "packing=true with predict_with_generate=true: generation needs one prompt per row; "
+            "predict in a separate run without packing."
+        )
+    if datasets is None:
+        return
     eval_dataset = datasets.get("eval_dataset")
     if (t.do_eval or t.do_predict) and (eval_dataset is None or len(eval_dataset) == 0):
         raise ConfigError(
             "do_eval/do_predict=true but the evaluation set is empty: set `eval_dataset`, or `val_size` "
             "large enough to hold at least one row (check max_samples), or turn do_eval/do_predict off."
-        )
-    if config.data.packing and t.predict_with_generate:
-        raise ConfigError(
-            "packing=true with predict_with_generate=true: generation needs one prompt per row; "
-            "predict in a separate run without packing."
         )
     if t.do_train and (datasets.get("train_dataset") is None or len(datasets["train_dataset"]) == 0):
         raise ConfigError("do_train=true but the training set is empty: check `dataset`, `max_samples` and `val_size`.")
@@ -199,6 +205,7 @@ def _run_causal_lm(config: Config, callbacks: list, stage: str) -> None:
     if t.predict_with_generate and not (t.do_eval or t.do_predict):
         logger.warning("predict_with_generate=true has no effect without do_eval or do_predict.")
     tokenizer = load_tokenizer(config.model)
+    check_sft_inputs(config, tokenizer)
     datasets = get_dataset(config, tokenizer, stage=stage)
     check_sft_inputs(config, tokenizer, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=t.do_train)
@@ -208,7 +215,7 @@ def _run_causal_lm(config: Config, callbacks: list, stage: str) -> None:
     if config.data.packing:
         if train_dataset is not None:
             train_dataset = pack_dataset(train_dataset, config.data.cutoff_len)
-        if eval_dataset is not None and not t.predict_with_generate:
+        if eval_dataset is not None:  # loss-based evaluation: generation with packing was refused above
             eval_dataset = pack_dataset(eval_dataset, config.data.cutoff_len)
         data_collator = PackedCollator(pad_token_id=tokenizer.pad_token_id)
     if config.data.group_by_length:

@@ -138,7 +138,7 @@ def test_check_sft_inputs_errors(tiny_model_dir, tmp_path):
     packed = parse_config(base_config(tiny_model_dir, tmp_path, do_predict=True, predict_with_generate=True,
                                       packing=True))
     with pytest.raises(ConfigError, match="packing=true with predict_with_generate"):
-        check_sft_inputs(packed, with_pad, {"train_dataset": None, "eval_dataset": rows})
+        check_sft_inputs(packed, with_pad)
     check_sft_inputs(generating, with_pad, {"train_dataset": None, "eval_dataset": rows})  # fine
 
 

@@ -253,6 +253,12 @@ class Config:
     source: Optional[str] = None  # the YAML path, for messages
 
 
+def _has_accelerator() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
@@ -421,6 +427,8 @@ def parse_config(
 
     for key, value in TRAINING_DEFAULTS.items():
         per_class[TrainingArguments].setdefault(key, value)
+    # Pinned memory only helps host-to-GPU copies; on a CPU-only machine torch warns about it each epoch.
+    per_class[TrainingArguments].setdefault("dataloader_pin_memory", _has_accelerator())
 
     train_kwargs = per_class[TrainingArguments]
     if train_kwargs.get("fp16") and train_kwargs.get("bf16"):

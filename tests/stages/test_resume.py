@@ -1,0 +1,57 @@
+"""Running again into an output_dir with checkpoints resumes from the last complete one."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from alignkit.hparams import ConfigError, parse_config
+from alignkit.train import last_complete_checkpoint, resolve_resume, run_train
+
+
+def _sft_config(tiny_model_dir, out, tmp_path, **extra):
+    data = tmp_path / "sft.json"
+    if not data.exists():
+        rows = [{"instruction": f"What is {i} plus {i}?", "output": f"{i} plus {i} is {2 * i}."} for i in range(16)]
+        data.write_text(json.dumps(rows))
+    values = {"stage": "sft", "do_train": True, "model_name_or_path": tiny_model_dir, "dataset": str(data),
+              "output_dir": str(out), "per_device_train_batch_size": 4, "save_steps": 1, "learning_rate": 1e-3,
+              "seed": 0, "disable_tqdm": True}
+    values.update(extra)
+    return parse_config(values)
+
+
+def test_last_complete_checkpoint_skips_half_written(tmp_path):
+    for step in (2, 4, 6):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    # checkpoint-6 was being written when the process died: no trainer_state.json
+    assert Path(last_complete_checkpoint(tmp_path)).name == "checkpoint-4"
+    assert last_complete_checkpoint(tmp_path / "missing") is None
+
+
+def test_rerun_resumes_and_overwrite_starts_afresh(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    run_train(_sft_config(tiny_model_dir, out, tmp_path, max_steps=2))
+    assert (out / "checkpoint-2" / "trainer_state.json").is_file()
+
+    config = _sft_config(tiny_model_dir, out, tmp_path, max_steps=3)
+    resolve_resume(config)
+    assert Path(config.training.resume_from_checkpoint).name == "checkpoint-2"
+    run_train(_sft_config(tiny_model_dir, out, tmp_path, max_steps=3))
+    state = json.loads((out / "trainer_state.json").read_text())
+    logged_steps = [r["step"] for r in state["log_history"] if "loss" in r]
+    assert logged_steps == [1, 2, 3]  # steps 1-2 restored from the checkpoint, only step 3 trained anew
+    records = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["current_steps"] for r in records if "loss" in r] == [1, 2, 3]  # the log is appended to
+
+    fresh = _sft_config(tiny_model_dir, out, tmp_path, max_steps=1, overwrite_output_dir=True)
+    resolve_resume(fresh)
+    assert fresh.training.resume_from_checkpoint is None
+
+
+def test_resume_from_checkpoint_true_without_checkpoint_is_an_error(tiny_model_dir, tmp_path):
+    config = _sft_config(tiny_model_dir, tmp_path / "empty", tmp_path, max_steps=1, resume_from_checkpoint="true")
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        resolve_resume(config)

@@ -7,11 +7,9 @@ data layer's chat template code, as in training, so a pair scores here exactly a
 Each reward is read at the sequence's last real token from the attention mask
 (`alignkit.stages.rm.sequence_rewards`), so batches may be padded on either side.
 
-Plain transformers gives the same number for one unpadded sequence when the model's
-`config.pad_token_id` is None (it then pools the last token). With `pad_token_id` set, transformers
-pools the rightmost token whose id is not the pad id, which with pad == eos (SmolLM2) skips a final
-eos: alignkit's sequences end with the reply's end-of-turn token, so use this module (or unset
-`pad_token_id`) to get the trained score.
+Plain transformers gives the same numbers from the saved model: sequences end with the template's text
+after the end-of-turn token (ChatML's newline), which is not the pad id, so its pooling at the rightmost
+non-pad token lands on the same position.
 """
 
 from __future__ import annotations

@@ -3,8 +3,11 @@
 Labels are built from positions, never by comparing ids with the pad token (pad == eos in SmolLM2, and
 the eos that ends a reply must be learned). For each assistant turn i the conversation is rendered twice:
 `messages[:i]` with the generation prompt, and `messages[:i+1]`; the first must be a prefix of the second,
-and the difference is the reply (its content plus the end-of-turn token). Everything the template writes
-after the reply's eos (ChatML's newline) belongs to the next prompt chunk. Chunks are tokenised separately
+and the difference is the reply: its content, the end-of-turn token, and whatever the template writes
+after it (ChatML's newline), exactly as LLaMA-Factory's and TRL's chat data train it. Keeping that tail
+matters for reward models: with pad == eos, plain transformers scores a sequence at its last token that is
+not the pad token, so a sequence ending in `<|im_end|>\n` is scored at the newline, where we train the
+reward too. Chunks are tokenised separately
 and concatenated, so every mask boundary falls exactly between tokens, and a prompt is tokenised the same
 way it will be at generation time.
 
@@ -86,8 +89,6 @@ BUILTIN_TEMPLATES: dict[str, BuiltinTemplate] = {
         reply="{content}{eos}\n",
     ),
 }
-# The end-of-reply marker each built-in template writes (the tokenizer's eos for `plain`).
-_REPLY_END = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
 
 
 def adds_bos(tokenizer) -> bool:
@@ -116,13 +117,11 @@ class ChatFormatter:
                 raise DataError("the tokenizer has no chat template: set `template: plain` for a base model "
                                 "(or `chatml` / `llama3`).")
             self._render: Callable[..., str] = self._render_tokenizer
-            self.reply_end = eos
         elif template in BUILTIN_TEMPLATES:
             builtin = BUILTIN_TEMPLATES[template]
             bos = tokenizer.bos_token if adds_bos(tokenizer) else ""
             self._render = lambda messages, add_generation_prompt, tools=None: builtin.render(
                 messages, add_generation_prompt, eos=eos, bos=bos, tools=tools)
-            self.reply_end = _REPLY_END.get(template, eos)
         else:
             raise DataError(f"template={template!r} is unknown; choose one of {', '.join(BUILTIN_TEMPLATES)} "
                             "or leave it unset to use the tokenizer's own chat template.")
@@ -147,9 +146,8 @@ class ChatFormatter:
     def chunks(self, messages: list[Message], tools: Optional[str] = None) -> list[tuple[str, bool]]:
         """Split a conversation into consecutive text chunks flagged `True` for assistant replies.
 
-        The chunks concatenate to the rendered conversation, up to and including the last reply's
-        end-of-turn token (what the template writes after it is dropped: nothing is learned from it).
-        Prompt chunks hold everything else: system prompt (also one the template injects), user turns,
+        The chunks concatenate to the rendered conversation up to the end of the last reply (its
+        end-of-turn token and the template's text after it). Prompt chunks hold everything else: system prompt (also one the template injects), user turns,
         tool outputs and each turn's generation prompt.
 
         Raises:
@@ -170,9 +168,6 @@ class ChatFormatter:
                     f"to one of {', '.join(BUILTIN_TEMPLATES)}.")
             out.append((before[len(consumed):], False))
             reply = full[len(before):]
-            end = reply.rfind(self.reply_end) if self.reply_end else -1
-            if end >= 0:
-                reply = reply[: end + len(self.reply_end)]
             out.append((reply, True))
             consumed = before + reply
         return [(text, trained) for text, trained in out if text]

@@ -13,11 +13,10 @@ What this file simplifies, and why:
   `pad_token_id`; with pad == eos (SmolLM2 and many chat models) a sequence ending in eos would be read
   one token early. So we take the per-token scores that the `score` head produces inside that same
   forward (a forward hook on the head, so any wrapper around the model -- PEFT, DDP -- still runs its
-  own forward) and gather them ourselves, for left and right padding alike. Plain transformers gives
-  the same score for one unpadded sequence when it pools the last token: when the sequence does not
-  end with the pad id, or when `config.pad_token_id` is None (tested). Our rm sequences end with the
-  reply's end-of-turn token, which for SmolLM2 is the pad id, so plain-transformers users must unset
-  `pad_token_id` (or use `alignkit.score`) to read the trained score.
+  own forward) and gather them ourselves, for left and right padding alike. The data layer ends every
+  sequence with the template's text after the end-of-turn token (ChatML's newline), so the last real
+  token is not the pad id and plain transformers, pooling at the rightmost non-pad token, reads the
+  same score from the saved model, padded batches included (tested).
 - The loss is the Bradley-Terry negative log-likelihood `-log sigmoid(r_chosen - r_rejected - margin)`
   averaged over pairs, plus TRL's optional centring penalty; the pure functions are below.
 """

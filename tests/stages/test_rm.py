@@ -86,18 +86,24 @@ def test_lora_run_logs_metrics_writes_outputs_and_trains_only_adapter_and_head(t
     # The base decoder is frozen: none of its weights is in the adapter file.
     assert not any("embed_tokens" in name or name.endswith("q_proj.weight") for name in adapter)
 
-    # Reload: plain transformers + peft gives the scores of our eval predictions (one unpadded pair at a time).
+    # Reload: plain transformers + peft, its own pooling (pad_token_id set, pad == eos), one right-padded
+    # batch of all eight sequences, gives the scores of our eval predictions.
     from peft import PeftModel
 
     base = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    pad_id = base.config.pad_token_id = base.config.eos_token_id
     plain = PeftModel.from_pretrained(base, str(out)).eval()
-    plain.config.pad_token_id = None  # score one unpadded sequence: transformers then pools its last token
     scorer = RewardScorer(out)
-    for (prompt, chosen, rejected), expected in zip(PAIRS[:4], predictions):
-        for response, value in ((chosen, expected["chosen"]), (rejected, expected["rejected"])):
-            ids = torch.tensor([scorer.encode(prompt, response)])
-            with torch.no_grad():
-                assert plain(input_ids=ids).logits[0, 0].item() == pytest.approx(value, abs=1e-4)
+    sequences, expected = [], []
+    for (prompt, chosen, rejected), pred in zip(PAIRS[:4], predictions):
+        sequences += [scorer.encode(prompt, chosen), scorer.encode(prompt, rejected)]
+        expected += [pred["chosen"], pred["rejected"]]
+    width = max(map(len, sequences))
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    with torch.no_grad():
+        scores = plain(input_ids=ids, attention_mask=mask).logits[:, 0]
+    assert scores.tolist() == pytest.approx(expected, abs=1e-4)
 
 
 def test_margin_column_changes_the_loss(tmp_path, tiny_model_dir):
@@ -121,7 +127,7 @@ def test_full_finetuning_saves_a_plain_sequence_classification_model(tmp_path, t
     assert model.config.num_labels == 1
     scorer = RewardScorer(out)
     prompt, chosen, _ = PAIRS[0]
-    model.config.pad_token_id = None
+    assert model.config.pad_token_id == model.config.eos_token_id  # pad == eos, as in SmolLM2
     with torch.no_grad():
         plain = model(input_ids=torch.tensor([scorer.encode(prompt, chosen)])).logits[0, 0].item()
     assert scorer.score([prompt], [chosen])[0] == pytest.approx(plain, abs=1e-5)

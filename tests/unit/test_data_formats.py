@@ -49,11 +49,12 @@ def test_alpaca_with_history_and_system_trains_every_reply_with_its_eos(tmp_path
     row = load(tmp_path, tiny_tokenizer, rows)["train_dataset"][0]
     assert tiny_tokenizer.decode(row["input_ids"]) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-        "Hello!<|im_end|>\n<|im_start|>user\nWhat is 2+2?\nBe exact.<|im_end|>\n<|im_start|>assistant\n4.<|im_end|>")
-    assert trained_spans(tiny_tokenizer, row) == ["Hello!<|im_end|>", "4.<|im_end|>"]
+        "Hello!<|im_end|>\n<|im_start|>user\nWhat is 2+2?\nBe exact.<|im_end|>\n<|im_start|>assistant\n4.<|im_end|>\n")
+    assert trained_spans(tiny_tokenizer, row) == ["Hello!<|im_end|>\n", "4.<|im_end|>\n"]
     assert "Be brief." in masked_text(tiny_tokenizer, row)
     # pad == eos: the eos closing the reply is a label, found by position, not dropped as padding.
-    assert row["input_ids"][-1] == EOS and row["labels"][-1] == EOS
+    assert row["input_ids"][-2] == EOS and row["labels"][-2] == EOS
+    assert row["labels"][-1] == row["input_ids"][-1] != EOS  # the template's closing newline
     assert row["attention_mask"] == [1] * len(row["input_ids"])
 
 
@@ -69,7 +70,7 @@ def test_sharegpt_multi_turn_with_system(tmp_path, tiny_tokenizer):
         {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4."},
         {"from": "human", "value": "3+3?"}, {"from": "gpt", "value": "6."}]}]
     row = load(tmp_path, tiny_tokenizer, rows)["train_dataset"][0]
-    assert trained_spans(tiny_tokenizer, row) == ["Hello!<|im_end|>", "4.<|im_end|>", "6.<|im_end|>"]
+    assert trained_spans(tiny_tokenizer, row) == ["Hello!<|im_end|>\n", "4.<|im_end|>\n", "6.<|im_end|>\n"]
     assert masked_text(tiny_tokenizer, row).startswith("<|im_start|>system\nYou are kind.<|im_end|>")
 
 
@@ -77,15 +78,15 @@ def test_openai_messages_with_leading_system_message(tmp_path, tiny_tokenizer):
     rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                           {"role": "assistant", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]}]
     row = load(tmp_path, tiny_tokenizer, rows)["train_dataset"][0]
-    assert trained_spans(tiny_tokenizer, row) == ["Hello<|im_end|>"]
+    assert trained_spans(tiny_tokenizer, row) == ["Hello<|im_end|>\n"]
     assert "system\nBe brief." in masked_text(tiny_tokenizer, row)
 
 
 def test_plain_template_for_base_models(tmp_path, tiny_tokenizer):
     rows = [{"instruction": "Hi", "output": "Hello!", "system": "Be brief."}]
     row = load(tmp_path, tiny_tokenizer, rows, template="plain")["train_dataset"][0]
-    assert tiny_tokenizer.decode(row["input_ids"]) == "Be brief.\n\nHuman: Hi\nAssistant: Hello!<|im_end|>"
-    assert trained_spans(tiny_tokenizer, row) == ["Hello!<|im_end|>"]
+    assert tiny_tokenizer.decode(row["input_ids"]) == "Be brief.\n\nHuman: Hi\nAssistant: Hello!<|im_end|>\n"
+    assert trained_spans(tiny_tokenizer, row) == ["Hello!<|im_end|>\n"]
 
 
 def test_template_whose_prefixes_do_not_match_is_rejected(tiny_tokenizer):
@@ -110,10 +111,10 @@ def test_preference_text_rows_share_the_prompt_and_keep_margin(tmp_path, tiny_to
     rows = [{"instruction": "2+2?", "input": "", "chosen": "4.", "rejected": "5, I think.", "margin": 1.5}]
     row = load(tmp_path, tiny_tokenizer, rows, stage=stage)["train_dataset"][0]
     prompt = "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
-    assert tiny_tokenizer.decode(row["chosen_input_ids"]) == prompt + "4.<|im_end|>"
-    assert tiny_tokenizer.decode(row["rejected_input_ids"]) == prompt + "5, I think.<|im_end|>"
-    assert trained_spans(tiny_tokenizer, row, "chosen_") == ["4.<|im_end|>"]
-    assert trained_spans(tiny_tokenizer, row, "rejected_") == ["5, I think.<|im_end|>"]
+    assert tiny_tokenizer.decode(row["chosen_input_ids"]) == prompt + "4.<|im_end|>\n"
+    assert tiny_tokenizer.decode(row["rejected_input_ids"]) == prompt + "5, I think.<|im_end|>\n"
+    assert trained_spans(tiny_tokenizer, row, "chosen_") == ["4.<|im_end|>\n"]
+    assert trained_spans(tiny_tokenizer, row, "rejected_") == ["5, I think.<|im_end|>\n"]
     assert row["margin"] == 1.5
 
 
@@ -123,8 +124,8 @@ def test_preference_sharegpt_messages(tmp_path, tiny_tokenizer):
              "chosen": {"from": "gpt", "value": "4."}, "rejected": {"from": "gpt", "value": "5."}}]
     row = load(tmp_path, tiny_tokenizer, rows, stage="dpo")["train_dataset"][0]
     # Earlier assistant turns belong to the prompt: only the compared reply is labelled.
-    assert trained_spans(tiny_tokenizer, row, "chosen_") == ["4.<|im_end|>"]
-    assert trained_spans(tiny_tokenizer, row, "rejected_") == ["5.<|im_end|>"]
+    assert trained_spans(tiny_tokenizer, row, "chosen_") == ["4.<|im_end|>\n"]
+    assert trained_spans(tiny_tokenizer, row, "rejected_") == ["5.<|im_end|>\n"]
 
 
 @pytest.mark.parametrize("row", [
@@ -138,8 +139,8 @@ def test_preference_sharegpt_messages(tmp_path, tiny_tokenizer):
 def test_trl_style_preference_rows(tmp_path, tiny_tokenizer, row):
     out = load(tmp_path, tiny_tokenizer, [row], stage="rm")["train_dataset"][0]
     assert tiny_tokenizer.decode(out["chosen_input_ids"]) == (
-        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4.<|im_end|>")
-    assert trained_spans(tiny_tokenizer, out, "rejected_") == ["5.<|im_end|>"]
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4.<|im_end|>\n")
+    assert trained_spans(tiny_tokenizer, out, "rejected_") == ["5.<|im_end|>\n"]
 
 
 @pytest.mark.parametrize("row", [
@@ -179,7 +180,7 @@ def test_predict_with_generate_eval_has_prompt_inputs_and_reference_labels(tmp_p
         assert prompt.endswith("<|im_start|>assistant\n")
         assert IGNORE_INDEX not in row["labels"]
         assert tiny_tokenizer.decode(row["labels"]).startswith("It is ")
-        assert row["labels"][-1] == EOS
+        assert row["labels"][-2] == EOS  # the reply's eos, then the template's closing newline
 
 
 @pytest.mark.slow
@@ -194,9 +195,10 @@ def test_smollm2_template_masks_its_injected_system_prompt_and_trains_eos(tmp_pa
     rows = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
                                {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4."}]}]
     row = load(tmp_path, tokenizer, rows)["train_dataset"][0]
-    assert trained_spans(tokenizer, row) == ["Hello!<|im_end|>", "4.<|im_end|>"]
+    assert trained_spans(tokenizer, row) == ["Hello!<|im_end|>\n", "4.<|im_end|>\n"]
     assert "You are a helpful AI assistant named SmolLM" in masked_text(tokenizer, row)
-    assert row["labels"][-1] == tokenizer.eos_token_id == tokenizer.pad_token_id
+    assert row["labels"][-2] == tokenizer.eos_token_id == tokenizer.pad_token_id
+    assert tokenizer.decode(row["labels"][-1:]) == "\n"  # ChatML's closing newline is trained too
     # Its declared bos (`<|im_start|>`) is not added by the tokenizer, so pretraining blocks do not get it.
     pt = load(tmp_path, tokenizer, [{"text": "Paris is in France."}], stage="pt", name="pt.json")["train_dataset"][0]
     assert pt["input_ids"] == tokenizer("Paris is in France.")["input_ids"] + [tokenizer.eos_token_id]

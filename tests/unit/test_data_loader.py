@@ -65,8 +65,8 @@ def test_registry_columns_and_tags(tmp_path, tiny_tokenizer):
     out = get_dataset(config(tmp_path, "qa,chat"), tiny_tokenizer, "sft")["train_dataset"]
     first, second = (tiny_tokenizer.decode(ids) for ids in out["input_ids"])
     assert first == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                     "<|im_start|>assistant\nHello!<|im_end|>")
-    assert second == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>"
+                     "<|im_start|>assistant\nHello!<|im_end|>\n")
+    assert second == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
 
 
 def test_registry_file_relative_to_dataset_dir_and_missing_file(tmp_path, tiny_tokenizer):
@@ -160,8 +160,9 @@ def test_response_that_cannot_fit_is_dropped_with_one_warning(tmp_path, tiny_tok
     assert all(any(label != -100 for label in labels) for labels in out["labels"])
     assert "Dropped 1 of 3 train example(s)" in caplog.text and "row 2" in caplog.text
     # The long reply keeps its beginning; the prompt keeps its end (the generation prompt).
-    kept_reply = tiny_tokenizer.decode(out["input_ids"][1]).split("assistant\n")[-1]
+    kept_reply = tiny_tokenizer.decode([t for t in out["labels"][1] if t != -100])
     assert kept_reply and "Hello there, how are you today?".startswith(kept_reply)
+    assert tiny_tokenizer.decode(out["input_ids"][1]).endswith("\n" + kept_reply)
 
 
 def test_identical_pairs_are_dropped_with_a_warning(tmp_path, tiny_tokenizer, caplog):
@@ -239,4 +240,4 @@ def test_bare_file_name_is_found_in_dataset_dir(tmp_path, tiny_tokenizer, monkey
 
 def test_prompt_completion_rows_are_supervised(tmp_path, tiny_tokenizer):
     out = load(tmp_path, tiny_tokenizer, [{"prompt": "Hi", "completion": "Hello!"}])["train_dataset"][0]
-    assert tiny_tokenizer.decode([t for t in out["labels"] if t != -100]) == "Hello!<|im_end|>"
+    assert tiny_tokenizer.decode([t for t in out["labels"] if t != -100]) == "Hello!<|im_end|>\n"

@@ -34,3 +34,29 @@ def _isolated_home(tmp_path, monkeypatch):
     if "ALIGNKIT_HOME" not in os.environ:
         monkeypatch.setenv("ALIGNKIT_HOME", str(tmp_path / "alignkit_home"))
     monkeypatch.setenv("ALIGNKIT_DATA_CACHE", str(tmp_path / "data_cache"))
+
+
+def _save_perturbed_adapter(model_dir, out_dir, head="causal_lm", seed=1):
+    """Save a fresh LoRA adapter over `model_dir` whose lora_B is random (PEFT starts it at zero, so an
+    untouched adapter would change nothing), as if trained; returns the model with the adapter active."""
+    import torch
+
+    from alignkit.hparams import parse_config
+    from alignkit.model.loader import load_model
+
+    config = parse_config({"model_name_or_path": str(model_dir)})
+    model = load_model(config.model, config.finetuning, is_trainable=True, head=head)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    model.eval()
+    model.save_pretrained(out_dir)
+    return model
+
+
+@pytest.fixture
+def save_perturbed_adapter():
+    """`save_perturbed_adapter(model_dir, out_dir, head="causal_lm")` -> model with a non-zero LoRA adapter."""
+    return _save_perturbed_adapter

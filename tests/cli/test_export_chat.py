@@ -21,25 +21,11 @@ def batch(tiny_tokenizer):
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
 
-def _save_adapter(model_dir, out_dir, head="causal_lm"):
-    """A LoRA adapter with non-zero effect (lora_B perturbed, as training would), saved to `out_dir`."""
-    config = parse_config({"model_name_or_path": str(model_dir)})
-    model = load_model(config.model, config.finetuning, is_trainable=True, head=head)
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    model.eval()
-    model.save_pretrained(out_dir)
-    return model
-
-
-def test_export_merges_adapter_into_standalone_model(tiny_model_dir, tmp_path, batch):
+def test_export_merges_adapter_into_standalone_model(tiny_model_dir, tmp_path, batch, save_perturbed_adapter):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     adapter_dir = tmp_path / "adapter"
-    with_adapter = _save_adapter(tiny_model_dir, adapter_dir)
+    with_adapter = save_perturbed_adapter(tiny_model_dir, adapter_dir)
     with torch.no_grad():
         expected = with_adapter(**batch).logits
         with with_adapter.disable_adapter():
@@ -58,11 +44,11 @@ def test_export_merges_adapter_into_standalone_model(tiny_model_dir, tmp_path, b
     assert tokenizer.chat_template and tokenizer.pad_token == "<|im_end|>"
 
 
-def test_export_of_reward_adapter_is_sequence_classifier(tiny_model_dir, tmp_path, batch):
+def test_export_of_reward_adapter_is_sequence_classifier(tiny_model_dir, tmp_path, batch, save_perturbed_adapter):
     from transformers import AutoModelForSequenceClassification
 
     adapter_dir = tmp_path / "rm_adapter"
-    with_adapter = _save_adapter(tiny_model_dir, adapter_dir, head="reward")
+    with_adapter = save_perturbed_adapter(tiny_model_dir, adapter_dir, head="reward")
     with torch.no_grad():
         expected = with_adapter(**batch).logits
 

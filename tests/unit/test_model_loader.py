@@ -21,15 +21,6 @@ def _trainable_names(model):
     return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
-def _perturb_lora(model, seed: int = 1) -> None:
-    """Give the fresh adapter non-zero effect: PEFT initialises lora_B to zero."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-
-
 @pytest.fixture
 def batch(tiny_tokenizer):
     enc = tiny_tokenizer(["The capital of France is Paris.", "What is 12 plus 7?"], return_tensors="pt",
@@ -117,18 +108,9 @@ def test_reward_head_freeze_trains_score(tiny_model_dir):
     assert all(n.startswith("model.layers.1.") or n == "score.weight" for n in names)
 
 
-def _save_perturbed_adapter(tiny_model_dir, out_dir, head="causal_lm"):
-    config = _config(tiny_model_dir)
-    model = load_model(config.model, config.finetuning, is_trainable=True, head=head)
-    _perturb_lora(model)
-    model.eval()
-    model.save_pretrained(out_dir)
-    return model
-
-
-def test_adapter_is_merged_and_fresh_adapter_disabled_reproduces_it(tiny_model_dir, tmp_path, batch):
+def test_adapter_is_merged_and_fresh_adapter_disabled_reproduces_it(tiny_model_dir, tmp_path, batch, save_perturbed_adapter):
     adapter_dir = tmp_path / "sft_adapter"
-    trained = _save_perturbed_adapter(tiny_model_dir, adapter_dir)
+    trained = save_perturbed_adapter(tiny_model_dir, adapter_dir)
     with torch.no_grad():
         expected = trained(**batch).logits
         with trained.disable_adapter():
@@ -149,9 +131,9 @@ def test_adapter_is_merged_and_fresh_adapter_disabled_reproduces_it(tiny_model_d
         torch.testing.assert_close(inference(**batch).logits, expected, atol=1e-5, rtol=0)
 
 
-def test_reward_adapter_merge_restores_score(tiny_model_dir, tmp_path, batch):
+def test_reward_adapter_merge_restores_score(tiny_model_dir, tmp_path, batch, save_perturbed_adapter):
     adapter_dir = tmp_path / "rm_adapter"
-    trained = _save_perturbed_adapter(tiny_model_dir, adapter_dir, head="reward")
+    trained = save_perturbed_adapter(tiny_model_dir, adapter_dir, head="reward")
     with torch.no_grad():
         trained.base_model.model.score.modules_to_save["default"].weight.add_(1.0)
         trained.save_pretrained(adapter_dir)
@@ -164,7 +146,7 @@ def test_reward_adapter_merge_restores_score(tiny_model_dir, tmp_path, batch):
         load_model(config.model, config.finetuning, is_trainable=False)
 
 
-def test_adapter_for_another_base_is_rejected(tiny_model_dir, tmp_path):
+def test_adapter_for_another_base_is_rejected(tiny_model_dir, tmp_path, save_perturbed_adapter):
     from alignkit.model.tiny import build_tiny_model, build_tiny_tokenizer
 
     other_dir = tmp_path / "wider"
@@ -172,7 +154,7 @@ def test_adapter_for_another_base_is_rejected(tiny_model_dir, tmp_path):
     build_tiny_model(len(tokenizer), hidden_size=32).save_pretrained(other_dir)
     tokenizer.save_pretrained(other_dir)
     adapter_dir = tmp_path / "adapter"
-    _save_perturbed_adapter(other_dir, adapter_dir)
+    save_perturbed_adapter(other_dir, adapter_dir)
 
     config = _config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
     with pytest.raises(ConfigError, match=r"does not match.*hidden_size: 32 vs 64"):
@@ -219,9 +201,9 @@ def test_find_linear_modules_skips_output_heads():
     assert find_linear_modules(model) == ["proj"]
 
 
-def test_sft_adapter_can_start_a_reward_model(tiny_model_dir, tmp_path, batch):
+def test_sft_adapter_can_start_a_reward_model(tiny_model_dir, tmp_path, batch, save_perturbed_adapter):
     adapter_dir = tmp_path / "sft_adapter"
-    _save_perturbed_adapter(tiny_model_dir, adapter_dir)
+    save_perturbed_adapter(tiny_model_dir, adapter_dir)
     config = _config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
     sft_merged = load_model(config.model, config.finetuning, is_trainable=False)
     reward = load_model(config.model, config.finetuning, is_trainable=True, head="reward")

@@ -44,10 +44,11 @@ STAGES = ("sft", "rm", "dpo")
 VARIANTS = ("alignkit", "trl_default", "trl_best")
 BUNDLED = "smollm2-135m-instruct"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-FIGURES = ("step_time_s", "tokens_per_s", "peak_rss_mb", "final_loss", "mfu")
+FIGURES = ("step_time_s", "tokens_per_s", "peak_rss_mb", "peak_gpu_mb", "final_loss", "mfu")
 
 # (stage, figure, compared variant, bound, sense) — sense "min": alignkit / other >= bound is met; "max": <=.
-# Targets on the figure "mfu" compare alignkit's MFU itself (no other variant) with the bound.
+# Targets on the figure "mfu" compare alignkit's MFU itself (no other variant) with the bound. With --device cuda
+# the memory targets compare peak GPU memory (torch.cuda.max_memory_allocated) instead of host RSS.
 TARGETS = [
     ("sft", "tokens_per_s", "trl_default", 1.4, "min"),
     ("sft", "tokens_per_s", "trl_best", 1.0, "min"),
@@ -157,15 +158,17 @@ def summarise_stage(runs: list[dict[str, Any]], n_params: int, peak_gflops: floa
                 fig: (summary["alignkit"][fig]["median"] / summary[other][fig]["median"]
                       if summary["alignkit"].get(fig) and summary[other].get(fig) and summary[other][fig]["median"]
                       else None)
-                for fig in ("step_time_s", "tokens_per_s", "peak_rss_mb", "mfu")
+                for fig in ("step_time_s", "tokens_per_s", "peak_rss_mb", "peak_gpu_mb", "mfu")
             }
     return {"summary": summary, "ratios": ratios}
 
 
-def check_targets(stages: dict[str, Any]) -> list[dict[str, Any]]:
+def check_targets(stages: dict[str, Any], device: str = "cpu") -> list[dict[str, Any]]:
     """Each target with its figures and met / not met (None when a run it needs is missing or failed)."""
     out = []
     for stage, figure, other, bound, sense in TARGETS:
+        if figure == "peak_rss_mb" and device == "cuda":
+            figure = "peak_gpu_mb"
         if stage not in stages:
             continue
         summary = stages[stage]["summary"]
@@ -242,10 +245,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     """The tables for README's Performance section."""
     s, m = report["settings"], report["machine"]
     v = report["versions"]
+    mem, mem_label = ("peak_gpu_mb", "peak GPU (MB)") if s["device"] == "cuda" else ("peak_rss_mb", "peak RSS (MB)")
     lines = [
         f"Command: `{report['command']}`  ",
         f"Date: {report['date']}; machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, "
-        f"device {m['device']}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}.  ",
+        f"device {m['device']}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}; 1-minute load average "
+        f"{m['load_average_1min']['before']} before, {m['load_average_1min']['after']} after "
+        "(the benchmark's own process adds about 1 while it runs).  ",
         f"Versions: alignkit {v.get('alignkit')} ({v.get('alignkit_commit', '?')}), TRL {v['trl']}, "
         f"transformers {v['transformers']}, peft {v['peft']}, torch {v['torch']}.  ",
         f"Model: {report['model']['name']} (N = {report['model']['matmul_params_causal_lm']:,} matmul weights; "
@@ -265,7 +271,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "Figures are medians over the repetitions, (min–max) when they differ. Step time excludes setup "
         "(model load, tokenisation, and TRL's reference precomputation, shown as setup).",
         "",
-        "| stage | run | step time (s) | real tokens/s | tokens/step | peak RSS (MB) | first loss | final loss "
+        f"| stage | run | step time (s) | real tokens/s | tokens/step | {mem_label} | first loss | final loss "
         "| MFU | setup (s) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -280,12 +286,12 @@ def render_markdown(report: dict[str, Any]) -> str:
                 continue
             lines.append(
                 f"| {stage} | {variant} | {_cell(row['step_time_s'])} | {_cell(row['tokens_per_s'])} "
-                f"| {row['tokens_per_step_mean']:.0f} | {_cell(row['peak_rss_mb'], 4)} | {_cell(row['first_loss'], 4)} "
+                f"| {row['tokens_per_step_mean']:.0f} | {_cell(row[mem], 4)} | {_cell(row['first_loss'], 4)} "
                 f"| {_cell(row['final_loss'], 4)} | {_cell(row['mfu'], 2)} | {_cell(row['setup_s'])} |")
         for name, ratio in data["ratios"].items():
             lines.append(
                 f"| {stage} | {name} | {_fmt(ratio['step_time_s'], 2)}x | {_fmt(ratio['tokens_per_s'], 2)}x | "
-                f"| {_fmt(ratio['peak_rss_mb'], 2)}x | | | {_fmt(ratio['mfu'], 2)}x | |")
+                f"| {_fmt(ratio[mem], 2)}x | | | {_fmt(ratio['mfu'], 2)}x | |")
     lines += ["", "| stage | target | figures | met |", "|---|---|---|---|"]
     for t in report["targets"]:
         verdict = {True: "met", False: "not met", None: "not measured"}[t["met"]]
@@ -371,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] matmul {tag}: {result.get('matmul_gflops', float('nan')):.1f} GFLOP/s", file=sys.stderr)
         return result
 
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5:
+        print(f"[bench] warning: 1-minute load average is {load_before:.1f} before the first run; other programs "
+              "share the CPU and the figures will be noisy. Measure alone.", file=sys.stderr)
     probes = [probe("before")]
     runs: list[dict[str, Any]] = []
     for i, (stage, rep, variant) in enumerate(plan, 1):
@@ -394,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench]   {status}", file=sys.stderr, flush=True)
         runs.append(result)
     probes.append(probe("after"))
+    load_after = os.getloadavg()[0]
 
     good = [p["matmul_gflops"] for p in probes if p.get("ok")]
     peak = max(good) if good else float("nan")
@@ -407,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
         "wall_s": round(time.time() - started, 1),
-        "machine": machine_info(opts.threads, opts.device),
+        "machine": {**machine_info(opts.threads, opts.device),
+                    "load_average_1min": {"before": round(load_before, 2), "after": round(load_after, 2)}},
         "versions": versions(),
         "model": {"name": model_name, "path": model_dir, "matmul_params_causal_lm": n_causal,
                   "matmul_params_reward": n_reward},
@@ -430,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(linear layers + LM or score head, not the embedding lookup)"),
         "stages": stage_reports,
     }
-    report["targets"] = check_targets(stage_reports)
+    report["targets"] = check_targets(stage_reports, opts.device)
     out_dir = Path(opts.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     markdown = render_markdown(report)

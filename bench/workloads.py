@@ -25,7 +25,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-SYSTEM_PROMPT = "You are a helpful assistant. Answer clearly and stay on topic."
+SYSTEM_PROMPT = "You are a helpful assistant."
 
 _TOPICS = [
     "the water cycle", "compound interest", "photosynthesis", "a binary search", "the French revolution",
@@ -74,8 +74,9 @@ def _sentences(rng: random.Random, n_words: int) -> str:
 def canonical_rows(kind: str, n: int, seed: int = 0) -> list[dict[str, str]]:
     """`n` canonical rows: `kind="sft"` gives system/prompt/response; `"pref"` gives system/prompt/chosen/rejected.
 
-    Prompts have a median of 24 words (up to 90), responses 60 (up to 180); a rejected answer is a shorter or
-    longer variant, so chosen and rejected lengths differ as in real preference data.
+    After a one-line task, prompts carry a median of 6 words of context (up to 80); responses have a median of
+    28 words (up to 170); chosen answers 22 and rejected 18 (up to 150), so chosen and rejected lengths differ
+    as in real preference data. The medians keep a full benchmark run within its time budget on two CPU cores.
     """
     if kind not in ("sft", "pref"):
         raise ValueError(f"kind={kind!r}: expected 'sft' or 'pref'.")
@@ -83,14 +84,14 @@ def canonical_rows(kind: str, n: int, seed: int = 0) -> list[dict[str, str]]:
     rows = []
     for _ in range(n):
         task = rng.choice(_TASKS).format(t=rng.choice(_TOPICS))
-        context = _sentences(rng, _lognormal_int(rng, 24, 0.7, 4, 90))
+        context = _sentences(rng, _lognormal_int(rng, 6, 0.9, 2, 80))
         prompt = f"{task}\n\n{context}"
         row = {"system": SYSTEM_PROMPT, "prompt": prompt}
         if kind == "sft":
-            row["response"] = _sentences(rng, _lognormal_int(rng, 60, 0.7, 8, 180))
+            row["response"] = _sentences(rng, _lognormal_int(rng, 28, 0.7, 5, 170))
         else:
-            row["chosen"] = _sentences(rng, _lognormal_int(rng, 60, 0.6, 8, 180))
-            row["rejected"] = _sentences(rng, _lognormal_int(rng, 45, 0.8, 4, 180))
+            row["chosen"] = _sentences(rng, _lognormal_int(rng, 22, 0.6, 5, 150))
+            row["rejected"] = _sentences(rng, _lognormal_int(rng, 18, 0.8, 4, 150))
         rows.append(row)
     return rows
 

@@ -176,7 +176,7 @@ def check_targets(stages: dict[str, Any], device: str = "cpu") -> list[dict[str,
         if other is None:
             value = mine["median"] if mine else None
             text = f"alignkit MFU {value:.2f}" if value is not None else "alignkit run missing"
-            name = f"{figure} >= {bound}"
+            name = f"alignkit {figure} >= {bound} (share of the measured matmul throughput)"
         else:
             theirs = (summary.get(other) or {}).get(figure)
             value = mine["median"] / theirs["median"] if mine and theirs and theirs["median"] else None
@@ -257,8 +257,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Model: {report['model']['name']} (N = {report['model']['matmul_params_causal_lm']:,} matmul weights; "
         f"{report['model']['matmul_params_reward']:,} with the reward head).  ",
         f"Settings: LoRA r=8 alpha=16 dropout 0 on every linear layer but the head; batch {s['batch']}; "
-        f"{s['steps']} steps ({s['warmup']} warm-up steps not timed); cutoff {s['cutoff']}; lr {s['lr']}; "
-        f"{s['precision']}; {s['reps']} repetitions, alternating; every run a fresh process.  ",
+        f"{s['steps']} steps (the first {s['warmup']} not timed); cutoff {s['cutoff']}; lr {s['lr']}; "
+        f"{s['precision']}; {s['reps']} repetition(s), alternating; every run a fresh process.  ",
         f"Data: {report['data_note']}  ",
         f"TRL default = TRL {v['trl']} config defaults except {s['trl_default_overrides']}; TRL best adds "
         + "; ".join(f"{st}: {', '.join(f'{k}={val}' for k, val in kv.items())}" for st, kv in TRL_BEST.items())

@@ -17,6 +17,7 @@ import torch
 from .hparams import ConfigError, parse_config
 
 DEMO_DATASET = "demo_sft"
+DEMO_EVAL_DATASET = "demo_sft_eval"
 NUM_PROMPTS = 4
 
 
@@ -29,18 +30,15 @@ def demo_data_dir() -> Path:
     raise ConfigError("cannot find data/dataset_info.json with the demo datasets; run from the alignkit checkout.")
 
 
-def _held_out_prompts(data_dir: Path, n: int) -> tuple[list[dict[str, str]], int]:
-    """The last `n` rows of the demo instruction data, and how many rows precede them.
-
-    Training uses `max_samples` = that count (the first rows), so these prompts are never trained on.
-    """
-    info = json.loads((data_dir / "dataset_info.json").read_text(encoding="utf-8"))[DEMO_DATASET]
+def _held_out_prompts(data_dir: Path, n: int) -> list[dict[str, str]]:
+    """The first `n` rows of `demo_sft_eval`, prompts the demo never trains on."""
+    info = json.loads((data_dir / "dataset_info.json").read_text(encoding="utf-8"))[DEMO_EVAL_DATASET]
     rows = json.loads((data_dir / info["file_name"]).read_text(encoding="utf-8"))
     picked = []
-    for row in rows[-n:]:
+    for row in rows[:n]:
         prompt = row["instruction"] + ("\n" + row["input"] if row.get("input") else "")
         picked.append({"prompt": prompt, "reference": row["output"]})
-    return picked, len(rows) - n
+    return picked
 
 
 def _answers(model_args, generating_args, prompts: list[dict[str, str]]) -> list[str]:
@@ -62,7 +60,7 @@ def run_demo(output_dir: str = "outputs/demo", steps: int | None = None) -> dict
 
     torch.manual_seed(0)
     data_dir = demo_data_dir()
-    prompts, num_train_rows = _held_out_prompts(data_dir, NUM_PROMPTS)
+    prompts = _held_out_prompts(data_dir, NUM_PROMPTS)
     max_steps = steps if steps is not None else 30
     config = parse_config(
         {
@@ -70,7 +68,6 @@ def run_demo(output_dir: str = "outputs/demo", steps: int | None = None) -> dict
             "do_train": True,
             "dataset": DEMO_DATASET,
             "dataset_dir": str(data_dir),
-            "max_samples": num_train_rows,
             "cutoff_len": 256,
             "finetuning_type": "lora",
             "lora_rank": 8,

@@ -157,6 +157,13 @@ def make_sft(rng: random.Random, n: int = 300) -> list[dict]:
     return _unique(row, n, _prompt_key)
 
 
+def make_sft_splits(rng: random.Random, n_train: int = 300, n_eval: int = 60) -> dict[str, list[dict]]:
+    """`demo_sft` and a held-out `demo_sft_eval` drawn from one stream of unique prompts, so no evaluation
+    prompt is ever trained on (the first `n_train` rows are the same as `make_sft(rng, n_train)`)."""
+    rows = make_sft(rng, n_train + n_eval)
+    return {"demo_sft.json": rows[:n_train], "demo_sft_eval.json": rows[n_train:]}
+
+
 def make_sharegpt(rng: random.Random, n: int = 100) -> list[dict]:
     rows = []
     for _ in range(n):
@@ -271,6 +278,8 @@ def _pt_row(rng: random.Random) -> dict:
 REGISTRY = {
     "demo_sft": {"file_name": "demo_sft.json",
                  "columns": {"prompt": "instruction", "query": "input", "response": "output", "system": "system"}},
+    "demo_sft_eval": {"file_name": "demo_sft_eval.json",
+                      "columns": {"prompt": "instruction", "query": "input", "response": "output", "system": "system"}},
     "demo_sft_sharegpt": {"file_name": "demo_sft_sharegpt.json", "formatting": "sharegpt",
                           "columns": {"messages": "conversations", "system": "system"}},
     "demo_pref": {"file_name": "demo_pref.json", "ranking": True,
@@ -288,12 +297,14 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # One generator per file so that changing one dataset does not reshuffle the others.
-    makers = {"demo_sft.json": make_sft, "demo_sft_sharegpt.json": make_sharegpt, "demo_pref.json": make_pref,
-              "demo_math.json": make_math, "demo_pt.json": make_pt}
-    for i, (name, make) in enumerate(makers.items()):
-        rows = make(random.Random(args.seed * 1000 + i))
-        (out / name).write_text(json.dumps(rows, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-        print(f"wrote {out / name}: {len(rows)} rows")
+    makers = [make_sft_splits, make_sharegpt, make_pref, make_math, make_pt]
+    names = [None, "demo_sft_sharegpt.json", "demo_pref.json", "demo_math.json", "demo_pt.json"]
+    for i, (make, name) in enumerate(zip(makers, names)):
+        made = make(random.Random(args.seed * 1000 + i))
+        files = made if name is None else {name: made}
+        for file_name, rows in files.items():
+            (out / file_name).write_text(json.dumps(rows, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+            print(f"wrote {out / file_name}: {len(rows)} rows")
     (out / "dataset_info.json").write_text(json.dumps(REGISTRY, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {out / 'dataset_info.json'}")
 

@@ -282,8 +282,11 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
         if type(None) in allowed or Any in allowed:
             return None
         raise ConfigError(f"{key}: null is not allowed; give a value of type {_type_name(tp)}.")
-    if isinstance(value, str) and value.lower() in ("null", "none", "~") and type(None) in allowed:
-        return None
+    if isinstance(value, str) and type(None) in allowed:
+        # `null`/`~` always mean None; `none` only where a string is not itself a valid value
+        # (`report_to: none` is transformers' word for "no integrations", not a missing value).
+        if value.lower() in ("null", "~") or (value.lower() == "none" and str not in allowed):
+            return None
     last_error = None
     for candidate in allowed:
         if candidate is type(None):

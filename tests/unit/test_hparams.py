@@ -98,3 +98,10 @@ def test_load_yaml_errors_name_the_file(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="bad.yaml.*mapping"):
         load_yaml(bad)
+
+
+def test_report_to_none_stays_the_string_transformers_expects():
+    config = parse_config({"report_to": "none"}, ["report_to=none"])
+    assert config.training.report_to == []  # transformers turns the string "none" into no integrations
+    config = parse_config({"max_samples": "None"})
+    assert config.data.max_samples is None

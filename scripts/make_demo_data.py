@@ -157,13 +157,6 @@ def make_sft(rng: random.Random, n: int = 300) -> list[dict]:
     return _unique(row, n, _prompt_key)
 
 
-def make_sft_splits(rng: random.Random, n_train: int = 300, n_eval: int = 60) -> dict[str, list[dict]]:
-    """`demo_sft` and a held-out `demo_sft_eval` drawn from one stream of unique prompts, so no evaluation
-    prompt is ever trained on (the first `n_train` rows are the same as `make_sft(rng, n_train)`)."""
-    rows = make_sft(rng, n_train + n_eval)
-    return {"demo_sft.json": rows[:n_train], "demo_sft_eval.json": rows[n_train:]}
-
-
 def make_sharegpt(rng: random.Random, n: int = 100) -> list[dict]:
     rows = []
     for _ in range(n):
@@ -284,6 +277,9 @@ REGISTRY = {
                           "columns": {"messages": "conversations", "system": "system"}},
     "demo_pref": {"file_name": "demo_pref.json", "ranking": True,
                   "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected"}},
+    "demo_pref_eval": {"file_name": "demo_pref_eval.json", "ranking": True,
+                       "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen",
+                                   "rejected": "rejected"}},
     "demo_math": {"file_name": "demo_math.json", "columns": {"prompt": "prompt", "response": "answer"}},
     "demo_pt": {"file_name": "demo_pt.json", "columns": {"prompt": "text"}},
 }
@@ -296,15 +292,20 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # (training file, generator, training rows, held-out rows written to <name>_eval.json). Held-out rows
+    # come from the same stream of unique prompts, so no evaluation prompt is ever trained on, and the
+    # training rows are the same whatever the held-out count.
+    datasets = [("demo_sft", make_sft, 300, 60), ("demo_sft_sharegpt", make_sharegpt, 100, 0),
+                ("demo_pref", make_pref, 300, 60), ("demo_math", make_math, 300, 0), ("demo_pt", make_pt, 200, 0)]
     # One generator per file so that changing one dataset does not reshuffle the others.
-    makers = [make_sft_splits, make_sharegpt, make_pref, make_math, make_pt]
-    names = [None, "demo_sft_sharegpt.json", "demo_pref.json", "demo_math.json", "demo_pt.json"]
-    for i, (make, name) in enumerate(zip(makers, names)):
-        made = make(random.Random(args.seed * 1000 + i))
-        files = made if name is None else {name: made}
-        for file_name, rows in files.items():
-            (out / file_name).write_text(json.dumps(rows, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-            print(f"wrote {out / file_name}: {len(rows)} rows")
+    for i, (name, make, n_train, n_eval) in enumerate(datasets):
+        rows = make(random.Random(args.seed * 1000 + i), n_train + n_eval)
+        files = {f"{name}.json": rows[:n_train]}
+        if n_eval:
+            files[f"{name}_eval.json"] = rows[n_train:]
+        for file_name, part in files.items():
+            (out / file_name).write_text(json.dumps(part, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+            print(f"wrote {out / file_name}: {len(part)} rows")
     (out / "dataset_info.json").write_text(json.dumps(REGISTRY, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {out / 'dataset_info.json'}")
 

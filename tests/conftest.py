@@ -60,3 +60,22 @@ def _save_perturbed_adapter(model_dir, out_dir, head="causal_lm", seed=1):
 def save_perturbed_adapter():
     """`save_perturbed_adapter(model_dir, out_dir, head="causal_lm")` -> model with a non-zero LoRA adapter."""
     return _save_perturbed_adapter
+
+
+@pytest.fixture(scope="session")
+def bundled_model_dir(tmp_path_factory):
+    """The bundled SmolLM2-135M-Instruct converted once per test session (for `slow` tests).
+
+    Uses $ALIGNKIT_HOME's cache when the variable is set (so a developer's converted copy is reused),
+    else converts into a session temp dir.
+    """
+    from alignkit.model import bundled
+
+    if "ALIGNKIT_HOME" not in os.environ:
+        mp = pytest.MonkeyPatch()
+        mp.setenv("ALIGNKIT_HOME", str(tmp_path_factory.mktemp("bundled_home")))
+        try:
+            return str(bundled.ensure_bundled_model())
+        finally:
+            mp.undo()
+    return str(bundled.ensure_bundled_model())

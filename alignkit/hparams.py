@@ -164,6 +164,13 @@ class FinetuningArguments:
     center_rewards_coefficient: Optional[float] = field(
         default=None, metadata={"help": "RM: weight of the penalty pushing mean rewards towards zero (TRL's)."}
     )
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Train on the real tokens only: flatten each batch into one row with position ids restarting "
+            "per sequence (no padding computed). Set false for models whose attention ignores position-id resets."
+        },
+    )
     plot_loss: bool = field(default=False, metadata={"help": "Write training_<metric>.png for each logged series."})
 
     def __post_init__(self) -> None:

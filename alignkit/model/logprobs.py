@@ -10,12 +10,25 @@ the output layer needs anyway. The logits themselves are kept by reference, not 
 Conventions: `labels` are the input ids with `-100` (ignore) on positions that carry no loss (prompt,
 padding), aligned with `input_ids`, as the data collators return them; the shift by one
 (logits at position t predict the token at t + 1) happens here and nowhere else.
+
+`forward_token_logps` / `forward_sequence_logps` run the model too; with `padding_free=True` the batch
+goes through as one row of its real tokens (`alignkit.model.padding_free`) and only the positions whose
+next token is labelled reach the output layer (`logits_to_keep` as a tensor of positions), so neither
+padding nor prompt costs a vocabulary projection.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .padding_free import (
+    FlatBatch,
+    flatten_padded,
+    next_token_targets,
+    segment_sum,
+    unflatten_to_padded,
+)
 
 IGNORE_INDEX = -100
 # Rows per chunk are chosen so one chunk holds about this many logits (64 MiB in float32).
@@ -123,24 +136,9 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return logps.sum(-1), mask.sum(-1)
 
 
-def forward_token_logps(
+def _padded_forward_token_logps(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run a causal LM and return `token_logps` for `labels`, computing logits only where needed.
-
-    The output layer is skipped for the positions before the earliest labelled token of the batch
-    (`logits_to_keep`), since a prompt's logits carry no loss: the saving is the prompt's share of the
-    vocabulary projection, in time and memory.
-
-    Args:
-        model: a causal LM (or a PEFT model around one) accepting `logits_to_keep`.
-        input_ids: `[N, L]`.
-        attention_mask: `[N, L]`.
-        labels: `[N, L]`, `-100` on positions without loss.
-
-    Returns:
-        `(logps, mask)`, both `[N, L - 1]`, as `token_logps` returns them for the whole sequence.
-    """
     length = input_ids.size(1)
     labelled = labels != IGNORE_INDEX
     # The first labelled token is predicted by the position before it; keep logits from there on.
@@ -155,4 +153,89 @@ def forward_token_logps(
     return logps, mask
 
 
-__all__ = ["IGNORE_INDEX", "selective_log_softmax", "token_logps", "sequence_logps", "forward_token_logps"]
+def _flat_forward_logps(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, FlatBatch]:
+    """Padding-free forward; returns `(logps [K], positions [K], targets [T], flat)` for the K scored positions.
+
+    Only the positions whose next token (in the same sequence) is labelled go through the output layer:
+    `logits_to_keep` takes a 1D tensor of positions in transformers 5, so prompt and padding cost no
+    vocabulary projection at all.
+    """
+    flat = flatten_padded(input_ids, attention_mask, labels)
+    targets = next_token_targets(flat.labels[0], flat.sequence_index)
+    positions = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
+    logits = model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False,
+                   logits_to_keep=positions).logits
+    logps = selective_log_softmax(logits[0], targets[positions])
+    return logps, positions, targets, flat
+
+
+def forward_token_logps(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    padding_free: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a causal LM and return `token_logps` for `labels`, computing logits only where needed.
+
+    Padded (default): the output layer is skipped for the positions before the earliest labelled token
+    of the batch (`logits_to_keep`), since a prompt's logits carry no loss. Padding-free: the batch runs
+    as one row of its real tokens (`alignkit.model.padding_free`) and only labelled positions get logits;
+    the result is scattered back to the padded layout, so both modes return the same tensors.
+
+    Args:
+        model: a causal LM (or a PEFT model around one) accepting `logits_to_keep`.
+        input_ids: `[N, L]`.
+        attention_mask: `[N, L]`, 1 on real tokens (left or right padding).
+        labels: `[N, L]`, `-100` on positions without loss.
+        padding_free: flatten the batch to its real tokens for the forward.
+
+    Returns:
+        `(logps, mask)`, both `[N, L - 1]`, as `token_logps` returns them for the whole sequence.
+    """
+    if not padding_free:
+        return _padded_forward_token_logps(model, input_ids, attention_mask, labels)
+    kept, positions, targets, flat = _flat_forward_logps(model, input_ids, attention_mask, labels)
+    flat_logps = kept.new_zeros(targets.shape).index_put((positions,), kept)
+    logps = unflatten_to_padded(flat_logps, flat.real)
+    mask = unflatten_to_padded(targets != IGNORE_INDEX, flat.real, fill=False)
+    # A flat position predicts the next token of its own row, i.e. the padded column t scores t + 1.
+    return logps[:, :-1], mask[:, :-1]
+
+
+def forward_sequence_logps(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    padding_free: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a causal LM and return each row's summed log-probability of its labelled tokens.
+
+    Args:
+        model, input_ids, attention_mask, labels, padding_free: as for `forward_token_logps`.
+
+    Returns:
+        `(logps, lengths)`: `[N]` float32 sums of `log p(token)` over labelled tokens, `[N]` int64 counts.
+    """
+    if not padding_free:
+        logps, mask = _padded_forward_token_logps(model, input_ids, attention_mask, labels)
+        return logps.sum(-1), mask.sum(-1)
+    kept, positions, _, flat = _flat_forward_logps(model, input_ids, attention_mask, labels)
+    sequences = flat.sequence_index[positions]
+    lengths = torch.bincount(sequences, minlength=flat.num_sequences)
+    return segment_sum(kept, sequences, flat.num_sequences), lengths
+
+
+__all__ = [
+    "IGNORE_INDEX",
+    "selective_log_softmax",
+    "token_logps",
+    "sequence_logps",
+    "forward_token_logps",
+    "forward_sequence_logps",
+]

@@ -7,6 +7,10 @@ What this file simplifies, and why:
 - One forward pass over 2B rows: the `PairwiseCollator` stacks chosen rows first, then rejected. The
   sequence log-probability is the sum of the response tokens' log-probs (labels are -100 on the prompt
   and padding), gathered by `alignkit.model.logprobs` without a second full-vocabulary tensor.
+- Padding-free by default (`padding_free`): policy and reference run on the batch's real tokens laid
+  end to end in one row (`alignkit.model.padding_free`), and only response positions reach the output
+  layer. A preference batch pads 2B rows to the longest of chosen and rejected, so this is where most
+  of a padded step's time and activation memory would go; the log-probs are the same.
 - The reference is the policy as it was at step 0, and never a second model read from disk:
   under LoRA the same weights with the adapter disabled (`with model.disable_adapter()`), under full or
   freeze fine-tuning a frozen deep copy made in memory when the trainer is built. With
@@ -39,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Trainer
 
-from ..model.logprobs import forward_token_logps
+from ..model.logprobs import forward_sequence_logps
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -320,7 +324,7 @@ class DPOTrainer(Trainer):
 
     Args:
         finetuning_args: `pref_loss`, `pref_beta`, `pref_ftx`, `dpo_label_smoothing`, `simpo_gamma`,
-            `precompute_ref_log_probs`.
+            `precompute_ref_log_probs`, `padding_free`.
         ref_model: an explicit frozen reference model. Default: the policy with its LoRA adapter disabled,
             or a frozen in-memory deep copy of the policy as it is now (full / freeze fine-tuning).
         *args, **kwargs: as for `transformers.Trainer` (`data_collator` must be a pairwise collator).
@@ -336,6 +340,7 @@ class DPOTrainer(Trainer):
         self.pref_ftx = finetuning_args.pref_ftx
         self.label_smoothing = finetuning_args.dpo_label_smoothing
         self.simpo_gamma = finetuning_args.simpo_gamma
+        self.padding_free = finetuning_args.padding_free
         self.needs_reference = self.loss_type not in REFERENCE_FREE_LOSSES
         self.precompute_ref_logps = finetuning_args.precompute_ref_log_probs and self.needs_reference
         if self.precompute_ref_logps and kwargs.get("data_collator") is not None:
@@ -394,8 +399,13 @@ class DPOTrainer(Trainer):
     def reference_logps(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed reference log-probs of the chosen and rejected rows of a pairwise batch: ([B], [B])."""
         with self._reference() as reference:
-            logps, _ = forward_token_logps(reference, inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
-        return logps.sum(-1).chunk(2)
+            logps, _ = self._sequence_logps(reference, inputs)
+        return logps.chunk(2)
+
+    def _sequence_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed log-probs [2B] and response lengths [2B] of every row of a pairwise batch under `model`."""
+        return forward_sequence_logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"],
+                                      padding_free=self.padding_free)
 
     def _with_reference_logps(self, dataset: "Dataset", name: str) -> "Dataset":
         """`dataset` plus `ref_chosen_logps` / `ref_rejected_logps` columns, from the cache when it has them."""
@@ -429,9 +439,9 @@ class DPOTrainer(Trainer):
     # ---- the loss ----
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        logps, mask = forward_token_logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
-        chosen_logps, rejected_logps = logps.sum(-1).chunk(2)
-        chosen_lengths, rejected_lengths = mask.sum(-1).chunk(2)
+        logps, lengths = self._sequence_logps(model, inputs)
+        chosen_logps, rejected_logps = logps.chunk(2)
+        chosen_lengths, rejected_lengths = lengths.chunk(2)
 
         ref_chosen_logps = ref_rejected_logps = None
         if self.needs_reference:

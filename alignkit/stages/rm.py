@@ -17,6 +17,9 @@ What this file simplifies, and why:
   sequence with the template's text after the end-of-turn token (ChatML's newline), so the last real
   token is not the pad id and plain transformers, pooling at the rightmost non-pad token, reads the
   same score from the saved model, padded batches included (tested).
+- Padding-free by default (`padding_free`): the 2B rows run as one row of their real tokens with
+  position ids restarting per sequence (`alignkit.model.padding_free`), and each reward is read at its
+  sequence's last flat position: the same scores without the padding's compute and activations.
 - The loss is the Bradley-Terry negative log-likelihood `-log sigmoid(r_chosen - r_rejected - margin)`
   averaged over pairs, plus TRL's optional centring penalty; the pure functions are below.
 """
@@ -35,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import EvalPrediction, Trainer, set_seed
+
+from ..model.padding_free import flatten_padded, last_token_per_sequence
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -153,26 +158,40 @@ def find_score_head(model: nn.Module) -> nn.Module:
     return head
 
 
-def sequence_rewards(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_rewards(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, padding_free: bool = False
+) -> torch.Tensor:
     """One forward pass; each row's reward is the score at its last real token.
 
     Args:
         model: a sequence-classification model with `num_labels=1` (may be wrapped by PEFT or DDP).
         input_ids: [N, L] token ids, left- or right-padded.
         attention_mask: [N, L], 1 on real tokens.
+        padding_free: run the batch as one row of its real tokens (`alignkit.model.padding_free`) and read
+            each score at its sequence's last flat position; the same rewards without computing padding.
 
     Returns:
         [N] float32 rewards (differentiable when grad is enabled).
     """
+    flat = flatten_padded(input_ids, attention_mask) if padding_free else None
     captured: list[torch.Tensor] = []
     handle = find_score_head(model).register_forward_hook(lambda _module, _args, output: captured.append(output))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        if flat is None:
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        else:
+            # One row: the model's own pad-id pooling cannot fail (it needs a pad id only for batches > 1),
+            # and its result is ignored; the hook reads every position's score.
+            model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False)
     finally:
         handle.remove()
-    if len(captured) != 1 or captured[0].shape[:2] != input_ids.shape:
+    expected = input_ids.shape if flat is None else flat.input_ids.shape
+    if len(captured) != 1 or captured[0].shape[:2] != expected:
         raise RuntimeError("the score head did not run once on per-token hidden states; unsupported model layout.")
-    return gather_last_token_scores(captured[0], attention_mask).float()
+    if flat is None:
+        return gather_last_token_scores(captured[0], attention_mask).float()
+    scores = captured[0][0, :, 0]
+    return scores[last_token_per_sequence(flat.lengths)].float()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -186,19 +205,26 @@ class RewardTrainer(Trainer):
     Training logs `rewards/chosen`, `rewards/rejected`, `rewards/margins`, `rewards/accuracies`,
     averaged over the micro-batches of each logging step. Evaluation returns each pair's two rewards
     as predictions, so `compute_reward_eval_metrics` gives exact eval metrics over the whole set.
+
+    Args:
+        center_rewards_coefficient: weight of the penalty pulling rewards towards zero (None: off).
+        padding_free: score the batch's real tokens as one row (see `sequence_rewards`).
+        *args, **kwargs: as for `transformers.Trainer` (`data_collator` must be a pairwise collator).
     """
 
     # The loss is a per-micro-batch mean over pairs: let Trainer divide it by the accumulation steps.
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args, center_rewards_coefficient: Optional[float] = None, **kwargs) -> None:
+    def __init__(self, *args, center_rewards_coefficient: Optional[float] = None, padding_free: bool = True,
+                 **kwargs) -> None:
         kwargs.setdefault("compute_metrics", compute_reward_eval_metrics)
         super().__init__(*args, **kwargs)
         self.center_rewards_coefficient = center_rewards_coefficient
+        self.padding_free = padding_free
         self._train_metrics: dict[str, list[float]] = defaultdict(list)
 
     def _pair_rewards(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        rewards = sequence_rewards(model, inputs["input_ids"], inputs["attention_mask"])
+        rewards = sequence_rewards(model, inputs["input_ids"], inputs["attention_mask"], padding_free=self.padding_free)
         chosen_rewards, rejected_rewards = rewards.chunk(2)
         return chosen_rewards, rejected_rewards
 
@@ -281,6 +307,7 @@ def run_rm(config: "Config", callbacks: list["TrainerCallback"]) -> None:
         processing_class=tokenizer,
         callbacks=callbacks,
         center_rewards_coefficient=config.finetuning.center_rewards_coefficient,
+        padding_free=config.finetuning.padding_free,
         **datasets,
     )
     if config.training.do_train:

@@ -10,6 +10,10 @@ module adds to `transformers.Trainer`:
   loss and gradients. A per-micro-batch mean would weight short replies more.
 - packed rows (`packing: true`) carry `position_ids`; the loss is then the unpacked loss (see
   `alignkit.data.packing`).
+- unpacked batches are trained padding-free by default (`padding_free`): the real tokens of the batch
+  run as one row with position ids restarting per example (`alignkit.model.padding_free`), each
+  example's first label set to -100 so no token is predicted across a boundary. Same loss, none of the
+  padding's compute or activations; the token count (`num_items_in_batch`) is the padded batch's.
 - `prediction_step` with `predict_with_generate` generates with the KV cache from left-aligned prompts
   and returns only the new tokens; `save_predictions` writes `generated_predictions.jsonl`.
 - evaluation without generation reports `accuracy` from argmax ids, never the eval set's logits.
@@ -28,6 +32,7 @@ from transformers import InfNanRemoveLogitsProcessor, LogitsProcessorList, Train
 
 from ..hparams import Config, ConfigError, GeneratingArguments
 from ..metrics import IGNORE_INDEX, argmax_logits, compute_token_accuracy, decode_token_ids, similarity_metrics
+from ..model.padding_free import first_token_unlabelled, flatten_padded, unflatten_to_padded
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +98,22 @@ def to_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_t
 
 
 class SFTTrainer(Trainer):
-    """`Trainer` with step-normalised token loss, generation-based prediction and a predictions file."""
+    """`Trainer` with step-normalised token loss, generation-based prediction and a predictions file.
+
+    Args:
+        generating_args: generation settings for `predict_with_generate`.
+        padding_free: run unpacked batches as one row of their real tokens in `compute_loss`.
+        *args, **kwargs: as for `transformers.Trainer`.
+    """
 
     # `compute_loss` divides by the step's token count itself, so training_step must not divide again.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args, generating_args: GeneratingArguments | None = None, **kwargs) -> None:
+    def __init__(self, *args, generating_args: GeneratingArguments | None = None, padding_free: bool = True,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.generating_args = generating_args or GeneratingArguments()
+        self.padding_free = padding_free
         # Make the Trainer count target tokens for every step whatever the model class declares
         # (our compute_loss consumes the count, not the model), and count them over labels[:, 1:],
         # the positions sft_loss actually scores.
@@ -111,13 +124,23 @@ class SFTTrainer(Trainer):
         """Forward without labels, then `sft_loss` over the step's target-token count."""
         inputs = dict(inputs)
         labels = inputs.pop("labels")
+        flat = None
         if "position_ids" in inputs:
             # Packed rows: transformers derives the block-diagonal mask from position resets only
             # when no 2D mask is given (the collator still returns it so the Trainer can count tokens).
             inputs.pop("attention_mask", None)
+        elif self.padding_free and "attention_mask" in inputs:
+            # The same mechanism for an unpacked batch: one row of its real tokens. sft_loss shifts labels
+            # across the row, so each example's first label must not be a target of the previous example.
+            flat = flatten_padded(inputs.pop("input_ids"), inputs.pop("attention_mask"), labels)
+            inputs.update(input_ids=flat.input_ids, position_ids=flat.position_ids)
+            labels = first_token_unlabelled(flat.labels, flat.sequence_index)
         # No KV cache in a training forward: it is useless there and disables the packed-sequence mask.
         outputs = model(**inputs, use_cache=False)
         loss = sft_loss(outputs.logits, labels, num_items_in_batch)
+        if flat is not None and return_outputs:
+            # Evaluation compares the logits with the padded labels: give them back in that layout.
+            outputs.logits = unflatten_to_padded(outputs.logits[0], flat.real)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # The count is summed over processes while DDP averages gradients: undo the average.
             loss = loss * self.accelerator.num_processes
@@ -237,6 +260,7 @@ def _run_causal_lm(config: Config, callbacks: list, stage: str) -> None:
         compute_metrics=compute_metrics,
         preprocess_logits_for_metrics=preprocess_logits,
         generating_args=config.generating,
+        padding_free=config.finetuning.padding_free,
     )
     if t.do_train:
         result = trainer.train(resume_from_checkpoint=t.resume_from_checkpoint)

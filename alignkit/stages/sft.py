@@ -32,6 +32,7 @@ from transformers import InfNanRemoveLogitsProcessor, LogitsProcessorList, Train
 
 from ..hparams import Config, ConfigError, GeneratingArguments
 from ..metrics import IGNORE_INDEX, argmax_logits, compute_token_accuracy, decode_token_ids, similarity_metrics
+from ..model.logprobs import forward_sequence_logps
 from ..model.padding_free import first_token_unlabelled, flatten_padded, unflatten_to_padded
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,13 @@ class SFTTrainer(Trainer):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         flat = None
+        if self.padding_free and not return_outputs and "position_ids" not in inputs and "attention_mask" in inputs:
+            # Training: only the sum of the targets' log-probs is needed, so the output layer runs on the
+            # labelled positions alone (a prompt token's logits carry no loss) and log-probs are gathered
+            # chunk by chunk, never holding a (tokens x vocab) log-softmax (`alignkit.model.logprobs`).
+            summed_logps, _ = forward_sequence_logps(model, inputs["input_ids"], inputs["attention_mask"], labels,
+                                                     padding_free=True)
+            return self._scaled(-summed_logps.sum(), labels, num_items_in_batch)
         if "position_ids" in inputs:
             # Packed rows: transformers derives the block-diagonal mask from position resets only
             # when no 2D mask is given (the collator still returns it so the Trainer can count tokens).
@@ -141,10 +149,21 @@ class SFTTrainer(Trainer):
         if flat is not None and return_outputs:
             # Evaluation compares the logits with the padded labels: give them back in that layout.
             outputs.logits = unflatten_to_padded(outputs.logits[0], flat.real)
+        loss = self._across_devices(loss, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+    def _scaled(self, total_nll: torch.Tensor, labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+        """`total_nll` divided as `sft_loss` divides: by the step's target count (this batch's if unknown)."""
+        if num_items_in_batch is None:
+            num_items_in_batch = (labels[:, 1:] != IGNORE_INDEX).sum()
+        count = torch.as_tensor(num_items_in_batch, device=total_nll.device)
+        return self._across_devices(total_nll / count.clamp(min=1), num_items_in_batch)
+
+    def _across_devices(self, loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # The count is summed over processes while DDP averages gradients: undo the average.
             loss = loss * self.accelerator.num_processes
-        return (loss, outputs) if return_outputs else loss
+        return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Loss-based evaluation as usual; with `predict_with_generate`, (None, new tokens, labels).

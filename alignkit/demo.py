@@ -31,11 +31,19 @@ def demo_data_dir() -> Path:
 
 
 def _held_out_prompts(data_dir: Path, n: int) -> list[dict[str, str]]:
-    """The first `n` rows of `demo_sft_eval`, prompts the demo never trains on."""
+    """`n` rows of `demo_sft_eval` (prompts the demo never trains on), one per kind of task.
+
+    The kind is the instruction with its digits removed, so "What is 3 plus 4?" and "What is 9 plus 1?"
+    count once and the demo shows varied tasks rather than the held-out set's many sums.
+    """
     info = json.loads((data_dir / "dataset_info.json").read_text(encoding="utf-8"))[DEMO_EVAL_DATASET]
     rows = json.loads((data_dir / info["file_name"]).read_text(encoding="utf-8"))
-    picked = []
-    for row in rows[:n]:
+    picked, kinds = [], set()
+    for row in rows:
+        kind = "".join(ch for ch in row["instruction"] if not ch.isdigit())
+        if kind in kinds or len(picked) == n:
+            continue
+        kinds.add(kind)
         prompt = row["instruction"] + ("\n" + row["input"] if row.get("input") else "")
         picked.append({"prompt": prompt, "reference": row["output"]})
     return picked

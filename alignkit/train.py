@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .callbacks import LogCallback, plot_loss
 from .hparams import Config, ConfigError
@@ -110,5 +110,4 @@ def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) ->
     run(config, all_callbacks)
 
 
-__all__ = ["run_train", "finish_training", "save_eval_metrics", "resolve_resume", "last_complete_checkpoint",
-           "get_last_checkpoint"]
+__all__ = ["run_train", "finish_training", "save_eval_metrics", "resolve_resume", "last_complete_checkpoint"]

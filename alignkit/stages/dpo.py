@@ -280,8 +280,8 @@ def reference_cache_path(dataset: "Dataset", reference_parameters: Iterator[tupl
 
     The key covers the token ids and labels of both responses and every weight of the reference, so a
     changed dataset, cutoff, template or base model gets its own file. The file sits beside the
-    dataset's own cache files when it has them, else under `$ALIGNKIT_DATA_CACHE` (default
-    `~/.cache/alignkit/data`).
+    dataset's own cache files when it has them, else under the tokenised-data cache
+    (`alignkit.data.loader.cache_root`).
     """
     digest = hashlib.sha256(b"alignkit-ref-logps-v1")
     columns = [c for c in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
@@ -292,7 +292,9 @@ def reference_cache_path(dataset: "Dataset", reference_parameters: Iterator[tupl
     if cache_files:
         folder = Path(cache_files[0]["filename"]).parent
     else:
-        folder = Path(os.environ.get("ALIGNKIT_DATA_CACHE", Path.home() / ".cache" / "alignkit" / "data"))
+        from ..data.loader import cache_root
+
+        folder = cache_root()
     return folder / "ref_logps" / f"{digest.hexdigest()[:32]}.pt"
 
 

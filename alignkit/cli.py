@@ -16,7 +16,7 @@ import os
 import sys
 
 from .data.errors import DataError
-from .hparams import ConfigError
+from .hparams import ConfigError, DataArguments
 
 
 def _configure_logging() -> None:
@@ -29,8 +29,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .hparams import all_keys, read_config
 
     if args.help_keys:
-        for key, help_text in all_keys().items():
-            print(f"{key}: {help_text}")
+        for group, keys in all_keys().items():
+            print(f"\n[{group}]")
+            for key, help_text in keys.items():
+                print(f"  {key}: {help_text}")
         return 0
     if not args.config:
         raise ConfigError("alignkit train needs a config file: alignkit train CONFIG.yaml [key=value ...]")
@@ -121,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="jsonl with prompt + response, or messages")
     p.add_argument("--output", help="where to write the scores (default: INPUT.scored.jsonl)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--cutoff-len", type=int, default=1024)
+    p.add_argument("--cutoff-len", type=int, default=DataArguments().cutoff_len,
+                   help="most tokens per sequence, as the config's cutoff_len (default %(default)s)")
     p.add_argument("--template", default=None, help="chat template (default: the tokenizer's own)")
     p.set_defaults(func=_cmd_score)
 

@@ -1,12 +1,19 @@
-"""`alignkit env`: the versions and hardware facts to paste into a bug report."""
+"""`alignkit env`: the versions and hardware facts to paste into a bug report; where alignkit keeps its files."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
+from pathlib import Path
 from typing import Any
 
 LIBRARIES = ("torch", "transformers", "peft", "datasets", "accelerate", "trl")
+
+
+def alignkit_home() -> Path:
+    """`$ALIGNKIT_HOME`, or `~/.cache/alignkit` when unset: the converted bundled model and data caches live there."""
+    return Path(os.environ.get("ALIGNKIT_HOME") or Path.home() / ".cache" / "alignkit").expanduser()
 
 
 def _version(distribution: str) -> str | None:
@@ -52,4 +59,4 @@ def format_env(info: dict[str, Any]) -> str:
     return "\n".join(f"- {key.ljust(width)}: {value}" for key, value in info.items())
 
 
-__all__ = ["env_info", "format_env"]
+__all__ = ["alignkit_home", "env_info", "format_env"]

@@ -1,9 +1,14 @@
-"""Configuration: four argument dataclasses plus the training arguments, read from YAML and `key=value`.
+"""Configuration: one dataclass per concern, read from YAML and `key=value`.
 
 `alignkit train CONFIG.yaml key=value ...` merges the YAML mapping with the overrides (overrides win),
 hands each key to the dataclass that owns it, converts strings to the field's type, and builds the
-dataclasses. Anything wrong (an unknown key, a value of the wrong type, an invalid combination) raises
-`ConfigError` with a message that names the key and says how to fix it, before any model is loaded.
+dataclasses. The shared sections live here (model, data, finetuning method, generation, training); each
+stage's own keys are a dataclass in its stage module (`alignkit.stages.dpo.DPOArguments`, ...), found
+through the stage registry (`alignkit.stages.STAGES`), and arrive as `Config.method`. Anything wrong (an
+unknown key, a value of the wrong type, an invalid combination) raises `ConfigError` with a message that
+names the key and says how to fix it, before any model is loaded: each dataclass checks its own fields in
+`__post_init__`, `check_combinations` the settings that involve several sections, and the stage's
+`check` what only that stage forbids.
 
 Key names follow LLaMA-Factory where it has the feature and TRL otherwise; every field of
 `transformers.Seq2SeqTrainingArguments` is accepted as is.
@@ -24,7 +29,6 @@ from typing import Any, Literal, Optional
 import yaml
 from transformers import Seq2SeqTrainingArguments
 
-STAGES = ("pt", "sft", "rm", "dpo", "grpo", "ppo")
 BUNDLED_MODEL_NAME = "smollm2-135m-instruct"
 
 
@@ -123,10 +127,11 @@ class DataArguments:
 
 @dataclass
 class FinetuningArguments:
-    """What is trained and with which objective."""
+    """Which stage runs and what it trains: the finetuning method (LoRA, full, freeze) and its settings."""
 
-    stage: Literal["pt", "sft", "rm", "dpo", "grpo", "ppo"] = field(
-        default="sft", metadata={"help": "Training stage: pt, sft, rm, dpo, grpo or ppo."}
+    stage: str = field(
+        default="sft",
+        metadata={"help": "Training stage: pt, sft, rm or dpo (the registry `alignkit.stages.STAGES` lists them)."},
     )
     finetuning_type: Literal["lora", "full", "freeze"] = field(
         default="lora", metadata={"help": "LoRA adapter (default), full fine-tuning, or only the last layers."}
@@ -144,44 +149,20 @@ class FinetuningArguments:
     freeze_trainable_layers: int = field(
         default=2, metadata={"help": "finetuning_type=freeze: how many of the last layers are trained."}
     )
-    pref_beta: float = field(default=0.1, metadata={"help": "DPO-family beta: how far the policy may move."})
-    pref_loss: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = field(
-        default="sigmoid", metadata={"help": "Preference loss: sigmoid (DPO), ipo, hinge, orpo or simpo."}
-    )
-    pref_ftx: float = field(default=0.0, metadata={"help": "Weight of the SFT loss on chosen added to DPO."})
-    dpo_label_smoothing: float = field(
-        default=0.0,
-        metadata={
-            "help": "Conservative-DPO label smoothing in [0, 0.5) for the sigmoid loss: the assumed share of "
-            "flipped preference labels (0 = plain DPO)."
-        },
-    )
-    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO target reward margin."})
-    precompute_ref_log_probs: bool = field(
-        default=False,
-        metadata={"help": "Compute reference log-probs once for the whole dataset before training (cached)."},
-    )
-    center_rewards_coefficient: Optional[float] = field(
-        default=None, metadata={"help": "RM: weight of the penalty pushing mean rewards towards zero (TRL's)."}
-    )
-    padding_free: bool = field(
-        default=True,
-        metadata={
-            "help": "Train on the real tokens only: flatten each batch into one row with position ids restarting "
-            "per sequence (no padding computed). Set false for models whose attention ignores position-id resets."
-        },
-    )
-    plot_loss: bool = field(default=False, metadata={"help": "Write training_<metric>.png for each logged series."})
 
     def __post_init__(self) -> None:
         if self.lora_alpha is None:
             self.lora_alpha = 2 * self.lora_rank
+        from .stages import STAGES
+
+        if self.stage not in STAGES:
+            close = difflib.get_close_matches(self.stage, list(STAGES), n=1, cutoff=0.5)
+            hint = f" Did you mean `{close[0]}`?" if close else ""
+            raise ConfigError(f"stage={self.stage!r} is not a stage; choose one of {', '.join(STAGES)}.{hint}")
         if self.lora_rank < 1:
             raise ConfigError(f"lora_rank={self.lora_rank} must be >= 1.")
-        if not 0 <= self.dpo_label_smoothing < 0.5:
-            raise ConfigError(f"dpo_label_smoothing={self.dpo_label_smoothing} must be in [0, 0.5).")
-        if self.dpo_label_smoothing and self.pref_loss != "sigmoid":
-            raise ConfigError("dpo_label_smoothing only applies to pref_loss=sigmoid; set one or the other.")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout={self.lora_dropout} must be in [0, 1).")
         if self.freeze_trainable_layers < 1:
             raise ConfigError(f"freeze_trainable_layers={self.freeze_trainable_layers} must be >= 1.")
 
@@ -222,7 +203,8 @@ class GeneratingArguments:
 
 @dataclass
 class TrainingArguments(Seq2SeqTrainingArguments):
-    """`transformers.Seq2SeqTrainingArguments`, plus the keys transformers 5 dropped that users still write."""
+    """`transformers.Seq2SeqTrainingArguments`, plus the keys transformers 5 dropped that users still write
+    (`overwrite_output_dir`) and how alignkit runs and reports a step (`padding_free`, `plot_loss`)."""
 
     overwrite_output_dir: bool = field(
         default=False,
@@ -231,6 +213,15 @@ class TrainingArguments(Seq2SeqTrainingArguments):
             "complete checkpoint there."
         },
     )
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Train on the real tokens only: run each batch as its sequences laid end to end, position ids "
+            "restarting per sequence (no padding computed). Set false for models whose attention ignores "
+            "position-id resets."
+        },
+    )
+    plot_loss: bool = field(default=False, metadata={"help": "Write training_<metric>.png for each logged series."})
 
 
 ARG_CLASSES = (ModelArguments, DataArguments, TrainingArguments, FinetuningArguments, GeneratingArguments)
@@ -257,6 +248,7 @@ class Config:
     training: TrainingArguments
     finetuning: FinetuningArguments
     generating: GeneratingArguments
+    method: Any = None  # the stage's own arguments (e.g. `DPOArguments`), None for a stage without keys
     source: Optional[str] = None  # the YAML path, for messages
 
 
@@ -372,9 +364,16 @@ def _type_name(tp: Any) -> str:
     return " or ".join(names)
 
 
+def _stage_argument_classes() -> dict[str, type]:
+    """Stage name → the dataclass of its own keys, for every registered stage that has some."""
+    from .stages import STAGES
+
+    return {name: stage.arguments for name, stage in STAGES.items() if stage.arguments is not None}
+
+
 def _owners() -> dict[str, type]:
     owners: dict[str, type] = {}
-    for cls in ARG_CLASSES:
+    for cls in (*ARG_CLASSES, *dict.fromkeys(_stage_argument_classes().values())):
         for name in _field_types(cls):
             owners.setdefault(name, cls)
     return owners
@@ -426,7 +425,7 @@ def parse_config(
 
     owners = _owners()
     where = f" in {source}" if source else ""
-    per_class: dict[type, dict[str, Any]] = {cls: {} for cls in ARG_CLASSES}
+    per_class: dict[type, dict[str, Any]] = {cls: {} for cls in set(owners.values())}
     for key, value in merged.items():
         if key not in owners:
             close = difflib.get_close_matches(key, list(owners), n=1, cutoff=0.6)
@@ -439,26 +438,39 @@ def parse_config(
         per_class[TrainingArguments].setdefault(key, value)
     # Pinned memory only helps host-to-GPU copies; on a CPU-only machine torch warns about it each epoch.
     per_class[TrainingArguments].setdefault("dataloader_pin_memory", _has_accelerator())
+    if per_class[DataArguments].get("group_by_length"):
+        # LLaMA-Factory's key; transformers 5 names the same sampler `train_sampling_strategy`.
+        per_class[TrainingArguments].setdefault("train_sampling_strategy", "group_by_length")
 
     train_kwargs = per_class[TrainingArguments]
     if train_kwargs.get("fp16") and train_kwargs.get("bf16"):
         raise ConfigError(f"fp16 and bf16 are both true{where}; choose one.")
 
-    built: dict[type, Any] = {}
-    for cls in ARG_CLASSES:
+    def build(cls: type) -> Any:
         try:
-            built[cls] = cls(**per_class[cls])
-        except ConfigError:
-            raise
+            return cls(**per_class.get(cls, {}))
+        except ConfigError as err:
+            raise ConfigError(f"{err}{' (' + source + ')' if source else ''}") from None
         except (ValueError, TypeError) as err:
             raise ConfigError(f"invalid {cls.__name__} settings{where}: {err}") from None
 
+    built = {cls: build(cls) for cls in ARG_CLASSES}
+    stage = built[FinetuningArguments].stage
+    stage_classes = _stage_argument_classes()
+    method_cls = stage_classes.get(stage)
+    for other_stage, cls in stage_classes.items():
+        if cls is not method_cls and per_class.get(cls):
+            keys = sorted(per_class[cls])
+            verb, pronoun = ("applies", "it") if len(keys) == 1 else ("apply", "them")
+            raise ConfigError(f"{', '.join(keys)} {verb} to stage {other_stage}, not {stage}{where}; remove "
+                              f"{pronoun} (or set stage: {other_stage}).")
     config = Config(
         model=built[ModelArguments],
         data=built[DataArguments],
         training=built[TrainingArguments],
         finetuning=built[FinetuningArguments],
         generating=built[GeneratingArguments],
+        method=build(method_cls) if method_cls is not None else None,
         source=source,
     )
     check_combinations(config)
@@ -471,29 +483,47 @@ def read_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
 
 
 def check_combinations(config: Config) -> None:
-    """Reject settings that are valid alone but not together, saying how to fix them."""
+    """Reject settings that are valid alone but not together, saying how to fix them.
+
+    Settings of one section are checked by its dataclass; this checks those that span sections, then
+    hands the config to the stage's own `check` (what only that stage forbids).
+    """
+    from .stages import STAGES
+
     t, d, f = config.training, config.data, config.finetuning
+    stage = STAGES[f.stage]
     if t.do_train and not d.dataset and not d.tokenized_path:
         raise ConfigError("do_train=true needs `dataset` (or a `tokenized_path` saved earlier).")
     if (t.do_eval or t.do_predict) and not (d.eval_dataset or d.val_size or d.dataset or d.tokenized_path):
         raise ConfigError("evaluation needs `eval_dataset` or `val_size` > 0.")
-    if d.packing and f.stage not in ("sft", "pt"):
+    if d.packing and stage.data_kind not in ("text", "supervised"):
         raise ConfigError(f"packing=true applies to stage sft or pt, not {f.stage}; remove it.")
-    if t.predict_with_generate and f.stage not in ("sft", "pt"):
+    if t.predict_with_generate and stage.data_kind not in ("text", "supervised"):
         raise ConfigError(f"predict_with_generate applies to stage sft, not {f.stage}; remove it.")
-    if t.predict_with_generate and t.do_train and not (t.do_eval or t.do_predict):
-        raise ConfigError("predict_with_generate=true does nothing without do_eval or do_predict.")
-    if f.precompute_ref_log_probs and f.stage != "dpo":
-        raise ConfigError("precompute_ref_log_probs applies to stage dpo only.")
-    if f.precompute_ref_log_probs and f.pref_loss in ("orpo", "simpo"):
-        raise ConfigError(f"pref_loss={f.pref_loss} uses no reference model; drop precompute_ref_log_probs.")
+    if stage.check is not None:
+        stage.check(config)
 
 
-def all_keys() -> dict[str, str]:
-    """Every accepted key with its help text (for `alignkit train --help-keys`)."""
-    out: dict[str, str] = {}
-    for cls in ARG_CLASSES:
+def all_keys() -> dict[str, dict[str, str]]:
+    """Every accepted key with its help text, grouped (for `alignkit train --help-keys`).
+
+    Returns:
+        Group title → {key: help}. The shared sections first, then one group per stage with keys of its own.
+    """
+    from .stages import STAGES
+
+    groups: dict[str, dict[str, str]] = {}
+    seen: set[str] = set()
+    titles = [(cls.__name__, cls) for cls in ARG_CLASSES]
+    for name, stage in STAGES.items():
+        if stage.arguments is not None:
+            titles.append((f"stage {name} ({stage.arguments.__name__})", stage.arguments))
+    for title, cls in titles:
+        keys = {}
         for f in dataclasses.fields(cls):
-            if f.init and f.name not in out:
-                out[f.name] = f"[{cls.__name__}] " + f.metadata.get("help", "")
-    return out
+            if f.init and f.name not in seen:
+                seen.add(f.name)
+                keys[f.name] = f.metadata.get("help", "")
+        if keys:
+            groups[title] = keys
+    return groups

@@ -17,9 +17,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from .constants import IGNORE_INDEX
 from .hparams import ConfigError
 
-IGNORE_INDEX = -100
 SIMILARITY_KEYS = ("bleu-4", "rouge-1", "rouge-2", "rouge-l")
 
 

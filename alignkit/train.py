@@ -1,29 +1,23 @@
-"""`alignkit train`: resolve resumption, attach callbacks, and hand the config to the stage.
+"""`alignkit train`: resolve resumption, seed, attach callbacks, and hand the config to the stage.
 
-Each stage lives in `alignkit/stages/<stage>.py` and exposes `run_<stage>(config, callbacks)`.
-The pieces every stage does the same way after training (save, metrics, state, plots) are here.
+The stage comes from the registry (`alignkit.stages.STAGES`); what every stage does after building its
+trainer (train, evaluate, predict, save) is `alignkit.stages.base.run_stage_trainer`.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .callbacks import LogCallback, plot_loss
+from .callbacks import LogCallback
 from .hparams import Config, ConfigError
 
 logger = logging.getLogger(__name__)
-
-# `pt` is causal-LM training on raw text; it shares the SFT trainer.
-STAGE_MODULES = {"pt": ("sft", "run_pt"), "sft": ("sft", "run_sft"), "rm": ("rm", "run_rm"),
-                 "dpo": ("dpo", "run_dpo"), "grpo": ("grpo", "run_grpo"), "ppo": ("ppo", "run_ppo")}
 
 
 def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
@@ -75,39 +69,20 @@ def resolve_resume(config: Config) -> None:
         t.resume_from_checkpoint = found
 
 
-def finish_training(trainer, train_result, config: Config) -> None:
-    """What every stage does after `trainer.train()`: save model, metrics and state; plot curves."""
-    trainer.save_model()
-    trainer.log_metrics("train", train_result.metrics)
-    trainer.save_metrics("train", train_result.metrics)
-    trainer.save_state()
-    if config.finetuning.plot_loss and trainer.is_world_process_zero():
-        plot_loss(config.training.output_dir)
-
-
-def save_eval_metrics(trainer, metrics: dict[str, Any], split: str) -> None:
-    """Log and write `<split>_results.json`."""
-    trainer.log_metrics(split, metrics)
-    trainer.save_metrics(split, metrics)
-
-
 def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) -> None:
     """Run the stage named by `config.finetuning.stage`."""
-    stage = config.finetuning.stage
-    module_name, func_name = STAGE_MODULES[stage]
-    try:
-        module = importlib.import_module(f"alignkit.stages.{module_name}")
-        run = getattr(module, func_name)
-    except (ImportError, AttributeError):
-        raise ConfigError(f"stage {stage!r} is not available in this version of alignkit.") from None
+    from .stages import STAGES
+
+    stage = STAGES[config.finetuning.stage]
     if config.training.overwrite_output_dir and config.training.do_train:
         out = Path(config.training.output_dir)
         if out.is_dir():
             for child in out.glob(PREFIX_CHECKPOINT_DIR + "-*"):
                 shutil.rmtree(child, ignore_errors=True)
     resolve_resume(config)
-    all_callbacks = [LogCallback()] + list(callbacks or [])
-    run(config, all_callbacks)
+    # Before any model or adapter is built: a fresh LoRA adapter or score head is initialised at random.
+    set_seed(config.training.seed)
+    stage.run(config, [LogCallback()] + list(callbacks or []))
 
 
-__all__ = ["run_train", "finish_training", "save_eval_metrics", "resolve_resume", "last_complete_checkpoint"]
+__all__ = ["run_train", "resolve_resume", "last_complete_checkpoint"]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.util
 import json
 import os
 import platform
@@ -62,11 +61,10 @@ TARGETS = [
 
 
 def alignkit_has_stage(stage: str) -> bool:
-    """True when `alignkit.stages.<stage>` exists and defines `run_<stage>` (stages land one by one)."""
-    if importlib.util.find_spec(f"alignkit.stages.{stage}") is None:
-        return False
-    module = __import__(f"alignkit.stages.{stage}", fromlist=[f"run_{stage}"])
-    return hasattr(module, f"run_{stage}")
+    """True when alignkit's stage registry (`alignkit.stages.STAGES`) has the stage."""
+    from alignkit.stages import STAGES
+
+    return stage in STAGES
 
 
 def resolve_model(model: str, work_dir: Path) -> tuple[str, str]:

@@ -141,10 +141,11 @@ def run_alignkit(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any
         "per_device_train_batch_size": opts.batch,
         "max_steps": opts.steps,
         "learning_rate": opts.lr,
-        "pref_beta": 0.1,
         # alignkit already defaults to report_to none; passing the string would read as YAML null.
         **{k: v for k, v in COMMON_TRAINING.items() if k != "report_to"},
     }
+    if opts.stage == "dpo":
+        values["pref_beta"] = 0.1  # TRL's DPOConfig default, written out so both sides agree
     if opts.device == "cuda":
         # Same as the TRL side: fp32 master weights under bf16 autocast.
         values.update(bf16=True, infer_dtype="float32")

@@ -1,10 +1,10 @@
 """Data: load, validate, convert, template, tokenise (cached), collate. See docs/ARCHITECTURE.md."""
 
-from .collator import PairwiseCollator, PromptCollator, SupervisedCollator
+from ..constants import IGNORE_INDEX
+from .collator import PairwiseCollator, SupervisedCollator
 from .errors import DataError
 from .loader import get_dataset
-from .processors import IGNORE_INDEX
 from .template import ChatFormatter
 
-__all__ = ["get_dataset", "DataError", "SupervisedCollator", "PairwiseCollator", "PromptCollator",
+__all__ = ["get_dataset", "DataError", "SupervisedCollator", "PairwiseCollator",
            "ChatFormatter", "IGNORE_INDEX"]

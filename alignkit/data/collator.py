@@ -1,4 +1,4 @@
-"""Padding collators: each pads to the longest sequence of its batch and returns torch tensors.
+"""Padding collators for training: each pads to the longest sequence of its batch and returns torch tensors.
 
 Attention masks mark the real tokens; nothing downstream may find padding by comparing ids with the pad
 token (pad == eos in SmolLM2).
@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from .processors import IGNORE_INDEX
+from ..constants import IGNORE_INDEX
 
 
 def pad_sequences(sequences: list[list[int]], value: int, side: str = "right",
@@ -104,29 +104,4 @@ class PairwiseCollator:
         }
         if features and "margin" in features[0]:
             batch["margin"] = torch.tensor([float(f["margin"] or 0.0) for f in features], dtype=torch.float)
-        return batch
-
-
-class PromptCollator:
-    """Left-pads prompts for generation (`input_ids`, `attention_mask`); `labels`, if present (reference
-    replies), are right-padded with -100; every other column stays a python list (e.g. `answer`).
-
-    Args:
-        tokenizer: gives the pad id.
-    """
-
-    def __init__(self, tokenizer):
-        self.pad_id = _pad_id(tokenizer)
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        batch: dict[str, Any] = {
-            "input_ids": pad_sequences([f["input_ids"] for f in features], self.pad_id, side="left"),
-            "attention_mask": pad_sequences([f.get("attention_mask") or [1] * len(f["input_ids"]) for f in features],
-                                            0, side="left"),
-        }
-        if "labels" in features[0]:
-            batch["labels"] = pad_sequences([f["labels"] for f in features], IGNORE_INDEX)
-        for name in features[0]:
-            if name not in batch:
-                batch[name] = [f[name] for f in features]
         return batch

@@ -1,6 +1,6 @@
 """The one exception the data layer raises for input the user must fix.
 
-Validation happens where the data enters (see STYLE.md): every message names the file, the row (or the
+Validation happens where the data enters: every message names the file, the row (or the
 1-based line of a .jsonl file), the field, what was expected, and the fix, so a bad row stops the run
 before any model is loaded instead of surfacing as a pyarrow or tokenizer error deep inside training.
 """

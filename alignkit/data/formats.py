@@ -29,9 +29,8 @@ from typing import Any, Optional
 from .errors import DataError, RowError, describe_value
 
 FORMATTINGS = ("alpaca", "sharegpt", "openai")
-# What each training stage needs from a row.
-STAGE_KINDS = {"pt": "text", "sft": "supervised", "rm": "preference", "dpo": "preference",
-               "grpo": "prompt", "ppo": "prompt"}
+# The kinds of example the data layer builds; each stage names the one it trains on (`alignkit.stages`).
+DATA_KINDS = ("text", "supervised", "preference", "prompt")
 
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
                   "history": "history", "chosen": "chosen", "rejected": "rejected", "tools": "tools"}
@@ -82,23 +81,27 @@ class DatasetAttr:
         return self.tags.get(name, base[name])
 
 
-def guess_formatting(columns: list[str], source: str) -> tuple[str, dict[str, str]]:
+# TRL-style rows write messages with OpenAI's role/content keys.
+_OPENAI = DatasetAttr(name="", load_from="file", path="", formatting="openai")
+
+
+def guess_formatting(columns: list[str], source: str) -> str:
     """Pick a formatting for a file not in the registry from its column names.
 
     Returns:
-        (formatting, columns) where formatting is `alpaca`, `sharegpt`, `openai`, `trl` or `text`.
+        `alpaca`, `sharegpt`, `openai`, `trl` or `text`.
     """
     cols = set(columns)
     if "conversations" in cols:
-        return "sharegpt", {}
+        return "sharegpt"
     if "messages" in cols:
-        return "openai", {}
+        return "openai"
     if "instruction" in cols:
-        return "alpaca", {}
+        return "alpaca"
     if "prompt" in cols or {"chosen", "rejected"} <= cols:
-        return "trl", {}
+        return "trl"
     if "text" in cols:
-        return "text", {}
+        return "text"
     raise DataError(
         f"{source}: cannot tell the format from its columns ({', '.join(sorted(cols)) or 'none'}). Expected "
         "`instruction`/`output` (alpaca), `conversations` (sharegpt), `messages` (openai), `prompt` with "
@@ -289,7 +292,7 @@ def convert_row(row: dict, attr: DatasetAttr, formatting: str, kind: str) -> dic
         row: the raw row (column → value).
         attr: where the row comes from and its column/tag mapping.
         formatting: `alpaca`, `sharegpt`, `openai`, `trl` or `text` (resolved, never `auto`).
-        kind: `text`, `supervised`, `preference` or `prompt` (see STAGE_KINDS).
+        kind: `text`, `supervised`, `preference` or `prompt` (see DATA_KINDS).
 
     Raises:
         RowError: the row is malformed; the loader adds the file and row number.
@@ -374,9 +377,6 @@ def _convert_trl(row: dict, kind: str) -> dict[str, Any]:
                 "chosen": _response_message(_required(row, "chosen"), "chosen", _OPENAI),
                 "rejected": _response_message(_required(row, "rejected"), "rejected", _OPENAI)}
     return {"prompt": prompt, "tools": None, "extra": {k: v for k, v in row.items() if k != "prompt"}}
-
-
-_OPENAI = DatasetAttr(name="", load_from="file", path="", formatting="openai")
 
 
 def _implicit_prompt_pair(row: dict) -> dict[str, Any]:

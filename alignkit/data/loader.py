@@ -28,7 +28,8 @@ from datasets.utils import are_progress_bars_disabled, disable_progress_bars, en
 
 from . import processors
 from .errors import DataError, RowError, describe_value
-from .formats import FORMATTINGS, STAGE_KINDS, DatasetAttr, check_columns, convert_row, guess_formatting
+from ..env import alignkit_home
+from .formats import DATA_KINDS, FORMATTINGS, DatasetAttr, check_columns, convert_row, guess_formatting
 from .template import ChatFormatter
 
 logger = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ def _resolve_formatting(attr: DatasetAttr, rows: _Rows, kind: str) -> str:
     first = next((row for _, row in rows.items if isinstance(row, dict)), None)
     if first is None:
         raise DataError(f"{rows.source}: holds no rows (or none that is a JSON object).")
-    formatting, _ = guess_formatting(list(first), rows.source)
+    formatting = guess_formatting(list(first), rows.source)
     if formatting == "text" and kind != "text":
         raise DataError(f"{rows.source}: has only a `text` column (pretraining data); stage needs "
                         f"{kind} examples. Use stage pt, or give prompt/response columns.")
@@ -335,8 +336,7 @@ def cache_root() -> Path:
     """`$ALIGNKIT_DATA_CACHE`, else `$ALIGNKIT_HOME/tokenized`, else `~/.cache/alignkit/tokenized`."""
     if os.environ.get("ALIGNKIT_DATA_CACHE"):
         return Path(os.environ["ALIGNKIT_DATA_CACHE"])
-    home = os.environ.get("ALIGNKIT_HOME") or Path.home() / ".cache" / "alignkit"
-    return Path(home) / "tokenized"
+    return alignkit_home() / "tokenized"
 
 
 def _save_atomically(splits: DatasetDict, target: Path) -> None:
@@ -366,13 +366,26 @@ def _as_result(splits: DatasetDict) -> dict[str, Optional[Dataset]]:
 
 
 # ---------------------------------------------------------------------------------------------- entry point
-def get_dataset(config, tokenizer, stage: str) -> dict[str, Optional[Dataset]]:
-    """Tokenised train and eval datasets for `stage` (see docs/ARCHITECTURE.md for the columns).
+def resolve_kind(kind_or_stage: str) -> str:
+    """A data kind (`text`, `supervised`, `preference`, `prompt`) as given, or the kind a stage trains on."""
+    if kind_or_stage in DATA_KINDS:
+        return kind_or_stage
+    from ..stages import STAGES
+
+    if kind_or_stage in STAGES:
+        return STAGES[kind_or_stage].data_kind
+    raise DataError(f"{kind_or_stage!r} is neither a data kind ({', '.join(DATA_KINDS)}) nor a stage "
+                    f"({', '.join(STAGES)}).")
+
+
+def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
+    """Tokenised train and eval datasets of one kind (see docs/ARCHITECTURE.md for the columns).
 
     Args:
-        config: the run's `Config` (its `data` section and `training.seed` / `predict_with_generate`).
+        config: the run's `Config` (its `data` section, `finetuning.stage` for messages, and
+            `training.seed` / `predict_with_generate`).
         tokenizer: the model's tokenizer.
-        stage: pt, sft, rm, dpo, grpo or ppo.
+        kind: `text`, `supervised`, `preference` or `prompt`, or a stage name meaning the kind it trains on.
 
     Returns:
         `{"train_dataset": Dataset | None, "eval_dataset": Dataset | None}`.
@@ -380,8 +393,7 @@ def get_dataset(config, tokenizer, stage: str) -> dict[str, Optional[Dataset]]:
     Raises:
         DataError: a missing or malformed dataset, with file, row and field named.
     """
-    if stage not in STAGE_KINDS:
-        raise DataError(f"stage {stage!r} is unknown; choose one of {', '.join(STAGE_KINDS)}.")
+    kind = resolve_kind(kind)
     d = config.data
     if d.tokenized_path and Path(d.tokenized_path).is_dir():
         logger.warning("Loading tokenised data from tokenized_path=%s; the dataset settings are ignored.",
@@ -389,13 +401,13 @@ def get_dataset(config, tokenizer, stage: str) -> dict[str, Optional[Dataset]]:
         return _as_result(load_from_disk(d.tokenized_path))
 
     seed = config.training.seed
-    for_generation = bool(getattr(config.training, "predict_with_generate", False)) and stage == "sft"
+    for_generation = bool(getattr(config.training, "predict_with_generate", False)) and kind == "supervised"
     train_attrs = resolve_datasets(d.dataset, d.dataset_dir) if d.dataset else []
     eval_attrs = resolve_datasets(d.eval_dataset, d.dataset_dir) if d.eval_dataset else []
     formatter = ChatFormatter(tokenizer, d.template)
 
     key_parts = {
-        "version": CACHE_VERSION, "stage": stage, "train": [_attr_fingerprint(a) for a in train_attrs],
+        "version": CACHE_VERSION, "kind": kind, "train": [_attr_fingerprint(a) for a in train_attrs],
         "eval": [_attr_fingerprint(a) for a in eval_attrs], "tokenizer": tokenizer_fingerprint(tokenizer),
         "template": d.template, "cutoff_len": d.cutoff_len, "train_on_prompt": d.train_on_prompt,
         "max_samples": d.max_samples, "val_size": d.val_size, "seed": seed, "for_generation": for_generation,
@@ -407,7 +419,7 @@ def get_dataset(config, tokenizer, stage: str) -> dict[str, Optional[Dataset]]:
         logger.info("Loading tokenised data from cache %s.", cached)
         splits = load_from_disk(str(cached))
     else:
-        splits = _build(config, formatter, stage, train_attrs, eval_attrs, for_generation)
+        splits = _build(config, formatter, kind, train_attrs, eval_attrs, for_generation)
         _save_atomically(splits, cached)
     if d.tokenized_path:
         _save_atomically(splits, Path(d.tokenized_path))
@@ -415,10 +427,10 @@ def get_dataset(config, tokenizer, stage: str) -> dict[str, Optional[Dataset]]:
     return _as_result(splits)
 
 
-def _build(config, formatter: ChatFormatter, stage: str, train_attrs: list[DatasetAttr],
+def _build(config, formatter: ChatFormatter, kind: str, train_attrs: list[DatasetAttr],
            eval_attrs: list[DatasetAttr], for_generation: bool) -> DatasetDict:
     d = config.data
-    kind = STAGE_KINDS[stage]
+    stage = config.finetuning.stage
 
     def convert(attrs: list[DatasetAttr]) -> list[tuple[str, dict]]:
         out: list[tuple[str, dict]] = []
@@ -434,7 +446,7 @@ def _build(config, formatter: ChatFormatter, stage: str, train_attrs: list[Datas
         if not examples:
             continue
         columns, dropped = processors.tokenize_examples(
-            examples, stage, formatter, d.cutoff_len, train_on_prompt=d.train_on_prompt,
+            examples, kind, formatter, d.cutoff_len, train_on_prompt=d.train_on_prompt,
             for_generation=for_generation and split == "eval")
         if dropped:
             reasons = sorted({reason for _, reason in dropped})

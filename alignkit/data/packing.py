@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-IGNORE_INDEX = -100
+from ..constants import IGNORE_INDEX
 
 
 def pack_lengths(lengths: Sequence[int], capacity: int) -> list[list[int]]:

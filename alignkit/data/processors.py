@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..constants import IGNORE_INDEX
 from .template import ChatFormatter, adds_bos
-
-IGNORE_INDEX = -100
 
 
 def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
@@ -158,14 +157,14 @@ def encode_pretrain(tokenizer, texts: list[str], cutoff_len: int) -> dict[str, l
     return {"input_ids": blocks, "attention_mask": [[1] * len(b) for b in blocks], "labels": [list(b) for b in blocks]}
 
 
-def tokenize_examples(examples: list[tuple[str, dict]], stage: str, formatter: ChatFormatter, cutoff_len: int,
+def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: ChatFormatter, cutoff_len: int,
                       train_on_prompt: bool = False, for_generation: bool = False
                       ) -> tuple[dict[str, list], list[tuple[str, str]]]:
-    """Tokenise canonical examples for `stage`.
+    """Tokenise canonical examples of one kind.
 
     Args:
         examples: (reference for messages, e.g. `data/x.json row 3`; canonical example) pairs.
-        stage: pt, sft, rm, dpo, grpo or ppo.
+        kind: `text`, `supervised`, `preference` or `prompt`.
         formatter: the chat template.
         cutoff_len: most tokens per sequence.
         train_on_prompt: sft/pt: also train on prompt tokens.
@@ -174,16 +173,16 @@ def tokenize_examples(examples: list[tuple[str, dict]], stage: str, formatter: C
     Returns:
         (columns as a dict of lists, [(reference, reason)] of the dropped examples).
     """
-    if stage == "pt":
+    if kind == "text":
         return encode_pretrain(formatter.tokenizer, [ex["text"] for _, ex in examples], cutoff_len), []
     rows: list[dict[str, Any]] = []
     dropped: list[tuple[str, str]] = []
     for ref, example in examples:
-        if stage == "sft":
+        if kind == "supervised":
             feats = (encode_generation_eval(formatter, example, cutoff_len) if for_generation
                      else encode_supervised(formatter, example, cutoff_len, train_on_prompt))
             reason = f"no response token fits in cutoff_len={cutoff_len}"
-        elif stage in ("rm", "dpo"):
+        elif kind == "preference":
             feats, reason = encode_pairwise(formatter, example, cutoff_len)
         else:
             feats, reason = encode_prompt(formatter, example, cutoff_len), ""

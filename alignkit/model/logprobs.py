@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..constants import IGNORE_INDEX
 from .padding_free import (
     FlatBatch,
     flatten_padded,
@@ -30,7 +31,6 @@ from .padding_free import (
     unflatten_to_padded,
 )
 
-IGNORE_INDEX = -100
 # Rows per chunk are chosen so one chunk holds about this many logits (64 MiB in float32).
 _CHUNK_ELEMENTS = 1 << 24
 

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from ..constants import IGNORE_INDEX
 
 
 @dataclass

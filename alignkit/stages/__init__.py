@@ -1,0 +1,46 @@
+"""The training stages, registered here and nowhere else.
+
+Each stage is one module (`sft.py`, `rm.py`, `dpo.py`) holding its own keys (a dataclass), its pure loss
+functions, its Trainer subclass and its `run_<stage>(config, callbacks)`. This table is what the rest of
+alignkit reads: the config parser (which keys exist, what to check), the data layer (what kind of example
+the stage trains on) and `alignkit train` (what to run). Adding a stage means writing its module and one
+line here; the imports are explicit, so an error inside a stage module surfaces as itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from . import dpo, rm, sft
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One entry of the registry.
+
+    Attributes:
+        name: the value of the `stage` key.
+        data_kind: the examples the data layer builds for it: `text` (pretraining blocks), `supervised`
+            (prompt + reply with a label mask), `preference` (chosen / rejected pairs) or `prompt` (RL prompts).
+        run: `run(config, callbacks)` trains / evaluates / predicts as the config says.
+        arguments: the dataclass of the stage's own config keys (None: it has none); an instance arrives as
+            `Config.method`.
+        check: `check(config)` raises `ConfigError` for settings only this stage forbids (None: nothing).
+    """
+
+    name: str
+    data_kind: str
+    run: Callable[..., None]
+    arguments: Optional[type] = None
+    check: Optional[Callable[[Any], None]] = None
+
+
+STAGES: dict[str, Stage] = {
+    "pt": Stage("pt", "text", sft.run_pt, check=sft.check_config),
+    "sft": Stage("sft", "supervised", sft.run_sft, check=sft.check_config),
+    "rm": Stage("rm", "preference", rm.run_rm, arguments=rm.RewardArguments),
+    "dpo": Stage("dpo", "preference", dpo.run_dpo, arguments=dpo.DPOArguments, check=dpo.check_config),
+}
+
+__all__ = ["Stage", "STAGES"]

@@ -29,32 +29,72 @@ What this file simplifies, and why:
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import hashlib
 import logging
 import os
-from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import Trainer
 
+from ..hparams import ConfigError
 from ..model.logprobs import forward_sequence_logps
+from .base import StageTrainer, run_stage_trainer, save_pair_predictions
 
 if TYPE_CHECKING:
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    from ..hparams import Config, FinetuningArguments
+    from ..hparams import Config
 
 logger = logging.getLogger(__name__)
 
 REFERENCE_FREE_LOSSES = ("orpo", "simpo")
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+@dataclass
+class DPOArguments:
+    """The keys of `stage: dpo` (LLaMA-Factory's names)."""
+
+    pref_beta: float = field(default=0.1, metadata={"help": "DPO-family beta: how far the policy may move."})
+    pref_loss: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = field(
+        default="sigmoid", metadata={"help": "Preference loss: sigmoid (DPO), ipo, hinge, orpo or simpo."}
+    )
+    pref_ftx: float = field(default=0.0, metadata={"help": "Weight of the SFT loss on chosen added to DPO."})
+    dpo_label_smoothing: float = field(
+        default=0.0,
+        metadata={
+            "help": "Conservative-DPO label smoothing in [0, 0.5) for the sigmoid loss: the assumed share of "
+            "flipped preference labels (0 = plain DPO)."
+        },
+    )
+    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO target reward margin."})
+    precompute_ref_log_probs: bool = field(
+        default=False,
+        metadata={"help": "Compute reference log-probs once for the whole dataset before training (cached)."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.pref_beta <= 0:
+            raise ConfigError(f"pref_beta={self.pref_beta} must be > 0.")
+        if not 0 <= self.dpo_label_smoothing < 0.5:
+            raise ConfigError(f"dpo_label_smoothing={self.dpo_label_smoothing} must be in [0, 0.5).")
+        if self.dpo_label_smoothing and self.pref_loss != "sigmoid":
+            raise ConfigError("dpo_label_smoothing only applies to pref_loss=sigmoid; set one or the other.")
+        if self.pref_ftx < 0:
+            raise ConfigError(f"pref_ftx={self.pref_ftx} must be >= 0 (the weight of an added SFT loss).")
+        if self.precompute_ref_log_probs and self.pref_loss in REFERENCE_FREE_LOSSES:
+            raise ConfigError(f"pref_loss={self.pref_loss} uses no reference model; drop precompute_ref_log_probs.")
+
+
+def check_config(config: "Config") -> None:
+    """What `stage: dpo` refuses beyond its own keys."""
+    if config.training.predict_with_generate:
+        raise ConfigError("predict_with_generate applies to stage sft, not dpo; remove it.")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -181,7 +221,7 @@ def simpo_loss(
     return -F.logsigmoid(beta * (avg_chosen_logps - avg_rejected_logps) - gamma)
 
 
-def sft_loss(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
+def chosen_nll_loss(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
     """Mean negative log-likelihood per chosen response token over the batch (the `pref_ftx` term).
 
     Args:
@@ -317,46 +357,38 @@ class _CollateWithReference:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _is_peft_model(model: nn.Module) -> bool:
-    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
-
-
-class DPOTrainer(Trainer):
+class DPOTrainer(StageTrainer):
     """`Trainer` whose loss is a preference loss over a batch of 2B rows (chosen first, then rejected).
 
     Args:
-        finetuning_args: `pref_loss`, `pref_beta`, `pref_ftx`, `dpo_label_smoothing`, `simpo_gamma`,
-            `precompute_ref_log_probs`, `padding_free`.
+        dpo_args: `pref_loss`, `pref_beta`, `pref_ftx`, `dpo_label_smoothing`, `simpo_gamma`,
+            `precompute_ref_log_probs`.
         ref_model: an explicit frozen reference model. Default: the policy with its LoRA adapter disabled,
             or a frozen in-memory deep copy of the policy as it is now (full / freeze fine-tuning).
-        *args, **kwargs: as for `transformers.Trainer` (`data_collator` must be a pairwise collator).
+        *args, **kwargs: as for `transformers.Trainer` (`data_collator` must be a pairwise collator);
+            `args.padding_free` runs policy and reference on the batch's real tokens only.
     """
 
     # The loss is a per-micro-batch mean over pairs: let Trainer divide it by the accumulation steps.
     loss_is_scaled_for_ga = False
+    no_reference_copy_message = (
+        "precompute_ref_log_probs=true with full/freeze fine-tuning keeps no reference copy, and the policy has "
+        "been trained since: reference log-probs exist only for the datasets given when the trainer was built. "
+        "Pass this dataset as eval_dataset then, or set precompute_ref_log_probs=false."
+    )
 
-    def __init__(self, *args, finetuning_args: "FinetuningArguments", ref_model: Optional[nn.Module] = None,
-                 **kwargs) -> None:
-        self.loss_type = finetuning_args.pref_loss
-        self.beta = finetuning_args.pref_beta
-        self.pref_ftx = finetuning_args.pref_ftx
-        self.label_smoothing = finetuning_args.dpo_label_smoothing
-        self.simpo_gamma = finetuning_args.simpo_gamma
-        self.padding_free = finetuning_args.padding_free
+    def __init__(self, *args, dpo_args: DPOArguments, ref_model: Optional[nn.Module] = None, **kwargs) -> None:
+        self.loss_type = dpo_args.pref_loss
+        self.beta = dpo_args.pref_beta
+        self.pref_ftx = dpo_args.pref_ftx
+        self.label_smoothing = dpo_args.dpo_label_smoothing
+        self.simpo_gamma = dpo_args.simpo_gamma
         self.needs_reference = self.loss_type not in REFERENCE_FREE_LOSSES
-        self.precompute_ref_logps = finetuning_args.precompute_ref_log_probs and self.needs_reference
+        self.precompute_ref_logps = dpo_args.precompute_ref_log_probs and self.needs_reference
         if self.precompute_ref_logps and kwargs.get("data_collator") is not None:
             kwargs["data_collator"] = _CollateWithReference(kwargs["data_collator"])
-        super().__init__(*args, **kwargs)
-        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-
-        self.ref_model = None
-        if ref_model is not None and self.needs_reference:
-            self.ref_model = ref_model.to(self.args.device).eval().requires_grad_(False)
-        elif self.needs_reference and not _is_peft_model(self.model) and not self.precompute_ref_logps:
-            # Full / freeze: the policy as it is now, in memory (never re-read from disk, so a policy
-            # changed in memory before training gets the matching reference).
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        super().__init__(*args, ref_model=ref_model if self.needs_reference else None,
+                         keep_reference_copy=self.needs_reference and not self.precompute_ref_logps, **kwargs)
 
         if self.precompute_ref_logps:
             # Before any update, so that a full fine-tuning policy can serve as its own reference here.
@@ -369,54 +401,25 @@ class DPOTrainer(Trainer):
 
     # ---- the reference ----
 
-    @contextlib.contextmanager
-    def _reference(self) -> Iterator[nn.Module]:
-        """The module to run for reference log-probs, in eval mode and without gradients."""
-        with torch.no_grad():
-            if self.ref_model is not None:
-                yield self.ref_model
-                return
-            model = self.model
-            if not _is_peft_model(model) and self.state.global_step > 0:
-                raise ValueError(
-                    "precompute_ref_log_probs=true with full/freeze fine-tuning keeps no reference copy, and the "
-                    "policy has been trained since: reference log-probs exist only for the datasets given when the "
-                    "trainer was built. Pass this dataset as eval_dataset then, or set precompute_ref_log_probs=false."
-                )
-            was_training = model.training
-            model.eval()  # no dropout in the reference
-            try:
-                with model.disable_adapter() if _is_peft_model(model) else contextlib.nullcontext():
-                    yield model
-            finally:
-                model.train(was_training)
-
-    def _reference_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        if self.ref_model is not None:
-            return self.ref_model.named_parameters()
-        if _is_peft_model(self.model):  # the adapter is disabled for the reference: hash only the base
-            return ((n, p) for n, p in self.model.named_parameters() if not p.requires_grad)
-        return self.model.named_parameters()
-
     def reference_logps(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed reference log-probs of the chosen and rejected rows of a pairwise batch: ([B], [B])."""
-        with self._reference() as reference:
+        with self.reference() as reference:
             logps, _ = self._sequence_logps(reference, inputs)
         return logps.chunk(2)
 
     def _sequence_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed log-probs [2B] and response lengths [2B] of every row of a pairwise batch under `model`."""
         return forward_sequence_logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"],
-                                      padding_free=self.padding_free)
+                                      padding_free=self.args.padding_free)
 
     def _with_reference_logps(self, dataset: "Dataset", name: str) -> "Dataset":
         """`dataset` plus `ref_chosen_logps` / `ref_rejected_logps` columns, from the cache when it has them."""
         if all(c in dataset.column_names for c in REF_COLUMNS):
             return dataset
-        path = reference_cache_path(dataset, self._reference_parameters())
+        path = reference_cache_path(dataset, self.reference_parameters())
         if path.is_file():
             logger.info("Reading reference log-probs of the %s dataset from %s", name, path)
-            table = torch.load(path)
+            table = torch.load(path, weights_only=True)  # a plain dict of tensors: nothing to unpickle
         else:
             logger.info("Computing reference log-probs of the %s dataset (%d pairs) once", name, len(dataset))
             collator = self.data_collator.collator if isinstance(self.data_collator, _CollateWithReference) \
@@ -459,33 +462,30 @@ class DPOTrainer(Trainer):
         )
         loss = losses.mean()
         if self.pref_ftx:
-            loss = loss + self.pref_ftx * sft_loss(chosen_logps, chosen_lengths)
+            loss = loss + self.pref_ftx * chosen_nll_loss(chosen_logps, chosen_lengths)
 
-        metrics = self._metrics["train" if model.training else "eval"]
-        metrics["rewards/chosen"].append(chosen_rewards.mean().item())
-        metrics["rewards/rejected"].append(rejected_rewards.mean().item())
-        metrics["rewards/accuracies"].append((chosen_rewards > rejected_rewards).float().mean().item())
-        metrics["rewards/margins"].append((chosen_rewards - rejected_rewards).mean().item())
-        metrics["logps/chosen"].append(chosen_logps.detach().mean().item())
-        metrics["logps/rejected"].append(rejected_logps.detach().mean().item())
+        self.record_metrics({
+            "rewards/chosen": chosen_rewards,
+            "rewards/rejected": rejected_rewards,
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+            "rewards/margins": chosen_rewards - rejected_rewards,
+            "logps/chosen": chosen_logps,
+            "logps/rejected": rejected_logps,
+        }, chosen_logps.numel())
         if return_outputs:
             return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
         return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The loss; unless `prediction_loss_only`, each pair's implicit rewards as predictions ([B, 2])."""
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
-
-    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
-        mode = "train" if self.model.training else "eval"
-        averaged = {key: sum(values) / len(values) for key, values in self._metrics[mode].items() if values}
-        if mode == "eval":
-            averaged = {f"eval_{key}": value for key, value in averaged.items()}
-        logs.update(averaged)
-        self._metrics[mode].clear()
-        super().log(logs, start_time)
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        loss = loss.detach()
+        if prediction_loss_only:
+            return loss, None, None
+        rewards = torch.stack([outputs["chosen_rewards"], outputs["rejected_rewards"]], dim=-1).detach()
+        return loss, rewards, None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -494,28 +494,30 @@ class DPOTrainer(Trainer):
 
 
 def run_dpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
-    """Train and/or evaluate with a preference loss as `config` says; outputs go to `output_dir`."""
+    """Train, evaluate and predict with a preference loss as `config` says; outputs go to `output_dir`.
+
+    Prediction writes each pair's implicit rewards (`beta * (policy - reference)` log-probs) to
+    `generated_predictions.jsonl`, as the rm stage writes its rewards.
+    """
     from ..data import PairwiseCollator, get_dataset
     from ..model.loader import load_model, load_tokenizer
-    from ..train import finish_training, save_eval_metrics
+    from .base import check_splits
 
     tokenizer = load_tokenizer(config.model)
     datasets = get_dataset(config, tokenizer, "dpo")
+    check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
     trainer = DPOTrainer(
         model=model,
         args=config.training,
-        finetuning_args=config.finetuning,
+        dpo_args=config.method,
         data_collator=PairwiseCollator(tokenizer),
         processing_class=tokenizer,
         callbacks=callbacks,
         **datasets,
     )
-    if config.training.do_train:
-        result = trainer.train(resume_from_checkpoint=config.training.resume_from_checkpoint)
-        finish_training(trainer, result, config)
-    if config.training.do_eval:
-        save_eval_metrics(trainer, trainer.evaluate(metric_key_prefix="eval"), "eval")
+    run_stage_trainer(trainer, config, save_predictions=lambda output: save_pair_predictions(
+        config.training.output_dir, output.predictions))
 
 
 __all__ = [
@@ -524,9 +526,11 @@ __all__ = [
     "ipo_loss",
     "orpo_loss",
     "simpo_loss",
-    "sft_loss",
+    "chosen_nll_loss",
     "preference_loss",
     "reference_cache_path",
+    "DPOArguments",
+    "check_config",
     "DPOTrainer",
     "run_dpo",
 ]

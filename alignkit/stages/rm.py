@@ -26,20 +26,18 @@ What this file simplifies, and why:
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from collections import defaultdict
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import EvalPrediction, Trainer, set_seed
+from transformers import EvalPrediction
 
 from ..model.padding_free import flatten_padded, last_token_per_sequence
+from .base import StageTrainer, run_stage_trainer, save_pair_predictions
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -48,7 +46,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PREDICTIONS_FILE = "generated_predictions.jsonl"
+
+@dataclass
+class RewardArguments:
+    """The keys of `stage: rm`."""
+
+    center_rewards_coefficient: Optional[float] = field(
+        default=None,
+        metadata={"help": "Weight of the penalty pushing mean rewards towards zero (TRL's key; unset: off)."},
+    )
+
+    def __post_init__(self) -> None:
+        from ..hparams import ConfigError
+
+        if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
+            raise ConfigError(f"center_rewards_coefficient={self.center_rewards_coefficient} must be >= 0 "
+                              "(a penalty weight).")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -199,32 +212,31 @@ def sequence_rewards(
 # ---------------------------------------------------------------------------------------------------
 
 
-class RewardTrainer(Trainer):
+class RewardTrainer(StageTrainer):
     """`Trainer` whose loss is the pairwise reward loss over a batch of 2B rows (chosen first).
 
     Training logs `rewards/chosen`, `rewards/rejected`, `rewards/margins`, `rewards/accuracies`,
-    averaged over the micro-batches of each logging step. Evaluation returns each pair's two rewards
-    as predictions, so `compute_reward_eval_metrics` gives exact eval metrics over the whole set.
+    averaged over the pairs of each logging step (`StageTrainer.record_metrics`). Evaluation and
+    prediction return each pair's two rewards as predictions, so `compute_reward_eval_metrics` gives
+    exact metrics over the whole set, and prediction can write them out.
 
     Args:
         center_rewards_coefficient: weight of the penalty pulling rewards towards zero (None: off).
-        padding_free: score the batch's real tokens as one row (see `sequence_rewards`).
-        *args, **kwargs: as for `transformers.Trainer` (`data_collator` must be a pairwise collator).
+        *args, **kwargs: as for `transformers.Trainer` (`data_collator` must be a pairwise collator);
+            `args.padding_free` scores the batch's real tokens without padding (see `sequence_rewards`).
     """
 
     # The loss is a per-micro-batch mean over pairs: let Trainer divide it by the accumulation steps.
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args, center_rewards_coefficient: Optional[float] = None, padding_free: bool = True,
-                 **kwargs) -> None:
+    def __init__(self, *args, center_rewards_coefficient: Optional[float] = None, **kwargs) -> None:
         kwargs.setdefault("compute_metrics", compute_reward_eval_metrics)
         super().__init__(*args, **kwargs)
         self.center_rewards_coefficient = center_rewards_coefficient
-        self.padding_free = padding_free
-        self._train_metrics: dict[str, list[float]] = defaultdict(list)
 
     def _pair_rewards(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        rewards = sequence_rewards(model, inputs["input_ids"], inputs["attention_mask"], padding_free=self.padding_free)
+        rewards = sequence_rewards(model, inputs["input_ids"], inputs["attention_mask"],
+                                   padding_free=self.args.padding_free)
         chosen_rewards, rejected_rewards = rewards.chunk(2)
         return chosen_rewards, rejected_rewards
 
@@ -233,11 +245,10 @@ class RewardTrainer(Trainer):
         loss = pairwise_reward_loss(
             chosen_rewards, rejected_rewards, inputs.get("margin"), self.center_rewards_coefficient
         )
-        if model.training:
-            for key, value in reward_metrics(chosen_rewards, rejected_rewards).items():
-                self._train_metrics[key].append(value)
+        if model.training:  # evaluation metrics come exact from the predictions (compute_reward_eval_metrics)
+            self.record_metrics(reward_metrics(chosen_rewards, rejected_rewards), chosen_rewards.numel())
         if return_outputs:
-            return loss, {"rewards_chosen": chosen_rewards, "rewards_rejected": rejected_rewards}
+            return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
         return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -248,15 +259,9 @@ class RewardTrainer(Trainer):
         if prediction_loss_only:
             return loss, None, None
         # [B, 2]: column 0 chosen, column 1 rejected. Labels are a dummy so that Trainer calls compute_metrics.
-        logits = torch.stack([outputs["rewards_chosen"], outputs["rewards_rejected"]], dim=-1).detach()
+        logits = torch.stack([outputs["chosen_rewards"], outputs["rejected_rewards"]], dim=-1).detach()
         labels = torch.zeros(logits.shape[0], device=logits.device)
         return loss, logits, labels
-
-    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
-        if "loss" in logs and self._train_metrics:
-            logs.update({key: sum(values) / len(values) for key, values in self._train_metrics.items()})
-            self._train_metrics.clear()
-        super().log(logs, start_time)
 
 
 def compute_reward_eval_metrics(eval_pred: EvalPrediction) -> dict[str, float]:
@@ -270,16 +275,6 @@ def compute_reward_eval_metrics(eval_pred: EvalPrediction) -> dict[str, float]:
     return {"accuracy": metrics.pop("rewards/accuracies"), **metrics}
 
 
-def save_reward_predictions(output_dir: str | os.PathLike, predictions: np.ndarray) -> Path:
-    """Write `generated_predictions.jsonl`: one `{"chosen": r_c, "rejected": r_r}` per pair, in dataset order."""
-    path = Path(output_dir) / PREDICTIONS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for chosen, rejected in np.asarray(predictions).reshape(-1, 2).tolist():
-            f.write(json.dumps({"chosen": round(chosen, 6), "rejected": round(rejected, 6)}) + "\n")
-    return path
-
-
 # ---------------------------------------------------------------------------------------------------
 # Stage entry point
 # ---------------------------------------------------------------------------------------------------
@@ -289,12 +284,11 @@ def run_rm(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     """Train and/or evaluate a reward model as `config` says; outputs go to `output_dir`."""
     from ..data import PairwiseCollator, get_dataset
     from ..model.loader import load_model, load_tokenizer
-    from ..train import finish_training, save_eval_metrics
+    from .base import check_splits
 
     tokenizer = load_tokenizer(config.model)
     datasets = get_dataset(config, tokenizer, "rm")
-    # A fresh score head is initialised randomly while loading: seed first so that runs repeat.
-    set_seed(config.training.seed)
+    check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train, head="reward")
     # Plain-transformers batched scoring of the saved model needs a pad id in its config.
     if model.config.pad_token_id is None:
@@ -306,23 +300,15 @@ def run_rm(config: "Config", callbacks: list["TrainerCallback"]) -> None:
         data_collator=PairwiseCollator(tokenizer),
         processing_class=tokenizer,
         callbacks=callbacks,
-        center_rewards_coefficient=config.finetuning.center_rewards_coefficient,
-        padding_free=config.finetuning.padding_free,
+        center_rewards_coefficient=config.method.center_rewards_coefficient,
         **datasets,
     )
-    if config.training.do_train:
-        result = trainer.train(resume_from_checkpoint=config.training.resume_from_checkpoint)
-        finish_training(trainer, result, config)
-    if config.training.do_eval:
-        save_eval_metrics(trainer, trainer.evaluate(metric_key_prefix="eval"), "eval")
-    if config.training.do_predict:
-        output = trainer.predict(datasets["eval_dataset"], metric_key_prefix="predict")
-        save_eval_metrics(trainer, output.metrics, "predict")
-        path = save_reward_predictions(config.training.output_dir, output.predictions)
-        logger.info("Wrote each pair's chosen and rejected rewards to %s", path)
+    run_stage_trainer(trainer, config, save_predictions=lambda output: save_pair_predictions(
+        config.training.output_dir, output.predictions))
 
 
 __all__ = [
+    "RewardArguments",
     "last_token_index",
     "gather_last_token_scores",
     "pairwise_reward_loss",
@@ -331,6 +317,5 @@ __all__ = [
     "sequence_rewards",
     "RewardTrainer",
     "compute_reward_eval_metrics",
-    "save_reward_predictions",
     "run_rm",
 ]

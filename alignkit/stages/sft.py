@@ -28,16 +28,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import InfNanRemoveLogitsProcessor, LogitsProcessorList, Trainer
+from transformers import InfNanRemoveLogitsProcessor, LogitsProcessorList
 
+from ..constants import IGNORE_INDEX
 from ..hparams import Config, ConfigError, GeneratingArguments
-from ..metrics import IGNORE_INDEX, argmax_logits, compute_token_accuracy, decode_token_ids, similarity_metrics
+from ..metrics import argmax_logits, compute_token_accuracy, decode_token_ids, similarity_metrics
 from ..model.logprobs import forward_sequence_logps
 from ..model.padding_free import first_token_unlabelled, flatten_padded, unflatten_to_padded
+from .base import PREDICTIONS_FILE, StageTrainer, check_splits, run_stage_trainer
 
 logger = logging.getLogger(__name__)
-
-PREDICTIONS_FILE = "generated_predictions.jsonl"
 
 
 def sft_loss(
@@ -98,23 +98,21 @@ def to_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_t
     return left_ids, left_mask
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(StageTrainer):
     """`Trainer` with step-normalised token loss, generation-based prediction and a predictions file.
 
     Args:
         generating_args: generation settings for `predict_with_generate`.
-        padding_free: run unpacked batches as one row of their real tokens in `compute_loss`.
-        *args, **kwargs: as for `transformers.Trainer`.
+        *args, **kwargs: as for `transformers.Trainer`; `args.padding_free` runs unpacked batches on their
+            real tokens only in `compute_loss`.
     """
 
     # `compute_loss` divides by the step's token count itself, so training_step must not divide again.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args, generating_args: GeneratingArguments | None = None, padding_free: bool = True,
-                 **kwargs) -> None:
+    def __init__(self, *args, generating_args: GeneratingArguments | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.generating_args = generating_args or GeneratingArguments()
-        self.padding_free = padding_free
         # Make the Trainer count target tokens for every step whatever the model class declares
         # (our compute_loss consumes the count, not the model), and count them over labels[:, 1:],
         # the positions sft_loss actually scores.
@@ -126,7 +124,7 @@ class SFTTrainer(Trainer):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         flat = None
-        if self.padding_free and not return_outputs and "position_ids" not in inputs and "attention_mask" in inputs:
+        if self.args.padding_free and not return_outputs and "position_ids" not in inputs and "attention_mask" in inputs:
             # Training: only the sum of the targets' log-probs is needed, so the output layer runs on the
             # labelled positions alone (a prompt token's logits carry no loss) and log-probs are gathered
             # chunk by chunk, never holding a (tokens x vocab) log-softmax (`alignkit.model.logprobs`).
@@ -137,7 +135,7 @@ class SFTTrainer(Trainer):
             # Packed rows: transformers derives the block-diagonal mask from position resets only
             # when no 2D mask is given (the collator still returns it so the Trainer can count tokens).
             inputs.pop("attention_mask", None)
-        elif self.padding_free and "attention_mask" in inputs:
+        elif self.args.padding_free and "attention_mask" in inputs:
             # The same mechanism for an unpacked batch: one row of its real tokens. sft_loss shifts labels
             # across the row, so each example's first label must not be a target of the previous example.
             flat = flatten_padded(inputs.pop("input_ids"), inputs.pop("attention_mask"), labels)
@@ -206,33 +204,17 @@ class SFTTrainer(Trainer):
         return path
 
 
-def check_sft_inputs(config: Config, tokenizer: Any, datasets: dict[str, Any] | None = None) -> None:
-    """Stop on settings that would fail later or silently do nothing.
-
-    Called twice by the stage: before the data is tokenised (`datasets=None`: settings only) and
-    before the model is loaded (the splits' sizes).
-    """
+def check_config(config: Config) -> None:
+    """What `stage: sft` / `pt` refuse, before anything is loaded."""
     t = config.training
-    if t.predict_with_generate and tokenizer.pad_token_id is None:
-        raise ConfigError(
-            "predict_with_generate=true needs a pad token to batch prompts, and the tokenizer has none: "
-            "use a tokenizer with pad_token (or eos_token) set, or predict_with_generate=false."
-        )
+    if t.predict_with_generate and not (t.do_eval or t.do_predict):
+        raise ConfigError("predict_with_generate=true does nothing without do_eval or do_predict; set one of them "
+                          "or remove predict_with_generate.")
     if config.data.packing and t.predict_with_generate:
         raise ConfigError(
             "packing=true with predict_with_generate=true: generation needs one prompt per row; "
             "predict in a separate run without packing."
         )
-    if datasets is None:
-        return
-    eval_dataset = datasets.get("eval_dataset")
-    if (t.do_eval or t.do_predict) and (eval_dataset is None or len(eval_dataset) == 0):
-        raise ConfigError(
-            "do_eval/do_predict=true but the evaluation set is empty: set `eval_dataset`, or `val_size` "
-            "large enough to hold at least one row (check max_samples), or turn do_eval/do_predict off."
-        )
-    if t.do_train and (datasets.get("train_dataset") is None or len(datasets["train_dataset"]) == 0):
-        raise ConfigError("do_train=true but the training set is empty: check `dataset`, `max_samples` and `val_size`.")
 
 
 def _run_causal_lm(config: Config, callbacks: list, stage: str) -> None:
@@ -241,15 +223,11 @@ def _run_causal_lm(config: Config, callbacks: list, stage: str) -> None:
     from ..data.collator import SupervisedCollator
     from ..data.packing import PackedCollator, pack_dataset
     from ..model.loader import load_model, load_tokenizer
-    from ..train import finish_training, save_eval_metrics
 
     t = config.training
-    if t.predict_with_generate and not (t.do_eval or t.do_predict):
-        logger.warning("predict_with_generate=true has no effect without do_eval or do_predict.")
     tokenizer = load_tokenizer(config.model)
-    check_sft_inputs(config, tokenizer)
-    datasets = get_dataset(config, tokenizer, stage=stage)
-    check_sft_inputs(config, tokenizer, datasets)
+    datasets = get_dataset(config, tokenizer, stage)
+    check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=t.do_train)
 
     train_dataset, eval_dataset = datasets.get("train_dataset"), datasets.get("eval_dataset")
@@ -260,8 +238,6 @@ def _run_causal_lm(config: Config, callbacks: list, stage: str) -> None:
         if eval_dataset is not None:  # loss-based evaluation: generation with packing was refused above
             eval_dataset = pack_dataset(eval_dataset, config.data.cutoff_len)
         data_collator = PackedCollator(pad_token_id=tokenizer.pad_token_id)
-    if config.data.group_by_length:
-        t.train_sampling_strategy = "group_by_length"
 
     if t.predict_with_generate:
         compute_metrics, preprocess_logits = similarity_metrics(tokenizer), None
@@ -279,18 +255,11 @@ def _run_causal_lm(config: Config, callbacks: list, stage: str) -> None:
         compute_metrics=compute_metrics,
         preprocess_logits_for_metrics=preprocess_logits,
         generating_args=config.generating,
-        padding_free=config.finetuning.padding_free,
     )
-    if t.do_train:
-        result = trainer.train(resume_from_checkpoint=t.resume_from_checkpoint)
-        finish_training(trainer, result, config)
-    if t.do_eval:
-        save_eval_metrics(trainer, trainer.evaluate(metric_key_prefix="eval"), "eval")
-    if t.do_predict:
-        results = trainer.predict(eval_dataset, metric_key_prefix="predict")
-        save_eval_metrics(trainer, results.metrics, "predict")
-        if t.predict_with_generate:
-            trainer.save_predictions(eval_dataset, results)
+    save = None
+    if t.predict_with_generate:
+        save = lambda output: trainer.save_predictions(eval_dataset, output)  # noqa: E731
+    run_stage_trainer(trainer, config, predict_dataset=eval_dataset, save_predictions=save)
 
 
 def run_sft(config: Config, callbacks: list) -> None:
@@ -303,4 +272,4 @@ def run_pt(config: Config, callbacks: list) -> None:
     _run_causal_lm(config, callbacks, stage="pt")
 
 
-__all__ = ["sft_loss", "to_left_padding", "SFTTrainer", "check_sft_inputs", "run_sft", "run_pt"]
+__all__ = ["sft_loss", "to_left_padding", "SFTTrainer", "check_config", "run_sft", "run_pt"]

@@ -84,7 +84,7 @@ def test_first_step_loss_and_metrics_match_trl(tiny_model_dir, reference_dir, ti
     ours = DPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
         ref_model=AutoModelForCausalLM.from_pretrained(reference_dir),
-        args=config.training, finetuning_args=config.finetuning, data_collator=PairwiseCollator(tiny_tokenizer),
+        args=config.training, dpo_args=config.method, data_collator=PairwiseCollator(tiny_tokenizer),
         train_dataset=Dataset.from_list(features),
     )
     ours.model.train()

@@ -71,10 +71,10 @@ def test_loss_and_accuracy_match_trl(tmp_path, tiny_model_dir, tiny_tokenizer, w
     trl_accuracy = trl_trainer._metrics["train"]["accuracy"][-1]
     trl_margin = trl_trainer._metrics["train"]["margin"][-1]
 
-    config = parse_config({"output_dir": str(tmp_path / "ours"), "center_rewards_coefficient": center})
+    config = parse_config({"stage": "rm", "output_dir": str(tmp_path / "ours"), "center_rewards_coefficient": center})
     ours = RewardTrainer(model=ours_model, args=config.training, data_collator=PairwiseCollator(tiny_tokenizer),
                          train_dataset=Dataset.from_list(our_rows), processing_class=tiny_tokenizer,
-                         center_rewards_coefficient=config.finetuning.center_rewards_coefficient)
+                         center_rewards_coefficient=config.method.center_rewards_coefficient)
     our_batch = ours.data_collator(our_rows)
     torch.testing.assert_close(our_batch["input_ids"], trl_batch["input_ids"])  # same layout: chosen rows first
     ours_model.train()

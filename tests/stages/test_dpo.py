@@ -82,7 +82,7 @@ def pairwise_collate(features):
 
 
 def make_trainer(model, config, dataset, eval_dataset=None, callbacks=None):
-    return DPOTrainer(model=model, args=config.training, finetuning_args=config.finetuning,
+    return DPOTrainer(model=model, args=config.training, dpo_args=config.method,
                       data_collator=PairwiseCollator(build_tiny_tokenizer()), train_dataset=dataset, eval_dataset=eval_dataset,
                       callbacks=callbacks)
 
@@ -248,14 +248,16 @@ def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tiny_tokenizer, tm
 
 
 def test_run_train_dpo_end_to_end(tiny_model_dir, tmp_path):
-    """`stage: dpo` from a preference file: trainer_log.jsonl carries the reward metrics, outputs are written."""
+    """`stage: dpo` from a preference file: trainer_log.jsonl carries the reward metrics, outputs are written,
+    eval metrics are exact means over the set (batches of 4 and 2 pairs), and prediction writes each pair's
+    implicit rewards, whose means are those eval metrics."""
     rows = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS]
     data_file = tmp_path / "pairs.jsonl"
     data_file.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     config = parse_config({
         "stage": "dpo", "model_name_or_path": tiny_model_dir, "dataset": str(data_file),
         "eval_dataset": str(data_file), "output_dir": str(tmp_path / "out"), "do_train": True, "do_eval": True,
-        "max_steps": 3, "per_device_train_batch_size": 2, "per_device_eval_batch_size": 3,
+        "do_predict": True, "max_steps": 3, "per_device_train_batch_size": 2, "per_device_eval_batch_size": 4,
         "learning_rate": 5e-3, "lora_rank": 4, "cutoff_len": 64, "save_strategy": "no", "seed": 0,
         "precompute_ref_log_probs": True,
     })
@@ -267,4 +269,11 @@ def test_run_train_dpo_end_to_end(tiny_model_dir, tmp_path):
             "logps/rejected"} <= set(records[-1])
     assert (out / "adapter_model.safetensors").is_file()
     eval_results = json.loads((out / "eval_results.json").read_text())
-    assert {"eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"} <= set(eval_results)
+    predictions = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
+    assert len(predictions) == len(PAIRS)
+    margins = [p["chosen"] - p["rejected"] for p in predictions]
+    assert any(abs(m) > 1e-4 for m in margins)  # trained: the policy has moved away from the reference
+    assert eval_results["eval_rewards/margins"] == pytest.approx(sum(margins) / len(margins), abs=1e-5)
+    assert eval_results["eval_rewards/accuracies"] == pytest.approx(sum(m > 0 for m in margins) / len(margins))
+    assert json.loads((out / "predict_results.json").read_text())["predict_loss"] == pytest.approx(
+        eval_results["eval_loss"], abs=1e-6)

@@ -119,27 +119,26 @@ def test_max_new_tokens_zero_is_a_config_error(tiny_model_dir, tmp_path):
                                  max_new_tokens=0))
 
 
-def test_check_sft_inputs_errors(tiny_model_dir, tmp_path):
-    """No pad token with generation, an empty eval set, packing with generation: ConfigError before work."""
-    from types import SimpleNamespace
-
+def test_sft_settings_and_empty_splits_are_refused_before_loading(tiny_model_dir, tmp_path):
+    """Generation without eval/predict, packing with generation, an empty split: ConfigError before any load."""
     from datasets import Dataset
 
-    from alignkit.stages.sft import check_sft_inputs
+    from alignkit.stages.base import check_splits
 
+    with pytest.raises(ConfigError, match="predict_with_generate=true does nothing"):
+        parse_config(base_config(tiny_model_dir, tmp_path, predict_with_generate=True))
+    with pytest.raises(ConfigError, match="packing=true with predict_with_generate"):
+        parse_config(base_config(tiny_model_dir, tmp_path, do_predict=True, predict_with_generate=True,
+                                 packing=True))
     rows = Dataset.from_dict({"input_ids": [[1, 2]], "labels": [[1, 2]]})
     empty = Dataset.from_dict({"input_ids": [], "labels": []})
-    with_pad, without_pad = SimpleNamespace(pad_token_id=2), SimpleNamespace(pad_token_id=None)
-    generating = parse_config(base_config(tiny_model_dir, tmp_path, do_predict=True, predict_with_generate=True))
-    with pytest.raises(ConfigError, match="pad token"):
-        check_sft_inputs(generating, without_pad, {"train_dataset": None, "eval_dataset": rows})
+    generating = parse_config(base_config(tiny_model_dir, tmp_path, do_train=True, do_predict=True,
+                                          predict_with_generate=True))
     with pytest.raises(ConfigError, match="evaluation set is empty"):
-        check_sft_inputs(generating, with_pad, {"train_dataset": None, "eval_dataset": empty})
-    packed = parse_config(base_config(tiny_model_dir, tmp_path, do_predict=True, predict_with_generate=True,
-                                      packing=True))
-    with pytest.raises(ConfigError, match="packing=true with predict_with_generate"):
-        check_sft_inputs(packed, with_pad)
-    check_sft_inputs(generating, with_pad, {"train_dataset": None, "eval_dataset": rows})  # fine
+        check_splits(generating, {"train_dataset": rows, "eval_dataset": empty})
+    with pytest.raises(ConfigError, match="training set is empty"):
+        check_splits(generating, {"train_dataset": empty, "eval_dataset": rows})
+    check_splits(generating, {"train_dataset": rows, "eval_dataset": rows})  # fine
 
 
 @pytest.mark.parametrize("name", ["sft_lora.yaml", "sft_full.yaml", "pt_lora.yaml"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from alignkit.data import PairwiseCollator, PromptCollator, SupervisedCollator
+from alignkit.data import PairwiseCollator, SupervisedCollator
 
 PAD = 2  # the tiny tokenizer's pad == eos
 
@@ -39,11 +39,3 @@ def test_pairwise_collator_puts_chosen_rows_first_then_rejected(tiny_tokenizer):
                                         [-100, 40, 41, 42]]
     assert batch["margin"].tolist() == [1.0, 0.0]
 
-
-def test_prompt_collator_left_pads_and_keeps_other_columns(tiny_tokenizer):
-    features = [{"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "answer": "12"},
-                {"input_ids": [8], "attention_mask": [1], "answer": "3"}]
-    batch = PromptCollator(tiny_tokenizer)(features)
-    assert batch["input_ids"].tolist() == [[5, 6, 7], [PAD, PAD, 8]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
-    assert batch["answer"] == ["12", "3"]

@@ -14,12 +14,13 @@ from alignkit.hparams import parse_config
 EOS = 2
 
 
-def load(tmp_path, tokenizer, rows, stage="sft", name="d.json", **keys):
-    """Write `rows` to tmp_path/name (a list → .json, a str → raw text) and run get_dataset on it."""
+def load(tmp_path, tokenizer, rows, stage="sft", name="d.json", kind=None, **keys):
+    """Write `rows` to tmp_path/name (a list → .json, a str → raw text) and run get_dataset on it for `stage`
+    (or, given `kind`, for that data kind)."""
     path = tmp_path / name
     path.write_text(rows if isinstance(rows, str) else json.dumps(rows, ensure_ascii=False), encoding="utf-8")
     values = {"dataset": str(path), "dataset_dir": str(tmp_path), "stage": stage, "cutoff_len": 256, **keys}
-    return get_dataset(parse_config(values), tokenizer, stage)
+    return get_dataset(parse_config(values), tokenizer, kind or stage)
 
 
 def trained_spans(tokenizer, row, prefix=""):
@@ -149,9 +150,8 @@ def test_trl_style_preference_rows(tmp_path, tiny_tokenizer, row):
     {"messages": [{"role": "user", "content": "Tom has 3 apples and buys 2. How many?"},
                   {"role": "assistant", "content": "5"}], "answer": "5"},
 ])
-@pytest.mark.parametrize("stage", ["grpo", "ppo"])
-def test_prompt_only_ends_with_generation_prompt_and_keeps_answer(tmp_path, tiny_tokenizer, row, stage):
-    out = load(tmp_path, tiny_tokenizer, [row], stage=stage)["train_dataset"][0]
+def test_prompt_only_ends_with_generation_prompt_and_keeps_answer(tmp_path, tiny_tokenizer, row):
+    out = load(tmp_path, tiny_tokenizer, [row], kind="prompt")["train_dataset"][0]
     assert tiny_tokenizer.decode(out["input_ids"]) == (
         "<|im_start|>user\nTom has 3 apples and buys 2. How many?<|im_end|>\n<|im_start|>assistant\n")
     assert out["answer"] == "5"

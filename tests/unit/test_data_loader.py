@@ -90,13 +90,16 @@ def test_unknown_name_lists_the_registry(tmp_path, tiny_tokenizer):
         get_dataset(config(tmp_path, "unknwon"), tiny_tokenizer, "sft")
 
 
-def test_bundled_demo_registry_loads_for_every_stage(tiny_tokenizer):
-    """data/dataset_info.json as committed: each demo dataset gives examples for the stages it serves."""
-    for name, stage in [("demo_sft", "sft"), ("demo_sft_sharegpt", "sft"), ("demo_pref", "rm"),
-                        ("demo_math", "grpo"), ("demo_pt", "pt")]:
-        values = {"dataset": name, "dataset_dir": "data", "stage": stage, "max_samples": 20, "cutoff_len": 64}
-        out = get_dataset(parse_config(values), tiny_tokenizer, stage)["train_dataset"]
-        assert len(out) > 0, name
+def test_bundled_demo_registry_loads_for_every_kind(tiny_tokenizer):
+    """data/dataset_info.json as committed: each demo dataset gives all 20 asked-for examples of its kind."""
+    for name, kind in [("demo_sft", "supervised"), ("demo_sft_sharegpt", "supervised"), ("demo_pref", "preference"),
+                       ("demo_math", "prompt")]:
+        values = {"dataset": name, "dataset_dir": "data", "max_samples": 20, "cutoff_len": 64}
+        out = get_dataset(parse_config(values), tiny_tokenizer, kind)["train_dataset"]
+        assert len(out) == 20, name
+    pt = get_dataset(parse_config({"dataset": "demo_pt", "dataset_dir": "data", "stage": "pt", "max_samples": 20,
+                                   "cutoff_len": 64}), tiny_tokenizer, "pt")["train_dataset"]
+    assert all(len(ids) == 64 for ids in pt["input_ids"][:-1])  # 20 texts cut into full blocks of 64
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -13,7 +13,7 @@ from alignkit.stages.dpo import (
     ipo_loss,
     orpo_loss,
     preference_loss,
-    sft_loss,
+    chosen_nll_loss,
     sigmoid_loss,
     simpo_loss,
 )
@@ -74,7 +74,7 @@ def test_simpo_loss():
 
 def test_sft_loss_is_mean_nll_per_chosen_token():
     """Summed log-probs -3 (2 tokens) and -5 (3 tokens): 8 / 5 = 1.6 (not the mean of 1.5 and 1.667)."""
-    assert sft_loss(T([-3.0, -5.0]), T([2, 3])).item() == pytest.approx(1.6)
+    assert chosen_nll_loss(T([-3.0, -5.0]), T([2, 3])).item() == pytest.approx(1.6)
 
 
 def test_log1mexp_is_accurate_at_both_ends():

@@ -202,8 +202,8 @@ def test_sequence_rewards_equal_the_padded_forward(tiny_model_dir, side):
 
 def _sft_trainer(model, tmp_path, padding_free: bool) -> SFTTrainer:
     args = TrainingArguments(output_dir=str(tmp_path / "sft"), report_to="none", use_cpu=True,
-                             remove_unused_columns=False)
-    return SFTTrainer(model=model, args=args, padding_free=padding_free)
+                             remove_unused_columns=False, padding_free=padding_free)
+    return SFTTrainer(model=model, args=args)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -238,7 +238,7 @@ def test_sft_loss_and_gradients_equal_the_padded_loss(causal_lm, tmp_path, side)
 def _dpo_trainer(model, tmp_path, padding_free: bool, **keys) -> DPOTrainer:
     config = parse_config({"stage": "dpo", "output_dir": str(tmp_path / "dpo"), "use_cpu": True,
                            "padding_free": padding_free, "pref_beta": 0.5, **keys})
-    return DPOTrainer(model=model, args=config.training, finetuning_args=config.finetuning)
+    return DPOTrainer(model=model, args=config.training, dpo_args=config.method)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

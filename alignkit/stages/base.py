@@ -1,0 +1,250 @@
+"""What every stage trainer shares, written once: metrics, the reference model, and the run's tail.
+
+- `StageTrainer.record_metrics` buffers the stage's metrics (slash names such as `rewards/chosen`) with
+  the number of examples each value averages over; `log()` adds their means to the Trainer's record.
+  Training: the mean over the examples of the logging window. Evaluation: the mean over every example of
+  the evaluation set (a weighted mean of the batch means, so a short last batch counts for what it holds,
+  and summed across processes), not a mean of per-batch means.
+- `StageTrainer.reference()` is the frozen reference model of DPO, GRPO and PPO: the policy with its
+  trainable adapter disabled under LoRA (no second copy of the weights; an SFT adapter given as
+  `adapter_name_or_path` was merged into the base when the model was loaded, so it is part of the
+  reference), or a frozen in-memory copy made when the trainer is built (full / freeze fine-tuning), or an
+  explicit `ref_model`.
+- `run_stage_trainer` is the train / evaluate / predict / save sequence every `run_<stage>` ends with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import Trainer
+
+if TYPE_CHECKING:
+    from transformers.trainer_utils import PredictionOutput
+
+    from ..hparams import Config
+
+logger = logging.getLogger(__name__)
+
+PREDICTIONS_FILE = "generated_predictions.jsonl"
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """True for a PEFT-wrapped model (one whose adapters can be disabled to get the base back)."""
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def weighted_means(sums: dict[str, float], counts: dict[str, float]) -> dict[str, float]:
+    """`sums[key] / counts[key]` for every key with a positive count.
+
+    Example: a metric seen as batch means 1.0 over 4 examples and 4.0 over 2 gives sums {m: 1*4 + 4*2 = 12},
+    counts {m: 6}, so its mean is 12 / 6 = 2.0 (a mean of the batch means would say 2.5).
+    """
+    return {key: sums[key] / counts[key] for key in sums if counts.get(key, 0) > 0}
+
+
+class StageTrainer(Trainer):
+    """`transformers.Trainer` with a metric buffer and a reference-model context for the stage trainers.
+
+    Args:
+        ref_model: an explicit frozen reference model (moved to the training device, eval mode).
+        keep_reference_copy: with no `ref_model` and a policy that is not a PEFT model, keep a frozen
+            in-memory copy of the policy as it is now to serve as the reference. False when the stage needs
+            no reference, or needs it only before training starts (precomputed reference log-probs).
+        *args, **kwargs: as for `transformers.Trainer`.
+    """
+
+    # Why `reference()` is refused after training when no copy was kept; stages say what to do instead.
+    no_reference_copy_message = (
+        "this trainer keeps no reference copy of a full/freeze fine-tuned policy (reference outputs were meant to "
+        "be computed before training), and the policy has been trained since."
+    )
+
+    def __init__(self, *args, ref_model: Optional[nn.Module] = None, keep_reference_copy: bool = False,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Per mode: per-batch means, and how many examples each mean covers.
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._metric_counts: dict[str, dict[str, list[float]]] = {"train": defaultdict(list),
+                                                                   "eval": defaultdict(list)}
+        self.ref_model: Optional[nn.Module] = None
+        if ref_model is not None:
+            self.ref_model = ref_model.to(self.args.device).eval().requires_grad_(False)
+        elif keep_reference_copy and not is_peft_model(self.model):
+            # The policy as it is now, in memory (never re-read from disk, so a policy changed in memory
+            # before training gets the matching reference).
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self._add_pair_lengths_for_grouping()
+
+    # ---- metrics ----
+
+    def record_metrics(self, metrics: dict[str, float | torch.Tensor], num_examples: int) -> None:
+        """Buffer this batch's metric means (each over `num_examples` examples) for the next `log()`."""
+        mode = "train" if self.model.training else "eval"
+        for key, value in metrics.items():
+            value = value.detach().float().mean().item() if isinstance(value, torch.Tensor) else float(value)
+            self._metrics[mode][key].append(value)
+            self._metric_counts[mode][key].append(float(num_examples))
+
+    def _buffered_means(self, mode: str) -> dict[str, float]:
+        keys = sorted(self._metrics[mode])
+        if not keys:
+            return {}
+        sums = torch.tensor([sum(v * n for v, n in zip(self._metrics[mode][k], self._metric_counts[mode][k]))
+                             for k in keys], dtype=torch.float64)
+        counts = torch.tensor([sum(self._metric_counts[mode][k]) for k in keys], dtype=torch.float64)
+        if self.accelerator.num_processes > 1:
+            # Every process holds its own share of the examples: sum them all before dividing.
+            sums = self.accelerator.reduce(sums.to(self.args.device), reduction="sum").cpu()
+            counts = self.accelerator.reduce(counts.to(self.args.device), reduction="sum").cpu()
+        self._metrics[mode].clear()
+        self._metric_counts[mode].clear()
+        return weighted_means(dict(zip(keys, sums.tolist())), dict(zip(keys, counts.tolist())))
+
+    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
+        """Add the buffered metric means to `logs` (`eval_` prefixed in evaluation), then log as usual.
+
+        `logs` is updated in place: `evaluate()` returns the same dict, so its result holds them too.
+        """
+        mode = "train" if self.model.training else "eval"
+        means = self._buffered_means(mode)
+        logs.update(means if mode == "train" else {f"eval_{k}": v for k, v in means.items()})
+        super().log(logs, start_time)
+
+    # ---- the reference ----
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[nn.Module]:
+        """The module to run for reference outputs: eval mode (no dropout), no gradients, adapter disabled."""
+        with torch.no_grad():
+            if self.ref_model is not None:
+                yield self.ref_model
+                return
+            model = self.model
+            if not is_peft_model(model) and self.state.global_step > 0:
+                raise ValueError(self.no_reference_copy_message)
+            was_training = model.training
+            model.eval()
+            try:
+                with model.disable_adapter() if is_peft_model(model) else contextlib.nullcontext():
+                    yield model
+            finally:
+                model.train(was_training)
+
+    def reference_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The weights the reference computes with (for cache keys): the base's alone under LoRA."""
+        if self.ref_model is not None:
+            return self.ref_model.named_parameters()
+        if is_peft_model(self.model):
+            return ((n, p) for n, p in self.model.named_parameters() if not p.requires_grad)
+        return self.model.named_parameters()
+
+    # ---- data ----
+
+    def _add_pair_lengths_for_grouping(self) -> None:
+        """`group_by_length` for pairwise data: the Trainer's sampler reads `input_ids`, which pairs lack.
+
+        A `length` column (the longer of chosen and rejected, what a pair costs once padded) lets the
+        sampler group pairs as it groups single sequences.
+        """
+        dataset = self.train_dataset
+        if (self.args.train_sampling_strategy != "group_by_length" or dataset is None
+                or not hasattr(dataset, "column_names") or "chosen_input_ids" not in dataset.column_names
+                or self.args.length_column_name in dataset.column_names):
+            return
+        lengths = [max(len(c), len(r)) for c, r in zip(dataset["chosen_input_ids"], dataset["rejected_input_ids"])]
+        self.train_dataset = dataset.add_column(self.args.length_column_name, lengths)
+
+
+def save_pair_predictions(output_dir: str | os.PathLike, predictions: np.ndarray) -> Path:
+    """Write `generated_predictions.jsonl`: one `{"chosen": r_c, "rejected": r_r}` per pair, in dataset order.
+
+    Args:
+        output_dir: the run's output folder.
+        predictions: `[num_pairs, 2]` rewards (the reward model's, or DPO's implicit ones), chosen first.
+    """
+    path = Path(output_dir) / PREDICTIONS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for chosen, rejected in np.asarray(predictions).reshape(-1, 2).tolist():
+            f.write(json.dumps({"chosen": round(chosen, 6), "rejected": round(rejected, 6)}) + "\n")
+    return path
+
+
+def check_splits(config: "Config", datasets: dict[str, Any]) -> None:
+    """Stop before the model loads when a split the run needs came out empty.
+
+    Raises:
+        ConfigError: saying which keys decide the split's size.
+    """
+    from ..hparams import ConfigError
+
+    t = config.training
+    eval_dataset = datasets.get("eval_dataset")
+    if (t.do_eval or t.do_predict) and (eval_dataset is None or len(eval_dataset) == 0):
+        raise ConfigError(
+            "do_eval/do_predict=true but the evaluation set is empty: set `eval_dataset`, or `val_size` "
+            "large enough to hold at least one row (check max_samples), or turn do_eval/do_predict off."
+        )
+    if t.do_train and (datasets.get("train_dataset") is None or len(datasets["train_dataset"]) == 0):
+        raise ConfigError("do_train=true but the training set is empty: check `dataset`, `max_samples` and `val_size`.")
+
+
+def run_stage_trainer(
+    trainer: Trainer,
+    config: "Config",
+    *,
+    predict_dataset: Any = None,
+    save_predictions: Optional[Callable[["PredictionOutput"], Any]] = None,
+) -> None:
+    """Train, evaluate and predict as `config.training` says, writing what each step writes.
+
+    - do_train: `trainer.train` (resuming from `resume_from_checkpoint`), then the model, `train_results.json`,
+      `trainer_state.json` and, with `plot_loss`, the curves.
+    - do_eval: `eval_results.json`.
+    - do_predict: `predict_results.json`, then `save_predictions(output)` on the main process.
+
+    Args:
+        trainer: a built stage trainer.
+        config: the run's configuration.
+        predict_dataset: what `do_predict` predicts on (default: the trainer's eval dataset).
+        save_predictions: writes the stage's predictions file from the `PredictionOutput`.
+    """
+    t = config.training
+    if t.do_train:
+        result = trainer.train(resume_from_checkpoint=t.resume_from_checkpoint)
+        trainer.save_model()
+        trainer.log_metrics("train", result.metrics)
+        trainer.save_metrics("train", result.metrics)
+        trainer.save_state()
+        if t.plot_loss and trainer.is_world_process_zero():
+            from ..callbacks import plot_loss
+
+            plot_loss(t.output_dir)
+    if t.do_eval:
+        metrics = trainer.evaluate(metric_key_prefix="eval")
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+    if t.do_predict:
+        output = trainer.predict(predict_dataset if predict_dataset is not None else trainer.eval_dataset,
+                                 metric_key_prefix="predict")
+        trainer.log_metrics("predict", output.metrics)
+        trainer.save_metrics("predict", output.metrics)
+        if save_predictions is not None and trainer.is_world_process_zero():
+            path = save_predictions(output)
+            logger.info("Wrote predictions to %s", path)
+
+
+__all__ = ["StageTrainer", "is_peft_model", "weighted_means", "save_pair_predictions", "check_splits",
+           "run_stage_trainer",
+           "PREDICTIONS_FILE"]

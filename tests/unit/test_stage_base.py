@@ -1,0 +1,99 @@
+"""The shared stage trainer: exact metric means, grouping pairs by length, the stage registry and its keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from alignkit.hparams import ConfigError, TrainingArguments, all_keys, parse_config
+from alignkit.stages import STAGES
+from alignkit.stages.base import StageTrainer, weighted_means
+
+
+def test_weighted_means_by_hand():
+    """Batch means 1.0 over 4 examples and 4.0 over 2: (1*4 + 4*2) / 6 = 2.0; a key without count is left out."""
+    assert weighted_means({"m": 12.0, "none": 3.0}, {"m": 6.0, "none": 0.0}) == {"m": 2.0}
+
+
+def _trainer(tiny_model_dir, tmp_path, **args) -> StageTrainer:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    training = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True,
+                                 remove_unused_columns=False, **args)
+    return StageTrainer(model=model, args=training)
+
+
+def test_eval_metrics_are_exact_over_the_set_and_train_over_the_window(tiny_model_dir, tmp_path):
+    """A short last batch weighs what it holds: batches of 4 and 2 examples with means 1 and 4 give 2, not 2.5."""
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    trainer.model.eval()
+    trainer.record_metrics({"rewards/margins": torch.tensor([1.0, 1.0, 0.5, 1.5])}, num_examples=4)
+    trainer.record_metrics({"rewards/margins": 4.0}, num_examples=2)
+    logs = {"eval_loss": 0.5}
+    trainer.log(logs)
+    assert logs["eval_rewards/margins"] == pytest.approx(2.0)
+    trainer.model.train()
+    trainer.record_metrics({"logps/chosen": -3.0}, num_examples=2)
+    logs = {"loss": 1.0}
+    trainer.log(logs)
+    assert logs["logps/chosen"] == pytest.approx(-3.0)
+    assert "eval_rewards/margins" not in logs and "rewards/margins" not in logs  # each buffer emptied by its log
+    logs = {"loss": 1.0}
+    trainer.log(logs)
+    assert not [key for key in logs if "/" in key]  # nothing recorded since the last log: nothing added
+
+
+def test_group_by_length_for_pairs_adds_the_longer_side_as_length(tiny_model_dir, tmp_path):
+    pairs = Dataset.from_dict({"chosen_input_ids": [[1, 2, 3], [1]], "rejected_input_ids": [[1], [1, 2, 3, 4]]})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    training = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True,
+                                 remove_unused_columns=False, train_sampling_strategy="group_by_length")
+    trainer = StageTrainer(model=model, args=training, train_dataset=pairs)
+    assert trainer.train_dataset["length"] == [3, 4]
+    plain = StageTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "o2"), report_to="none",
+                                                             use_cpu=True), train_dataset=pairs)
+    assert "length" not in plain.train_dataset.column_names
+
+
+def test_group_by_length_key_reaches_the_sampler_for_every_stage():
+    for stage in ("sft", "rm", "dpo"):
+        config = parse_config({"stage": stage, "group_by_length": True})
+        assert config.training.train_sampling_strategy == "group_by_length", stage
+
+
+def test_full_finetuning_keeps_a_frozen_copy_only_when_asked(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    assert trainer.ref_model is None
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    kept = StageTrainer(model=model, args=trainer.args, keep_reference_copy=True)
+    assert kept.ref_model is not model and not any(p.requires_grad for p in kept.ref_model.parameters())
+    with kept.reference() as reference:
+        assert reference is kept.ref_model and not torch.is_grad_enabled()
+
+
+def test_registry_is_the_only_list_of_stages():
+    assert list(STAGES) == ["pt", "sft", "rm", "dpo"]
+    assert {name: s.data_kind for name, s in STAGES.items()} == {
+        "pt": "text", "sft": "supervised", "rm": "preference", "dpo": "preference"}
+    with pytest.raises(ConfigError, match="stage='grpo' is not a stage"):
+        parse_config({"stage": "grpo"})
+
+
+def test_stage_keys_belong_to_their_stage():
+    """A DPO key with stage rm is an error that names the stage it belongs to; its own stage gets it as `method`."""
+    with pytest.raises(ConfigError, match="pref_beta applies to stage dpo, not rm"):
+        parse_config({"stage": "rm", "pref_beta": 0.2})
+    assert parse_config({"stage": "rm", "center_rewards_coefficient": 0.01}).method.center_rewards_coefficient == 0.01
+    assert parse_config({"stage": "sft"}).method is None
+
+
+def test_help_keys_are_grouped_with_a_group_per_stage():
+    groups = all_keys()
+    assert "lora_rank" in groups["FinetuningArguments"]
+    assert "padding_free" in groups["TrainingArguments"]
+    assert set(groups["stage dpo (DPOArguments)"]) == {"pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing",
+                                                       "simpo_gamma", "precompute_ref_log_probs"}
+    assert set(groups["stage rm (RewardArguments)"]) == {"center_rewards_coefficient"}
+    every_key = [key for keys in groups.values() for key in keys]
+    assert len(every_key) == len(set(every_key))  # each key listed once

@@ -156,6 +156,11 @@ def test_use_adapter_switches_back_after_an_exception(reward_dir, policy):
     with pytest.raises(KeyError, match="no adapter named 'critic'.*'default', 'reward'"):
         with use_adapter(policy, "critic"):
             pass
+    with adapters_disabled(policy), pytest.raises(RuntimeError, match="every adapter disabled"):
+        with use_adapter(policy, reward.name):
+            pass
+    assert policy.active_adapters == ["default"]
+    assert {n: p.requires_grad for n, p in policy.named_parameters()} == flags
 
 
 def test_peft_set_adapter_would_flip_requires_grad(reward_dir, policy):

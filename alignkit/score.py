@@ -5,7 +5,7 @@ and the adapter, with its trained `score` head, is merged into it on load) or a 
 fine-tuning run, or `alignkit export` of an adapter). Conversations are rendered and tokenised with the
 data layer's chat template code, as in training, so a pair scores here exactly as it did in evaluation.
 Each reward is read at the sequence's last real token from the attention mask
-(`alignkit.stages.rm.sequence_rewards`), so batches may be padded on either side.
+(`alignkit.model.heads.sequence_rewards`), so batches may be padded on either side.
 
 Plain transformers gives the same numbers from the saved model: sequences end with the template's text
 after the end-of-turn token (ChatML's newline), which is not the pad id, so its pooling at the rightmost
@@ -25,8 +25,8 @@ import torch
 from .data.errors import DataError
 from .data.processors import infer_seqlen
 from .data.template import ChatFormatter
-from .hparams import FinetuningArguments, ModelArguments
-from .stages.rm import sequence_rewards
+from .hparams import ModelArguments
+from .model.heads import sequence_rewards
 
 logger = logging.getLogger(__name__)
 
@@ -64,23 +64,18 @@ class RewardScorer:
         padding_side: str = "right",
         device: Optional[str] = None,
     ) -> None:
-        from .model.loader import load_model, load_tokenizer
+        from .model.loader import load_reward_model, load_tokenizer, reward_model_arguments
 
         model_dir = str(model_dir)
         if not Path(model_dir).is_dir():
             raise FileNotFoundError(f"reward model directory {model_dir!r} does not exist; give an rm run's output_dir.")
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side={padding_side!r}: choose left or right.")
-        adapter_config = Path(model_dir) / "adapter_config.json"
-        if adapter_config.is_file():
-            base = json.loads(adapter_config.read_text(encoding="utf-8")).get("base_model_name_or_path")
-            model_args = ModelArguments(model_name_or_path=base, adapter_name_or_path=model_dir)
-        else:
-            model_args = ModelArguments(model_name_or_path=model_dir)
+        model_args = reward_model_arguments(model_dir)
         # The run saved its tokenizer beside the weights; fall back to the base's for a bare adapter.
         has_tokenizer = (Path(model_dir) / "tokenizer_config.json").is_file()
         self.tokenizer = load_tokenizer(ModelArguments(model_name_or_path=model_dir) if has_tokenizer else model_args)
-        self.model = load_model(model_args, FinetuningArguments(), is_trainable=False, head="reward")
+        self.model = load_reward_model(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model.to(self.device)
         self.formatter = ChatFormatter(self.tokenizer, template)

@@ -5,9 +5,10 @@
 
 1. the head: a causal LM, or for reward models `AutoModelForSequenceClassification` with one label
    over the same weights (so the checkpoint is a standard sequence-classification model);
-2. the adapters of `adapter_name_or_path`, merged into the base weights in memory. A new stage then
-   trains a fresh adapter on top, so "adapter disabled" is the earlier stage's model, which is the
-   reference DPO, GRPO and PPO need;
+2. the adapters of `adapter_name_or_path`, merged into the base weights in memory (recorded on the
+   model, see `merged_adapters`). A new stage then trains a fresh adapter on top, so "adapter
+   disabled" is the earlier stage's model, which is the reference DPO, GRPO and PPO need: reference =
+   base + SFT adapter, policy = that + the fresh adapter;
 3. what is trained (`finetuning_type`): a fresh LoRA adapter, every weight, or the last decoder layers.
 """
 
@@ -25,13 +26,17 @@ from torch import nn
 
 from ..hparams import BUNDLED_MODEL_NAME, ConfigError, FinetuningArguments, ModelArguments
 from .bundled import ensure_bundled_model
+from .heads import VALUE_HEAD_NAME
 
 logger = logging.getLogger(__name__)
 
 Head = Literal["causal_lm", "reward"]
 # Output heads are never LoRA targets: `lm_head` maps to the vocabulary (tied to the embeddings in
-# SmolLM2), `score` is the reward head, trained in full instead.
-OUTPUT_HEADS = ("lm_head", "score", "classifier", "v_head")
+# SmolLM2), `score` (`classifier` in some architectures) is the reward head, trained in full instead,
+# and `v_head` is the value head `heads.attach_value_head` puts on a PPO policy.
+OUTPUT_HEADS = ("lm_head", "score", "classifier", VALUE_HEAD_NAME)
+# Attribute on the loaded transformers model listing the adapter dirs merged into its weights.
+_MERGED_ATTR = "alignkit_merged_adapters"
 
 
 def resolve_model_path(model_args: ModelArguments) -> str:
@@ -140,6 +145,7 @@ def load_model(
     adapters = split_adapters(model_args.adapter_name_or_path)
     if adapters:
         model = merge_adapters(model, adapters, head=head)
+    setattr(model, _MERGED_ATTR, tuple(adapters))
 
     if not is_trainable:
         model.requires_grad_(False)
@@ -161,6 +167,58 @@ def load_model(
     logger.info("Trainable parameters: %s of %s (%.4f%%), finetuning_type=%s.",
                 f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1), kind)
     return model
+
+
+def merged_adapters(model) -> tuple[str, ...]:
+    """The `adapter_name_or_path` dirs that `load_model` merged into `model`'s base weights, in order.
+
+    They are part of the reference (adapters disabled) and of every adapter switched in on this base
+    (`alignkit.model.adapters`). Empty for a model `load_model` did not build or that had none.
+    """
+    from .heads import unwrap_model
+
+    return tuple(getattr(unwrap_model(model), _MERGED_ATTR, ()))
+
+
+def reward_model_arguments(model_dir: str | os.PathLike, like: ModelArguments | None = None) -> ModelArguments:
+    """`ModelArguments` that load the reward model an rm run wrote to `model_dir` (or an exported one).
+
+    A LoRA output dir names its base in `adapter_config.json` and becomes `adapter_name_or_path` over it;
+    any other dir is a full model. dtype, attention kernel, cache and remote-code settings come from
+    `like` (the running stage's model arguments) when given.
+
+    Raises:
+        ConfigError: `model_dir` is not a directory, or its adapter is not a reward model's.
+    """
+    from dataclasses import replace
+
+    model_dir = str(model_dir)
+    if not Path(model_dir).is_dir():
+        raise ConfigError(f"reward model {model_dir!r} is not a directory; give an rm run's output_dir "
+                          "(or an exported reward model).")
+    base_args = like if like is not None else ModelArguments()
+    if (Path(model_dir) / "adapter_config.json").is_file():
+        if not is_reward_adapter(model_dir):
+            raise ConfigError(f"reward model {model_dir!r} holds an adapter without a score head (task_type "
+                              "SEQ_CLS); give the output_dir of an rm run.")
+        base = read_adapter_config(model_dir).get("base_model_name_or_path")
+        return replace(base_args, model_name_or_path=base, adapter_name_or_path=model_dir)
+    return replace(base_args, model_name_or_path=model_dir, adapter_name_or_path=None)
+
+
+def load_reward_model(model_dir: str | os.PathLike, like: ModelArguments | None = None):
+    """A reward model on its own (`reward_model_type: full`, `alignkit score`): frozen, eval mode.
+
+    `AutoModelForSequenceClassification` with one label, from a full rm output dir, an exported one, or a
+    LoRA rm output dir (its adapter and score head merged into the base it names). Score it with
+    `heads.sequence_rewards`.
+
+    Args:
+        model_dir: the reward model's directory.
+        like: the running stage's `ModelArguments`, for dtype, attention kernel and hub settings.
+    """
+    return load_model(reward_model_arguments(model_dir, like), FinetuningArguments(), is_trainable=False,
+                      head="reward")
 
 
 def _load_base(model_args: ModelArguments, head: Head):
@@ -204,14 +262,15 @@ def is_reward_adapter(adapter_dir: str | os.PathLike) -> bool:
     return cfg.get("task_type") == "SEQ_CLS" or "score" in (cfg.get("modules_to_save") or [])
 
 
-def _check_adapter_base(model, adapter_dir: str, adapter_cfg: dict, head: Head) -> None:
+def check_adapter_base(model, adapter_dir: str, adapter_cfg: dict, head: Head) -> None:
     """Reject an adapter trained on another kind of model, before PEFT fails with a shape error."""
     # An SFT adapter may start a reward model (the decoder is shared), but a reward adapter needs its
     # score head, which a causal LM lacks.
     if head == "causal_lm" and is_reward_adapter(adapter_dir):
         raise ConfigError(
             f"adapter_name_or_path: {adapter_dir} is a reward-model adapter (score head), but this run loads a "
-            "causal LM. Use an adapter from an sft/dpo/grpo/ppo run, or give it as a reward model instead."
+            "causal LM. Use an adapter from an sft/dpo/grpo/ppo run, or give it as a reward model instead "
+            "(`reward_model`, loaded beside the policy as a named adapter)."
         )
     recorded = adapter_cfg.get("base_model_name_or_path")
     recorded_config = Path(recorded) / "config.json" if recorded else None
@@ -235,7 +294,7 @@ def merge_adapters(model, adapter_dirs: list[str], *, head: Head = "causal_lm"):
 
     for adapter_dir in adapter_dirs:
         adapter_cfg = read_adapter_config(adapter_dir)
-        _check_adapter_base(model, adapter_dir, adapter_cfg, head)
+        check_adapter_base(model, adapter_dir, adapter_cfg, head)
         peft_config = PeftConfig.from_pretrained(adapter_dir)
         if head == "reward" and peft_config.task_type != "SEQ_CLS":
             # An SFT adapter starting a reward model: its CAUSAL_LM wrapper expects generation methods a
@@ -258,9 +317,23 @@ def merge_adapters(model, adapter_dirs: list[str], *, head: Head = "causal_lm"):
 
 
 def find_linear_modules(model, exclude: tuple[str, ...] = OUTPUT_HEADS) -> list[str]:
-    """Sorted short names of every `nn.Linear` in `model` except the output heads (`lora_target: all`)."""
-    names = set()
+    """Sorted short names of every `nn.Linear` in `model` except the output heads (`lora_target: all`).
+
+    On a model that already holds PEFT layers (a second adapter, e.g. PPO's critic), a LoRA-wrapped linear
+    counts under its own name and the wrapper's inner modules (`base_layer`, `lora_A.default`, ...) are
+    not listed.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    names: set[str] = set()
+    wrapped: list[str] = []
     for full_name, module in model.named_modules():
+        if any(full_name.startswith(prefix) for prefix in wrapped):
+            continue
+        if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+            wrapped.append(full_name + ".")
+            module = module.get_base_layer() if isinstance(module, BaseTunerLayer) else None
         short = full_name.split(".")[-1]
         if isinstance(module, nn.Linear) and short not in exclude:
             names.add(short)

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from ..model.adapters import adapters_disabled
+
 if TYPE_CHECKING:
     from transformers.trainer_utils import PredictionOutput
 
@@ -136,7 +138,7 @@ class StageTrainer(Trainer):
             was_training = model.training
             model.eval()
             try:
-                with model.disable_adapter() if is_peft_model(model) else contextlib.nullcontext():
+                with adapters_disabled(model) if is_peft_model(model) else contextlib.nullcontext():
                     yield model
             finally:
                 model.train(was_training)

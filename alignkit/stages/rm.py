@@ -33,10 +33,9 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 from transformers import EvalPrediction
 
-from ..model.padding_free import flatten_padded, last_token_per_sequence
+from ..model.heads import sequence_rewards
 from .base import StageTrainer, run_stage_trainer, save_pair_predictions
 
 if TYPE_CHECKING:
@@ -67,35 +66,6 @@ class RewardArguments:
 # ---------------------------------------------------------------------------------------------------
 # Pure tensor functions
 # ---------------------------------------------------------------------------------------------------
-
-
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position of each row's last real token, for left or right padding.
-
-    Args:
-        attention_mask: [N, L], 1 on real tokens and 0 on padding (at either end).
-
-    Returns:
-        [N] long tensor: the largest position whose mask is 1 (0 for an all-padding row).
-    """
-    positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
-    return (positions * attention_mask.ne(0).long()).argmax(dim=-1)
-
-
-def gather_last_token_scores(per_token_scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Each row's score at its last real token.
-
-    Args:
-        per_token_scores: [N, L] (or [N, L, 1]) score head output at every position.
-        attention_mask: [N, L], 1 on real tokens, 0 on padding.
-
-    Returns:
-        [N] the score of each sequence.
-    """
-    if per_token_scores.dim() == 3:
-        per_token_scores = per_token_scores.squeeze(-1)
-    index = last_token_index(attention_mask).to(per_token_scores.device)
-    return per_token_scores.gather(1, index.unsqueeze(1)).squeeze(1)
 
 
 def pairwise_reward_loss(
@@ -145,66 +115,6 @@ def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor)
         "rewards/margins": (chosen - rejected).mean().item(),
         "rewards/accuracies": (chosen > rejected).float().mean().item(),
     }
-
-
-# ---------------------------------------------------------------------------------------------------
-# Scoring with a sequence-classification model (shared with alignkit.score)
-# ---------------------------------------------------------------------------------------------------
-
-
-def find_score_head(model: nn.Module) -> nn.Module:
-    """The `score` head of a (possibly PEFT- or DDP-wrapped) sequence-classification model.
-
-    Under LoRA the head is PEFT's `ModulesToSaveWrapper`, which runs the active adapter's trained copy,
-    so hooking it captures exactly what the forward computed.
-    """
-    inner = getattr(model, "module", model)  # DDP / DataParallel
-    if hasattr(inner, "get_base_model"):  # PeftModel
-        inner = inner.get_base_model()
-    head = getattr(inner, "score", None)
-    if not isinstance(head, nn.Module):
-        raise TypeError(
-            f"{type(inner).__name__} has no `score` head: the rm stage needs a sequence-classification model "
-            "over a causal LM (load it with `load_model(..., head=\"reward\")` or "
-            "`AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)`)."
-        )
-    return head
-
-
-def sequence_rewards(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, padding_free: bool = False
-) -> torch.Tensor:
-    """One forward pass; each row's reward is the score at its last real token.
-
-    Args:
-        model: a sequence-classification model with `num_labels=1` (may be wrapped by PEFT or DDP).
-        input_ids: [N, L] token ids, left- or right-padded.
-        attention_mask: [N, L], 1 on real tokens.
-        padding_free: run the batch as one row of its real tokens (`alignkit.model.padding_free`) and read
-            each score at its sequence's last flat position; the same rewards without computing padding.
-
-    Returns:
-        [N] float32 rewards (differentiable when grad is enabled).
-    """
-    flat = flatten_padded(input_ids, attention_mask) if padding_free else None
-    captured: list[torch.Tensor] = []
-    handle = find_score_head(model).register_forward_hook(lambda _module, _args, output: captured.append(output))
-    try:
-        if flat is None:
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        else:
-            # One row: the model's own pad-id pooling cannot fail (it needs a pad id only for batches > 1),
-            # and its result is ignored; the hook reads every position's score.
-            model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False)
-    finally:
-        handle.remove()
-    expected = input_ids.shape if flat is None else flat.input_ids.shape
-    if len(captured) != 1 or captured[0].shape[:2] != expected:
-        raise RuntimeError("the score head did not run once on per-token hidden states; unsupported model layout.")
-    if flat is None:
-        return gather_last_token_scores(captured[0], attention_mask).float()
-    scores = captured[0][0, :, 0]
-    return scores[last_token_per_sequence(flat.lengths)].float()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -309,12 +219,8 @@ def run_rm(config: "Config", callbacks: list["TrainerCallback"]) -> None:
 
 __all__ = [
     "RewardArguments",
-    "last_token_index",
-    "gather_last_token_scores",
     "pairwise_reward_loss",
     "reward_metrics",
-    "find_score_head",
-    "sequence_rewards",
     "RewardTrainer",
     "compute_reward_eval_metrics",
     "run_rm",

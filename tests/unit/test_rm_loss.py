@@ -1,4 +1,4 @@
-"""The reward-model loss, last-token selection and metrics against hand-computed numbers."""
+"""The reward-model loss and metrics against hand-computed numbers (last-token selection: test_model_heads.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from transformers import EvalPrediction
 
 from alignkit.stages.rm import (
     compute_reward_eval_metrics,
-    gather_last_token_scores,
-    last_token_index,
     pairwise_reward_loss,
     reward_metrics,
 )
@@ -67,24 +65,6 @@ def test_loss_gradient_pushes_chosen_up():
     pairwise_reward_loss(chosen, rejected).backward()
     assert chosen.grad.item() == pytest.approx(-0.5)
     assert rejected.grad.item() == pytest.approx(0.5)
-
-
-def test_last_token_index_right_left_and_no_padding():
-    """Right padding [1,1,1,0] -> 2; left padding [0,1,1,1] -> 3; none [1,1,1,1] -> 3; [1,0,0,0] -> 0."""
-    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]])
-    assert last_token_index(mask).tolist() == [2, 3, 3, 0]
-
-
-def test_gather_last_token_scores_ignores_token_ids():
-    """Scores are 10*row + position; the picks are the rows' last real positions 2, 3, 3.
-
-    row 0 (right-padded, last real 2): 0 + 2 = 2; row 1 (unpadded): 10 + 3 = 13;
-    row 2 (left-padded [0, 0, 1, 1], last real 3): 20 + 3 = 23.
-    No token id is looked at, so a real final eos that equals the pad id is still the one scored.
-    """
-    scores = torch.tensor([[0.0, 1, 2, 3], [10, 11, 12, 13], [20, 21, 22, 23]]).unsqueeze(-1)  # [N, L, 1]
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 1, 1]])
-    assert gather_last_token_scores(scores, mask).tolist() == [2.0, 13.0, 23.0]
 
 
 def test_reward_metrics():

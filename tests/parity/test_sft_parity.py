@@ -46,9 +46,9 @@ TRAINING = {"learning_rate": 1e-3, "lr_scheduler_type": "constant", "weight_deca
 def _ours(tiny_model_dir, tiny_tokenizer, tmp_path, padding_free, **training):
     data = tmp_path / "sft_trl.json"
     data.write_text(json.dumps(ROWS))
-    config = parse_config({"stage": "sft", "do_train": True, "finetuning_type": "full", "model_name_or_path": tiny_model_dir,
-                           "dataset": str(data), "output_dir": str(tmp_path / "ours"), "padding_free": padding_free,
-                           **TRAINING, **training})
+    config = parse_config({"stage": "sft", "do_train": True, "finetuning_type": "full",
+                           "model_name_or_path": tiny_model_dir, "dataset": str(data),
+                           "output_dir": str(tmp_path / "ours"), "padding_free": padding_free, **TRAINING, **training})
     dataset = get_dataset(config, tiny_tokenizer, stage="sft")["train_dataset"]
     return SFTTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), args=config.training,
                       data_collator=SupervisedCollator(tiny_tokenizer), train_dataset=dataset,

@@ -91,12 +91,43 @@ def test_unknown_name_lists_the_registry(tmp_path, tiny_tokenizer):
 
 
 def test_bundled_demo_registry_loads_for_every_stage(tiny_tokenizer):
-    """data/dataset_info.json as committed: each demo dataset gives examples for the stages it serves."""
-    for name, stage in [("demo_sft", "sft"), ("demo_sft_sharegpt", "sft"), ("demo_pref", "rm"),
-                        ("demo_math", "grpo"), ("demo_pt", "pt")]:
+    """data/dataset_info.json as committed: each demo dataset gives examples for the stages it serves, the
+    first 20 rows each (none of them dropped), the first example built from the file's first row."""
+    def first_row(name):
+        with open(f"data/{name}.json", encoding="utf-8") as f:
+            return json.load(f)[0]
+
+    def targets(labels):
+        return tiny_tokenizer.decode([t for t in labels if t != -100])
+
+    def load_demo(name, stage):
         values = {"dataset": name, "dataset_dir": "data", "stage": stage, "max_samples": 20, "cutoff_len": 64}
-        out = get_dataset(parse_config(values), tiny_tokenizer, stage)["train_dataset"]
-        assert len(out) > 0, name
+        return get_dataset(parse_config(values), tiny_tokenizer, stage)["train_dataset"]
+
+    for name in ("demo_sft", "demo_sft_sharegpt"):
+        out = load_demo(name, "sft")
+        row = first_row(name)
+        reply = row["output"] if "output" in row else row["conversations"][1]["value"]
+        assert len(out) == 20, name
+        assert targets(out[0]["labels"]).startswith(reply + "<|im_end|>\n"), name
+
+    out, row = load_demo("demo_pref", "rm"), first_row("demo_pref")
+    assert len(out) == 20
+    for side in ("chosen", "rejected"):
+        assert targets(out[0][f"{side}_labels"]) == row[side] + "<|im_end|>\n", side
+
+    out, row = load_demo("demo_math", "grpo"), first_row("demo_math")
+    assert len(out) == 20 and out[0]["answer"] == row["answer"]
+    # The prompt keeps its end (the question's last words and the assistant header) when cut to 64 tokens.
+    prompt_end = row["prompt"][-20:] + "<|im_end|>\n<|im_start|>assistant\n"
+    assert tiny_tokenizer.decode(out[0]["input_ids"]).endswith(prompt_end)
+
+    # pt: the 20 texts, each closed by eos, cut into blocks of 64 tokens.
+    out = load_demo("demo_pt", "pt")
+    with open("data/demo_pt.json", encoding="utf-8") as f:
+        texts = [row["text"] for row in json.load(f)[:20]]
+    stream = [t for text in texts for t in tiny_tokenizer(text)["input_ids"] + [tiny_tokenizer.eos_token_id]]
+    assert sum(out["input_ids"], []) == stream and [len(ids) for ids in out["input_ids"][:-1]] == [64] * (len(out) - 1)
 
 
 # ---------------------------------------------------------------------------------------------- bad input

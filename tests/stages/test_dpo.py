@@ -206,14 +206,31 @@ def test_full_finetuning_with_precomputed_reference_refuses_new_data_after_train
 @pytest.mark.parametrize("loss_type", ["orpo", "simpo"])
 def test_reference_free_losses_run_no_reference_pass(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch,
                                                      loss_type):
+    """Step 1 takes all 6 pairs in one batch, so its loss and rewards are those of `preference_loss` on the
+    untrained model's log-probs, computed here sequence by sequence (per-token averages: summed log-prob
+    over the response's token count)."""
     dataset = pair_dataset(tiny_tokenizer)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    trainer = make_trainer(model, make_config(tmp_path, pref_loss=loss_type, finetuning_type="full", max_steps=2),
-                           dataset)
+    config = make_config(tmp_path, pref_loss=loss_type, finetuning_type="full", max_steps=2,
+                         per_device_train_batch_size=len(PAIRS))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    logps, lengths = {}, {}
+    for side in ("chosen", "rejected"):
+        rows = list(zip(dataset[f"{side}_input_ids"], dataset[f"{side}_labels"]))
+        logps[side] = torch.tensor([sequence_logps_by_hand(base, ids, labels) for ids, labels in rows])
+        lengths[side] = torch.tensor([sum(t != -100 for t in labels[1:]) for _, labels in rows])
+    losses, chosen_rewards, rejected_rewards = dpo_module.preference_loss(
+        loss_type, logps["chosen"], logps["rejected"], lengths["chosen"], lengths["rejected"], None, None,
+        beta=config.finetuning.pref_beta, simpo_gamma=config.finetuning.simpo_gamma)
+
+    trainer = make_trainer(model, config, dataset)
     assert trainer.ref_model is None  # no frozen copy either
     monkeypatch.setattr(DPOTrainer, "reference_logps", lambda *a, **k: pytest.fail("reference pass"))
     trainer.train()
-    assert all(torch.isfinite(torch.tensor(x)) for x in losses_of(trainer))
+    first = [r for r in trainer.state.log_history if "loss" in r][0]
+    assert first["loss"] == pytest.approx(losses.mean().item(), abs=1e-5)
+    assert first["rewards/chosen"] == pytest.approx(chosen_rewards.mean().item(), abs=1e-6)
+    assert first["rewards/rejected"] == pytest.approx(rejected_rewards.mean().item(), abs=1e-6)
 
 
 def test_pref_ftx_adds_the_chosen_nll(tiny_model_dir, tiny_tokenizer, tmp_path):

@@ -149,11 +149,24 @@ def test_chat_raises_generation_errors_instead_of_hanging(tiny_model_dir, monkey
 
 
 def test_env_info_names_versions_and_device():
+    import importlib.metadata
+    import importlib.util
+    import platform
+
     info = env_info()
-    for key in ("alignkit", "python", "platform", "torch", "transformers", "peft", "datasets", "accelerate",
-                "device", "device_count", "bf16_supported", "num_threads"):
-        assert key in info, key
-    assert info["torch"] == torch.__version__
+    libraries = ["transformers", "peft", "datasets", "accelerate"]
+    if importlib.util.find_spec("trl") is not None:  # optional: left out when not installed
+        libraries.append("trl")
+    assert list(info) == ["alignkit", "python", "platform", "torch", *libraries, "device", "device_count",
+                          "bf16_supported", "num_threads"]
+    for name in ["alignkit", *libraries]:
+        assert info[name] == importlib.metadata.version(name), name
+    assert info["torch"] == torch.__version__ and info["python"] == platform.python_version()
     assert info["num_threads"] == torch.get_num_threads()
-    text = format_env(info)
-    assert len(text.splitlines()) == len(info) and "torch" in text and info["device"] in text
+    if torch.cuda.is_available():
+        assert info["device"] == f"cuda: {torch.cuda.get_device_name(0)}"
+        assert info["device_count"] == torch.cuda.device_count()
+    else:
+        assert (info["device"], info["device_count"]) == ("cpu", 1)
+    # One aligned `- key: value` line per entry, keys padded to the longest ("bf16_supported", 14 letters).
+    assert format_env(info).splitlines() == [f"- {key:<14}: {value}" for key, value in info.items()]

@@ -39,7 +39,12 @@ def test_sft_on_bundled_model(bundled_model_dir, tmp_path):
 
 def test_rm_on_bundled_model(bundled_model_dir, tmp_path):
     records = _run(bundled_model_dir, tmp_path, stage="rm", dataset="demo_pref")
-    assert all("rewards/accuracies" in r for r in records if "loss" in r)
+    for r in [r for r in records if "loss" in r]:
+        assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"], abs=1e-5)
+        assert r["rewards/accuracies"] in (0.0, 0.5, 1.0)  # 2 pairs a step
+        # The loss is the mean of -log sigmoid(margin) over the step's pairs: at least its value at the mean
+        # margin (Jensen: the function is convex).
+        assert r["loss"] >= math.log1p(math.exp(-r["rewards/margins"])) - 1e-6
 
 
 def test_dpo_on_bundled_model(bundled_model_dir, tmp_path):

@@ -91,6 +91,37 @@ def losses_of(trainer) -> list[float]:
     return [record["loss"] for record in trainer.state.log_history if "loss" in record]
 
 
+def sequence_logps_by_hand(model, ids: list[int], labels: list[int]) -> float:
+    """Sum of log p(label t | tokens before t) over the labelled tokens of one unpadded sequence."""
+    with torch.no_grad():
+        logps = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].double(), dim=-1)
+    targets = torch.tensor(labels[1:])
+    scored = targets != -100
+    return logps[scored].gather(-1, targets[scored, None]).sum().item()
+
+
+def dpo_eval_by_hand(policy, reference, rows: Dataset, beta: float) -> dict[str, float]:
+    """The sigmoid-DPO eval metrics over all pairs of `rows`, one sequence at a time (no batching, no padding)."""
+    logps = {}
+    for name, model in (("policy", policy), ("reference", reference)):
+        for side in ("chosen", "rejected"):
+            logps[name, side] = torch.tensor([
+                sequence_logps_by_hand(model, ids, labels)
+                for ids, labels in zip(rows[f"{side}_input_ids"], rows[f"{side}_labels"])
+            ], dtype=torch.float64)
+    chosen_rewards = beta * (logps["policy", "chosen"] - logps["reference", "chosen"])
+    rejected_rewards = beta * (logps["policy", "rejected"] - logps["reference", "rejected"])
+    return {
+        "eval_loss": -torch.nn.functional.logsigmoid(chosen_rewards - rejected_rewards).mean().item(),
+        "eval_rewards/chosen": chosen_rewards.mean().item(),
+        "eval_rewards/rejected": rejected_rewards.mean().item(),
+        "eval_rewards/accuracies": (chosen_rewards > rejected_rewards).double().mean().item(),
+        "eval_rewards/margins": (chosen_rewards - rejected_rewards).mean().item(),
+        "eval_logps/chosen": logps["policy", "chosen"].mean().item(),
+        "eval_logps/rejected": logps["policy", "rejected"].mean().item(),
+    }
+
+
 def test_lora_reference_equals_base_model_logps(tiny_model_dir, tiny_tokenizer, tmp_path):
     """With a non-zero adapter the policy differs from the base; the reference equals the plain base model."""
     dataset = pair_dataset(tiny_tokenizer)
@@ -114,24 +145,34 @@ def test_lora_training_logs_metrics_and_moves_only_the_adapter(tiny_model_dir, t
     dataset = pair_dataset(tiny_tokenizer)
     model = lora_model(tiny_model_dir)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    config = make_config(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=3, eval_dataset="hand-built")
+    # Two eval batches of 3 pairs: a mean of batch means is then the mean over all 6 pairs.
+    config = make_config(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=3, eval_dataset="hand-built",
+                         per_device_eval_batch_size=3)
     trainer = make_trainer(model, config, dataset, eval_dataset=dataset)
     trainer.train()
 
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert changed and all("lora_" in n for n in changed)
     train_logs = [r for r in trainer.state.log_history if "loss" in r]
-    assert len(train_logs) == 6
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                "logps/chosen", "logps/rejected"):
-        assert all(key in r and torch.isfinite(torch.tensor(r[key])) for r in train_logs), key
+    assert [r["step"] for r in train_logs] == [1, 2, 3, 4, 5, 6]
+    for r in train_logs:
+        assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"], abs=1e-6)
+        assert r["rewards/accuracies"] in (0.0, 0.5, 1.0)  # 2 pairs a step
     # Step 1: policy == reference (fresh adapter), so rewards are 0 and the loss is log 2.
     assert train_logs[0]["loss"] == pytest.approx(0.693147, abs=1e-4)
     assert train_logs[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
     assert train_logs[-1]["rewards/margins"] > 0
     eval_logs = [r for r in trainer.state.log_history if "eval_loss" in r]
-    assert len(eval_logs) == 2 and "eval_rewards/accuracies" in eval_logs[-1]
+    assert [r["step"] for r in eval_logs] == [3, 6]
     assert "rewards/chosen" not in eval_logs[-1]
+    # The step-6 evaluation ran on the final weights: it equals the metrics computed pair by pair with the
+    # trained policy against the base model as the reference.
+    trainer.model.eval()
+    expected = dpo_eval_by_hand(trainer.model, AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), dataset,
+                                beta=config.method.pref_beta)
+    assert expected["eval_rewards/margins"] > 0.01  # training moved the policy: the comparison is not of zeros
+    for key, value in expected.items():
+        assert eval_logs[-1][key] == pytest.approx(value, abs=1e-5), key
 
 
 def test_full_finetuning_reference_is_the_in_memory_policy_at_init(tiny_model_dir, tiny_tokenizer, tmp_path):
@@ -165,14 +206,31 @@ def test_full_finetuning_with_precomputed_reference_refuses_new_data_after_train
 @pytest.mark.parametrize("loss_type", ["orpo", "simpo"])
 def test_reference_free_losses_run_no_reference_pass(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch,
                                                      loss_type):
+    """Step 1 takes all 6 pairs in one batch, so its loss and rewards are those of `preference_loss` on the
+    untrained model's log-probs, computed here sequence by sequence (per-token averages: summed log-prob
+    over the response's token count)."""
     dataset = pair_dataset(tiny_tokenizer)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    trainer = make_trainer(model, make_config(tmp_path, pref_loss=loss_type, finetuning_type="full", max_steps=2),
-                           dataset)
+    config = make_config(tmp_path, pref_loss=loss_type, finetuning_type="full", max_steps=2,
+                         per_device_train_batch_size=len(PAIRS))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    logps, lengths = {}, {}
+    for side in ("chosen", "rejected"):
+        rows = list(zip(dataset[f"{side}_input_ids"], dataset[f"{side}_labels"]))
+        logps[side] = torch.tensor([sequence_logps_by_hand(base, ids, labels) for ids, labels in rows])
+        lengths[side] = torch.tensor([sum(t != -100 for t in labels[1:]) for _, labels in rows])
+    losses, chosen_rewards, rejected_rewards = dpo_module.preference_loss(
+        loss_type, logps["chosen"], logps["rejected"], lengths["chosen"], lengths["rejected"], None, None,
+        beta=config.method.pref_beta, simpo_gamma=config.method.simpo_gamma)
+
+    trainer = make_trainer(model, config, dataset)
     assert trainer.ref_model is None  # no frozen copy either
     monkeypatch.setattr(DPOTrainer, "reference_logps", lambda *a, **k: pytest.fail("reference pass"))
     trainer.train()
-    assert all(torch.isfinite(torch.tensor(x)) for x in losses_of(trainer))
+    first = [r for r in trainer.state.log_history if "loss" in r][0]
+    assert first["loss"] == pytest.approx(losses.mean().item(), abs=1e-5)
+    assert first["rewards/chosen"] == pytest.approx(chosen_rewards.mean().item(), abs=1e-6)
+    assert first["rewards/rejected"] == pytest.approx(rejected_rewards.mean().item(), abs=1e-6)
 
 
 def test_pref_ftx_adds_the_chosen_nll(tiny_model_dir, tiny_tokenizer, tmp_path):
@@ -192,17 +250,27 @@ def test_precomputed_reference_matches_on_the_fly_and_is_cached(tiny_model_dir, 
     dataset = pair_dataset(tiny_tokenizer)
     on_the_fly = make_trainer(lora_model(tiny_model_dir), make_config(tmp_path / "a", max_steps=4), dataset)
     on_the_fly.train()
+    on_the_fly_eval = on_the_fly.evaluate(eval_dataset=dataset)
 
     config = make_config(tmp_path / "b", max_steps=4, precompute_ref_log_probs=True)
     precomputed = make_trainer(lora_model(tiny_model_dir), config, dataset, eval_dataset=dataset)
-    assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(precomputed.train_dataset.column_names)
+    # The columns hold the base model's (the reference's) summed log-probs of each response.
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    for side in ("chosen", "rejected"):
+        expected = [sequence_logps_by_hand(base, ids, labels)
+                    for ids, labels in zip(dataset[f"{side}_input_ids"], dataset[f"{side}_labels"])]
+        assert precomputed.train_dataset[f"ref_{side}_logps"] == pytest.approx(expected, abs=1e-4), side
     calls = []
     original = DPOTrainer.reference_logps
     monkeypatch.setattr(DPOTrainer, "reference_logps", lambda self, inputs: calls.append(1) or original(self, inputs))
     precomputed.train()
     assert calls == []  # training read the columns, never ran the reference
     assert losses_of(precomputed) == pytest.approx(losses_of(on_the_fly), abs=1e-5)
-    assert precomputed.evaluate()["eval_rewards/margins"] > 0
+    precomputed_eval = precomputed.evaluate()
+    assert precomputed_eval["eval_rewards/margins"] > 0
+    for key, value in on_the_fly_eval.items():
+        if key.startswith("eval_") and not key.endswith(("_runtime", "_per_second")):
+            assert precomputed_eval[key] == pytest.approx(value, abs=1e-5), key
 
     # A second run over the same tokens and weights reads the cache instead of recomputing.
     again = make_trainer(lora_model(tiny_model_dir), config, dataset)
@@ -264,11 +332,24 @@ def test_run_train_dpo_end_to_end(tiny_model_dir, tmp_path):
     run_train(config)
     out = tmp_path / "out"
     records = [r for r in read_log(out) if "loss" in r]
-    assert len(records) == 3
-    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-            "logps/rejected"} <= set(records[-1])
-    assert (out / "adapter_model.safetensors").is_file()
+    assert [r["current_steps"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"], abs=1e-6)
+    # eval_results.json: the saved adapter over the base model, against the base model as the reference
+    # (precomputed), pair by pair over the 6 pairs (eval batches of 4 and 2: the eval means are exact over the set).
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from alignkit.data import get_dataset
+
+    eval_rows = get_dataset(config, AutoTokenizer.from_pretrained(tiny_model_dir), "dpo")["eval_dataset"]
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(out)).eval()
+    expected = dpo_eval_by_hand(policy, AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), eval_rows,
+                                beta=config.method.pref_beta)
+    assert len(eval_rows) == 6 and expected["eval_rewards/margins"] != pytest.approx(0.0, abs=1e-3)
     eval_results = json.loads((out / "eval_results.json").read_text())
+    for key, value in expected.items():
+        assert eval_results[key] == pytest.approx(value, abs=1e-5), key
     predictions = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == len(PAIRS)
     margins = [p["chosen"] - p["rejected"] for p in predictions]

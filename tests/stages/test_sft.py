@@ -11,6 +11,7 @@ from transformers import TrainerCallback
 
 from alignkit.callbacks import read_log
 from alignkit.hparams import ConfigError, parse_config
+from alignkit.metrics import similarity_scores
 from alignkit.train import run_train
 
 QA = [("What is 12 plus 7?", "19"), ("Name a colour.", "green"), ("The capital of France?", "Paris."),
@@ -64,15 +65,22 @@ def test_sft_lora_train_eval_predict(tiny_model_dir, tmp_path):
     assert snapshot.trainable and all("lora_" in n for n in snapshot.trainable)
     assert changed == {n for n in snapshot.trainable if "lora_B" in n or "lora_A" in n}
 
-    for split in ("eval", "predict"):
-        results = json.loads((out / f"{split}_results.json").read_text())
-        for key in ("bleu-4", "rouge-1", "rouge-2", "rouge-l"):
-            assert 0.0 <= results[f"{split}_{key}"] <= 100.0
+    # Each held-out question's prompt is its ChatML user turn ending in the assistant header, and its
+    # label is that question's answer.
     records = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
     assert len(records) == 4
-    assert all(set(r) == {"prompt", "predict", "label"} for r in records)
-    assert {r["label"] for r in records} <= {a for _, a in QA}
-    assert all(r["prompt"].rstrip().endswith("assistant") for r in records)
+    answers = dict(QA)
+    for r in records:
+        assert set(r) == {"prompt", "predict", "label"}
+        question = r["prompt"].removeprefix("<|im_start|>user\n").removesuffix("<|im_end|>\n<|im_start|>assistant\n")
+        assert r["prompt"] == f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        assert r["label"] == answers[question]
+    # The metrics of both splits (the same held-out rows, the same trained model) are those of the file's texts.
+    expected = similarity_scores([r["predict"] for r in records], [r["label"] for r in records])
+    for split in ("eval", "predict"):
+        results = json.loads((out / f"{split}_results.json").read_text())
+        for key, value in expected.items():
+            assert results[f"{split}_{key}"] == pytest.approx(value, abs=1e-4), (split, key)
 
     # The adapter reloads over the base and reproduces the trained weights.
     from peft import PeftModel
@@ -91,9 +99,30 @@ def test_sft_eval_loss_and_accuracy_with_packing(tiny_model_dir, tmp_path):
     run_train(config)
     out = Path(config.training.output_dir)
     results = json.loads((out / "eval_results.json").read_text())
-    assert results["eval_loss"] > 0 and 0.0 <= results["eval_accuracy"] <= 1.0
     evals = [r for r in read_log(out) if "eval_loss" in r]
-    assert len(evals) >= 2  # evaluated every step
+    assert [r["current_steps"] for r in evals] == [1, 2, 2]  # every step, then the final evaluation
+    assert evals[-1]["eval_loss"] == evals[-2]["eval_loss"] == results["eval_loss"]  # same model, same rows
+
+    # By hand, each held-out example alone through the saved model: the packed evaluation (one batch of
+    # packed rows) must give the unpacked token loss and argmax accuracy over all its targets.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from alignkit.data import get_dataset
+
+    eval_rows = get_dataset(config, AutoTokenizer.from_pretrained(tiny_model_dir), "sft")["eval_dataset"]
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    total, correct, count = 0.0, 0, 0
+    for ids, labels in zip(eval_rows["input_ids"], eval_rows["labels"]):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+        targets = torch.tensor(labels[1:])
+        scored = targets != -100
+        total += torch.nn.functional.cross_entropy(logits[scored], targets[scored], reduction="sum").item()
+        correct += int((logits[scored].argmax(-1) == targets[scored]).sum())
+        count += int(scored.sum())
+    assert len(eval_rows) == 4 and count > 4
+    assert results["eval_loss"] == pytest.approx(total / count, abs=1e-5)
+    assert results["eval_accuracy"] == pytest.approx(correct / count, abs=1e-6)
 
 
 def test_group_by_length_sets_sampling_strategy(tiny_model_dir, tmp_path):
@@ -103,14 +132,37 @@ def test_group_by_length_sets_sampling_strategy(tiny_model_dir, tmp_path):
 
 
 def test_pt_trains_on_raw_text(tiny_model_dir, tmp_path):
+    """PT cuts the texts, each closed by eos, into blocks of cutoff_len tokens, all of them targets. One batch
+    holds every block, so step 1 (LoRA's B still zero: the base model) logs the base model's mean next-token
+    loss over the whole stream, computed here block by block."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from alignkit.data import get_dataset
+
+    texts = [f"{q} {a}" for q, a in QA * 3]
     data = tmp_path / "text.jsonl"
-    data.write_text("\n".join(json.dumps({"text": f"{q} {a}"}, ensure_ascii=False) for q, a in QA * 3))
+    data.write_text("\n".join(json.dumps({"text": text}, ensure_ascii=False) for text in texts))
     config = parse_config(base_config(tiny_model_dir, tmp_path, stage="pt", dataset=str(data), cutoff_len=32,
-                                      val_size=0, do_train=True, max_steps=2))
+                                      val_size=0, do_train=True, max_steps=2, per_device_train_batch_size=64))
     run_train(config)
     losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
-    assert len(losses) == 2 and all(x > 0 for x in losses)
+    assert len(losses) == 2 and losses[1] < losses[0]
     assert (Path(config.training.output_dir) / "adapter_model.safetensors").is_file()
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    blocks = get_dataset(config, tokenizer, "pt")["train_dataset"]
+    stream = [token for text in texts for token in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    assert [len(ids) for ids in blocks["input_ids"]] == [32] * (len(stream) // 32) + [len(stream) % 32]
+    assert sum(blocks["input_ids"], []) == stream and blocks["labels"] == blocks["input_ids"]
+    assert len(blocks) <= 64
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    total, count = 0.0, 0
+    for ids in blocks["input_ids"]:
+        with torch.no_grad():
+            logits = base(input_ids=torch.tensor([ids])).logits[0, :-1]
+        total += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").item()
+        count += len(ids) - 1
+    assert losses[0] == pytest.approx(total / count, abs=1e-5)
 
 
 def test_max_new_tokens_zero_is_a_config_error(tiny_model_dir, tmp_path):
@@ -154,15 +206,28 @@ def test_example_yaml_runs(name, tiny_model_dir, tmp_path):
                                 "per_device_train_batch_size=2", "gradient_accumulation_steps=1", "use_cpu=true"])
     run_train(config)
     out = Path(config.training.output_dir)
-    assert any("loss" in r for r in read_log(out))
-    assert (out / "eval_results.json").is_file()
+    log = read_log(out)
+    assert [r["current_steps"] for r in log if "loss" in r] == [1]
+    assert torch.isfinite(torch.tensor([r["loss"] for r in log if "loss" in r])).all()
+    # eval_results.json holds what the final evaluation logged.
+    results = json.loads((out / "eval_results.json").read_text())
+    final_eval = [r for r in log if "eval_loss" in r][-1]
+    assert results["eval_loss"] == final_eval["eval_loss"] and torch.isfinite(torch.tensor(results["eval_loss"]))
 
 
 def test_gradient_checkpointing_with_lora_trains(tiny_model_dir, tmp_path):
-    """Checkpointed LoRA still gets gradients (inputs of the frozen embedding must require grad).
-    lora_B starts at zero, so after one step only lora_B has moved (lora_A's gradient is B^T(...) = 0)."""
-    snapshot = ParameterSnapshot()
-    config = parse_config(base_config(tiny_model_dir, tmp_path, do_train=True, max_steps=1,
-                                      gradient_checkpointing=True))
-    run_train(config, callbacks=[snapshot])
-    assert any(not torch.equal(snapshot.before[n], snapshot.after[n]) for n in snapshot.trainable if "lora_B" in n)
+    """Checkpointed LoRA gets the gradients of the plain run (inputs of the frozen embedding must require
+    grad), so one step ends at the same weights. lora_B starts at zero, so after one step every lora_B and
+    nothing else has moved (lora_A's gradient is B^T(...) = 0)."""
+    after = {}
+    for checkpointing in (False, True):
+        snapshot = ParameterSnapshot()
+        config = parse_config(base_config(tiny_model_dir, tmp_path, do_train=True, max_steps=1,
+                                          gradient_checkpointing=checkpointing,
+                                          output_dir=str(tmp_path / f"out_{checkpointing}")))
+        run_train(config, callbacks=[snapshot])
+        changed = {n for n in snapshot.trainable if not torch.equal(snapshot.before[n], snapshot.after[n])}
+        assert changed == {n for n in snapshot.trainable if "lora_B" in n}
+        after[checkpointing] = snapshot.after
+    for name, weight in after[False].items():
+        torch.testing.assert_close(after[True][name], weight, rtol=0, atol=1e-6, msg=name)

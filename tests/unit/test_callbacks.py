@@ -1,6 +1,7 @@
 """trainer_log.jsonl records and loss plots."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -13,7 +14,14 @@ def test_smooth_hand_computed():
     assert smooth([1.0, 3.0, 5.0], weight=0.5) == pytest.approx([1.0, 2.0, 3.5])
 
 
-def test_log_callback_writes_one_record_per_log(tmp_path):
+def test_log_callback_writes_one_record_per_log(tmp_path, monkeypatch):
+    """The clock reads 100 s at train begin, 102 s at step 1 and 105 s at step 2 (of 10), with 100 tokens a step:
+    step 1: elapsed 2 s, remaining 2 / 1 step x 9 steps = 18 s, 100 tokens / 2 s = 50 tokens/s;
+    step 2: elapsed 5 s, remaining 5 / 2 x 8 = 20 s, 100 tokens / 3 s = 33.33 tokens/s."""
+    import alignkit.callbacks as callbacks_module
+
+    clock = iter([100.0, 102.0, 105.0])
+    monkeypatch.setattr(callbacks_module, "time", SimpleNamespace(time=lambda: next(clock)))
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none")
     state = TrainerState()
     state.max_steps = 10
@@ -30,8 +38,10 @@ def test_log_callback_writes_one_record_per_log(tmp_path):
     first = records[0]
     assert first["current_steps"] == 1 and first["total_steps"] == 10 and first["percentage"] == 10.0
     assert first["loss"] == 2.0 and first["rewards/chosen"] == 0.5 and first["learning_rate"] == 1e-4
-    assert first["remaining_time"] is not None and first["elapsed_time"] >= 0
-    assert "tokens_per_second" in first and records[1]["total_tokens"] == 200
+    assert (first["elapsed_time"], first["remaining_time"], first["tokens_per_second"]) == (2.0, 18.0, 50.0)
+    second = records[1]
+    assert (second["elapsed_time"], second["remaining_time"], second["tokens_per_second"]) == (5.0, 20.0, 33.33)
+    assert first["total_tokens"] == 100 and second["total_tokens"] == 200 and second["percentage"] == 20.0
     assert "train_runtime" not in first  # running speed metrics stay out of step records
     assert (tmp_path / LOG_FILE).read_text().count("\n") == 2
 

@@ -91,15 +91,44 @@ def test_unknown_name_lists_the_registry(tmp_path, tiny_tokenizer):
 
 
 def test_bundled_demo_registry_loads_for_every_kind(tiny_tokenizer):
-    """data/dataset_info.json as committed: each demo dataset gives all 20 asked-for examples of its kind."""
-    for name, kind in [("demo_sft", "supervised"), ("demo_sft_sharegpt", "supervised"), ("demo_pref", "preference"),
-                       ("demo_math", "prompt")]:
-        values = {"dataset": name, "dataset_dir": "data", "max_samples": 20, "cutoff_len": 64}
-        out = get_dataset(parse_config(values), tiny_tokenizer, kind)["train_dataset"]
+    """data/dataset_info.json as committed: each demo dataset gives examples of the kind it serves, the
+    first 20 rows each (none of them dropped), the first example built from the file's first row."""
+    def first_row(name):
+        with open(f"data/{name}.json", encoding="utf-8") as f:
+            return json.load(f)[0]
+
+    def targets(labels):
+        return tiny_tokenizer.decode([t for t in labels if t != -100])
+
+    def load_demo(name, kind):
+        values = {"dataset": name, "dataset_dir": "data", "stage": "pt" if kind == "text" else "sft",
+                  "max_samples": 20, "cutoff_len": 64}
+        return get_dataset(parse_config(values), tiny_tokenizer, kind)["train_dataset"]
+
+    for name in ("demo_sft", "demo_sft_sharegpt"):
+        out = load_demo(name, "supervised")
+        row = first_row(name)
+        reply = row["output"] if "output" in row else row["conversations"][1]["value"]
         assert len(out) == 20, name
-    pt = get_dataset(parse_config({"dataset": "demo_pt", "dataset_dir": "data", "stage": "pt", "max_samples": 20,
-                                   "cutoff_len": 64}), tiny_tokenizer, "pt")["train_dataset"]
-    assert all(len(ids) == 64 for ids in pt["input_ids"][:-1])  # 20 texts cut into full blocks of 64
+        assert targets(out[0]["labels"]).startswith(reply + "<|im_end|>\n"), name
+
+    out, row = load_demo("demo_pref", "preference"), first_row("demo_pref")
+    assert len(out) == 20
+    for side in ("chosen", "rejected"):
+        assert targets(out[0][f"{side}_labels"]) == row[side] + "<|im_end|>\n", side
+
+    out, row = load_demo("demo_math", "prompt"), first_row("demo_math")
+    assert len(out) == 20 and out[0]["answer"] == row["answer"]
+    # The prompt keeps its end (the question's last words and the assistant header) when cut to 64 tokens.
+    prompt_end = row["prompt"][-20:] + "<|im_end|>\n<|im_start|>assistant\n"
+    assert tiny_tokenizer.decode(out[0]["input_ids"]).endswith(prompt_end)
+
+    # pt: the 20 texts, each closed by eos, cut into blocks of 64 tokens.
+    out = load_demo("demo_pt", "text")
+    with open("data/demo_pt.json", encoding="utf-8") as f:
+        texts = [row["text"] for row in json.load(f)[:20]]
+    stream = [t for text in texts for t in tiny_tokenizer(text)["input_ids"] + [tiny_tokenizer.eos_token_id]]
+    assert sum(out["input_ids"], []) == stream and [len(ids) for ids in out["input_ids"][:-1]] == [64] * (len(out) - 1)
 
 
 # ---------------------------------------------------------------------------------------------- bad input

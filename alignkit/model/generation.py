@@ -17,13 +17,16 @@ One path from prompts to completions:
    weights for the duration of generation and puts the original tensors back afterwards, so training
    sees bit-for-bit the weights it had (PEFT's merge/unmerge round trip is not exact in fp32).
 
-   Measured on this CPU (2 shared cores, fp32, LoRA r=8 on all linear layers with random non-zero B,
-   greedy, batch 8, 32 new tokens; `python scripts/bench_lora_generation.py`, 2026-11-30, 2 alternating
-   repeats each, other programs running on the machine):
+   Measured on this CPU (2 cores shared with other programs, fp32, LoRA r=8 on all linear layers with
+   random non-zero B, greedy, batch 8, exactly 32 new tokens, best of 2 alternating repeats;
+   `python scripts/bench_lora_generation.py --model tiny` and `--model bundled`, 2026-11-30):
 
-   - tiny model (2 layers, hidden 64): unmerged X s, merged (merge + restore included) Y s;
-   - bundled SmolLM2-135M-Instruct: unmerged X s, merged Y s, of which merge + restore Z s.
+   - tiny model (2 layers, hidden 64): unmerged 3.14 s, merged 2.75 s (merge + restore alone 0.02 s);
+   - bundled SmolLM2-135M-Instruct: unmerged 283.8 s, merged 216.5 s (merge + restore alone 16.1 s).
 
+   The bundled run shared the cores with a load average of 7 to 15 (it got about a quarter of a core:
+   6.8 CPU-minutes in 26.6 minutes), so its absolute times are inflated several-fold; both arms ran
+   alternately under the same load, and merging was faster on both models (12% and 24%).
    So `generate` merges by default (`merge_lora=True`).
 """
 

@@ -1,8 +1,10 @@
-"""`alignkit chat`: talk to a model (base + merged adapters) through its chat template.
+"""`alignkit chat`: talk to a model (base + merged adapters) through the configured chat template.
 
 With a prompt it answers once; without one it runs a loop that keeps the conversation history
-(`clear` forgets it, `exit` quits). Tokens are written as they are generated: `generate` runs in a
-thread and feeds a `TextIteratorStreamer`, which this thread drains.
+(`clear` forgets it, `exit` quits). Prompts are rendered and stopped as everywhere else
+(`model.generation`): the `template` key (the tokenizer's own when unset) and its end-of-turn token.
+Tokens are written as they are generated: `generate` runs in a thread and feeds a
+`TextIteratorStreamer`, which this thread drains.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Callable, TextIO
 
 import torch
 
+from .data.template import ChatFormatter
 from .hparams import FinetuningArguments, GeneratingArguments, ModelArguments
+from .model.generation import encode_prompts, generate, pad_prompts
 from .model.loader import load_model, load_tokenizer
 
 EXIT_COMMAND = "exit"
@@ -26,32 +30,36 @@ def build_messages(history: list[dict[str, str]], query: str, system: str | None
     return messages + history + [{"role": "user", "content": query}]
 
 
-def stream_reply(model, tokenizer, messages: list[dict[str, str]], generating_args: GeneratingArguments,
-                 stream: TextIO) -> str:
+def stream_reply(model, formatter: ChatFormatter, messages: list[dict[str, str]],
+                 generating_args: GeneratingArguments, stream: TextIO) -> str:
     """Generate the assistant's reply to `messages`, writing it to `stream` piece by piece.
+
+    Args:
+        model: the causal LM.
+        formatter: the chat template (renders the prompt, gives the end-of-turn stop tokens).
+        messages: the conversation, ending with the user's message.
+        generating_args: decoding settings.
+        stream: where the reply is written.
 
     Returns:
         The reply text (special tokens removed).
     """
     from transformers import TextIteratorStreamer
 
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                           return_dict=True, return_tensors="pt")
-    inputs = {k: v.to(model.device) for k, v in inputs.items()}
+    tokenizer = formatter.tokenizer
+    input_ids, attention_mask = pad_prompts(encode_prompts(formatter, [messages]), tokenizer.pad_token_id)
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    kwargs = dict(**inputs, **generating_args.to_generation_kwargs(), streamer=streamer,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     failure: list[BaseException] = []
 
-    def generate() -> None:
+    def run() -> None:
         try:
-            with torch.inference_mode():
-                model.generate(**kwargs)
+            generate(model, tokenizer, input_ids, attention_mask, stop_token_ids=formatter.stop_token_ids(),
+                     generation_kwargs=generating_args.to_generation_kwargs(), streamer=streamer)
         except BaseException as err:  # re-raised below; end the stream so the reader does not wait forever
             failure.append(err)
             streamer.end()
 
-    thread = Thread(target=generate, daemon=True)
+    thread = Thread(target=run, daemon=True)
     thread.start()
     pieces = []
     for piece in streamer:
@@ -72,6 +80,7 @@ def chat(
     *,
     prompt: str | None = None,
     system: str | None = None,
+    template: str | None = None,
     stream: TextIO = sys.stdout,
     input_fn: Callable[[str], str] = input,
 ) -> str | None:
@@ -82,6 +91,7 @@ def chat(
         generating_args: decoding settings (greedy by default).
         prompt: a single user message; the reply is returned.
         system: an optional system message put before the conversation.
+        template: the chat template (`chatml`, `llama3`, `plain`; None: the tokenizer's own).
         stream: where replies (and the interactive prompts' echoes) are written.
         input_fn: reads one user line; `input` by default, replaceable in tests.
 
@@ -89,11 +99,13 @@ def chat(
         The reply for a one-shot prompt, None after an interactive session.
     """
     tokenizer = load_tokenizer(model_args)
+    formatter = ChatFormatter(tokenizer, template)
+    formatter.stop_token_ids()  # a template the tokenizer cannot stop on fails before the model loads
     model = load_model(model_args, FinetuningArguments(), is_trainable=False)
     if torch.cuda.is_available():
         model.to("cuda")
     if prompt is not None:
-        return stream_reply(model, tokenizer, build_messages([], prompt, system), generating_args, stream)
+        return stream_reply(model, formatter, build_messages([], prompt, system), generating_args, stream)
 
     stream.write(f"Type `{CLEAR_COMMAND}` to forget the conversation, `{EXIT_COMMAND}` to quit.\n")
     history: list[dict[str, str]] = []
@@ -111,7 +123,7 @@ def chat(
         if not query:
             continue
         stream.write("Assistant: ")
-        reply = stream_reply(model, tokenizer, build_messages(history, query, system), generating_args, stream)
+        reply = stream_reply(model, formatter, build_messages(history, query, system), generating_args, stream)
         history += [{"role": "user", "content": query}, {"role": "assistant", "content": reply}]
     return None
 

@@ -56,7 +56,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from .chat import chat
 
     config = _model_args(args.model, args.adapter, args.overrides)
-    chat(config.model, config.generating, prompt=args.prompt, system=args.system)
+    chat(config.model, config.generating, prompt=args.prompt, system=args.system, template=config.data.template)
     return 0
 
 
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", help="LoRA adapter directory (comma-separated for several)")
     p.add_argument("--prompt", help="answer this one prompt and exit")
     p.add_argument("--system", help="system prompt")
-    p.add_argument("overrides", nargs="*", help="generation settings as key=value (e.g. max_new_tokens=64)")
+    p.add_argument("overrides", nargs="*", help="settings as key=value (e.g. max_new_tokens=64 template=chatml)")
     p.set_defaults(func=_cmd_chat)
 
     p = sub.add_parser("export", help="merge a LoRA adapter into its base and save a standalone model")

@@ -49,15 +49,16 @@ def _held_out_prompts(data_dir: Path, n: int) -> list[dict[str, str]]:
     return picked
 
 
-def _answers(model_args, generating_args, prompts: list[dict[str, str]]) -> list[str]:
+def _answers(model_args, generating_args, prompts: list[dict[str, str]], template: str | None) -> list[str]:
+    from .data.template import ChatFormatter
+    from .hparams import FinetuningArguments
     from .model.generation import generate_replies
     from .model.loader import load_model, load_tokenizer
-    from .hparams import FinetuningArguments
 
-    tokenizer = load_tokenizer(model_args)
+    formatter = ChatFormatter(load_tokenizer(model_args), template)
     model = load_model(model_args, FinetuningArguments(), is_trainable=False)
     conversations = [[{"role": "user", "content": p["prompt"]}] for p in prompts]
-    replies = generate_replies(model, tokenizer, conversations, generating_args.to_generation_kwargs())
+    replies = generate_replies(model, formatter, conversations, generating_args.to_generation_kwargs())
     del model
     return replies
 
@@ -96,10 +97,10 @@ def run_demo(output_dir: str = "outputs/demo", steps: int | None = None) -> dict
     )
     start = time.time()
     print("== alignkit demo: LoRA SFT of SmolLM2-135M-Instruct on the demo instruction data ==", flush=True)
-    before = _answers(config.model, config.generating, prompts)
+    before = _answers(config.model, config.generating, prompts, config.data.template)
     run_train(config)
     after_args = parse_config({"adapter_name_or_path": output_dir, "max_new_tokens": 64})
-    after = _answers(after_args.model, after_args.generating, prompts)
+    after = _answers(after_args.model, after_args.generating, prompts, config.data.template)
 
     print("\n== Answers to held-out prompts, before and after training ==")
     for p, b, a in zip(prompts, before, after):

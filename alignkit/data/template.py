@@ -176,6 +176,34 @@ class ChatFormatter:
         """The prompt for generation: the conversation followed by the assistant's generation prompt."""
         return self.render(messages, add_generation_prompt=True, tools=tools)
 
+    def stop_token_ids(self) -> list[int]:
+        """Ids at which generation stops: the template's end-of-turn token, then eos if it differs.
+
+        ChatML gives `<|im_end|>`, llama3 `<|eot_id|>`, plain the eos token. The end-of-turn token is read
+        from the template itself (the first token it writes after a reply's content), so the tokenizer's
+        own template is covered too.
+
+        Raises:
+            DataError: the template ends a turn with text that is not a special token of this tokenizer
+                (generation could never stop on it); choose a template that matches the tokenizer.
+        """
+        probe = "alignkit-reply-probe"
+        rendered = self.render([{"role": "user", "content": "1"}, {"role": "assistant", "content": probe}])
+        tail = rendered[rendered.rfind(probe) + len(probe):].strip()
+        ids: list[int] = []
+        if tail:
+            first = self.tokenizer(tail, add_special_tokens=False)["input_ids"][0]
+            special = set(self.tokenizer.all_special_ids) | set(self.tokenizer.get_added_vocab().values())
+            if first not in special:
+                raise DataError(
+                    f"template {self.name!r} ends an assistant turn with {tail!r}, which is not a special token of "
+                    "this tokenizer, so generation could not stop there. Set `template` to one whose tokens the "
+                    f"tokenizer has ({', '.join(BUILTIN_TEMPLATES)}, or unset for the tokenizer's own).")
+            ids.append(first)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
     def reply_text(self, prompt: list[Message], reply: str, tools: Optional[str] = None) -> str:
         """The text of one assistant reply to `prompt` (its content and end-of-turn token)."""
         chunks = self.chunks(prompt + [{"role": "assistant", "content": reply}], tools=tools)

@@ -33,6 +33,7 @@ from transformers import InfNanRemoveLogitsProcessor, LogitsProcessorList
 from ..constants import IGNORE_INDEX
 from ..hparams import Config, ConfigError, GeneratingArguments
 from ..metrics import argmax_logits, compute_token_accuracy, decode_token_ids, similarity_metrics
+from ..model.generation import generate, stop_token_ids
 from ..model.logprobs import forward_sequence_logps
 from ..model.padding_free import first_token_unlabelled, flatten_padded, unflatten_to_padded
 from .base import PREDICTIONS_FILE, StageTrainer, check_splits, run_stage_trainer
@@ -73,36 +74,12 @@ def sft_loss(
     return total / count.clamp(min=1)
 
 
-def to_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int):
-    """Move every row's real tokens to the right end, whatever side the batch was padded on.
-
-    Generation appends new tokens after the last column, so prompts must end there. Rows are found by
-    the attention mask, never by the pad id (pad == eos in SmolLM2).
-
-    Args:
-        input_ids: (batch, seq) prompt ids, padded on either side.
-        attention_mask: (batch, seq) 1 on real tokens.
-        pad_token_id: id written into the freed columns.
-
-    Returns:
-        (input_ids, attention_mask), both (batch, seq), left-padded.
-    """
-    lengths = attention_mask.sum(dim=1)
-    seq_len = input_ids.shape[1]
-    left_ids = torch.full_like(input_ids, pad_token_id)
-    left_mask = torch.zeros_like(attention_mask)
-    for row in range(input_ids.shape[0]):
-        real = input_ids[row][attention_mask[row].bool()]
-        left_ids[row, seq_len - int(lengths[row]) :] = real
-        left_mask[row, seq_len - int(lengths[row]) :] = 1
-    return left_ids, left_mask
-
-
 class SFTTrainer(StageTrainer):
     """`Trainer` with step-normalised token loss, generation-based prediction and a predictions file.
 
     Args:
         generating_args: generation settings for `predict_with_generate`.
+        template: the `template` key: generation stops at its end-of-turn token (None: the tokenizer's own).
         *args, **kwargs: as for `transformers.Trainer`; `args.padding_free` runs unpacked batches on their
             real tokens only in `compute_loss`.
     """
@@ -110,9 +87,11 @@ class SFTTrainer(StageTrainer):
     # `compute_loss` divides by the step's token count itself, so training_step must not divide again.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args, generating_args: GeneratingArguments | None = None, **kwargs) -> None:
+    def __init__(self, *args, generating_args: GeneratingArguments | None = None, template: str | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.generating_args = generating_args or GeneratingArguments()
+        self.template = template
         # Make the Trainer count target tokens for every step whatever the model class declares
         # (our compute_loss consumes the count, not the model), and count them over labels[:, 1:],
         # the positions sft_loss actually scores.
@@ -166,26 +145,21 @@ class SFTTrainer(StageTrainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Loss-based evaluation as usual; with `predict_with_generate`, (None, new tokens, labels).
 
-        The generated ids exclude the prompt: prompts are first left-aligned, so every row's new
-        tokens start at the same column whichever side the collator padded.
+        The generated ids exclude the prompt (`model.generation.generate` left-aligns prompts, so every
+        row's new tokens start at the same column whichever side the collator padded). Rows stop at the
+        end-of-turn token of the configured template (and at eos) and are filled with the pad id after it.
         """
         if not self.args.predict_with_generate or prediction_loss_only:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         inputs = self._prepare_inputs(inputs)
-        pad_token_id = self.processing_class.pad_token_id
-        input_ids, attention_mask = to_left_padding(inputs["input_ids"], inputs["attention_mask"], pad_token_id)
-        with torch.no_grad():
-            generated = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                use_cache=True,  # even when training turned it off (gradient checkpointing)
-                pad_token_id=pad_token_id,
-                eos_token_id=self.processing_class.eos_token_id,
-                logits_processor=LogitsProcessorList([InfNanRemoveLogitsProcessor()]),
-                **self.generating_args.to_generation_kwargs(),
-            )
-        new_tokens = generated[:, input_ids.shape[1] :].contiguous()
-        return None, new_tokens, inputs.get("labels")
+        tokenizer = self.processing_class
+        out = generate(
+            model, tokenizer, inputs["input_ids"], inputs["attention_mask"],
+            stop_token_ids=stop_token_ids(tokenizer, self.template),
+            generation_kwargs={**self.generating_args.to_generation_kwargs(),
+                               "logits_processor": LogitsProcessorList([InfNanRemoveLogitsProcessor()])},
+        )
+        return None, out.completion_ids, inputs.get("labels")
 
     def save_predictions(self, dataset, predict_results) -> str:
         """Write `generated_predictions.jsonl` (`prompt`, `predict`, `label` per example); returns its path."""
@@ -255,6 +229,7 @@ def _run_causal_lm(config: Config, callbacks: list, stage: str) -> None:
         compute_metrics=compute_metrics,
         preprocess_logits_for_metrics=preprocess_logits,
         generating_args=config.generating,
+        template=config.data.template,
     )
     save = None
     if t.predict_with_generate:
@@ -272,4 +247,4 @@ def run_pt(config: Config, callbacks: list) -> None:
     _run_causal_lm(config, callbacks, stage="pt")
 
 
-__all__ = ["sft_loss", "to_left_padding", "SFTTrainer", "check_config", "run_sft", "run_pt"]
+__all__ = ["sft_loss", "SFTTrainer", "check_config", "run_sft", "run_pt"]

@@ -1,4 +1,4 @@
-"""`sft_loss` and `to_left_padding`: pure tensor functions against hand-computed values."""
+"""`sft_loss`: a pure tensor function against hand-computed values (`left_pad` is tested in test_generation.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from alignkit.stages.sft import sft_loss, to_left_padding
+from alignkit.stages.sft import sft_loss
 
 
 def test_sft_loss_hand_computed():
@@ -51,26 +51,3 @@ def test_sft_loss_matches_transformers_causal_lm_loss(tiny_model_dir):
     assert count == 6
     out_sum = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, num_items_in_batch=10)
     assert sft_loss(out.logits, labels, 10).item() == pytest.approx(out_sum.loss.item(), abs=1e-6)
-
-
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_to_left_padding(side):
-    """Rows [5 6 7] and [8 9] padded with 0 on either side become [5 6 7] and [0 8 9]."""
-    if side == "right":
-        ids = torch.tensor([[5, 6, 7], [8, 9, 0]])
-        mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    else:
-        ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
-        mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
-    left_ids, left_mask = to_left_padding(ids, mask, pad_token_id=0)
-    assert left_ids.tolist() == [[5, 6, 7], [0, 8, 9]]
-    assert left_mask.tolist() == [[1, 1, 1], [0, 1, 1]]
-
-
-def test_to_left_padding_keeps_real_tokens_equal_to_pad_id():
-    """pad == eos: a real eos (id 2) inside a row must survive; only the mask says what is padding."""
-    ids = torch.tensor([[4, 2, 2]])
-    mask = torch.tensor([[1, 1, 0]])
-    left_ids, left_mask = to_left_padding(ids, mask, pad_token_id=2)
-    assert left_ids.tolist() == [[2, 4, 2]]
-    assert left_mask.tolist() == [[0, 1, 1]]

@@ -1,0 +1,259 @@
+"""`alignkit.model.generation`: padding, completion masks, templates, stopping, and LoRA merging for generation."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+from alignkit.data.errors import DataError
+from alignkit.data.template import ChatFormatter
+from alignkit.hparams import parse_config
+from alignkit.model.generation import (completion_mask, encode_prompts, generate, left_pad, merged_lora,
+                                       pad_prompts, stop_token_ids)
+
+IM_END, ENDOFTEXT = 2, 0  # ids in the tiny tokenizer
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_left_pad(side):
+    """Rows [5 6 7] and [8 9] padded with 0 on either side become [5 6 7] and [0 8 9]."""
+    if side == "right":
+        ids, mask = torch.tensor([[5, 6, 7], [8, 9, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    else:
+        ids, mask = torch.tensor([[5, 6, 7], [0, 8, 9]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
+    left_ids, left_mask = left_pad(ids, mask, pad_token_id=0)
+    assert left_ids.tolist() == [[5, 6, 7], [0, 8, 9]]
+    assert left_mask.tolist() == [[1, 1, 1], [0, 1, 1]]
+
+
+def test_left_pad_keeps_real_tokens_equal_to_pad_id():
+    """pad == eos: a real eos (id 2) inside a row survives, padding goes by the mask only:
+    [4 2 | 2] (last column padding) -> [2 | 4 2], and [2 4 2 5] with one pad in front stays as it is."""
+    ids = torch.tensor([[4, 2, 2, 9], [2, 4, 2, 5]])
+    mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1]])
+    left_ids, left_mask = left_pad(ids, mask, pad_token_id=2)
+    assert left_ids.tolist() == [[2, 2, 4, 2], [2, 4, 2, 5]]
+    assert left_mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
+
+
+def test_pad_prompts_left_pads_lists():
+    ids, mask = pad_prompts([[5, 6, 7], [8, 9], [4]], pad_token_id=2)
+    assert ids.tolist() == [[5, 6, 7], [2, 8, 9], [2, 2, 4]]
+    assert mask.tolist() == [[1, 1, 1], [0, 1, 1], [0, 0, 1]]
+    with pytest.raises(ValueError, match="empty prompt"):
+        pad_prompts([[5], []], pad_token_id=2)
+
+
+def test_completion_mask_hand_computed():
+    """Stop ids {2, 7}. Row by row (first stop kept, everything after it masked):
+    [4 5 2 2 2] -> first stop at 2 -> 1 1 1 0 0, stopped
+    [4 7 6 2 8] -> first stop at 1 (id 7) -> 1 1 0 0 0, stopped
+    [4 5 6 8 9] -> no stop -> 1 1 1 1 1, truncated
+    [2 9 9 9 9] -> stop at 0 -> 1 0 0 0 0, stopped
+    [4 5 6 8 7] -> stop in the last column -> 1 1 1 1 1, stopped (not truncated)"""
+    ids = torch.tensor([[4, 5, 2, 2, 2], [4, 7, 6, 2, 8], [4, 5, 6, 8, 9], [2, 9, 9, 9, 9], [4, 5, 6, 8, 7]])
+    mask, truncated = completion_mask(ids, [2, 7])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert truncated.tolist() == [False, False, True, False, False]
+
+
+@pytest.fixture
+def tokenizer_with_default_system(tiny_tokenizer):
+    """The tiny ChatML tokenizer whose own template injects a default system turn (as SmolLM2's does)."""
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = (
+        "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nBe kind.<|im_end|>\n' }}{% endif %}"
+        + tiny_tokenizer.chat_template)
+    return tok
+
+
+def test_prompts_follow_the_configured_template(tokenizer_with_default_system):
+    """The tokenizer's own template adds its system turn; `chatml` does not; `plain` is a transcript."""
+    tok = tokenizer_with_default_system
+    conversation = [[{"role": "user", "content": "What is 12 plus 7?"}]]
+    expected_text = {
+        None: "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nWhat is 12 plus 7?<|im_end|>\n"
+              "<|im_start|>assistant\n",
+        "chatml": "<|im_start|>user\nWhat is 12 plus 7?<|im_end|>\n<|im_start|>assistant\n",
+        "plain": "Human: What is 12 plus 7?\nAssistant: ",
+    }
+    for template, text in expected_text.items():
+        (ids,) = encode_prompts(ChatFormatter(tok, template), conversation)
+        assert ids == tok(text, add_special_tokens=False)["input_ids"], template
+    own, chatml = (encode_prompts(ChatFormatter(tok, t), conversation)[0] for t in (None, "chatml"))
+    assert own.count(IM_END) == 2 and chatml.count(IM_END) == 1  # special tokens are single ids
+
+
+def test_stop_token_ids_per_template(tiny_tokenizer):
+    """The end-of-turn token comes first, then eos when it differs; a template whose end-of-turn text
+    the tokenizer cannot produce as one token is refused."""
+    assert ChatFormatter(tiny_tokenizer).stop_token_ids() == [IM_END]  # ChatML with eos == <|im_end|>
+    other_eos = copy.deepcopy(tiny_tokenizer)
+    other_eos.eos_token = "<|endoftext|>"
+    assert ChatFormatter(other_eos, "chatml").stop_token_ids() == [IM_END, ENDOFTEXT]
+    assert ChatFormatter(other_eos).stop_token_ids() == [IM_END, ENDOFTEXT]
+    assert ChatFormatter(other_eos, "plain").stop_token_ids() == [ENDOFTEXT]  # plain closes a reply with eos
+    with pytest.raises(DataError, match=r"'llama3'.*<\|eot_id\|>.*not a special token"):
+        ChatFormatter(tiny_tokenizer, "llama3").stop_token_ids()
+    no_template = copy.deepcopy(other_eos)
+    no_template.chat_template = None
+    assert stop_token_ids(no_template) == [ENDOFTEXT]  # a base model for `stage: pt`
+
+
+class ForceTokens(LogitsProcessor):
+    """Makes row r emit `tokens[r][t]` at step t, so stopping can be tested on a random model."""
+
+    def __init__(self, tokens: list[list[int]], prompt_len: int):
+        self.tokens, self.prompt_len = tokens, prompt_len
+
+    def __call__(self, input_ids, scores):
+        step = input_ids.shape[1] - self.prompt_len
+        forced = torch.full_like(scores, float("-inf"))
+        for row, tokens in enumerate(self.tokens):
+            forced[row, tokens[step]] = 0.0
+        return forced
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+
+def test_generate_stops_each_row_at_end_of_turn(tiny_model, tiny_tokenizer):
+    """With eos != <|im_end|>, ChatML rows stop at <|im_end|> (row 0, step 3) or eos (row 2, step 2);
+    row 1 never stops and is truncated at max_new_tokens=5. After a stop the row holds the pad id."""
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.eos_token = "<|endoftext|>"
+    formatter = ChatFormatter(tok, "chatml")
+    ids, mask = pad_prompts(encode_prompts(formatter, [[{"role": "user", "content": q}] for q in
+                                                       ("What is 12 plus 7?", "Name a colour", "Hi")]), IM_END)
+    forced = [[5, 6, IM_END, 9, 9], [7, 7, 7, 7, 7], [8, ENDOFTEXT, 9, 9, 9]]
+    out = generate(tiny_model, tok, ids, mask, stop_token_ids=formatter.stop_token_ids(),
+                   generation_kwargs={"max_new_tokens": 5, "do_sample": False,
+                                      "logits_processor": LogitsProcessorList([ForceTokens(forced, ids.shape[1])])})
+    assert out.completion_ids.tolist() == [[5, 6, IM_END, IM_END, IM_END], [7, 7, 7, 7, 7],
+                                           [8, ENDOFTEXT, IM_END, IM_END, IM_END]]
+    assert out.completion_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert out.truncated.tolist() == [False, True, False]
+    assert out.texts == [tok.decode([5, 6]), tok.decode([7] * 5), tok.decode([8])]
+    assert torch.equal(out.prompt_ids, ids) and torch.equal(out.prompt_mask, mask)
+
+
+def test_generate_left_pads_uses_kv_cache_and_restores_train_mode(tiny_model, tiny_tokenizer, monkeypatch):
+    """Right-padded prompts are left-aligned; after the prompt each forward sees one new token (the KV
+    cache is used although the config turned it off); the model is back in train mode afterwards."""
+    model = copy.deepcopy(tiny_model)
+    model.config.use_cache = False
+    model.train()
+    seen_lengths = []
+    real_forward = type(model).forward
+
+    def recording_forward(self, *args, **kwargs):
+        seen_lengths.append(kwargs["input_ids"].shape[1])
+        assert not self.training and not torch.is_grad_enabled()
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", recording_forward)
+    ids, mask = torch.tensor([[5, 17, 30, 44], [7, 8, 2, 2]]), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    out = generate(model, tiny_tokenizer, ids, mask, stop_token_ids=[],
+                   generation_kwargs={"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False})
+    assert model.training
+    assert out.prompt_ids.tolist() == [[5, 17, 30, 44], [2, 2, 7, 8]]
+    assert seen_lengths == [4, 1, 1, 1]
+    monkeypatch.undo()
+    alone = model.generate(input_ids=torch.tensor([[7, 8]]), max_new_tokens=4, min_new_tokens=4,
+                           do_sample=False, pad_token_id=2)[0, 2:]
+    assert out.completion_ids[1].tolist() == alone.tolist()
+
+
+def test_generate_repeats_prompts_for_several_sequences(tiny_model, tiny_tokenizer):
+    ids, mask = torch.tensor([[5, 6], [2, 7]]), torch.tensor([[1, 1], [0, 1]])
+    torch.manual_seed(0)
+    out = generate(tiny_model, tiny_tokenizer, ids, mask, stop_token_ids=[IM_END],
+                   generation_kwargs={"max_new_tokens": 3, "do_sample": True, "num_return_sequences": 2})
+    assert out.prompt_ids.tolist() == [[5, 6], [5, 6], [2, 7], [2, 7]]
+    assert out.completion_ids.shape[0] == out.truncated.shape[0] == len(out.texts) == 4
+
+
+@pytest.fixture
+def lora_model(tiny_model_dir, tmp_path, save_perturbed_adapter):
+    """A trainable PeftModel whose LoRA B matrices are random (as if trained), in train mode."""
+    model = save_perturbed_adapter(tiny_model_dir, tmp_path / "adapter")
+    model.train()
+    return model
+
+
+def _snapshot(model) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def test_merged_generation_equals_unmerged_and_restores_weights_bit_exactly(lora_model, tiny_tokenizer):
+    before = _snapshot(lora_model)
+    ids, mask = pad_prompts([[5, 17, 30, 44, 9], [7, 8], [40, 41, 42]], IM_END)
+    kwargs = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    unmerged = generate(lora_model, tiny_tokenizer, ids, mask, stop_token_ids=[IM_END], generation_kwargs=kwargs,
+                        merge_lora=False)
+    merged = generate(lora_model, tiny_tokenizer, ids, mask, stop_token_ids=[IM_END], generation_kwargs=kwargs)
+    assert merged.completion_ids.tolist() == unmerged.completion_ids.tolist()
+    assert len(set(map(tuple, merged.completion_ids.tolist()))) > 1  # rows differ: the comparison means something
+    after = _snapshot(lora_model)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert lora_model.training and not any(getattr(m, "merged", False) for m in lora_model.modules())
+
+
+def test_merged_lora_merges_inside_and_leaves_disabled_adapter_alone(lora_model):
+    """Inside the block the base weights carry the adapter (and the LoRA path is skipped, so the
+    output is unchanged); with the adapter disabled (the reference policy) nothing is merged."""
+    layer = next(m for m in lora_model.modules() if hasattr(m, "lora_A") and len(m.lora_A))
+    original = layer.get_base_layer().weight
+    original_data = original.data
+    batch = torch.tensor([[5, 17, 30, 44, 9]])
+    lora_model.eval()
+    with torch.no_grad():
+        expected = lora_model(input_ids=batch).logits
+        with merged_lora(lora_model) as merged:
+            assert merged and layer.merged
+            assert layer.get_base_layer().weight is original  # the same parameter, new data
+            assert not torch.equal(original.data, original_data)
+            torch.testing.assert_close(lora_model(input_ids=batch).logits, expected, atol=1e-5, rtol=0)
+        assert original.data.data_ptr() == original_data.data_ptr() and not layer.merged
+        with lora_model.disable_adapter(), merged_lora(lora_model) as merged:
+            assert not merged and not layer.merged
+
+
+def test_merge_unmerge_round_trip_is_not_exact_in_fp32(lora_model):
+    """Why `merged_lora` restores saved tensors instead of unmerging: (W + BA) - BA != W bit for bit."""
+    before = _snapshot(lora_model)
+    with torch.no_grad():
+        lora_model.merge_adapter()
+        lora_model.unmerge_adapter()
+    after = _snapshot(lora_model)
+    assert any(not torch.equal(before[name], after[name]) for name in before)
+
+
+def test_chat_uses_the_template_key(tiny_model_dir, monkeypatch):
+    """`template=plain` reaches the model as the plain transcript; a template the tokenizer cannot stop
+    on is refused before any generation."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from alignkit.chat import chat
+
+    sent = []
+    real_generate = LlamaForCausalLM.generate
+
+    def recording_generate(self, *args, **kwargs):
+        sent.append(kwargs["input_ids"].tolist())
+        return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "generate", recording_generate)
+    config = parse_config({"model_name_or_path": tiny_model_dir, "max_new_tokens": 3})
+    chat(config.model, config.generating, prompt="Name a colour", template="plain", stream=io.StringIO())
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert sent == [[tokenizer("Human: Name a colour\nAssistant: ", add_special_tokens=False)["input_ids"]]]
+    with pytest.raises(DataError, match="llama3"):
+        chat(config.model, config.generating, prompt="hi", template="llama3", stream=io.StringIO())
+    assert len(sent) == 1

@@ -21,16 +21,6 @@ def _sft_config(tiny_model_dir, out, tmp_path, **extra):
     return parse_config(values)
 
 
-def test_last_complete_checkpoint_skips_half_written(tmp_path):
-    for step in (2, 4, 6):
-        (tmp_path / f"checkpoint-{step}").mkdir()
-    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
-    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("{}")
-    # checkpoint-6 was being written when the process died: no trainer_state.json
-    assert Path(last_complete_checkpoint(tmp_path)).name == "checkpoint-4"
-    assert last_complete_checkpoint(tmp_path / "missing") is None
-
-
 def test_rerun_resumes_and_overwrite_starts_afresh(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     run_train(_sft_config(tiny_model_dir, out, tmp_path, max_steps=2))

@@ -93,7 +93,8 @@ class DivergenceGuard(TrainerCallback):
     - `on_pre_optimizer_step` (after backward and clipping, before `optimizer.step()`): the norm of the
       trainable parameters' gradients. A non-finite loss makes its gradients non-finite, so this sees
       every step's loss, whatever `logging_steps` and `logging_nan_inf_filter` (which hides non-finite
-      losses from the log) say, and before the step changes the weights.
+      losses from the log) say, and before the step changes the weights. Not under `fp16`, whose
+      GradScaler skips overflowing steps by design.
     - `on_optimizer_step`: the trainable weights, which an enormous learning rate can overflow from
       finite gradients.
     - `on_log`: the logged training loss. It also turns non-finite values of the log history (an eval
@@ -107,6 +108,10 @@ class DivergenceGuard(TrainerCallback):
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         import torch
 
+        if args.fp16:
+            # fp16 loss scaling overflows on purpose: the GradScaler skips such a step and lowers the scale,
+            # so non-finite gradients are expected there; the weight and loss checks still apply.
+            return
         grads = [p.grad for p in _trainable(kwargs.get("model")) if p.grad is not None]
         if grads:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))

@@ -173,6 +173,11 @@ class _Args:
     output_dir = "/nonexistent"
     learning_rate = 1e30
     max_grad_norm = 1.0
+    fp16 = False
+
+
+class _Fp16Args(_Args):
+    fp16 = True
 
 
 def test_guard_stops_on_a_non_finite_gradient_norm_naming_the_step():
@@ -180,6 +185,8 @@ def test_guard_stops_on_a_non_finite_gradient_norm_naming_the_step():
     guard.on_pre_optimizer_step(_Args, _State, None, model=_Param([1.0, 2.0], [3.0, 4.0]))  # norm 5: fine
     with pytest.raises(TrainingDiverged, match=r"diverged at step 3: the gradient norm is nan.*learning_rate \(now 1e\+30\)"):
         guard.on_pre_optimizer_step(_Args, _State, None, model=_Param([1.0, 2.0], [float("nan"), 4.0]))
+    # fp16 loss scaling: an overflowing step is skipped by the GradScaler, not a divergence
+    guard.on_pre_optimizer_step(_Fp16Args, _State, None, model=_Param([1.0, 2.0], [float("inf"), 4.0]))
     with pytest.raises(TrainingDiverged, match="step 3: weight weight is not finite"):
         guard.on_optimizer_step(_Args, _State, None, model=_Param([float("inf"), 2.0], [0.0, 0.0]))
 

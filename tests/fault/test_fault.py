@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,6 +173,17 @@ def test_killed_runs_resume_to_the_uninterrupted_result(cli, tmp_path, stage):
     rc, output = cli(reference, stage)
     assert rc == 0 and f"already complete: {STEPS} of {STEPS} steps" in output, output
     assert tree_digest(reference) == before
+
+    # Killed after its last checkpoint, before any of the final save: the checkpoint is the final model.
+    final_lost = tmp_path / "final_lost"
+    shutil.copytree(reference, final_lost)
+    for path in final_lost.iterdir():
+        if path.is_file() and path.name != "trainer_log.jsonl":
+            path.unlink()
+    rc, output = cli(final_lost, stage)
+    assert rc == 0 and f"holds the last step ({STEPS} of {STEPS})" in output, output
+    assert_bit_equal(adapter(final_lost), want)
+    assert log_steps(final_lost)[0] == want_log[0]
 
     out = tmp_path / "killed"
     # 1. Killed right after checkpoint-2 is complete.

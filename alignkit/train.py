@@ -161,6 +161,9 @@ def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) ->
             if out.is_dir():
                 for child in out.glob(PREFIX_CHECKPOINT_DIR + "-*"):
                     shutil.rmtree(child, ignore_errors=True)
+                # The final state marks a finished run: left in place, a later plain rerun of this new
+                # run, killed before its end, would be taken for finished.
+                (out / STATE_FILE).unlink(missing_ok=True)
         if _already_complete(config):
             return
         resolve_resume(config)

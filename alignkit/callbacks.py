@@ -1,10 +1,12 @@
-"""When things happen: the training log file, throughput, and loss plots.
+"""When things happen: the training log file, throughput, loss plots, and the stop on divergence.
 
 `LogCallback` appends one JSON object per logging step to `output_dir/trainer_log.jsonl` with the
 progress (step, total steps, percentage, epoch), time (elapsed and remaining seconds), throughput
 (real, non-padding tokens per second: the Trainer's `num_input_tokens_seen`, which we switch to
 `non_padding` counting by default, so collators must return an `attention_mask`) and every metric the
-stage logged. `plot_loss` turns that file into one PNG per series.
+stage logged. A resumed run first cuts the file back to the resumed step, so each step appears once.
+`plot_loss` turns that file into one PNG per series. `DivergenceGuard` stops training at the first
+non-finite gradient, weight or loss, before that step can be saved.
 """
 
 from __future__ import annotations
@@ -41,9 +43,7 @@ class LogCallback(TrainerCallback):
         self.tokens_at_last_log = state.num_input_tokens_seen
         if state.is_world_process_zero:
             os.makedirs(args.output_dir, exist_ok=True)
-            path = Path(args.output_dir) / LOG_FILE
-            if path.exists() and self.start_step == 0:
-                path.unlink()  # a fresh run starts a fresh log; a resumed one appends
+            truncate_log(args.output_dir, self.start_step)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -79,6 +79,109 @@ class LogCallback(TrainerCallback):
             record[key] = value
         with open(Path(args.output_dir) / LOG_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+class TrainingDiverged(RuntimeError):
+    """Training produced a non-finite gradient norm, weight or loss; raised by `DivergenceGuard`."""
+
+
+class DivergenceGuard(TrainerCallback):
+    """Stops training at the first non-finite gradient norm, weight or logged loss, before it is saved.
+
+    Where it looks, in the order `Trainer._run_epoch` runs an optimizer step:
+
+    - `on_pre_optimizer_step` (after backward and clipping, before `optimizer.step()`): the norm of the
+      trainable parameters' gradients. A non-finite loss makes its gradients non-finite, so this sees
+      every step's loss, whatever `logging_steps` and `logging_nan_inf_filter` (which hides non-finite
+      losses from the log) say, and before the step changes the weights. Not under `fp16`, whose
+      GradScaler skips overflowing steps by design.
+    - `on_optimizer_step`: the trainable weights, which an enormous learning rate can overflow from
+      finite gradients.
+    - `on_log`: the logged training loss. It also turns non-finite values of the log history (an eval
+      loss of NaN, say) into None, so that every `trainer_state.json` written is valid JSON.
+
+    Raising from a callback ends `trainer.train()` at once: the Trainer saves a step's checkpoint after
+    these events, so nothing of the diverged step, and no final model, reaches the disk; the checkpoints
+    saved before stay. The checks cost one pass over the trainable gradients and weights per step.
+    """
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        import torch
+
+        if args.fp16:
+            # fp16 loss scaling overflows on purpose: the GradScaler skips such a step and lowers the scale,
+            # so non-finite gradients are expected there; the weight and loss checks still apply.
+            return
+        grads = [p.grad for p in _trainable(kwargs.get("model")) if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+            if not bool(torch.isfinite(norm)):
+                self._stop(args, state.global_step + 1, f"the gradient norm is {norm.item()}")
+
+    def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        import torch
+
+        for name, param in _named_trainable(kwargs.get("model")):
+            if not bool(torch.isfinite(param.detach()).all()):
+                self._stop(args, state.global_step + 1, f"weight {name} is not finite after the optimizer step")
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
+        loss = (logs or {}).get("loss")
+        if isinstance(loss, float) and not math.isfinite(loss):
+            self._stop(args, state.global_step, f"the training loss is {loss}")
+        if state.log_history:
+            record = state.log_history[-1]
+            for key, value in record.items():
+                if isinstance(value, float) and not math.isfinite(value):
+                    record[key] = None
+
+    @staticmethod
+    def _stop(args: TrainingArguments, step: int, what: str) -> None:
+        from .lifecycle import list_checkpoints
+
+        checkpoints = list_checkpoints(args.output_dir)
+        kept = f"the last checkpoint, {checkpoints[0]}, is kept" if checkpoints else "no checkpoint had been saved"
+        raise TrainingDiverged(
+            f"training diverged at step {step}: {what}. Nothing of this step was saved and {kept}. "
+            f"Lower learning_rate (now {args.learning_rate}), keep max_grad_norm > 0 (now {args.max_grad_norm}), "
+            "or look for a broken example in this step's batch."
+        )
+
+
+def _named_trainable(model) -> list:
+    if model is None:
+        return []
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _trainable(model) -> list:
+    return [p for _, p in _named_trainable(model)]
+
+
+def truncate_log(output_dir: str | os.PathLike, step: int) -> None:
+    """Keep the records of `trainer_log.jsonl` up to `step` (all of them at `step`, evaluations too).
+
+    A fresh run (`step == 0`) starts a fresh log. A run resumed from `checkpoint-N` trains steps N+1...
+    again, so the records a killed run wrote past N are dropped. The file is replaced atomically, and a
+    line cut short by the kill is dropped too.
+    """
+    path = Path(output_dir) / LOG_FILE
+    if not path.exists():
+        return
+    if step == 0:
+        path.unlink()
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("current_steps"), int) and record["current_steps"] <= step:
+            kept.append(line + "\n")
+    partial = path.with_name(LOG_FILE + ".partial")
+    partial.write_text("".join(kept), encoding="utf-8")
+    os.replace(partial, path)
 
 
 def read_log(output_dir: str | os.PathLike) -> list[dict[str, Any]]:

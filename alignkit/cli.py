@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 
+from .callbacks import TrainingDiverged
 from .data.errors import DataError
 from .hparams import ConfigError, DataArguments
 
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging()
     try:
         return args.func(args)
-    except (ConfigError, DataError, FileExistsError, FileNotFoundError) as err:
+    except (ConfigError, DataError, TrainingDiverged, FileExistsError, FileNotFoundError) as err:
         # Raised where input enters, with a message written for the user; anything else is a bug
         # and keeps its traceback.
         print(f"alignkit: error: {err}", file=sys.stderr)

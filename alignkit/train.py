@@ -6,83 +6,152 @@ trainer (train, evaluate, predict, save) is `alignkit.stages.base.run_stage_trai
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 from pathlib import Path
 
-from transformers import TrainerCallback, set_seed
+from transformers import TrainerCallback, enable_full_determinism, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .callbacks import LogCallback
+from .callbacks import DivergenceGuard, LogCallback
 from .hparams import Config, ConfigError
+from .lifecycle import (
+    STATE_FILE,
+    OutputDirLock,
+    checkpoint_problem,
+    complete_from_checkpoint,
+    reached_end,
+    read_state,
+    run_completed,
+    usable_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The newest `checkpoint-N` folder that finished saving (has `trainer_state.json`), or None.
+def last_complete_checkpoint(output_dir: str | os.PathLike, need_optimizer: bool = True) -> str | None:
+    """The newest `checkpoint-N` folder a run can resume from, or None.
 
-    A process killed while saving leaves a folder without `trainer_state.json` (the Trainer writes it
-    last); such a folder is skipped so that a restart resumes from the previous good one.
+    A checkpoint is trusted only after `lifecycle.checkpoint_problem` finds its state, weights,
+    optimizer, scheduler and RNG files sound and finite; a broken newer one (a save cut short by a kill,
+    a truncated or NaN file) is moved aside as `invalid-checkpoint-N` with a warning and the previous one
+    is tried.
     """
-    out = Path(output_dir)
-    if not out.is_dir():
-        return None
-    candidates = []
-    for child in out.iterdir():
-        if child.is_dir() and child.name.startswith(PREFIX_CHECKPOINT_DIR + "-"):
-            try:
-                step = int(child.name.split("-")[-1])
-            except ValueError:
-                continue
-            if (child / "trainer_state.json").is_file():
-                candidates.append((step, child))
-    return str(max(candidates)[1]) if candidates else None
+    return usable_checkpoint(output_dir, need_optimizer)
 
 
 def resolve_resume(config: Config) -> None:
     """Set `training.resume_from_checkpoint` from what `output_dir` holds.
 
-    - `resume_from_checkpoint` given: kept (a path, or `true` meaning the last checkpoint).
+    - `resume_from_checkpoint` a path: kept if that checkpoint is sound, else a ConfigError saying why.
+    - `resume_from_checkpoint: true`: the last sound checkpoint; a ConfigError if there is none.
     - `overwrite_output_dir: true`: checkpoints there are ignored and the run starts afresh.
-    - otherwise the last complete checkpoint in `output_dir`, if any, is resumed.
+    - otherwise the last sound checkpoint in `output_dir`, if any, is resumed; with none (or none left
+      after moving broken ones aside, with a warning) the run starts afresh.
     """
     t = config.training
     if not t.do_train:
         return
+    need_optimizer = not t.save_only_model
     if t.resume_from_checkpoint not in (None, "", "false", "False"):
         if str(t.resume_from_checkpoint).lower() == "true":
-            found = last_complete_checkpoint(t.output_dir)
+            found = last_complete_checkpoint(t.output_dir, need_optimizer)
             if found is None:
                 raise ConfigError(f"resume_from_checkpoint=true but {t.output_dir} holds no complete checkpoint.")
             t.resume_from_checkpoint = found
         elif not Path(t.resume_from_checkpoint).is_dir():
             raise ConfigError(f"resume_from_checkpoint={t.resume_from_checkpoint!r} is not a directory.")
+        else:
+            problem = checkpoint_problem(t.resume_from_checkpoint, need_optimizer)
+            if problem:
+                raise ConfigError(f"resume_from_checkpoint={t.resume_from_checkpoint!r} cannot be resumed from: "
+                                  f"{problem}. Choose an earlier checkpoint.")
         return
     t.resume_from_checkpoint = None
     if t.overwrite_output_dir:
         return
-    found = last_complete_checkpoint(t.output_dir)
+    found = last_complete_checkpoint(t.output_dir, need_optimizer)
     if found:
         logger.warning("Resuming from %s (set overwrite_output_dir=true to start afresh).", found)
         t.resume_from_checkpoint = found
 
 
+def _already_complete(config: Config) -> bool:
+    """Whether `output_dir`'s final state shows this run's planned steps done (then say so).
+
+    Only a run that resumes by itself is checked: `overwrite_output_dir` or an explicit checkpoint path
+    asks for training again.
+    """
+    t = config.training
+    explicit = str(t.resume_from_checkpoint).lower() not in ("none", "", "false", "true")
+    if not t.do_train or t.overwrite_output_dir or explicit:
+        return False
+    state = run_completed(t.output_dir, t.max_steps, t.num_train_epochs)
+    if state is None:
+        return False
+    logger.warning(
+        "%s is already complete: %d of %d steps; nothing to do. To train again set overwrite_output_dir=true; "
+        "to continue raise max_steps or num_train_epochs; to evaluate or predict run with do_train=false.",
+        t.output_dir, state.get("global_step"), t.max_steps if t.max_steps > 0 else state.get("max_steps"))
+    return True
+
+
+def _finish_interrupted_save(config: Config) -> bool:
+    """Whether the checkpoint to resume from already holds the last step (then write the final model).
+
+    A run killed after saving its last checkpoint but before its final save would otherwise be resumed,
+    and the Trainer, resumed at `max_steps`, trains one step past it.
+    """
+    t = config.training
+    if not t.resume_from_checkpoint or t.overwrite_output_dir:
+        return False
+    state = read_state(Path(t.resume_from_checkpoint) / STATE_FILE)
+    if state is None or not reached_end(state, t.max_steps, t.num_train_epochs):
+        return False
+    complete_from_checkpoint(t.resume_from_checkpoint, t.output_dir)
+    logger.warning(
+        "%s holds the last step (%d of %d) but the final save was interrupted: wrote the final model from it "
+        "(the killed run's train_results.json is lost). Nothing left to train.",
+        t.resume_from_checkpoint, state.get("global_step"), t.max_steps if t.max_steps > 0 else state.get("max_steps"))
+    return True
+
+
 def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) -> None:
-    """Run the stage named by `config.finetuning.stage`."""
+    """Run the stage named by `config.finetuning.stage`, under the output_dir lock, unless it is finished."""
     from .stages import STAGES
 
     stage = STAGES[config.finetuning.stage]
-    if config.training.overwrite_output_dir and config.training.do_train:
-        out = Path(config.training.output_dir)
-        if out.is_dir():
-            for child in out.glob(PREFIX_CHECKPOINT_DIR + "-*"):
-                shutil.rmtree(child, ignore_errors=True)
-    resolve_resume(config)
-    # Before any model or adapter is built: a fresh LoRA adapter or score head is initialised at random.
-    set_seed(config.training.seed)
-    stage.run(config, [LogCallback()] + list(callbacks or []))
+    t = config.training
+    # Every run that writes into output_dir holds its lock, evaluation-only runs too: their results
+    # files (all_results.json is read, updated and rewritten) would interleave with a training run's.
+    writes = t.do_train or t.do_eval or t.do_predict
+    lock = OutputDirLock(t.output_dir) if writes and _is_main_process() else contextlib.nullcontext()
+    with lock:
+        if t.overwrite_output_dir and t.do_train:
+            out = Path(t.output_dir)
+            if out.is_dir():
+                for child in out.glob(PREFIX_CHECKPOINT_DIR + "-*"):
+                    shutil.rmtree(child, ignore_errors=True)
+                # The final state marks a finished run: left in place, a later plain rerun of this new
+                # run, killed before its end, would be taken for finished.
+                (out / STATE_FILE).unlink(missing_ok=True)
+        if _already_complete(config):
+            return
+        resolve_resume(config)
+        if _finish_interrupted_save(config):
+            return
+        # One seed for every stage, before the model and its adapters are built (LoRA and score-head
+        # initialisation draw from it); the Trainer seeds its data order from `data_seed`, else `seed`.
+        enable_full_determinism(t.seed) if t.full_determinism else set_seed(t.seed)
+        all_callbacks = [LogCallback(), DivergenceGuard()] + list(callbacks or [])
+        stage.run(config, all_callbacks)
+
+
+def _is_main_process() -> bool:
+    """Rank 0 of a torchrun launch (or a plain single process): the one that holds the output_dir lock."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 __all__ = ["run_train", "resolve_resume", "last_complete_checkpoint"]

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from ..lifecycle import json_safe
 from ..model.adapters import adapters_disabled
 
 if TYPE_CHECKING:
@@ -227,7 +228,7 @@ def run_stage_trainer(
         result = trainer.train(resume_from_checkpoint=t.resume_from_checkpoint)
         trainer.save_model()
         trainer.log_metrics("train", result.metrics)
-        trainer.save_metrics("train", result.metrics)
+        trainer.save_metrics("train", json_safe(result.metrics))
         trainer.save_state()
         if t.plot_loss and trainer.is_world_process_zero():
             from ..callbacks import plot_loss
@@ -236,12 +237,12 @@ def run_stage_trainer(
     if t.do_eval:
         metrics = trainer.evaluate(metric_key_prefix="eval")
         trainer.log_metrics("eval", metrics)
-        trainer.save_metrics("eval", metrics)
+        trainer.save_metrics("eval", json_safe(metrics))
     if t.do_predict:
         output = trainer.predict(predict_dataset if predict_dataset is not None else trainer.eval_dataset,
                                  metric_key_prefix="predict")
         trainer.log_metrics("predict", output.metrics)
-        trainer.save_metrics("predict", output.metrics)
+        trainer.save_metrics("predict", json_safe(output.metrics))
         if save_predictions is not None and trainer.is_world_process_zero():
             path = save_predictions(output)
             logger.info("Wrote predictions to %s", path)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from alignkit.data.errors import DataError
 from alignkit.hparams import ConfigError, parse_config
 from alignkit.train import last_complete_checkpoint, resolve_resume, run_train
 
@@ -19,16 +20,6 @@ def _sft_config(tiny_model_dir, out, tmp_path, **extra):
               "seed": 0, "disable_tqdm": True}
     values.update(extra)
     return parse_config(values)
-
-
-def test_last_complete_checkpoint_skips_half_written(tmp_path):
-    for step in (2, 4, 6):
-        (tmp_path / f"checkpoint-{step}").mkdir()
-    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
-    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("{}")
-    # checkpoint-6 was being written when the process died: no trainer_state.json
-    assert Path(last_complete_checkpoint(tmp_path)).name == "checkpoint-4"
-    assert last_complete_checkpoint(tmp_path / "missing") is None
 
 
 def test_rerun_resumes_and_overwrite_starts_afresh(tiny_model_dir, tmp_path):
@@ -49,6 +40,18 @@ def test_rerun_resumes_and_overwrite_starts_afresh(tiny_model_dir, tmp_path):
     fresh = _sft_config(tiny_model_dir, out, tmp_path, max_steps=1, overwrite_output_dir=True)
     resolve_resume(fresh)
     assert fresh.training.resume_from_checkpoint is None
+
+
+def test_overwrite_forgets_the_finished_run(tiny_model_dir, tmp_path):
+    """A run started afresh over a finished one, then killed, must not be taken for finished on rerun."""
+    out = tmp_path / "run"
+    run_train(_sft_config(tiny_model_dir, out, tmp_path, max_steps=2))
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 2
+    # The fresh run is 'killed' before it trains: an error in the stage after the overwrite step.
+    with pytest.raises(DataError):
+        run_train(_sft_config(tiny_model_dir, out, tmp_path, max_steps=2, overwrite_output_dir=True,
+                              dataset=str(tmp_path / "missing.json")))
+    assert not (out / "trainer_state.json").exists() and not list(out.glob("checkpoint-*"))
 
 
 def test_resume_from_checkpoint_true_without_checkpoint_is_an_error(tiny_model_dir, tmp_path):

@@ -1,0 +1,244 @@
+"""Fault injection: real `alignkit train` processes killed, raced and diverged, then run again.
+
+Every run is a subprocess of `python -m alignkit` (the CLI's own entry point) on the tiny model, six
+steps of batch 2 with a checkpoint every two. Kills are aimed from outside, by watching the output
+folder the way an operator's `kill -9` would land: right after a checkpoint is complete, in the middle
+of training, after the last step. A kill in the middle of writing a checkpoint leaves a folder with some
+files missing or cut short; the test makes that state directly by cutting files of the newest one.
+Each interrupted chain must end with adapter weights bit-equal to an uninterrupted run's and a
+`trainer_log.jsonl` that has each step once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.fault
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+STAGES = {
+    "sft": ["stage=sft", "dataset=demo_sft", "eval_dataset=demo_sft_eval", "do_eval=true", "eval_strategy=steps",
+            "eval_steps=2", "per_device_eval_batch_size=4"],
+    "rm": ["stage=rm", "dataset=demo_pref"],
+    "dpo": ["stage=dpo", "dataset=demo_pref"],
+}
+
+
+@pytest.fixture(scope="module")
+def cli(tiny_model_dir, tmp_path_factory):
+    """`cli(out, stage, *overrides, wait=True)` runs `alignkit train` into `out` (a Popen if wait=False)."""
+    home = tmp_path_factory.mktemp("fault_home")
+    config = home / "empty.yaml"
+    config.write_text("{}\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               ALIGNKIT_HOME=str(home), ALIGNKIT_DATA_CACHE=str(home / "data_cache"), HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+
+    def run(out, stage, *overrides, wait=True):
+        args = [sys.executable, "-m", "alignkit", "train", str(config), f"model_name_or_path={tiny_model_dir}",
+                f"dataset_dir={ROOT / 'data'}", f"output_dir={out}", "do_train=true", "finetuning_type=lora",
+                "cutoff_len=128", "max_samples=24", "per_device_train_batch_size=2", "save_steps=2",
+                f"max_steps={STEPS}", "learning_rate=1e-3", "seed=0", "disable_tqdm=true", *STAGES[stage], *overrides]
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if not wait:
+            return proc
+        output = proc.communicate(timeout=300)[0]
+        return proc.returncode, output
+
+    return run
+
+
+def kill_when(proc: subprocess.Popen, condition, what: str) -> str:
+    """SIGKILL `proc` as soon as `condition()` holds; fail if it exits first (the kill point was missed)."""
+    deadline = time.monotonic() + 300
+    while not condition():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (rc={proc.returncode}) before {what}:\n{proc.stdout.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == -signal.SIGKILL
+    return output
+
+
+def checkpoint_saved(out: Path, step: int):
+    """True once checkpoint-`step` is complete: its trainer_state.json, written last, parses (the file
+    exists, empty, a moment before its contents are written)."""
+    def saved() -> bool:
+        try:
+            return json.loads((out / f"checkpoint-{step}" / "trainer_state.json").read_text())["global_step"] == step
+        except (OSError, ValueError, KeyError):
+            return False
+
+    return saved
+
+
+def step_logged(out: Path, step: int):
+    """True once this run has logged `step`: a resumed run first rewrites the log (a new file), so lines
+    the killed run left do not count."""
+    path = out / "trainer_log.jsonl"
+    old_inode = path.stat().st_ino if path.exists() else None
+
+    def logged() -> bool:
+        try:
+            if path.stat().st_ino == old_inode:
+                return False
+            lines = path.read_text().splitlines()
+        except FileNotFoundError:
+            return False
+        return any(f'"current_steps": {step},' in line and '"loss"' in line for line in lines)
+
+    return logged
+
+
+def adapter(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "adapter_model.safetensors"))
+
+
+def assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    differing = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not differing, f"tensors differ from the uninterrupted run: {differing[:5]}"
+
+
+def log_steps(out: Path) -> tuple[list[int], list[int]]:
+    """(steps with a training loss, steps with an eval loss) of trainer_log.jsonl, in file order."""
+    records = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    return ([r["current_steps"] for r in records if "loss" in r],
+            [r["current_steps"] for r in records if "eval_loss" in r])
+
+
+def tree_digest(out: Path) -> dict[str, str]:
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def assert_clean_outputs(out: Path) -> None:
+    """Every JSON file is strict JSON (no NaN literals) and every tensor on disk is finite (broken
+    checkpoints the test made and the run set aside as `invalid-checkpoint-N` excepted)."""
+    def refuse(constant):
+        raise ValueError(f"non-JSON constant {constant}")
+
+    def files(pattern):
+        return [p for p in out.rglob(pattern) if not p.relative_to(out).parts[0].startswith("invalid-")]
+
+    for path in files("*.json"):
+        json.loads(path.read_text(), parse_constant=refuse)
+    for path in files("*.safetensors"):
+        for name, tensor in load_file(str(path)).items():
+            assert torch.isfinite(tensor).all(), f"{path}: {name} is not finite"
+    for path in files("*.pt") + files("*.bin"):
+        if path.name == "training_args.bin":
+            continue
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        stack = [state]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, dict):
+                stack.extend(item.values())
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+            elif isinstance(item, torch.Tensor) and item.is_floating_point():
+                assert torch.isfinite(item).all(), f"{path} holds a non-finite tensor"
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_killed_runs_resume_to_the_uninterrupted_result(cli, tmp_path, stage):
+    reference = tmp_path / "reference"
+    rc, output = cli(reference, stage)
+    assert rc == 0, output
+    want = adapter(reference)
+    want_log = log_steps(reference)
+    # sft also evaluates every 2 steps and once more after training
+    assert want_log == (list(range(1, STEPS + 1)), [2, 4, 6, 6] if stage == "sft" else [])
+
+    # A finished run submitted again: recognised, nothing trained, not a byte changed.
+    before = tree_digest(reference)
+    rc, output = cli(reference, stage)
+    assert rc == 0 and f"already complete: {STEPS} of {STEPS} steps" in output, output
+    assert tree_digest(reference) == before
+
+    # Killed after its last checkpoint, before any of the final save: the checkpoint is the final model.
+    final_lost = tmp_path / "final_lost"
+    shutil.copytree(reference, final_lost)
+    for path in final_lost.iterdir():
+        if path.is_file() and path.name != "trainer_log.jsonl":
+            path.unlink()
+    rc, output = cli(final_lost, stage)
+    assert rc == 0 and f"holds the last step ({STEPS} of {STEPS})" in output, output
+    assert_bit_equal(adapter(final_lost), want)
+    assert log_steps(final_lost)[0] == want_log[0]
+
+    out = tmp_path / "killed"
+    # 1. Killed right after checkpoint-2 is complete.
+    kill_when(cli(out, stage, wait=False), checkpoint_saved(out, 2), "checkpoint-2")
+    # 2. Killed in the middle of training: resumed from checkpoint-2, stopped once step 3 is logged.
+    output = kill_when(cli(out, stage, wait=False), step_logged(out, 3), "step 3")
+    assert "Taking over the lock" in output and "Resuming from" in output
+    assert not (out / "checkpoint-4").exists(), "the kill meant for step 4 came too late"
+    # 3. Killed while writing checkpoint-4: the run is killed once it is complete, then its files are cut
+    #    the way an interrupted save leaves them (state not yet written, optimizer cut short).
+    kill_when(cli(out, stage, wait=False), checkpoint_saved(out, 4), "checkpoint-4")
+    partial = out / "checkpoint-4"
+    (partial / "trainer_state.json").unlink()
+    (partial / "optimizer.pt").write_bytes((partial / "optimizer.pt").read_bytes()[:1000])
+    assert not (out / f"checkpoint-{STEPS}").exists(), "the kill meant for checkpoint-4 came too late"
+    # 4. Killed after the last step: checkpoint-6 complete, the final save in progress or not begun.
+    output = kill_when(cli(out, stage, wait=False), checkpoint_saved(out, STEPS), f"checkpoint-{STEPS}")
+    # 5. Runs to the end.
+    rc, output = cli(out, stage)
+    assert rc == 0, output
+
+    assert (out / "invalid-checkpoint-4").is_dir()  # the half-written one was set aside, not resumed
+    assert_bit_equal(adapter(out), want)
+    assert log_steps(out)[0] == want_log[0]
+    assert log_steps(out)[1] == want_log[1][:3]  # evaluation after training belongs to a run that trained
+    assert_clean_outputs(out)
+    assert not (out / ".alignkit.lock").exists()
+
+
+def test_a_second_run_into_the_same_output_dir_is_refused(cli, tmp_path):
+    out = tmp_path / "run"
+    first = cli(out, "sft", "do_eval=false", wait=False)
+    lock = out / ".alignkit.lock"
+    deadline = time.monotonic() + 300
+    while not (lock.is_file() and lock.read_text().strip()):
+        assert first.poll() is None, first.stdout.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    # Hold the first run still while it owns the lock, so that the second certainly meets it.
+    first.send_signal(signal.SIGSTOP)
+    try:
+        rc, output = cli(out, "sft", "do_eval=false")
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert rc == 2
+    assert f"is in use by another run (pid {first.pid} on host" in output and "Traceback" not in output
+    assert first.wait(timeout=300) == 0
+    assert log_steps(out)[0] == list(range(1, STEPS + 1))  # one run's steps, once each
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_divergence_stops_with_an_error_and_leaves_nothing_non_finite(cli, tmp_path, stage):
+    out = tmp_path / "diverged"
+    rc, output = cli(out, stage, "learning_rate=1e30", "logging_nan_inf_filter=false", "do_eval=false")
+    assert rc != 0
+    assert "alignkit: error: training diverged at step" in output and "Traceback" not in output, output
+    assert not (out / "adapter_model.safetensors").exists()  # no final model
+    assert_clean_outputs(out)

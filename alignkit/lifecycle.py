@@ -333,7 +333,7 @@ def reached_end(state: dict[str, Any], max_steps: int, num_train_epochs: float) 
 def run_completed(output_dir: str | os.PathLike, max_steps: int, num_train_epochs: float) -> dict[str, Any] | None:
     """The final `trainer_state.json` of `output_dir` if it shows the planned training done, else None.
 
-    `finish_training` writes that file after the final model and metrics, so it marks a finished run.
+    `run_stage_trainer` writes that file after the final model and metrics, so it marks a finished run.
     """
     state = read_state(Path(output_dir) / STATE_FILE)
     if state is not None and reached_end(state, max_steps, num_train_epochs):

@@ -17,9 +17,9 @@ What this file simplifies, and why:
   sequence with the template's text after the end-of-turn token (ChatML's newline), so the last real
   token is not the pad id and plain transformers, pooling at the rightmost non-pad token, reads the
   same score from the saved model, padded batches included (tested).
-- Padding-free by default (`padding_free`): the 2B rows run as one row of their real tokens with
-  position ids restarting per sequence (`alignkit.model.padding_free`), and each reward is read at its
-  sequence's last flat position: the same scores without the padding's compute and activations.
+- Padding-free by default (`padding_free`): the real tokens of the 2B rows run packed into rows of at
+  most the longest sequence's length with position ids restarting per sequence (`alignkit.model.padding_free`),
+  and each reward is read at its sequence's last token: the same scores without the padding's compute.
 - The loss is the Bradley-Terry negative log-likelihood `-log sigmoid(r_chosen - r_rejected - margin)`
   averaged over pairs, plus TRL's optional centring penalty; the pure functions are below.
 """
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import EvalPrediction, Trainer, set_seed
 
-from ..model.padding_free import flatten_padded, last_token_per_sequence
+from ..model.padding_free import flatten_padded, last_token_per_sequence, row_token_bound
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -159,7 +159,11 @@ def find_score_head(model: nn.Module) -> nn.Module:
 
 
 def sequence_rewards(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, padding_free: bool = False
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    padding_free: bool = False,
 ) -> torch.Tensor:
     """One forward pass; each row's reward is the score at its last real token.
 
@@ -167,21 +171,22 @@ def sequence_rewards(
         model: a sequence-classification model with `num_labels=1` (may be wrapped by PEFT or DDP).
         input_ids: [N, L] token ids, left- or right-padded.
         attention_mask: [N, L], 1 on real tokens.
-        padding_free: run the batch as one row of its real tokens (`alignkit.model.padding_free`) and read
-            each score at its sequence's last flat position; the same rewards without computing padding.
+        padding_free: run the batch's real tokens packed into rows (`alignkit.model.padding_free`) and read
+            each score at its sequence's last token; the same rewards without computing padding.
 
     Returns:
         [N] float32 rewards (differentiable when grad is enabled).
     """
-    flat = flatten_padded(input_ids, attention_mask) if padding_free else None
+    flat = None
+    if padding_free:
+        flat = flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(model))
     captured: list[torch.Tensor] = []
     handle = find_score_head(model).register_forward_hook(lambda _module, _args, output: captured.append(output))
     try:
         if flat is None:
             model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         else:
-            # One row: the model's own pad-id pooling cannot fail (it needs a pad id only for batches > 1),
-            # and its result is ignored; the hook reads every position's score.
+            # The model's own pad-id pooling result is ignored; the hook reads every position's score.
             model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False)
     finally:
         handle.remove()
@@ -190,7 +195,7 @@ def sequence_rewards(
         raise RuntimeError("the score head did not run once on per-token hidden states; unsupported model layout.")
     if flat is None:
         return gather_last_token_scores(captured[0], attention_mask).float()
-    scores = captured[0][0, :, 0]
+    scores = flat.from_rows(captured[0][..., 0])  # flat order
     return scores[last_token_per_sequence(flat.lengths)].float()
 
 
@@ -208,7 +213,7 @@ class RewardTrainer(Trainer):
 
     Args:
         center_rewards_coefficient: weight of the penalty pulling rewards towards zero (None: off).
-        padding_free: score the batch's real tokens as one row (see `sequence_rewards`).
+        padding_free: score the batch's real tokens packed into rows (see `sequence_rewards`).
         *args, **kwargs: as for `transformers.Trainer` (`data_collator` must be a pairwise collator).
     """
 

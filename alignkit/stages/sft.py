@@ -11,7 +11,8 @@ module adds to `transformers.Trainer`:
 - packed rows (`packing: true`) carry `position_ids`; the loss is then the unpacked loss (see
   `alignkit.data.packing`).
 - unpacked batches are trained padding-free by default (`padding_free`): the real tokens of the batch
-  run as one row with position ids restarting per example (`alignkit.model.padding_free`), each
+  run packed into rows no wider than its longest example, position ids restarting per example
+  (`alignkit.model.padding_free`), each
   example's first label set to -100 so no token is predicted across a boundary. Same loss, none of the
   padding's compute or activations; the token count (`num_items_in_batch`) is the padded batch's.
 - `prediction_step` with `predict_with_generate` generates with the KV cache from left-aligned prompts
@@ -33,7 +34,7 @@ from transformers import InfNanRemoveLogitsProcessor, LogitsProcessorList, Train
 from ..hparams import Config, ConfigError, GeneratingArguments
 from ..metrics import IGNORE_INDEX, argmax_logits, compute_token_accuracy, decode_token_ids, similarity_metrics
 from ..model.logprobs import forward_sequence_logps
-from ..model.padding_free import first_token_unlabelled, flatten_padded, unflatten_to_padded
+from ..model.padding_free import first_token_unlabelled, flatten_padded, row_token_bound, unflatten_to_padded
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class SFTTrainer(Trainer):
 
     Args:
         generating_args: generation settings for `predict_with_generate`.
-        padding_free: run unpacked batches as one row of their real tokens in `compute_loss`.
+        padding_free: run unpacked batches as their real tokens packed into rows in `compute_loss`.
         *args, **kwargs: as for `transformers.Trainer`.
     """
 
@@ -138,17 +139,18 @@ class SFTTrainer(Trainer):
             # when no 2D mask is given (the collator still returns it so the Trainer can count tokens).
             inputs.pop("attention_mask", None)
         elif self.padding_free and "attention_mask" in inputs:
-            # The same mechanism for an unpacked batch: one row of its real tokens. sft_loss shifts labels
-            # across the row, so each example's first label must not be a target of the previous example.
-            flat = flatten_padded(inputs.pop("input_ids"), inputs.pop("attention_mask"), labels)
+            # The same mechanism for an unpacked batch: its real tokens packed into rows. sft_loss shifts labels
+            # along each row, so each example's first label must not be a target of the previous example.
+            flat = flatten_padded(inputs.pop("input_ids"), inputs.pop("attention_mask"), labels,
+                                  max_row_tokens=row_token_bound(model))
             inputs.update(input_ids=flat.input_ids, position_ids=flat.position_ids)
-            labels = first_token_unlabelled(flat.labels, flat.sequence_index)
+            labels = first_token_unlabelled(flat.labels, flat.to_rows(flat.sequence_index, fill=-1))
         # No KV cache in a training forward: it is useless there and disables the packed-sequence mask.
         outputs = model(**inputs, use_cache=False)
         loss = sft_loss(outputs.logits, labels, num_items_in_batch)
         if flat is not None and return_outputs:
             # Evaluation compares the logits with the padded labels: give them back in that layout.
-            outputs.logits = unflatten_to_padded(outputs.logits[0], flat.real)
+            outputs.logits = unflatten_to_padded(flat.from_rows(outputs.logits), flat.real)
         loss = self._across_devices(loss, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 

@@ -5,7 +5,7 @@
 Each run is one `/usr/bin/time -v alignkit train <yaml>` in a fresh process (one LoRA SFT step, fp32, CPU)
 with `PYTHONPATH` set to the named source tree, so two versions of alignkit can be compared with the same
 command. It records `train_runtime`, real tokens per second (`num_input_tokens_seen` / `train_runtime`) and
-the peak resident memory that `time -v` reports. The runs alternate (every configuration once, then again)
+the peak resident memory and the process's user + system CPU seconds that `time -v` reports. The runs alternate (every configuration once, then again)
 so that load from other programs hits both paths alike; the tables give medians and the 1-minute load
 average seen before each run. Data and model are generated from `--seed`, so a rerun trains the same step.
 
@@ -81,11 +81,14 @@ def run_once(source: Path, workdir: Path, label: str, dataset: str, batch: int, 
     if proc.returncode != 0:
         raise RuntimeError(f"{label} failed:\n{proc.stderr[-3000:]}")
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
+    # CPU seconds of the whole process (start-up included): less moved by other programs than wall time.
+    cpu = sum(float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", proc.stderr).group(1))
+              for kind in ("User", "System"))
     results = json.loads((out / "train_results.json").read_text())
     tokens = max(json.loads(line).get("total_tokens", 0) for line in (out / "trainer_log.jsonl").open())
     runtime = results["train_runtime"]
     return {"runtime": runtime, "tokens_per_s": tokens / runtime, "rss_gb": rss_kb / 1024**2, "load": load,
-            "wall": wall, "tokens": tokens}
+            "wall": wall, "cpu": cpu, "tokens": tokens}
 
 
 def main() -> None:
@@ -131,14 +134,15 @@ def main() -> None:
                   f"load {run['load']:.1f}", flush=True)
     (workdir / "results.json").write_text(json.dumps({" ".join(map(str, k)): v for k, v in measured.items()}, indent=1))
 
-    print("\n| case | source | batch | padding_free | train_runtime (s) | tokens/s | peak RSS (GB) | load 1 min | runs |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| case | source | batch | padding_free | train_runtime (s) | tokens/s | peak RSS (GB) | process CPU s | "
+          "load 1 min | runs |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     issue_and_sweep = sorted(measured, key=lambda k: (k[0] != "issue", k[0], k[1], k[2], k[3]))
     for key in issue_and_sweep:
         runs = measured[key]
-        med = {m: statistics.median(r[m] for r in runs) for m in ("runtime", "tokens_per_s", "rss_gb", "load")}
+        med = {m: statistics.median(r[m] for r in runs) for m in ("runtime", "tokens_per_s", "rss_gb", "cpu", "load")}
         print(f"| {key[0]} | {key[1]} | {key[2]} | {str(key[3]).lower()} | {med['runtime']:.2f} | "
-              f"{med['tokens_per_s']:.0f} | {med['rss_gb']:.2f} | {med['load']:.1f} | {len(runs)} |")
+              f"{med['tokens_per_s']:.0f} | {med['rss_gb']:.2f} | {med['cpu']:.1f} | {med['load']:.1f} | {len(runs)} |")
     sys.stdout.flush()
 
 

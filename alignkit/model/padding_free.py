@@ -288,10 +288,10 @@ def row_token_bound(model: torch.nn.Module) -> Optional[int]:
     """The `max_row_tokens` to pack a batch with for `model`: None (one row) under flash attention, else 0.
 
     0 bounds each row by the batch's longest sequence, which measured fastest with sdpa on this CPU
-    (module docstring); eager builds the same per-row mask. transformers' flash-attention path instead reads the position resets of a *single* row as
-    `cu_seqlens` and runs the variable-length kernel, whose cost is already each sequence's own; it
-    detects packing only at batch size 1, so there one row is right. That branch has not run here:
-    there is no GPU on the development machine.
+    (module docstring); eager builds the same per-row mask. transformers' flash-attention path instead
+    reads the position resets of a *single* row as `cu_seqlens` and runs the variable-length kernel, whose
+    cost is already each sequence's own; it detects packing only at batch size 1, so there one row is
+    right. That branch has not run here: there is no GPU on the development machine.
 
     Args:
         model: the model (possibly wrapped by PEFT or DDP) about to run the packed batch.

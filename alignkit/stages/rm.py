@@ -17,8 +17,8 @@ What this file simplifies, and why:
   sequence with the template's text after the end-of-turn token (ChatML's newline), so the last real
   token is not the pad id and plain transformers, pooling at the rightmost non-pad token, reads the
   same score from the saved model, padded batches included (tested).
-- Padding-free by default (`padding_free`): the real tokens of the 2B rows run packed into rows of at
-  most the longest sequence's length with position ids restarting per sequence (`alignkit.model.padding_free`),
+- Padding-free by default (`padding_free`): the real tokens of the 2B rows run packed into rows no
+  wider than the longest sequence, position ids restarting per sequence (`alignkit.model.padding_free`),
   and each reward is read at its sequence's last token: the same scores without the padding's compute.
 - The loss is the Bradley-Terry negative log-likelihood `-log sigmoid(r_chosen - r_rejected - margin)`
   averaged over pairs, plus TRL's optional centring penalty; the pure functions are below.
@@ -159,11 +159,7 @@ def find_score_head(model: nn.Module) -> nn.Module:
 
 
 def sequence_rewards(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    *,
-    padding_free: bool = False,
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, padding_free: bool = False
 ) -> torch.Tensor:
     """One forward pass; each row's reward is the score at its last real token.
 

@@ -12,9 +12,9 @@ module adds to `transformers.Trainer`:
   `alignkit.data.packing`).
 - unpacked batches are trained padding-free by default (`padding_free`): the real tokens of the batch
   run packed into rows no wider than its longest example, position ids restarting per example
-  (`alignkit.model.padding_free`), each
-  example's first label set to -100 so no token is predicted across a boundary. Same loss, none of the
-  padding's compute or activations; the token count (`num_items_in_batch`) is the padded batch's.
+  (`alignkit.model.padding_free`), each example's first label set to -100 so no token is predicted
+  across a boundary. Same loss, none of the padding's compute or activations; the token count
+  (`num_items_in_batch`) is the padded batch's.
 - `prediction_step` with `predict_with_generate` generates with the KV cache from left-aligned prompts
   and returns only the new tokens; `save_predictions` writes `generated_predictions.jsonl`.
 - evaluation without generation reports `accuracy` from argmax ids, never the eval set's logits.

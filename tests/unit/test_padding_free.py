@@ -18,6 +18,7 @@ from alignkit.model.padding_free import (
     last_token_per_sequence,
     next_token_targets,
     row_layout,
+    row_token_bound,
     segment_sum,
     unflatten_to_padded,
 )
@@ -106,6 +107,18 @@ def test_packed_rows_hand_computed():
     assert flat.to_rows(flat.sequence_index, fill=-1).tolist() == [[1] * 5, [3, 3, 3, 3, -1], [0, 0, 0, 2, 2]]
     with pytest.raises(ValueError, match="packed layout"):
         flat.from_rows(torch.zeros(1, 14))
+
+
+def test_row_token_bound_keeps_one_row_for_flash_attention():
+    """sdpa / eager: 0 (rows bounded by the longest sequence); a flash-attention kernel: None (one row, whose
+    position resets transformers turns into cu_seqlens only at batch size 1); a DDP-style `.module` unwrapped."""
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(1, 1)
+    for attention, bound in [("sdpa", 0), ("eager", 0), ("flash_attention_2", None), ("flash_attention_3", None)]:
+        model.config = SimpleNamespace(_attn_implementation=attention)
+        assert row_token_bound(model) == bound, attention
+        assert row_token_bound(SimpleNamespace(module=model)) == bound, attention
 
 
 @settings(max_examples=200, deadline=None)
@@ -377,7 +390,8 @@ def test_dpo_loss_metrics_and_gradients_equal_the_padded_path(causal_lm, tmp_pat
 # ---------------------------------------------------------------------------------------------------
 
 _MIX = torch.Generator().manual_seed(7)
-MIXED_LENGTHS = tuple(torch.randint(40, 65, (6,), generator=_MIX).tolist() + torch.randint(3, 16, (26,), generator=_MIX).tolist())
+MIXED_LENGTHS = tuple(torch.randint(40, 65, (6,), generator=_MIX).tolist()
+                      + torch.randint(3, 16, (26,), generator=_MIX).tolist())
 MIXED_PROMPTS = tuple(min(int(p), n - 2) for p, n in zip(torch.randint(0, 6, (32,), generator=_MIX), MIXED_LENGTHS))
 
 

@@ -2,6 +2,7 @@
 
     python bench/padding_free_layouts.py            # hidden-48 tiny model (2 layers)
     SMOL=1 python bench/padding_free_layouts.py     # SmolLM2-135M's layer shape (hidden 576), 2 layers
+    THREADS=1 REPS=5 CASES=mix32-512,chats8 python bench/padding_free_layouts.py
 
 One forward + backward of `forward_sequence_logps` (the DPO / SFT training forward) per layout, on fixed
 length mixes at batch 32 (and 8 short chats), random weights, fp32. Layouts: padded; all real tokens in
@@ -9,7 +10,8 @@ one row (alignkit before issue 11); rows packed best-fit decreasing and bounded 
 sequence, by 1024 or by 2048 tokens; and each sequence attended on its own (one row, a Python loop of
 sdpa calls per sequence in every layer: what a variable-length kernel does, without one). Reports the
 median process CPU seconds over `REPS` alternating repetitions (CPU time, not wall time, because other
-programs share the cores) and the 1-minute load average. Not a test.
+programs share the cores; with THREADS=2 under load, OpenMP threads spinning while their partner waits for
+a core inflate it too, so THREADS=1 gives the cleanest comparison) and the 1-minute load average. Not a test.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def main() -> None:
              "long+short32": [512] * 4 + lengths(16, 127, 28, 3)}
     if not smol:
         cases = {"all512": [512] * 32, **cases}
+    if os.environ.get("CASES"):
+        cases = {name: sizes for name, sizes in cases.items() if name in os.environ["CASES"].split(",")}
     # (name, padding_free, row bound, attention implementation)
     layouts = [("padded", False, 0, "sdpa"), ("one row", True, None, "sdpa"), ("rows<=longest", True, 0, "sdpa"),
                ("rows<=1024", True, 1024, "sdpa"), ("rows<=2048", True, 2048, "sdpa")]

@@ -22,7 +22,7 @@ of padding at batch 32 x 512). The CPU sdpa kernel computes every score of a mas
 W costs about `W^2` whatever it holds: rows bounded by W cost `T * W` in attention and `R * W` slots in
 the linear layers. W = the longest sequence is the least W can be; wider rows fill better but pay for it
 in attention. Measured (`bench/padding_free_layouts.py`, process CPU seconds of one forward + backward
-of `forward_sequence_logps`, median of 3, two cores shared with other jobs, load average ~13):
+of `forward_sequence_logps`, two threads, median of 3, two cores shared with other jobs, load ~13):
 
 | hidden-48 tiny model, 2 layers | padded | one row | rows <= longest | rows <= 1024 | rows <= 2048 | each sequence alone |
 |---|---|---|---|---|---|---|
@@ -36,12 +36,24 @@ of `forward_sequence_logps`, median of 3, two cores shared with other jobs, load
 | 32 x 32-512 | 15.7 | 24.5 | 7.8 | 9.2 | 12.9 |
 | 8 chats of 40-199 | 2.79 | 2.36 | 2.45 | 3.34 | 2.46 |
 
+With one thread (`THREADS=1`, median of 3, load ~6; CPU time without OpenMP threads spinning for a
+partner that waits for a core), hidden-48 tiny model:
+
+| 1 thread | padded | one row | rows <= longest | rows <= 1024 | rows <= 2048 | each sequence alone |
+|---|---|---|---|---|---|---|
+| 32 x 32-512 | 0.64 | 4.34 | 0.32 | 0.67 | 1.37 | 0.24 |
+| 8 chats of 40-199 | 0.03 | 0.08 | 0.03 | 0.13 | 0.08 | 0.02 |
+| 4 x 512 + 28 x 16-127 | 0.68 | 1.01 | 0.16 | 0.27 | 0.53 | 0.11 |
+
 (In the 32 x 512 case "rows <= longest" is the padded layout itself, one sequence per row and no mask, so
-its 2.27 against 1.96 is the noise of the shared machine.) Rows bounded by the longest sequence were the
-fastest or within noise of it in every case, and never hold more slots or a wider row than the padded
-batch, so they can never cost more than padding. "Each sequence alone" (one sdpa call per sequence per
-layer, what a variable-length kernel does) has the least attention work but many small kernel calls,
-and lost on this CPU. `cutoff_len` as the bound (LLaMA-Factory's 2048) would be the slowest choice here.
+its 2.27 against 1.96 is the noise of the shared machine.) Rows bounded by the longest sequence never hold
+more slots or a wider row than the padded batch, so they cannot cost more than padding; they beat or tied
+padding, one row and wider rows in every mixed case, except 8 short chats on the SmolLM2 shape, where one
+row (all 1034 tokens fit) was 4% faster, within this machine's noise. "Each sequence alone" (one row, one causal sdpa call
+per sequence per layer, what a variable-length kernel does) does the least attention work and wins with
+one thread, but its many small kernel calls lost at two threads on the loaded machine, and it needs a
+custom attention function registered with transformers and swapped into the model; it is left as a
+follow-up. `cutoff_len` as the bound (LLaMA-Factory's 2048) would be among the slowest choices here.
 
 On GPUs with flash attention the one-row layout is the right one: transformers turns the resets of a
 single row into `cu_seqlens` for the variable-length kernel (it detects packing only at batch size 1),

@@ -28,6 +28,8 @@ from ..constants import IGNORE_INDEX
 def pack_lengths(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Group example indices into bins of total length <= capacity (best-fit decreasing).
 
+    Used for SFT packing (dataset rows) and for the padding-free forward's rows (`alignkit.model.padding_free`).
+
     Args:
         lengths: token count of each example.
         capacity: tokens per packed row; an example longer than this gets a row of its own.

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .padding_free import FlatBatch, flatten_padded, last_token_per_sequence, unflatten_to_padded
+from .padding_free import FlatBatch, flatten_padded, last_token_per_sequence, row_token_bound, unflatten_to_padded
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 # The submodule name of a value head attached to a policy (a name `lora_target: all` skips).
@@ -108,20 +108,20 @@ def last_hidden_states(
             adapter applies).
         input_ids: [N, L], left- or right-padded.
         attention_mask: [N, L], 1 on real tokens.
-        padding_free: run the real tokens as one row (`flatten_padded`).
+        padding_free: run the real tokens packed into rows (`flatten_padded`).
 
     Returns:
         `(hidden, flat)`: padded, `hidden` is [N, L, H] (padding positions hold whatever the model computed
-        there) and `flat` is None; padding-free, `hidden` is [1, T, H] over the real tokens and `flat` the
-        `FlatBatch` that maps them back.
+        there) and `flat` is None; padding-free, `hidden` is [1, T, H] over the real tokens in flat order
+        (sequence after sequence) and `flat` the `FlatBatch` that maps them back.
     """
     decoder = decoder_of(model)
     if not padding_free:
         out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.last_hidden_state, None
-    flat = flatten_padded(input_ids, attention_mask)
+    flat = flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(decoder))
     out = decoder(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False)
-    return out.last_hidden_state, flat
+    return flat.from_rows(out.last_hidden_state).unsqueeze(0), flat
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -155,21 +155,23 @@ def sequence_rewards(
         model: a sequence-classification model with `num_labels=1` (may be wrapped by PEFT or DDP).
         input_ids: [N, L] token ids, left- or right-padded.
         attention_mask: [N, L], 1 on real tokens.
-        padding_free: run the batch as one row of its real tokens (`alignkit.model.padding_free`) and read
-            each score at its sequence's last flat position; the same rewards without computing padding.
+        padding_free: run the batch's real tokens packed into rows (`alignkit.model.padding_free`) and read
+            each score at its sequence's last token; the same rewards without computing padding.
 
     Returns:
         [N] float32 rewards (differentiable when grad is enabled).
     """
-    flat = flatten_padded(input_ids, attention_mask) if padding_free else None
+    flat = None
+    if padding_free:
+        flat = flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(model))
     captured: list[torch.Tensor] = []
     handle = find_score_head(model).register_forward_hook(lambda _module, _args, output: captured.append(output))
     try:
         if flat is None:
             model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         else:
-            # One row: the model's own pad-id pooling cannot fail (it needs a pad id only for batches > 1),
-            # and its result is ignored; the hook reads every position's score.
+            # The model's own pad-id pooling result is ignored (with several rows it needs
+            # `config.pad_token_id`, which the loader sets); the hook reads every position's score.
             model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False)
     finally:
         handle.remove()
@@ -178,7 +180,7 @@ def sequence_rewards(
         raise RuntimeError("the score head did not run once on per-token hidden states; unsupported model layout.")
     if flat is None:
         return gather_last_token_scores(captured[0], attention_mask).float()
-    scores = captured[0][0, :, 0]
+    scores = flat.from_rows(captured[0][..., 0])  # flat order
     return scores[last_token_per_sequence(flat.lengths)].float()
 
 

@@ -11,13 +11,16 @@ Conventions: `labels` are the input ids with `-100` (ignore) on positions that c
 padding), aligned with `input_ids`, as the data collators return them; the shift by one
 (logits at position t predict the token at t + 1) happens here and nowhere else.
 
-`forward_token_logps` / `forward_sequence_logps` run the model too; with `padding_free=True` the batch
-goes through as one row of its real tokens (`alignkit.model.padding_free`) and only the positions whose
-next token is labelled reach the output layer (`logits_to_keep` as a tensor of positions), so neither
-padding nor prompt costs a vocabulary projection.
+`forward_token_logps` / `forward_sequence_logps` run the model too; with `padding_free=True` the batch's
+real tokens go through packed into rows no wider than its longest sequence (`alignkit.model.padding_free`) and
+only the positions whose next token is labelled reach the output layer (a pre-hook on it picks them), so
+neither padding nor prompt costs a vocabulary projection.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +30,7 @@ from .padding_free import (
     FlatBatch,
     flatten_padded,
     next_token_targets,
+    row_token_bound,
     segment_sum,
     unflatten_to_padded,
 )
@@ -153,20 +157,53 @@ def _padded_forward_token_logps(
     return logps, mask
 
 
+@contextlib.contextmanager
+def _output_layer_on(model: torch.nn.Module, slots: torch.Tensor) -> Iterator[None]:
+    """Within the block, the model's output layer sees only the hidden states at `slots`.
+
+    `logits_to_keep` selects the same columns in every row, which cannot pick scattered positions of a
+    multi-row packed layout, so the selection happens in a pre-hook on the output layer instead: the
+    model is still called as a whole (PEFT and DDP wrappers run their own forward) and its logits come
+    out as `[1, K, V]`, one row per slot.
+
+    Args:
+        model: a causal LM, possibly wrapped by PEFT or DDP.
+        slots: `[K]` long positions in the model input flattened to `R * W`.
+    """
+    inner = getattr(model, "module", model)  # DDP / DataParallel; PeftModel forwards the lookup itself
+    head = inner.get_output_embeddings()
+    if not isinstance(head, torch.nn.Module):
+        raise TypeError(f"{type(inner).__name__} has no output layer (get_output_embeddings() is None): "
+                        "padding-free log-probs need a causal LM; set padding_free: false for this model.")
+
+    def select(_module, args):
+        hidden = args[0]
+        return (hidden.reshape(-1, hidden.size(-1))[slots].unsqueeze(0), *args[1:])
+
+    handle = head.register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _flat_forward_logps(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, FlatBatch]:
     """Padding-free forward; returns `(logps [K], positions [K], targets [T], flat)` for the K scored positions.
 
-    Only the positions whose next token (in the same sequence) is labelled go through the output layer:
-    `logits_to_keep` takes a 1D tensor of positions in transformers 5, so prompt and padding cost no
+    `positions` and `targets` are in flat order (see `FlatBatch`). Only the positions whose next token
+    (in the same sequence) is labelled go through the output layer, so prompt and padding cost no
     vocabulary projection at all.
     """
-    flat = flatten_padded(input_ids, attention_mask, labels)
-    targets = next_token_targets(flat.labels[0], flat.sequence_index)
+    flat = flatten_padded(input_ids, attention_mask, labels, max_row_tokens=row_token_bound(model))
+    targets = next_token_targets(flat.from_rows(flat.labels), flat.sequence_index)
     positions = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
-    logits = model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False,
-                   logits_to_keep=positions).logits
+    with _output_layer_on(model, flat.slots[positions]):
+        logits = model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False).logits
     logps = selective_log_softmax(logits[0], targets[positions])
     return logps, positions, targets, flat
 
@@ -182,8 +219,8 @@ def forward_token_logps(
     """Run a causal LM and return `token_logps` for `labels`, computing logits only where needed.
 
     Padded (default): the output layer is skipped for the positions before the earliest labelled token
-    of the batch (`logits_to_keep`), since a prompt's logits carry no loss. Padding-free: the batch runs
-    as one row of its real tokens (`alignkit.model.padding_free`) and only labelled positions get logits;
+    of the batch (`logits_to_keep`), since a prompt's logits carry no loss. Padding-free: the batch's real
+    tokens run packed into rows (`alignkit.model.padding_free`) and only labelled positions get logits;
     the result is scattered back to the padded layout, so both modes return the same tensors.
 
     Args:
@@ -191,7 +228,8 @@ def forward_token_logps(
         input_ids: `[N, L]`.
         attention_mask: `[N, L]`, 1 on real tokens (left or right padding).
         labels: `[N, L]`, `-100` on positions without loss.
-        padding_free: flatten the batch to its real tokens for the forward.
+        padding_free: pack the batch's real tokens into rows no wider than its longest sequence for the
+            forward (`alignkit.model.padding_free`).
 
     Returns:
         `(logps, mask)`, both `[N, L - 1]`, as `token_logps` returns them for the whole sequence.

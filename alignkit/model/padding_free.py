@@ -1,14 +1,64 @@
-"""Padding-free forward: run a padded batch as one row of its real tokens.
+"""Padding-free forward: run a padded batch as its real tokens, packed into rows of bounded width.
 
 A padded batch `[N, L]` costs attention, MLP and activation memory for `N * L` positions, while with a
-realistic spread of lengths only a half to a third of them are real tokens. Here the real tokens of every
-row are laid end to end in one row `[1, T]`, with `position_ids` restarting at 0 for each sequence and no
-2D attention mask. transformers 5 reads each reset of `position_ids` as the start of a new sequence and
-builds a block-diagonal causal mask from it in the eager and sdpa kernels (the same mechanism SFT packing
-relies on, see `alignkit.data.packing`), provided the forward gets no `attention_mask` and no KV cache
-(`use_cache=False`). Each token then sees exactly the prefix it sees in the padded batch, at the same
-relative positions (RoPE is relative, so left-padded rows, whose padded positions do not start at 0, get
-the same attention scores), and nothing is computed for padding.
+realistic spread of lengths only a half to a third of them are real tokens. Here the real tokens are
+packed, whole sequences back to back, into rows no wider than the batch's longest sequence (best-fit
+decreasing, `alignkit.data.packing.pack_lengths`), each row right-padded to the widest row, with
+`position_ids` restarting at 0 for each sequence and no 2D attention mask. transformers 5 reads each
+reset of `position_ids` as the start of a new sequence and builds a block-diagonal causal mask per row
+from it in the eager and sdpa kernels (`masking_utils.find_packed_sequence_indices`: a row's sequence
+ids are the cumulative count of resets, and a query attends to a key of the same row only if both carry
+the same id and the key's position is not later), provided the forward gets no `attention_mask` and no
+KV cache (`use_cache=False`). A row holding one sequence and no padding gets no mask at all (sdpa's
+`is_causal`), exactly as the padded batch of equal lengths does. Row padding gets positions restarting
+at 0, so it is a block of its own that no real token attends to, and label -100. Each token sees exactly
+the prefix it sees in the padded batch, at the same relative positions (RoPE is relative, so left-padded
+rows, whose padded positions do not start at 0, get the same attention scores).
+
+Why rows bounded by the longest sequence (issue 11). Putting all the batch's tokens in ONE row (what
+this module did first) makes sdpa/eager attend a `T x T` block-diagonal mask over all T tokens, so
+attention's time and memory grow with the square of the whole batch (7.8x the time and 3.7x the memory
+of padding at batch 32 x 512). The CPU sdpa kernel computes every score of a masked row, so a row of width
+W costs about `W^2` whatever it holds: rows bounded by W cost `T * W` in attention and `R * W` slots in
+the linear layers. W = the longest sequence is the least W can be; wider rows fill better but pay for it
+in attention. Measured (`bench/padding_free_layouts.py`, process CPU seconds of one forward + backward
+of `forward_sequence_logps`, two threads, median of 3, two cores shared with other jobs, load ~13):
+
+| hidden-48 tiny model, 2 layers | padded | one row | rows <= longest | rows <= 1024 | rows <= 2048 | each sequence alone |
+|---|---|---|---|---|---|---|
+| 32 x 512 (all equal) | 1.96 | minutes | 2.27 | 2.68 | 3.62 | 4.22 |
+| 32 x 32-512 | 2.21 | 6.11 | 1.26 | 1.75 | 2.39 | 2.87 |
+| 8 chats of 40-199 | 0.52 | 0.78 | 0.24 | 0.53 | 0.46 | 0.27 |
+| 4 x 512 + 28 x 16-127 | 2.12 | 3.02 | 0.94 | 2.04 | 1.27 | 2.60 |
+
+| SmolLM2-135M layer shape (hidden 576), 2 layers, median of 2 | padded | one row | rows <= longest | rows <= 1024 | rows <= 2048 |
+|---|---|---|---|---|---|
+| 32 x 32-512 | 15.7 | 24.5 | 7.8 | 9.2 | 12.9 |
+| 8 chats of 40-199 | 2.79 | 2.36 | 2.45 | 3.34 | 2.46 |
+
+With one thread (`THREADS=1`, median of 3, load ~6; CPU time without OpenMP threads spinning for a
+partner that waits for a core), hidden-48 tiny model:
+
+| 1 thread | padded | one row | rows <= longest | rows <= 1024 | rows <= 2048 | each sequence alone |
+|---|---|---|---|---|---|---|
+| 32 x 32-512 | 0.64 | 4.34 | 0.32 | 0.67 | 1.37 | 0.24 |
+| 8 chats of 40-199 | 0.03 | 0.08 | 0.03 | 0.13 | 0.08 | 0.02 |
+| 4 x 512 + 28 x 16-127 | 0.68 | 1.01 | 0.16 | 0.27 | 0.53 | 0.11 |
+
+(In the 32 x 512 case "rows <= longest" is the padded layout itself, one sequence per row and no mask, so
+its 2.27 against 1.96 is the noise of the shared machine.) Rows bounded by the longest sequence never hold
+more slots or a wider row than the padded batch, so they cannot cost more than padding; they beat or tied
+padding, one row and wider rows in every mixed case, except 8 short chats on the SmolLM2 shape, where one
+row (all 1034 tokens fit) was 4% faster, within this machine's noise. "Each sequence alone" (one row, one causal sdpa call
+per sequence per layer, what a variable-length kernel does) does the least attention work and wins with
+one thread, but its many small kernel calls lost at two threads on the loaded machine, and it needs a
+custom attention function registered with transformers and swapped into the model; it is left as a
+follow-up. `cutoff_len` as the bound (LLaMA-Factory's 2048) would be among the slowest choices here.
+
+On GPUs with flash attention the one-row layout is the right one: transformers turns the resets of a
+single row into `cu_seqlens` for the variable-length kernel (it detects packing only at batch size 1),
+whose cost is each sequence's own, so `row_token_bound` returns None (one row) under a flash-attention
+implementation. That path has not run here: there is no GPU on the development machine.
 
 Real tokens are found from the attention mask, never from the pad id (pad == eos in SmolLM2), so left and
 right padding both work. Within a row the real tokens must be contiguous, as every collator here makes them.
@@ -17,8 +67,8 @@ Next-token targets never cross a sequence boundary: `next_token_targets` gives e
 the next position *of the same sequence* and -100 at each sequence's last token, so the first token of a
 sequence is never predicted from the previous sequence's last one.
 
-transformers' flash-attention kernels read the same resets (as `cu_seqlens`); a model whose attention
-ignores them (remote code, or a custom kernel) would attend across the whole row: set `padding_free: false`.
+A model whose attention ignores position resets (remote code, or a custom kernel) would attend across
+sequences sharing a row: set `padding_free: false`.
 """
 
 from __future__ import annotations
@@ -34,15 +84,23 @@ from ..constants import IGNORE_INDEX
 
 @dataclass
 class FlatBatch:
-    """A padded batch flattened to its real tokens.
+    """A padded batch reduced to its real tokens, packed into rows of bounded width.
+
+    Two orders of the same T real tokens are kept apart:
+    - the *flat order*: sequence 0's tokens, then sequence 1's, ... (what `sequence_index`, `lengths`
+      and the per-token helpers below work in);
+    - the *packed layout* `[R, W]` the model runs on: each row holds whole sequences back to back and is
+      right-padded to the widest row; `slots` says where each flat token sits in it.
 
     Attributes:
-        input_ids: `[1, T]` the real tokens of row 0, then row 1, ... (T = number of real tokens).
-        position_ids: `[1, T]` 0, 1, ... within each sequence.
-        labels: `[1, T]` the labels of the same tokens, or None when none were given.
-        sequence_index: `[T]` long, the padded row each token came from.
-        lengths: `[N]` long, real tokens per row.
+        input_ids: `[R, W]` the model input; row padding holds token 0 (never read).
+        position_ids: `[R, W]` 0, 1, ... within each sequence; a row's padding restarts at 0 so that it
+            forms a block of its own that no real token attends to.
+        labels: `[R, W]` the labels in the packed layout (-100 on row padding), or None when none were given.
+        sequence_index: `[T]` long, the padded row (sequence) of each flat token.
+        lengths: `[N]` long, real tokens per sequence.
         real: `[N, L]` bool, where the real tokens sit in the padded layout (to scatter results back).
+        slots: `[T]` long, position of each flat token in the packed layout flattened to `R * W`.
     """
 
     input_ids: torch.Tensor
@@ -51,21 +109,82 @@ class FlatBatch:
     sequence_index: torch.Tensor
     lengths: torch.Tensor
     real: torch.Tensor
+    slots: torch.Tensor
 
     @property
     def num_sequences(self) -> int:
         return self.lengths.numel()
 
+    def from_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-slot values of the packed layout `[R, W, ...]` (e.g. logits) in flat order `[T, ...]`."""
+        rows, width = self.input_ids.shape
+        if values.shape[:2] != (rows, width):
+            raise ValueError(f"values of shape {tuple(values.shape)} do not cover the packed layout {(rows, width)}.")
+        return values.reshape(rows * width, *values.shape[2:])[self.slots]
+
+    def to_rows(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Flat-order values `[T, ...]` placed in the packed layout `[R, W, ...]`, `fill` on row padding."""
+        rows, width = self.input_ids.shape
+        out = values.new_full((rows * width, *values.shape[1:]), fill)
+        return out.index_put((self.slots,), values).view(rows, width, *values.shape[1:])
+
+
+def row_layout(lengths: torch.Tensor, max_row_tokens: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Where each sequence goes when the sequences are packed into rows of bounded width.
+
+    Rows hold at most `max(max_row_tokens, longest sequence)` tokens, filled best-fit decreasing
+    (`alignkit.data.packing.pack_lengths`); a sequence is never split across rows, and one too long to
+    share a row with any other has a row of its own.
+
+    Args:
+        lengths: `[N]` tokens per sequence.
+        max_row_tokens: the row-width bound; None puts every sequence in one row (only for attention
+            kernels with variable-length support, see the module docstring).
+
+    Returns:
+        `(row, start, num_rows, width)`: `[N]` long row of each sequence, `[N]` long offset of its first
+        token within that row, the number of rows and the widest row's token count.
+
+    Example: lengths [3, 5, 2, 4], bound 6. Decreasing: 5 -> row 0 (1 left); 4 -> row 1 (2 left);
+    3 fits no row -> row 2 (3 left); 2 -> the tightest row with room, row 1 (0 left).
+    Rows: [5], [4, 2], [3]; row = [2, 0, 1, 1], start = [0, 0, 4, 0], 3 rows, width 6.
+    """
+    from ..data.packing import pack_lengths
+
+    sizes = lengths.tolist()
+    longest = max(sizes, default=0)
+    capacity = sum(sizes) if max_row_tokens is None else max(int(max_row_tokens), longest)
+    bins = pack_lengths(sizes, max(capacity, 1))
+    row = [0] * len(sizes)
+    start = [0] * len(sizes)
+    width = 0
+    for row_index, members in enumerate(bins):
+        used = 0
+        for index in members:
+            row[index], start[index] = row_index, used
+            used += sizes[index]
+        width = max(width, used)
+    as_long = dict(dtype=torch.long, device=lengths.device)
+    return torch.tensor(row, **as_long), torch.tensor(start, **as_long), len(bins), width
+
 
 def flatten_padded(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: Optional[torch.Tensor] = None
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    max_row_tokens: Optional[int] = 0,
 ) -> FlatBatch:
-    """Lay the real tokens of a left- or right-padded batch end to end in one row.
+    """Pack the real tokens of a left- or right-padded batch into rows of bounded width.
 
     Args:
         input_ids: `[N, L]` token ids.
         attention_mask: `[N, L]`, 1 on real tokens, 0 on padding; each row's real tokens contiguous.
         labels: optional `[N, L]` labels aligned with `input_ids`.
+        max_row_tokens: rows hold at most `max(max_row_tokens, longest sequence)` tokens; the default 0
+            bounds them by the batch's longest sequence (measured fastest, see the module docstring); a
+            larger bound fills rows better but widens each row's attention. None: one row of all the
+            tokens (only for kernels with variable-length support, see `row_token_bound`).
 
     Returns:
         A `FlatBatch` whose `position_ids` restart at 0 for every sequence.
@@ -74,16 +193,30 @@ def flatten_padded(
     lengths = real.sum(-1)
     # Boolean indexing walks rows in order and each row left to right, so sequences stay contiguous.
     flat_ids = input_ids[real]
-    sequence_index = torch.repeat_interleave(torch.arange(lengths.numel(), device=input_ids.device), lengths)
+    device = input_ids.device
+    sequence_index = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
     starts = torch.cumsum(lengths, 0) - lengths
-    position_ids = torch.arange(flat_ids.numel(), device=input_ids.device) - starts[sequence_index]
+    flat_positions = torch.arange(flat_ids.numel(), device=device) - starts[sequence_index]
+
+    row, start, num_rows, width = row_layout(lengths, max_row_tokens)
+    slots = (row * width + start)[sequence_index] + flat_positions
+    # Row padding: positions counting from 0 at the end of each row's real tokens (so a new block).
+    row_used = torch.zeros(num_rows, dtype=torch.long, device=device).index_add(0, row, lengths)
+    position_ids = (torch.arange(width, device=device) - row_used[:, None]).reshape(-1)
+    position_ids = position_ids.index_put((slots,), flat_positions).view(num_rows, width)
+    layout_ids = input_ids.new_zeros(num_rows * width).index_put((slots,), flat_ids).view(num_rows, width)
+    layout_labels = None
+    if labels is not None:
+        layout_labels = labels.new_full((num_rows * width,), IGNORE_INDEX).index_put((slots,), labels[real])
+        layout_labels = layout_labels.view(num_rows, width)
     return FlatBatch(
-        input_ids=flat_ids.unsqueeze(0),
-        position_ids=position_ids.unsqueeze(0),
-        labels=None if labels is None else labels[real].unsqueeze(0),
+        input_ids=layout_ids,
+        position_ids=position_ids,
+        labels=layout_labels,
         sequence_index=sequence_index,
         lengths=lengths,
         real=real,
+        slots=slots,
     )
 
 
@@ -91,14 +224,15 @@ def next_token_targets(labels: torch.Tensor, sequence_index: torch.Tensor) -> to
     """The label each flat position predicts: the next token's label within the same sequence.
 
     Args:
-        labels: `[T]` labels of the flat row, -100 where no loss is taken.
-        sequence_index: `[T]` the sequence of each position.
+        labels: `[..., T]` labels along the last dimension, -100 where no loss is taken.
+        sequence_index: `[..., T]` the sequence of each position (any id that differs between neighbours
+            at a boundary, e.g. -1 on row padding).
 
     Returns:
-        `[T]`: `labels[t + 1]` where position t + 1 belongs to the same sequence as t, else -100.
+        `[..., T]`: `labels[t + 1]` where position t + 1 belongs to the same sequence as t, else -100.
     """
-    targets = F.pad(labels[1:], (0, 1), value=IGNORE_INDEX)
-    crosses = F.pad(sequence_index[1:] != sequence_index[:-1], (0, 1), value=True)
+    targets = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+    crosses = F.pad(sequence_index[..., 1:] != sequence_index[..., :-1], (0, 1), value=True)
     return targets.masked_fill(crosses, IGNORE_INDEX)
 
 
@@ -109,14 +243,14 @@ def first_token_unlabelled(labels: torch.Tensor, sequence_index: torch.Tensor) -
     next sequence's first token, which the padded batch never predicts. Masking it keeps the two equal.
 
     Args:
-        labels: `[..., T]` labels of the flat row (the last dimension is the flat one).
-        sequence_index: `[T]` the sequence of each position.
+        labels: `[..., T]` labels along the last dimension (the flat order, or the packed rows).
+        sequence_index: `[..., T]` the sequence of each position, broadcastable to `labels`.
 
     Returns:
         A copy of `labels` with -100 at every position whose sequence differs from the previous one's
         (and at position 0).
     """
-    starts = F.pad(sequence_index[1:] != sequence_index[:-1], (1, 0), value=True)
+    starts = F.pad(sequence_index[..., 1:] != sequence_index[..., :-1], (1, 0), value=True)
     return labels.masked_fill(starts, IGNORE_INDEX)
 
 
@@ -136,7 +270,7 @@ def segment_sum(values: torch.Tensor, sequence_index: torch.Tensor, num_sequence
 
 
 def last_token_per_sequence(lengths: torch.Tensor) -> torch.Tensor:
-    """Flat position of each sequence's last token.
+    """Flat position (flat order, see `FlatBatch`) of each sequence's last token.
 
     Args:
         lengths: `[N]` tokens per sequence, each >= 1.
@@ -162,8 +296,30 @@ def unflatten_to_padded(values: torch.Tensor, real: torch.Tensor, fill: float = 
     return out.index_put((real,), values)
 
 
+def row_token_bound(model: torch.nn.Module) -> Optional[int]:
+    """The `max_row_tokens` to pack a batch with for `model`: None (one row) under flash attention, else 0.
+
+    0 bounds each row by the batch's longest sequence, which measured fastest with sdpa on this CPU
+    (module docstring); eager builds the same per-row mask. transformers' flash-attention path instead
+    reads the position resets of a *single* row as `cu_seqlens` and runs the variable-length kernel, whose
+    cost is already each sequence's own; it detects packing only at batch size 1, so there one row is
+    right. That branch has not run here: there is no GPU on the development machine.
+
+    Args:
+        model: the model (possibly wrapped by PEFT or DDP) about to run the packed batch.
+    """
+    from transformers.utils.generic import is_flash_attention_requested
+
+    config = getattr(getattr(model, "module", model), "config", None)
+    if config is not None and is_flash_attention_requested(config=config):
+        return None
+    return 0
+
+
 __all__ = [
     "FlatBatch",
+    "row_layout",
+    "row_token_bound",
     "flatten_padded",
     "next_token_targets",
     "first_token_unlabelled",

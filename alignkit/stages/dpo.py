@@ -7,10 +7,11 @@ What this file simplifies, and why:
 - One forward pass over 2B rows: the `PairwiseCollator` stacks chosen rows first, then rejected. The
   sequence log-probability is the sum of the response tokens' log-probs (labels are -100 on the prompt
   and padding), gathered by `alignkit.model.logprobs` without a second full-vocabulary tensor.
-- Padding-free by default (`padding_free`): policy and reference run on the batch's real tokens laid
-  end to end in one row (`alignkit.model.padding_free`), and only response positions reach the output
-  layer. A preference batch pads 2B rows to the longest of chosen and rejected, so this is where most
-  of a padded step's time and activation memory would go; the log-probs are the same.
+- Padding-free by default (`padding_free`): policy and reference run on the batch's real tokens packed
+  into rows no wider than its longest sequence (`alignkit.model.padding_free`), and only response
+  positions reach the output layer. A preference batch pads 2B rows to the longest of chosen and
+  rejected, so this is where most of a padded step's time and activation memory would go; the
+  log-probs are the same.
 - The reference is the policy as it was at step 0, and never a second model read from disk:
   under LoRA the same weights with the adapter disabled (`with model.disable_adapter()`), under full or
   freeze fine-tuning a frozen deep copy made in memory when the trainer is built. With

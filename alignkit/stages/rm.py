@@ -17,9 +17,9 @@ What this file simplifies, and why:
   sequence with the template's text after the end-of-turn token (ChatML's newline), so the last real
   token is not the pad id and plain transformers, pooling at the rightmost non-pad token, reads the
   same score from the saved model, padded batches included (tested).
-- Padding-free by default (`padding_free`): the 2B rows run as one row of their real tokens with
-  position ids restarting per sequence (`alignkit.model.padding_free`), and each reward is read at its
-  sequence's last flat position: the same scores without the padding's compute and activations.
+- Padding-free by default (`padding_free`): the real tokens of the 2B rows run packed into rows no
+  wider than the longest sequence, position ids restarting per sequence (`alignkit.model.padding_free`),
+  and each reward is read at its sequence's last token: the same scores without the padding's compute.
 - The loss is the Bradley-Terry negative log-likelihood `-log sigmoid(r_chosen - r_rejected - margin)`
   averaged over pairs, plus TRL's optional centring penalty; the pure functions are below.
 """

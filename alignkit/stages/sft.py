@@ -11,9 +11,10 @@ module adds to `transformers.Trainer`:
 - packed rows (`packing: true`) carry `position_ids`; the loss is then the unpacked loss (see
   `alignkit.data.packing`).
 - unpacked batches are trained padding-free by default (`padding_free`): the real tokens of the batch
-  run as one row with position ids restarting per example (`alignkit.model.padding_free`), each
-  example's first label set to -100 so no token is predicted across a boundary. Same loss, none of the
-  padding's compute or activations; the token count (`num_items_in_batch`) is the padded batch's.
+  run packed into rows no wider than its longest example, position ids restarting per example
+  (`alignkit.model.padding_free`), each example's first label set to -100 so no token is predicted
+  across a boundary. Same loss, none of the padding's compute or activations; the token count
+  (`num_items_in_batch`) is the padded batch's.
 - `prediction_step` with `predict_with_generate` generates with the KV cache from left-aligned prompts
   and returns only the new tokens; `save_predictions` writes `generated_predictions.jsonl`.
 - evaluation without generation reports `accuracy` from argmax ids, never the eval set's logits.
@@ -35,7 +36,7 @@ from ..hparams import Config, ConfigError, GeneratingArguments
 from ..metrics import argmax_logits, compute_token_accuracy, decode_token_ids, similarity_metrics
 from ..model.generation import generate, stop_token_ids
 from ..model.logprobs import forward_sequence_logps
-from ..model.padding_free import first_token_unlabelled, flatten_padded, unflatten_to_padded
+from ..model.padding_free import first_token_unlabelled, flatten_padded, row_token_bound, unflatten_to_padded
 from .base import PREDICTIONS_FILE, StageTrainer, check_splits, run_stage_trainer
 
 logger = logging.getLogger(__name__)
@@ -80,8 +81,8 @@ class SFTTrainer(StageTrainer):
     Args:
         generating_args: generation settings for `predict_with_generate`.
         template: the `template` key: generation stops at its end-of-turn token (None: the tokenizer's own).
-        *args, **kwargs: as for `transformers.Trainer`; `args.padding_free` runs unpacked batches on their
-            real tokens only in `compute_loss`.
+        *args, **kwargs: as for `transformers.Trainer`; `args.padding_free` runs unpacked batches as their
+            real tokens packed into rows in `compute_loss`.
     """
 
     # `compute_loss` divides by the step's token count itself, so training_step must not divide again.
@@ -115,17 +116,18 @@ class SFTTrainer(StageTrainer):
             # when no 2D mask is given (the collator still returns it so the Trainer can count tokens).
             inputs.pop("attention_mask", None)
         elif self.args.padding_free and "attention_mask" in inputs:
-            # The same mechanism for an unpacked batch: one row of its real tokens. sft_loss shifts labels
-            # across the row, so each example's first label must not be a target of the previous example.
-            flat = flatten_padded(inputs.pop("input_ids"), inputs.pop("attention_mask"), labels)
+            # The same mechanism for an unpacked batch: its real tokens packed into rows. sft_loss shifts labels
+            # along each row, so each example's first label must not be a target of the previous example.
+            flat = flatten_padded(inputs.pop("input_ids"), inputs.pop("attention_mask"), labels,
+                                  max_row_tokens=row_token_bound(model))
             inputs.update(input_ids=flat.input_ids, position_ids=flat.position_ids)
-            labels = first_token_unlabelled(flat.labels, flat.sequence_index)
+            labels = first_token_unlabelled(flat.labels, flat.to_rows(flat.sequence_index, fill=-1))
         # No KV cache in a training forward: it is useless there and disables the packed-sequence mask.
         outputs = model(**inputs, use_cache=False)
         loss = sft_loss(outputs.logits, labels, num_items_in_batch)
         if flat is not None and return_outputs:
             # Evaluation compares the logits with the padded labels: give them back in that layout.
-            outputs.logits = unflatten_to_padded(outputs.logits[0], flat.real)
+            outputs.logits = unflatten_to_padded(flat.from_rows(outputs.logits), flat.real)
         loss = self._across_devices(loss, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 

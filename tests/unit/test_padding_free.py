@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from alignkit.hparams import TrainingArguments, parse_config
@@ -15,6 +17,8 @@ from alignkit.model.padding_free import (
     flatten_padded,
     last_token_per_sequence,
     next_token_targets,
+    row_layout,
+    row_token_bound,
     segment_sum,
     unflatten_to_padded,
 )
@@ -46,14 +50,119 @@ def test_flatten_padded_hand_computed(side):
         input_ids = torch.tensor([[11, 12, 13], [PAD, 21, PAD]])
         attention_mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
         labels = torch.tensor([[X, 12, 13], [X, X, PAD]])
-    flat = flatten_padded(input_ids, attention_mask, labels)
+    flat = flatten_padded(input_ids, attention_mask, labels, max_row_tokens=None)
     assert flat.input_ids.tolist() == [[11, 12, 13, 21, PAD]]
     assert flat.position_ids.tolist() == [[0, 1, 2, 0, 1]]
     assert flat.labels.tolist() == [[X, 12, 13, X, PAD]]
     assert flat.sequence_index.tolist() == [0, 0, 0, 1, 1]
     assert flat.lengths.tolist() == [3, 2]
     assert flat.real.tolist() == attention_mask.bool().tolist()
-    assert flatten_padded(input_ids, attention_mask).labels is None
+    assert flat.slots.tolist() == [0, 1, 2, 3, 4]
+    assert flatten_padded(input_ids, attention_mask, max_row_tokens=None).labels is None
+    # Bounded by the longest sequence (3, the default): 3 | 2 + one padding slot.
+    rows = flatten_padded(input_ids, attention_mask, labels)
+    assert rows.input_ids.tolist() == [[11, 12, 13], [21, PAD, 0]]
+    assert rows.position_ids.tolist() == [[0, 1, 2], [0, 1, 0]]
+    assert rows.labels.tolist() == [[X, 12, 13], [X, PAD, X]] if side == "right" else [[X, 12, 13], [X, X, X]]
+    assert rows.slots.tolist() == [0, 1, 2, 3, 4]
+    assert rows.sequence_index.tolist() == [0, 0, 0, 1, 1]
+
+
+def test_row_layout_hand_computed():
+    """lengths [3, 5, 2, 4], bound 6, best-fit decreasing.
+
+    5 -> row 0 (1 left); 4 -> row 1 (2 left); 3 fits neither -> row 2 (3 left); 2 -> the tightest row
+    with room, row 1 (0 left). Rows [5], [4, 2], [3]: row = [2, 0, 1, 1], start = [0, 0, 4, 0], width 6.
+    Bound 0 (the longest, 5): 5 -> row 0; 4 -> row 1 (1 left); 3 -> row 2 (2 left); 2 -> row 2 (0 left):
+    rows [5], [4], [3, 2]: row = [2, 0, 2, 1], start = [0, 0, 3, 0], width 5.
+    None: one row in order of size, 5 4 3 2: row 0 for all, start = [9, 0, 12, 5], width 14.
+    """
+    lengths = torch.tensor([3, 5, 2, 4])
+    row, start, num_rows, width = row_layout(lengths, 6)
+    assert (row.tolist(), start.tolist(), num_rows, width) == ([2, 0, 1, 1], [0, 0, 4, 0], 3, 6)
+    row, start, num_rows, width = row_layout(lengths, 0)
+    assert (row.tolist(), start.tolist(), num_rows, width) == ([2, 0, 2, 1], [0, 0, 3, 0], 3, 5)
+    row, start, num_rows, width = row_layout(lengths, None)
+    assert (row.tolist(), start.tolist(), num_rows, width) == ([0, 0, 0, 0], [9, 0, 12, 5], 1, 14)
+
+
+def test_packed_rows_hand_computed():
+    """Sequences of 3, 5, 2, 4 tokens (ids 10s, 20s, 30s, 40s), default bound = longest = 5.
+
+    Rows (see test_row_layout_hand_computed): [seq 1], [seq 3 + 1 padding slot], [seq 0, seq 2].
+    Row padding holds id 0, label -100 and positions restarting at 0; from_rows undoes the layout.
+    """
+    lengths = [3, 5, 2, 4]
+    input_ids = torch.zeros(4, 5, dtype=torch.long)
+    attention_mask = torch.zeros(4, 5, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, :length] = torch.arange(length) + 10 * (row + 1)
+        attention_mask[row, :length] = 1
+    flat = flatten_padded(input_ids, attention_mask, input_ids.masked_fill(attention_mask == 0, X))
+    assert flat.input_ids.tolist() == [[20, 21, 22, 23, 24], [40, 41, 42, 43, 0], [10, 11, 12, 30, 31]]
+    assert flat.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    assert flat.labels.tolist() == [[20, 21, 22, 23, 24], [40, 41, 42, 43, X], [10, 11, 12, 30, 31]]
+    assert flat.slots.tolist() == [10, 11, 12, 0, 1, 2, 3, 4, 13, 14, 5, 6, 7, 8]
+    assert flat.from_rows(flat.input_ids).tolist() == input_ids[attention_mask.bool()].tolist()
+    assert flat.to_rows(flat.sequence_index, fill=-1).tolist() == [[1] * 5, [3, 3, 3, 3, -1], [0, 0, 0, 2, 2]]
+    with pytest.raises(ValueError, match="packed layout"):
+        flat.from_rows(torch.zeros(1, 14))
+
+
+def test_row_token_bound_keeps_one_row_for_flash_attention():
+    """sdpa / eager: 0 (rows bounded by the longest sequence); a flash-attention kernel: None (one row, whose
+    position resets transformers turns into cu_seqlens only at batch size 1); a DDP-style `.module` unwrapped."""
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(1, 1)
+    for attention, bound in [("sdpa", 0), ("eager", 0), ("flash_attention_2", None), ("flash_attention_3", None)]:
+        model.config = SimpleNamespace(_attn_implementation=attention)
+        assert row_token_bound(model) == bound, attention
+        assert row_token_bound(SimpleNamespace(module=model)) == bound, attention
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=33),
+    bound=st.one_of(st.none(), st.integers(min_value=0, max_value=60)),
+    left=st.booleans(),
+)
+def test_packed_layout_bounds_rows_and_keeps_every_token(lengths, bound, left):
+    """Property: no row holds more than max(bound, longest) real tokens (None: one row); every real token
+    appears exactly once, in order, each sequence whole in one row with positions 0..n-1; a sequence too long
+    to share a row has one of its own; row padding is a block of its own (positions from 0, label -100)."""
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), PAD)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, length in enumerate(lengths):
+        columns = slice(width - length, width) if left else slice(0, length)
+        input_ids[row, columns] = torch.arange(length) + 1000 * (row + 1)  # every token id unique
+        attention_mask[row, columns] = 1
+    flat = flatten_padded(input_ids, attention_mask, input_ids.clone(), max_row_tokens=bound)
+    rows, row_width = flat.input_ids.shape
+    capacity = sum(lengths) if bound is None else max(bound, max(lengths))
+    occupied = torch.zeros(rows * row_width, dtype=torch.bool)
+    occupied[flat.slots] = True
+    assert flat.slots.unique().numel() == flat.slots.numel() == sum(lengths)  # nothing duplicated or lost
+    assert occupied.view(rows, row_width).sum(-1).max() <= capacity
+    assert row_width == occupied.view(rows, row_width).sum(-1).max()  # padded only to the widest row
+    assert flat.from_rows(flat.input_ids).tolist() == input_ids[attention_mask.bool()].tolist()
+    assert flat.from_rows(flat.labels).tolist() == input_ids[attention_mask.bool()].tolist()
+    token_rows = flat.slots // row_width
+    for sequence, length in enumerate(lengths):
+        slots = flat.slots[flat.sequence_index == sequence]
+        assert (slots.diff() == 1).all() and token_rows[flat.sequence_index == sequence].unique().numel() == 1
+        assert flat.position_ids.view(-1)[slots].tolist() == list(range(length))
+        if length + min(lengths[:sequence] + lengths[sequence + 1:], default=capacity) > capacity:
+            # Too long to share a row with any other sequence (with a bound below the longest sequence the
+            # rows widen to it, so a sequence longer than the bound shares only if a short one fits beside it).
+            assert (token_rows == slots[0] // row_width).sum() == length  # alone in its row
+    padding = ~occupied
+    assert (flat.labels.view(-1)[padding] == X).all()
+    padding_rows = padding.view(rows, row_width)
+    for row in range(rows):
+        tail = flat.position_ids[row][padding_rows[row]]
+        assert tail.tolist() == list(range(tail.numel()))
 
 
 def test_next_token_targets_stop_at_each_sequence_end():
@@ -118,13 +227,13 @@ PROMPTS = (2, 4, 0, 5)  # prompt tokens (-100) at the start of each row; row 2 i
 # which a flat row must not predict from row 1's last token (padded, column 0 is never a target)
 
 
-def padded_batch(side: str, seed: int = 0) -> dict[str, torch.Tensor]:
+def padded_batch(side: str, seed: int = 0, lengths=LENGTHS, prompts=PROMPTS) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    width = max(LENGTHS)
-    input_ids = torch.full((len(LENGTHS), width), PAD)
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), PAD)
     attention_mask = torch.zeros_like(input_ids)
     labels = torch.full_like(input_ids, X)
-    for row, (length, prompt) in enumerate(zip(LENGTHS, PROMPTS)):
+    for row, (length, prompt) in enumerate(zip(lengths, prompts)):
         tokens = torch.randint(3, 400, (length,), generator=generator)
         tokens[-1] = PAD  # a real eos == pad token at the end, as chat data has
         columns = slice(0, length) if side == "right" else slice(width - length, width)
@@ -152,21 +261,21 @@ def _lora(model):
     return peft_model
 
 
+def _logps_and_gradients(model, batch: dict[str, torch.Tensor], padding_free: bool):
+    """Per-token log-probs, mask, sums, counts, and the gradients of a weighted sum of the sums."""
+    model.zero_grad()
+    logps, mask = forward_token_logps(model, **batch, padding_free=padding_free)
+    sums, counts = forward_sequence_logps(model, **batch, padding_free=padding_free)
+    (sums * torch.linspace(0.5, 1.5, sums.numel())).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logps.detach(), mask, sums.detach(), counts, grads
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_token_and_sequence_logps_equal_the_padded_forward(causal_lm, side):
     """Same per-token log-probs, masks, sums, counts and gradients; only labelled positions get logits."""
     batch = padded_batch(side)
-    weights = torch.linspace(0.5, 1.5, len(LENGTHS))
-
-    def run(padding_free: bool):
-        causal_lm.zero_grad()
-        logps, mask = forward_token_logps(causal_lm, **batch, padding_free=padding_free)
-        sums, counts = forward_sequence_logps(causal_lm, **batch, padding_free=padding_free)
-        (sums * weights).sum().backward()
-        grads = {n: p.grad.clone() for n, p in causal_lm.named_parameters()}
-        return logps.detach(), mask, sums.detach(), counts, grads
-
-    padded, flat = run(False), run(True)
+    padded, flat = _logps_and_gradients(causal_lm, batch, False), _logps_and_gradients(causal_lm, batch, True)
     torch.testing.assert_close(flat[0], padded[0], atol=1e-5, rtol=0)
     assert torch.equal(flat[1], padded[1])
     torch.testing.assert_close(flat[2], padded[2], atol=1e-5, rtol=0)
@@ -272,5 +381,87 @@ def test_dpo_loss_metrics_and_gradients_equal_the_padded_path(causal_lm, tmp_pat
     for key, value in metrics_p.items():
         assert metrics_f[key] == pytest.approx(value, abs=1e-5), key
     assert grads_f.keys() == grads_p.keys() and grads_p
+    for name, grad in grads_p.items():
+        torch.testing.assert_close(grads_f[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Batch 32, long and short sequences mixed: several packed rows, equal to the padded path
+# ---------------------------------------------------------------------------------------------------
+
+_MIX = torch.Generator().manual_seed(7)
+MIXED_LENGTHS = tuple(torch.randint(40, 65, (6,), generator=_MIX).tolist()
+                      + torch.randint(3, 16, (26,), generator=_MIX).tolist())
+MIXED_PROMPTS = tuple(min(int(p), n - 2) for p, n in zip(torch.randint(0, 6, (32,), generator=_MIX), MIXED_LENGTHS))
+
+
+def mixed_batch(side: str) -> dict[str, torch.Tensor]:
+    return padded_batch(side, seed=11, lengths=MIXED_LENGTHS, prompts=MIXED_PROMPTS)
+
+
+def test_mixed_batch_packs_into_several_shared_rows():
+    """The batch-32 mix really is packed: rows no wider than the longest sequence, several of them, and
+    fewer rows than sequences (short ones share), so the tests below compare a multi-row layout."""
+    batch = mixed_batch("right")
+    flat = flatten_padded(batch["input_ids"], batch["attention_mask"])
+    rows, width = flat.input_ids.shape
+    assert width == max(MIXED_LENGTHS) and 1 < rows < len(MIXED_LENGTHS)
+
+
+@pytest.mark.parametrize(("side", "attention"), [("right", "sdpa"), ("left", "sdpa"), ("right", "eager")])
+def test_mixed_batch_logps_and_gradients_equal_the_padded_forward(causal_lm, tiny_model_dir, side, attention):
+    """DPO's log-probs (per token and summed) and their gradients at batch 32, padded vs packed rows, with
+    the sdpa and the eager attention (both build each row's block-diagonal mask from the position resets)."""
+    if attention != "sdpa":
+        causal_lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attention).eval()
+    assert causal_lm.config._attn_implementation == attention
+    batch = mixed_batch(side)
+    padded, flat = _logps_and_gradients(causal_lm, batch, False), _logps_and_gradients(causal_lm, batch, True)
+    torch.testing.assert_close(flat[0], padded[0], atol=1e-5, rtol=0)
+    assert torch.equal(flat[1], padded[1])
+    # Sums of ~60 log-probs of about -6 each: float32 summation order alone moves them by ~1e-4 (2e-7 relative).
+    torch.testing.assert_close(flat[2], padded[2], atol=1e-5, rtol=1e-6)
+    assert flat[3].tolist() == padded[3].tolist()
+    for name, grad in padded[4].items():
+        torch.testing.assert_close(flat[4][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_mixed_batch_sequence_rewards_equal_the_padded_forward(tiny_model_dir):
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    model.config.pad_token_id = PAD
+    batch = mixed_batch("right")
+    weights = torch.linspace(0.5, 1.5, len(MIXED_LENGTHS))
+    padded = sequence_rewards(model, batch["input_ids"], batch["attention_mask"])
+    (padded * weights).sum().backward()
+    padded_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    flat = sequence_rewards(model, batch["input_ids"], batch["attention_mask"], padding_free=True)
+    (flat * weights).sum().backward()
+    torch.testing.assert_close(flat, padded, atol=1e-5, rtol=0)
+    assert padded.std() > 1e-3
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, padded_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_mixed_batch_sft_loss_and_gradients_equal_the_padded_loss(causal_lm, tmp_path):
+    """SFT training loss (labelled positions only) and evaluation loss/logits (the whole packed layout
+    through `sft_loss`) at batch 32, padded vs packed rows."""
+    batch = mixed_batch("right")
+    results = {}
+    for padding_free in (False, True):
+        trainer = _sft_trainer(causal_lm, tmp_path, padding_free)
+        causal_lm.zero_grad()
+        loss = trainer.compute_loss(causal_lm, dict(batch))
+        loss.backward()
+        with torch.no_grad():
+            eval_loss, outputs = trainer.compute_loss(causal_lm, dict(batch), return_outputs=True)
+        results[padding_free] = (loss.detach(), eval_loss, outputs.logits,
+                                 {n: p.grad.clone() for n, p in causal_lm.named_parameters()})
+    (loss_p, eval_p, logits_p, grads_p), (loss_f, eval_f, logits_f, grads_f) = results[False], results[True]
+    torch.testing.assert_close(loss_f, loss_p, atol=1e-5, rtol=0)
+    torch.testing.assert_close(eval_f, eval_p, atol=1e-5, rtol=0)
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(logits_f[real], logits_p[real], atol=1e-4, rtol=0)
     for name, grad in grads_p.items():
         torch.testing.assert_close(grads_f[name], grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -10,6 +10,7 @@ import importlib
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,35 @@ def resolve_resume(config: Config) -> None:
         t.resume_from_checkpoint = found
 
 
+def check_output_dir(output_dir: str | os.PathLike) -> None:
+    """Stop before anything loads when `output_dir` cannot be written: a regular file in the way, or a
+    read-only or permission-denied location (otherwise found when the first checkpoint is saved).
+
+    Nothing is left behind: the probe is a temporary file (inside `output_dir` when it exists) or a
+    temporary folder (inside its nearest existing parent).
+
+    Raises:
+        ConfigError: naming `output_dir`, what is wrong, and the fix.
+    """
+    path = Path(output_dir).expanduser().absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"lies under {existing}, which is a file"
+        raise ConfigError(f"output_dir={str(output_dir)!r} {what}, not a folder. Choose another output_dir "
+                          "(or move the file away).")
+    try:
+        if existing == path:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        else:
+            tempfile.TemporaryDirectory(dir=existing).cleanup()
+    except OSError as err:
+        raise ConfigError(f"output_dir={str(output_dir)!r} cannot be written ({err.strerror or err} in {existing}). "
+                          "Choose an output_dir on a writable file system.") from None
+
+
 def finish_training(trainer, train_result, config: Config) -> None:
     """What every stage does after `trainer.train()`: save model, metrics and state; plot curves."""
     trainer.save_model()
@@ -100,6 +130,7 @@ def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) ->
         run = getattr(module, func_name)
     except (ImportError, AttributeError):
         raise ConfigError(f"stage {stage!r} is not available in this version of alignkit.") from None
+    check_output_dir(config.training.output_dir)
     if config.training.overwrite_output_dir and config.training.do_train:
         out = Path(config.training.output_dir)
         if out.is_dir():
@@ -110,4 +141,4 @@ def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) ->
     run(config, all_callbacks)
 
 
-__all__ = ["run_train", "finish_training", "save_eval_metrics", "resolve_resume", "last_complete_checkpoint"]
+__all__ = ["run_train", "check_output_dir", "finish_training", "save_eval_metrics", "resolve_resume", "last_complete_checkpoint"]

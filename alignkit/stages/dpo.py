@@ -416,7 +416,7 @@ class DPOTrainer(Trainer):
         path = reference_cache_path(dataset, self._reference_parameters())
         if path.is_file():
             logger.info("Reading reference log-probs of the %s dataset from %s", name, path)
-            table = torch.load(path)
+            table = torch.load(path, weights_only=True)  # a plain dict of tensors: nothing to unpickle
         else:
             logger.info("Computing reference log-probs of the %s dataset (%d pairs) once", name, len(dataset))
             collator = self.data_collator.collator if isinstance(self.data_collator, _CollateWithReference) \

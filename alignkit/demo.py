@@ -65,7 +65,8 @@ def _answers(model_args, generating_args, prompts: list[dict[str, str]]) -> list
     return replies
 
 
-def held_out_loss(model_args, data_dir: Path, cutoff_len: int = DEMO_CUTOFF_LEN, batch_size: int = 8) -> tuple[float, int]:
+def held_out_loss(model_args, data_dir: Path, cutoff_len: int = DEMO_CUTOFF_LEN,
+                  batch_size: int = 8) -> tuple[float, int]:
     """Mean loss per reply token on `demo_sft_eval` (rows the demo never trains on) under a model.
 
     The same number SFT minimises, on held-out prompts: it falls when training generalises, so a user can

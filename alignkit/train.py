@@ -101,8 +101,8 @@ def check_output_dir(output_dir: str | os.PathLike) -> None:
         else:
             tempfile.TemporaryDirectory(dir=existing).cleanup()
     except OSError as err:
-        raise ConfigError(f"output_dir={str(output_dir)!r} cannot be written ({err.strerror or err} in {existing}). "
-                          "Choose an output_dir on a writable file system.") from None
+        raise ConfigError(f"output_dir={str(output_dir)!r} cannot be written ({err.strerror or err} in "
+                          f"{existing}). Choose an output_dir on a writable file system.") from None
 
 
 def finish_training(trainer, train_result, config: Config) -> None:

@@ -187,7 +187,9 @@ def _tools(row: dict, column: Optional[str]) -> Optional[str]:
         return None
     value = row[column]
     try:
-        return _text(value, column, allow_empty=True) if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        if isinstance(value, str):
+            return _text(value, column, allow_empty=True)
+        return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):  # a parquet cell of bytes, a date, a NaN ...
         raise RowError(column, f"expected tool definitions as text or JSON, got {describe_value(value)}.") from None
 

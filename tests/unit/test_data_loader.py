@@ -272,7 +272,7 @@ def test_byte_order_mark_selects_the_encoding(tmp_path, tiny_tokenizer, suffix, 
 def test_bad_bytes_in_a_csv_row_name_the_row_and_column_and_can_be_skipped(tmp_path, tiny_tokenizer, caplog):
     path = tmp_path / "d.csv"
     path.write_bytes(b"instruction,output\nWhat is 1?,one\nWhat is 2?,caf\xe9\nWhat is 3?,three\n")
-    with pytest.raises(DataError, match=r"d\.csv, row 2: field `output`: holds bytes that are not UTF-8 \(file line 3\)"):
+    with pytest.raises(DataError, match=r"d\.csv, row 2: field `output`: holds bytes that are not UTF-8 \(file line 3"):
         get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")
     with caplog.at_level(logging.WARNING):
         out = get_dataset(config(tmp_path, str(path), skip_invalid_rows=True), tiny_tokenizer, "sft")

@@ -272,7 +272,7 @@ class TrainingArguments(Seq2SeqTrainingArguments):
         for key, strategy in (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy"),
                               ("eval_steps", "eval_strategy")):
             value = getattr(self, key)
-            if str(getattr(self, strategy)) == "steps" and value is not None and value <= 0 \
+            if getattr(self, strategy) == "steps" and value is not None and value <= 0 \
                     and not (key == "eval_steps" and value == 0):  # eval_steps 0/None: use logging_steps
                 raise ConfigError(f"{key}={value} must be > 0 with {strategy}=steps (a step count, or a "
                                   "share of the run below 1).")

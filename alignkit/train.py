@@ -141,4 +141,5 @@ def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) ->
     run(config, all_callbacks)
 
 
-__all__ = ["run_train", "check_output_dir", "finish_training", "save_eval_metrics", "resolve_resume", "last_complete_checkpoint"]
+__all__ = ["run_train", "check_output_dir", "finish_training", "save_eval_metrics", "resolve_resume",
+           "last_complete_checkpoint"]

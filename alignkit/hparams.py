@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import os
 import types
 import typing
@@ -123,6 +124,7 @@ class DataArguments:
             raise ConfigError(f"cutoff_len={self.cutoff_len} leaves no room for a prompt and a response.")
         if self.streaming:
             raise ConfigError("streaming=true is not supported; remove the key (datasets are loaded in full).")
+        _check_positive(self, "max_samples", "preprocessing_num_workers")
 
 
 @dataclass
@@ -165,6 +167,8 @@ class FinetuningArguments:
             raise ConfigError(f"lora_dropout={self.lora_dropout} must be in [0, 1).")
         if self.freeze_trainable_layers < 1:
             raise ConfigError(f"freeze_trainable_layers={self.freeze_trainable_layers} must be >= 1.")
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha={self.lora_alpha} must be > 0 (default: 2 * lora_rank).")
 
 
 @dataclass
@@ -185,6 +189,13 @@ class GeneratingArguments:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}: generation needs at least 1 new token.")
         if self.temperature <= 0 and self.do_sample:
             raise ConfigError("temperature must be > 0 when do_sample=true (use do_sample=false for greedy).")
+        _check_positive(self, "num_beams")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (1 turns nucleus sampling off).")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 turns top-k sampling off).")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 means none).")
 
     def to_generation_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `model.generate` (sampling knobs only when sampling)."""
@@ -222,6 +233,49 @@ class TrainingArguments(Seq2SeqTrainingArguments):
         },
     )
     plot_loss: bool = field(default=False, metadata={"help": "Write training_<metric>.png for each logged series."})
+
+    def __post_init__(self) -> None:
+        # Checked before transformers' own __post_init__ and long before the model loads: otherwise these
+        # values surface as torch tracebacks (`Invalid learning rate`, a DataLoader refusing batch_size=0,
+        # a ZeroDivisionError from gradient_accumulation_steps=0) after the weights are in memory.
+        _check_positive(self, "per_device_train_batch_size", "per_device_eval_batch_size",
+                        "gradient_accumulation_steps")
+        if not math.isfinite(self.learning_rate) or self.learning_rate < 0:
+            raise ConfigError(f"learning_rate={self.learning_rate} must be a finite number >= 0 (e.g. 2e-4 for "
+                              "LoRA, 1e-5 for full fine-tuning).")
+        if self.weight_decay < 0 or not math.isfinite(self.weight_decay):
+            raise ConfigError(f"weight_decay={self.weight_decay} must be >= 0 (0 turns it off).")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"{key}={getattr(self, key)} must be in [0, 1) (defaults: 0.9 and 0.999).")
+        if self.adam_epsilon < 0:
+            raise ConfigError(f"adam_epsilon={self.adam_epsilon} must be >= 0 (default 1e-8).")
+        if self.max_steps < -1:
+            raise ConfigError(f"max_steps={self.max_steps}: give a positive number of optimizer steps, or -1 "
+                              "(the default) to train for num_train_epochs.")
+        if self.max_steps <= 0 and not (self.num_train_epochs > 0 and math.isfinite(self.num_train_epochs)):
+            raise ConfigError(f"num_train_epochs={self.num_train_epochs} must be > 0 (or set max_steps to a "
+                              "positive number of steps).")
+        for key, strategy in (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy"),
+                              ("eval_steps", "eval_strategy")):
+            value = getattr(self, key)
+            if getattr(self, strategy) == "steps" and value is not None and value <= 0 \
+                    and not (key == "eval_steps" and value == 0):  # eval_steps 0/None: use logging_steps
+                raise ConfigError(f"{key}={value} must be > 0 with {strategy}=steps (a step count, or a "
+                                  "share of the run below 1).")
+        if self.dataloader_num_workers < 0:
+            raise ConfigError(f"dataloader_num_workers={self.dataloader_num_workers} must be >= 0.")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"seed={self.seed} must be in [0, 2**32) (numpy's range).")
+        super().__post_init__()
+
+
+def _check_positive(args: Any, *keys: str) -> None:
+    """Raise a ConfigError naming the first of `keys` whose value is below 1."""
+    for key in keys:
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1.")
 
 
 ARG_CLASSES = (ModelArguments, DataArguments, TrainingArguments, FinetuningArguments, GeneratingArguments)
@@ -403,6 +457,9 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"config file {str(p)!r} does not exist.")
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: byte {err.start} (0x{err.object[err.start]:02x}) is not UTF-8; save the file "
+                          "as UTF-8.") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{p}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
@@ -478,8 +535,22 @@ def parse_config(
 
 
 def read_config(path: str | os.PathLike, overrides: list[str] | None = None) -> Config:
-    """Parse `alignkit train PATH key=value ...`."""
-    return parse_config(load_yaml(path), overrides, source=str(path))
+    """Parse `alignkit train PATH key=value ...`.
+
+    A config silent on all of `do_train`, `do_eval` and `do_predict` trains: `alignkit train` is the
+    command, and LLaMA-Factory configs always say `do_train: true` anyway. Settings that switch all
+    three off are refused, since such a run would load nothing and write nothing.
+    """
+    values = load_yaml(path)
+    given = set(values) | {parse_override(item)[0] for item in overrides or []}
+    if not given & {"do_train", "do_eval", "do_predict"}:
+        values["do_train"] = True
+    config = parse_config(values, overrides, source=str(path))
+    t = config.training
+    if not (t.do_train or t.do_eval or t.do_predict):
+        raise ConfigError(f"{path}: do_train, do_eval and do_predict are all false, so there is nothing to do; "
+                          "set one of them to true.")
+    return config
 
 
 def check_combinations(config: Config) -> None:
@@ -491,6 +562,11 @@ def check_combinations(config: Config) -> None:
     from .stages import STAGES
 
     t, d, f = config.training, config.data, config.finetuning
+    if t.fp16 and (t.use_cpu or not _has_accelerator()):
+        # transformers accepts it and runs CPU autocast in float16, which has no hardware support: the
+        # run is about 3x slower than fp32 and its gradients underflow where fp32 ones do not.
+        raise ConfigError("fp16=true needs a GPU: this run is on the CPU, where float16 gives no speed (about 3x "
+                          "slower than fp32) and loses precision. Remove fp16 (alignkit trains in fp32 on a CPU).")
     stage = STAGES[f.stage]
     if t.do_train and not d.dataset and not d.tokenized_path:
         raise ConfigError("do_train=true needs `dataset` (or a `tokenized_path` saved earlier).")

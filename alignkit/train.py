@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from transformers import TrainerCallback, enable_full_determinism, set_seed
@@ -78,6 +79,35 @@ def resolve_resume(config: Config) -> None:
         t.resume_from_checkpoint = found
 
 
+def check_output_dir(output_dir: str | os.PathLike) -> None:
+    """Stop before anything loads when `output_dir` cannot be written: a regular file in the way, or a
+    read-only or permission-denied location (otherwise found when the first checkpoint is saved).
+
+    Nothing is left behind: the probe is a temporary file (inside `output_dir` when it exists) or a
+    temporary folder (inside its nearest existing parent).
+
+    Raises:
+        ConfigError: naming `output_dir`, what is wrong, and the fix.
+    """
+    path = Path(output_dir).expanduser().absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"lies under {existing}, which is a file"
+        raise ConfigError(f"output_dir={str(output_dir)!r} {what}, not a folder. Choose another output_dir "
+                          "(or move the file away).")
+    try:
+        if existing == path:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        else:
+            tempfile.TemporaryDirectory(dir=existing).cleanup()
+    except OSError as err:
+        raise ConfigError(f"output_dir={str(output_dir)!r} cannot be written ({err.strerror or err} in "
+                          f"{existing}). Choose an output_dir on a writable file system.") from None
+
+
 def _already_complete(config: Config) -> bool:
     """Whether `output_dir`'s final state shows this run's planned steps done (then say so).
 
@@ -124,6 +154,8 @@ def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) ->
 
     stage = STAGES[config.finetuning.stage]
     t = config.training
+    # Before the lock, which writes into output_dir: a read-only folder must fail with this message.
+    check_output_dir(t.output_dir)
     # Every run that writes into output_dir holds its lock, evaluation-only runs too: their results
     # files (all_results.json is read, updated and rewritten) would interleave with a training run's.
     writes = t.do_train or t.do_eval or t.do_predict
@@ -154,4 +186,4 @@ def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-__all__ = ["run_train", "resolve_resume", "last_complete_checkpoint"]
+__all__ = ["run_train", "check_output_dir", "resolve_resume", "last_complete_checkpoint"]

@@ -19,3 +19,12 @@ def test_example_opens_with_its_command_and_parses(path):
     assert first.startswith(f"# alignkit train examples/{path.name}"), first
     config = read_config(path)
     assert path.name.split("_")[0] == config.finetuning.stage  # sft_lora.yaml runs stage sft
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_rerun_after_a_kill_resumes(path):
+    """README: re-running a shipped example resumes it, so none may start afresh on each run."""
+    config = read_config(path)
+    assert config.training.do_train and config.training.overwrite_output_dir is False
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert "re-running one after a kill resumes it" in " ".join(readme.split())

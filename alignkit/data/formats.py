@@ -23,6 +23,7 @@ Messages are ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``; e
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -167,6 +168,11 @@ def _text(value: Any, field_name: str, *, allow_empty: bool = False) -> str:
         value = "".join(parts)
     if not isinstance(value, str):
         raise RowError(field_name, f"expected text, got {describe_value(value)}.")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # a JSON escape such as "\ud800" gives a lone surrogate no tokenizer takes
+        raise RowError(field_name, f"holds an unpaired surrogate {value[err.start]!r} at character {err.start}; "
+                                   "fix the text (a `\\uD8xx` escape needs its `\\uDCxx` partner).") from None
     if not allow_empty and not value.strip():
         raise RowError(field_name, "is empty; expected non-empty text.")
     return value
@@ -183,7 +189,12 @@ def _tools(row: dict, column: Optional[str]) -> Optional[str]:
     if not column or row.get(column) in (None, ""):
         return None
     value = row[column]
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    try:
+        if isinstance(value, str):
+            return _text(value, column, allow_empty=True)
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # a parquet cell of bytes, a date, a NaN ...
+        raise RowError(column, f"expected tool definitions as text or JSON, got {describe_value(value)}.") from None
 
 
 def _required(row: dict, column: str) -> Any:
@@ -244,6 +255,8 @@ def _messages(value: Any, field_name: str, attr: DatasetAttr, *, system: Optiona
             raise RowError(where, f"expected keys `{role_tag}` and `{content_tag}`, got {sorted(message)}. "
                                   "Set `tags` in dataset_info.json if your messages use other key names.")
         role = message[role_tag]
+        if not isinstance(role, str):
+            raise RowError(f"{where}.{role_tag}", f"expected a role name, got {describe_value(role)}.")
         if i == 0 and role == system_tag:
             if not out:
                 out.append({"role": "system", "content": _text(message[content_tag], f"{where}.{content_tag}")})
@@ -315,12 +328,15 @@ def _margin(row: dict, column: str = "margin") -> Optional[float]:
     value = row.get(column)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        try:
-            return float(value)  # csv cells arrive as text
-        except (TypeError, ValueError):
-            raise RowError(column, f"expected a number, got {describe_value(value)}.") from None
-    return float(value)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        margin = float(value)  # csv cells arrive as text
+    except (TypeError, ValueError, OverflowError):
+        raise RowError(column, f"expected a number, got {describe_value(value)}.") from None
+    if not math.isfinite(margin):
+        raise RowError(column, f"expected a finite number, got {describe_value(value)}.")
+    return margin
 
 
 def _convert_alpaca(row: dict, attr: DatasetAttr, kind: str) -> dict[str, Any]:

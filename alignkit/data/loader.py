@@ -11,15 +11,20 @@ to the cache atomically (and to `tokenized_path` when given).
 
 from __future__ import annotations
 
+import codecs
 import csv
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
 import random
+import re
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -46,7 +51,7 @@ def _read_registry(dataset_dir: str) -> Optional[dict[str, Any]]:
     if not path.is_file():
         return None
     try:
-        registry = json.loads(path.read_text(encoding="utf-8"))
+        registry = json.loads(decode_text(path.read_bytes(), str(path)))
     except json.JSONDecodeError as err:
         raise DataError(f"{path}: invalid JSON at line {err.lineno} column {err.colno} ({err.msg}).") from None
     if not isinstance(registry, dict):
@@ -142,14 +147,123 @@ def _data_files(attr: DatasetAttr) -> list[Path]:
     return [path]
 
 
-def _read_json_lines(path: Path, text: str, rows: _Rows) -> None:
-    for number, line in enumerate(text.splitlines(), start=1):
+# ---------------------------------------------------------------------------------------------- text
+# Text files are UTF-8. A byte-order mark selects UTF-8, UTF-16 or UTF-32 instead (Windows tools write
+# them); UTF-32 is tried before UTF-16 because its little-endian mark starts with UTF-16's.
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+_UNDECODABLE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" turns undecodable bytes into
+_TO_UTF8 = "Save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8 IN > OUT` for Latin-1 text)."
+
+
+def _encoding(data: bytes) -> str:
+    return next((name for bom, name in _BOMS if data.startswith(bom)), "utf-8")
+
+
+def _not_utf8(data: bytes, start: int, *, line: bool = True) -> str:
+    """Where undecodable byte `start` of `data` is: `line L, column C (byte offset B, 0xNN)`."""
+    column = start - (data.rfind(b"\n", 0, start) + 1) + 1
+    where = f"column {column} (byte offset {start}, 0x{data[start]:02x})"
+    number = data.count(b"\n", 0, start) + 1
+    return f"line {number}, {where}" if line else where
+
+
+def decode_text(data: bytes, source: str) -> str:
+    """The text of a whole data file: UTF-8, or what its byte-order mark says.
+
+    Raises:
+        DataError: bytes that do not decode, naming the line, column and byte offset and the fix.
+    """
+    encoding = _encoding(data)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        try:
+            return data.decode(encoding)
+        except UnicodeDecodeError as err:
+            raise DataError(f"{source}: not valid {encoding} text ({err.reason}). {_TO_UTF8}") from None
+    skip = len(codecs.BOM_UTF8) if encoding == "utf-8-sig" else 0
+    try:
+        return data[skip:].decode("utf-8")
+    except UnicodeDecodeError as err:
+        hint = " The file holds NUL bytes, so it may be UTF-16 without a byte-order mark." if b"\x00" in data else ""
+        raise DataError(f"{source}: {_not_utf8(data, skip + err.start)} is not UTF-8.{hint} {_TO_UTF8}") from None
+
+
+def _decoded_lines(data: bytes, source: str) -> list[tuple[int, str | RowError]]:
+    """The 1-based lines of a line-based file; with UTF-8, a line holding bytes that do not decode becomes
+    a RowError (so `skip_invalid_rows` can skip it) instead of failing the whole file.
+
+    Lines end at `\\n` only: JSON text may hold U+2028 and other characters `str.splitlines` breaks at.
+    """
+    encoding = _encoding(data)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        return list(enumerate(decode_text(data, source).split("\n"), start=1))
+    out: list[tuple[int, str | RowError]] = []
+    offset = len(codecs.BOM_UTF8) if encoding == "utf-8-sig" else 0
+    for number, raw in enumerate(data[offset:].split(b"\n"), start=1):
+        try:
+            out.append((number, raw.decode("utf-8")))
+        except UnicodeDecodeError as err:
+            where = _not_utf8(data, offset + err.start, line=False)  # the caller names the line
+            out.append((number, RowError(None, f"{where} is not UTF-8. {_TO_UTF8}")))
+        offset += len(raw) + 1
+    return out
+
+
+def _read_json_lines(data: bytes, rows: _Rows) -> None:
+    for number, line in _decoded_lines(data, rows.source):
+        if isinstance(line, RowError):
+            rows.items.append((number, line))
+            continue
         if not line.strip():
             continue
         try:
             rows.items.append((number, json.loads(line)))
         except json.JSONDecodeError as err:
             rows.items.append((number, RowError(None, f"invalid JSON ({err.msg}, column {err.colno}).")))
+        except (ValueError, RecursionError) as err:  # an integer of over 4300 digits, nesting past the stack
+            rows.items.append((number, RowError(None, f"cannot read this JSON ({err or 'nested too deeply'}).")))
+
+
+def _decode_keeping_bad_bytes(data: bytes, source: str) -> str:
+    """Text of a whole file in which undecodable UTF-8 bytes survive as lone surrogates (`_UNDECODABLE`),
+    so the row holding them can be named; files with a UTF-16/32 byte-order mark decode strictly."""
+    encoding = _encoding(data)
+    if encoding.startswith("utf-8"):
+        return data.decode(encoding, errors="surrogateescape")
+    return decode_text(data, source)
+
+
+def _read_csv(data: bytes, rows: _Rows) -> None:
+    """CSV rows as dicts of their non-empty cells; a row with undecodable bytes becomes a RowError."""
+    # Undecodable bytes are found per row after parsing: a quoted cell may span lines, so the file cannot
+    # be split into rows before.
+    text = _decode_keeping_bad_bytes(data, rows.source)
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
+        header = reader.fieldnames or []
+        bad = next((name for name in header if _UNDECODABLE.search(name)), None)
+        if bad is not None:
+            raise DataError(f"{rows.source}: the header line is not UTF-8 (column {bad!r}). {_TO_UTF8}")
+        for number, record in enumerate(reader, start=1):
+            # Empty cells mean "absent" (an alpaca `input` left blank), not empty text.
+            row = {k: v for k, v in record.items() if k is not None and v != ""}
+            bad = next((k for k, v in row.items() if isinstance(v, str) and _UNDECODABLE.search(v)), None)
+            if bad is not None:
+                rows.items.append((number, RowError(bad, f"holds bytes that are not UTF-8 (file line "
+                                                         f"{reader.line_num}). {_TO_UTF8}")))
+            else:
+                rows.items.append((number, row))
+    except csv.Error as err:
+        raise DataError(f"{rows.source}: not readable as CSV at line {reader.line_num} ({err}).") from None
+
+
+def _check_json_document_decodes(data: bytes, source: str) -> None:
+    """Raise the DataError of `decode_text`, adding why `skip_invalid_rows` cannot help with a .json file."""
+    try:
+        decode_text(data, source)
+    except DataError as err:
+        raise DataError(f"{err} A .json file is one JSON document, so skip_invalid_rows cannot skip the bad "
+                        "part; fix the bytes, or write the rows as .jsonl (one per line) to skip bad lines.") from None
 
 
 def _read_file(path: Path, max_rows: Optional[int]) -> _Rows:
@@ -157,19 +271,26 @@ def _read_file(path: Path, max_rows: Optional[int]) -> _Rows:
     source = str(path)
     if suffix == ".jsonl":
         rows = _Rows(source, line_based=True)
-        _read_json_lines(path, path.read_text(encoding="utf-8"), rows)
+        _read_json_lines(path.read_bytes(), rows)
     elif suffix == ".json":
-        text = path.read_text(encoding="utf-8")
+        data_bytes = path.read_bytes()
+        text = _decode_keeping_bad_bytes(data_bytes, source)
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            # A .json file holding JSON lines is common (LLaMA-Factory accepts it): read it line by line.
+            # A .json file holding JSON lines is common (LLaMA-Factory accepts it): read it line by line,
+            # where skip_invalid_rows can skip a line that does not decode or parse.
             if err.msg == "Extra data" and text.lstrip().startswith("{"):
                 rows = _Rows(source, line_based=True)
-                _read_json_lines(path, text, rows)
+                _read_json_lines(data_bytes, rows)
                 return rows
+            _check_json_document_decodes(data_bytes, source)  # undecodable bytes are the first thing to fix
             raise DataError(f"{source}: invalid JSON at line {err.lineno} column {err.colno} ({err.msg}). "
                             "Fix the file (a .json file must hold one list of objects).") from None
+        except (ValueError, RecursionError) as err:
+            raise DataError(f"{source}: cannot read this JSON ({err or 'nested too deeply'}).") from None
+        if _UNDECODABLE.search(text):
+            _check_json_document_decodes(data_bytes, source)
         if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
             data = next(iter(data.values()))  # {"data": [...]} / {"train": [...]}
         if not isinstance(data, list):
@@ -178,10 +299,7 @@ def _read_file(path: Path, max_rows: Optional[int]) -> _Rows:
         rows.items = list(enumerate(data, start=1))
     elif suffix == ".csv":
         rows = _Rows(source, line_based=False)
-        with path.open(newline="", encoding="utf-8") as f:
-            # Empty cells mean "absent" (an alpaca `input` left blank), not empty text.
-            rows.items = [(i, {k: v for k, v in r.items() if k is not None and v != ""})
-                          for i, r in enumerate(csv.DictReader(f), start=1)]
+        _read_csv(path.read_bytes(), rows)
     else:
         import pyarrow.parquet as pq
 
@@ -339,17 +457,75 @@ def cache_root() -> Path:
     return alignkit_home() / "tokenized"
 
 
+# A temporary folder's name says which process writes it, so a later run can tell a folder still being
+# written from one left behind by a killed run: `.{target}.tmp-{host}-{pid}-{random}` (and `.old-` for a
+# replaced copy on its way out). One is stale when its process is gone (same host) or, for folders of
+# other hosts sharing the file system (and of processes whose id was reused), when untouched for a day.
+_TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.(?:tmp|old)-(?P<host>.*)-(?P<pid>\d+)-[A-Za-z0-9_]+$")
+# Before temporary folders carried their writer, they were `.{32 hex cache key}.{random}`.
+_LEGACY_TEMP_NAME = re.compile(r"^\.[0-9a-f]{32}\.[A-Za-z0-9_]{8}$")
+STALE_TEMP_SECONDS = 24 * 3600
+
+
+def _temp_prefix(target: Path, kind: str) -> str:
+    return f".{target.name}.{kind}-{socket.gethostname()}-{os.getpid()}-"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # alive under another user; or not a pid at all
+        return True
+    return True
+
+
+def remove_stale_temp_dirs(folder: Path, now: Optional[float] = None) -> list[Path]:
+    """Delete the temporary folders that killed runs left in `folder` (see `_TEMP_NAME`); returns them.
+
+    Only folders named by `_save_atomically` are touched, so `folder` may be any user folder (the parent
+    of `tokenized_path`).
+    """
+    now = time.time() if now is None else now
+    host = socket.gethostname()
+    removed = []
+    for child in folder.iterdir() if folder.is_dir() else []:
+        match = _TEMP_NAME.match(child.name)
+        try:
+            if not child.is_dir() or (match is None and not _LEGACY_TEMP_NAME.match(child.name)):
+                continue
+            old = now - child.stat().st_mtime > STALE_TEMP_SECONDS
+            dead = match is not None and match["host"] == host and not _process_alive(int(match["pid"]))
+        except OSError:  # removed meanwhile by another run cleaning up
+            continue
+        if old or dead:
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    if removed:
+        logger.info("Removed %d temporary folder(s) left by interrupted runs in %s.", len(removed), folder)
+    return removed
+
+
 def _save_atomically(splits: DatasetDict, target: Path) -> None:
-    """Write to a sibling temporary folder and rename it into place, so a reader never sees half a cache."""
+    """Write to a sibling temporary folder and rename it into place, so a reader never sees half a cache.
+
+    A run killed mid-write leaves its temporary folder behind; the next write into the same folder
+    removes it (`remove_stale_temp_dirs`).
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    remove_stale_temp_dirs(target.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target, "tmp"), dir=target.parent))
+    replaced = None
     quiet = not are_progress_bars_disabled()
     try:
         if quiet:  # a progress bar per cache write is noise in the training log
             disable_progress_bars()
         splits.save_to_disk(str(tmp))
         if target.exists():
-            shutil.rmtree(target)
+            # A folder cannot be renamed onto a non-empty one: move the old copy aside first.
+            replaced = Path(tempfile.mkdtemp(prefix=_temp_prefix(target, "old"), dir=target.parent))
+            os.replace(target, replaced)
         os.replace(tmp, target)
     except OSError:
         # Another process finished the same cache first; its copy is as good as ours.
@@ -359,6 +535,8 @@ def _save_atomically(splits: DatasetDict, target: Path) -> None:
         if quiet:
             enable_progress_bars()
         shutil.rmtree(tmp, ignore_errors=True)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
 
 
 def _as_result(splits: DatasetDict) -> dict[str, Optional[Dataset]]:
@@ -404,6 +582,12 @@ def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
     for_generation = bool(getattr(config.training, "predict_with_generate", False)) and kind == "supervised"
     train_attrs = resolve_datasets(d.dataset, d.dataset_dir) if d.dataset else []
     eval_attrs = resolve_datasets(d.eval_dataset, d.dataset_dir) if d.eval_dataset else []
+    t = config.training
+    if not t.do_train and (t.do_eval or t.do_predict) and not eval_attrs and not d.val_size and train_attrs:
+        # Without training, `dataset` is what evaluation and prediction run on (LLaMA-Efficient-Tuning's
+        # `do_predict: true, dataset: X` configs rely on it).
+        logger.info("do_train is false: evaluating/predicting on dataset=%s.", d.dataset)
+        train_attrs, eval_attrs = [], train_attrs
     formatter = ChatFormatter(tokenizer, d.template)
 
     key_parts = {

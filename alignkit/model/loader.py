@@ -27,6 +27,7 @@ from torch import nn
 from ..hparams import BUNDLED_MODEL_NAME, ConfigError, FinetuningArguments, ModelArguments
 from .bundled import ensure_bundled_model
 from .heads import VALUE_HEAD_NAME
+from .weight_files import check_model_files
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ def resolve_model_path(model_args: ModelArguments) -> str:
         return str(ensure_bundled_model())
     path = Path(name).expanduser()
     if path.is_dir():
+        check_model_files(path)  # a cut-off copy fails here, not after the data is tokenised
         return str(path)
     # A hub id is `name` or `owner/name`; anything else that is not a directory is a mistyped path.
     looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name

@@ -80,8 +80,8 @@ class DPOArguments:
     )
 
     def __post_init__(self) -> None:
-        if self.pref_beta <= 0:
-            raise ConfigError(f"pref_beta={self.pref_beta} must be > 0.")
+        if not self.pref_beta > 0:  # also refuses NaN
+            raise ConfigError(f"pref_beta={self.pref_beta} must be > 0: at 0 the preference loss has no gradient.")
         if not 0 <= self.dpo_label_smoothing < 0.5:
             raise ConfigError(f"dpo_label_smoothing={self.dpo_label_smoothing} must be in [0, 0.5).")
         if self.dpo_label_smoothing and self.pref_loss != "sigmoid":

@@ -284,6 +284,18 @@ def test_precomputed_reference_matches_on_the_fly_and_is_cached(tiny_model_dir, 
     assert calls
 
 
+def test_reference_cache_is_read_with_weights_only(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch):
+    """The cache holds only tensors, so it is read in the mode that unpickles nothing else."""
+    dataset = pair_dataset(tiny_tokenizer, PAIRS[:2])
+    config = make_config(tmp_path, precompute_ref_log_probs=True)
+    make_trainer(lora_model(tiny_model_dir), config, dataset)  # computes and writes the cache
+    loads = []
+    original = torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: loads.append(kwargs) or original(*args, **kwargs))
+    make_trainer(lora_model(tiny_model_dir), config, dataset)
+    assert loads and all(kwargs.get("weights_only") is True for kwargs in loads)
+
+
 class _StopAt(TrainerCallback):
     def __init__(self, step: int) -> None:
         self.step = step

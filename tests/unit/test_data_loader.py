@@ -273,3 +273,129 @@ def test_bare_file_name_is_found_in_dataset_dir(tmp_path, tiny_tokenizer, monkey
 def test_prompt_completion_rows_are_supervised(tmp_path, tiny_tokenizer):
     out = load(tmp_path, tiny_tokenizer, [{"prompt": "Hi", "completion": "Hello!"}])["train_dataset"][0]
     assert tiny_tokenizer.decode([t for t in out["labels"] if t != -100]) == "Hello!<|im_end|>\n"
+
+
+# ---------------------------------------------------------------------------------------------- encodings (issue 10)
+def _encoded(rows, suffix: str, encoding: str) -> bytes:
+    if suffix == ".jsonl":
+        text = "\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n"
+    elif suffix == ".json":
+        text = json.dumps(rows, ensure_ascii=False)
+    else:
+        text = "instruction,output\r\n" + "".join(f"{r['instruction']},{r['output']}\r\n" for r in rows)
+    return text.encode(encoding)  # "utf-8-sig", "utf-16" and "utf-32" write a byte-order mark
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-be", "utf-32"])
+def test_byte_order_mark_selects_the_encoding(tmp_path, tiny_tokenizer, suffix, encoding):
+    rows = [{"instruction": f"Où est {i}?", "output": f"Ici {i} — 北京"} for i in range(3)]
+    data = _encoded(rows, suffix, encoding)
+    if encoding == "utf-16-be":  # Python writes no mark for an explicit byte order: add the big-endian one
+        data = b"\xfe\xff" + data
+    path = tmp_path / f"d{suffix}"
+    path.write_bytes(data)
+    plain = write(tmp_path, f"plain{suffix}", _encoded(rows, suffix, "utf-8").decode())
+    got = get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")["train_dataset"]
+    expected = get_dataset(config(tmp_path, str(plain)), tiny_tokenizer, "sft")["train_dataset"]
+    assert got["input_ids"] == expected["input_ids"]
+
+
+def test_bad_bytes_in_a_csv_row_name_the_row_and_column_and_can_be_skipped(tmp_path, tiny_tokenizer, caplog):
+    path = tmp_path / "d.csv"
+    path.write_bytes(b"instruction,output\nWhat is 1?,one\nWhat is 2?,caf\xe9\nWhat is 3?,three\n")
+    with pytest.raises(DataError, match=r"d\.csv, row 2: field `output`: holds bytes that are not UTF-8 \(file line 3"):
+        get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")
+    with caplog.at_level(logging.WARNING):
+        out = get_dataset(config(tmp_path, str(path), skip_invalid_rows=True), tiny_tokenizer, "sft")
+    assert len(out["train_dataset"]) == 2 and "Skipped 1 invalid row(s)" in caplog.text
+
+
+def test_bad_bytes_in_a_jsonl_line_are_skipped_and_the_other_lines_kept(tmp_path, tiny_tokenizer, caplog):
+    lines = [json.dumps(r).encode() for r in SFT_ROWS[:4]]
+    lines[2] = b'{"instruction": "\xff\xfe", "output": "x"}'
+    (tmp_path / "d.jsonl").write_bytes(b"\n".join(lines))
+    with caplog.at_level(logging.WARNING):
+        out = get_dataset(config(tmp_path, str(tmp_path / "d.jsonl"), skip_invalid_rows=True), tiny_tokenizer, "sft")
+    assert len(out["train_dataset"]) == 3
+    assert "d.jsonl, line 3: column 18" in caplog.text and "is not UTF-8" in caplog.text
+
+
+def test_utf16_without_a_byte_order_mark_is_hinted(tmp_path, tiny_tokenizer):
+    path = tmp_path / "d.json"
+    path.write_bytes(json.dumps([{"instruction": "Où?", "output": "Ici"}], ensure_ascii=False).encode("utf-16-le"))
+    with pytest.raises(DataError, match="is not UTF-8. The file holds NUL bytes, so it may be UTF-16"):
+        get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")
+
+
+def test_line_separator_characters_inside_a_jsonl_string_do_not_split_the_line(tmp_path, tiny_tokenizer):
+    rows = [{"instruction": "first\u2028second\x0cthird", "output": "ok\u2029done"}]
+    path = write(tmp_path, "d.jsonl", "\n".join(json.dumps(r, ensure_ascii=False) for r in rows))
+    out = get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")["train_dataset"]
+    assert len(out) == 1
+    assert "first\u2028second" in tiny_tokenizer.decode(out[0]["input_ids"])
+
+
+def test_unpaired_surrogate_escape_is_a_row_error(tmp_path, tiny_tokenizer):
+    path = write(tmp_path, "d.jsonl", '{"instruction": "a \\ud800 b", "output": "x"}')
+    with pytest.raises(DataError, match=r"line 1: field `instruction`: holds an unpaired surrogate"):
+        get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")
+
+
+# ---------------------------------------------------------------------------------------------- predict on dataset
+def test_evaluating_without_training_uses_dataset_as_the_eval_set(tmp_path, tiny_tokenizer):
+    path = write(tmp_path, "d.json", SFT_ROWS)
+    out = get_dataset(config(tmp_path, str(path), do_predict=True), tiny_tokenizer, "sft")
+    assert out["train_dataset"] is None and len(out["eval_dataset"]) == 10
+    # val_size or eval_dataset still decide the evaluation set, and training keeps `dataset` to train on.
+    out = get_dataset(config(tmp_path, str(path), do_eval=True, val_size=3), tiny_tokenizer, "sft")
+    assert len(out["eval_dataset"]) == 3
+    out = get_dataset(config(tmp_path, str(path), do_train=True, do_predict=True), tiny_tokenizer, "sft")
+    assert len(out["train_dataset"]) == 10 and out["eval_dataset"] is None
+
+
+# ---------------------------------------------------------------------------------------------- temp folders
+def test_stale_temporary_folders_are_removed_and_live_ones_kept(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from alignkit.data.loader import STALE_TEMP_SECONDS, remove_stale_temp_dirs
+
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid, host, key = int(finished.stdout), socket.gethostname(), "0123456789abcdef" * 2
+    names = {
+        "dead": f".{key}.tmp-{host}-{dead_pid}-abcd1234",
+        "dead_old_copy": f".{key}.old-{host}-{dead_pid}-abcd1234",
+        "alive": f".{key}.tmp-{host}-{os.getpid()}-abcd1234",
+        "other_host_recent": f".{key}.tmp-elsewhere-1-abcd1234",
+        "other_host_old": f".{key}.tmp-elsewhere-2-abcd1234",
+        "legacy_old": f".{key}.k2j4_9zq",
+        "legacy_recent": f".{key}.a1b2c3d4",
+        "user_folder": ".my.tmp-notes",
+        "cache_entry": key,
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    day_ago = time.time() - STALE_TEMP_SECONDS - 60
+    for which in ("other_host_old", "legacy_old", "user_folder"):
+        os.utime(tmp_path / names[which], (day_ago, day_ago))
+    removed = {p.name for p in remove_stale_temp_dirs(tmp_path)}
+    assert removed == {names[k] for k in ("dead", "dead_old_copy", "other_host_old", "legacy_old")}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        names[k] for k in ("alive", "other_host_recent", "legacy_recent", "user_folder", "cache_entry"))
+
+
+def test_a_cache_write_cleans_up_after_a_killed_run(tmp_path, tiny_tokenizer, monkeypatch):
+    import socket
+
+    from alignkit.data.loader import cache_root
+
+    path = write(tmp_path, "d.json", SFT_ROWS)
+    get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")
+    (key,) = [p.name for p in cache_root().iterdir()]
+    left = cache_root() / f".{key}.tmp-{socket.gethostname()}-999999999-abcd1234"  # no such pid
+    (left / "train").mkdir(parents=True)
+    get_dataset(config(tmp_path, str(path), overwrite_cache=True), tiny_tokenizer, "sft")
+    assert [p.name for p in cache_root().iterdir()] == [key]

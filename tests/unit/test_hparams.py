@@ -21,7 +21,7 @@ def test_overrides_win_over_yaml_and_strings_are_converted():
 def test_yaml_float_written_without_dot_is_accepted(tmp_path):
     # PyYAML reads `1e-4` as a string; users write it that way all the time.
     path = tmp_path / "c.yaml"
-    path.write_text("stage: sft\nlearning_rate: 1e-4\nnum_train_epochs: 2\n")
+    path.write_text("stage: sft\ndataset: demo_sft\nlearning_rate: 1e-4\nnum_train_epochs: 2\n")
     config = read_config(path)
     assert config.training.learning_rate == pytest.approx(1e-4)
     assert config.training.num_train_epochs == 2.0
@@ -105,3 +105,73 @@ def test_report_to_none_stays_the_string_transformers_expects():
     assert config.training.report_to == []  # transformers turns the string "none" into no integrations
     config = parse_config({"max_samples": "None"})
     assert config.data.max_samples is None
+
+
+# ---------------------------------------------------------------------------------------------- issue 10 item 7-8
+@pytest.mark.parametrize("override, key", [
+    ("learning_rate=-1", "learning_rate"),
+    ("learning_rate=nan", "learning_rate"),
+    ("per_device_train_batch_size=0", "per_device_train_batch_size"),
+    ("per_device_eval_batch_size=-2", "per_device_eval_batch_size"),
+    ("gradient_accumulation_steps=0", "gradient_accumulation_steps"),
+    ("max_steps=-5", "max_steps"),
+    ("num_train_epochs=0", "num_train_epochs"),
+    ("num_train_epochs=-1", "num_train_epochs"),
+    ("save_steps=0", "save_steps"),
+    ("logging_steps=-1", "logging_steps"),
+    ("weight_decay=-0.1", "weight_decay"),
+    ("adam_beta1=1", "adam_beta1"),
+    ("dataloader_num_workers=-1", "dataloader_num_workers"),
+    ("seed=-1", "seed"),
+    ("max_samples=0", "max_samples"),
+    ("lora_dropout=1", "lora_dropout"),
+    ("lora_alpha=0", "lora_alpha"),
+    ("pref_beta=0", "pref_beta"),
+    ("num_beams=0", "num_beams"),
+    ("top_p=0", "top_p"),
+])
+def test_out_of_range_numbers_are_config_errors_naming_the_key(override, key):
+    stage = "dpo" if key.startswith("pref_") else "sft"  # a stage's own keys are checked for that stage
+    with pytest.raises(ConfigError, match=rf"^{key}="):
+        parse_config({"stage": stage, "dataset": "demo_sft", "do_train": True}, [override])
+
+
+def test_positive_steps_override_a_zero_epoch_count():
+    config = parse_config({"dataset": "demo_sft", "do_train": True}, ["max_steps=3", "num_train_epochs=0"])
+    assert config.training.max_steps == 3
+
+
+def test_fp16_is_refused_on_a_cpu_and_accepted_with_a_gpu(monkeypatch):
+    import alignkit.hparams as hparams
+
+    monkeypatch.setattr(hparams, "_has_accelerator", lambda: False)
+    with pytest.raises(ConfigError, match="fp16=true needs a GPU.*fp32"):
+        parse_config({"dataset": "demo_sft", "do_train": True, "fp16": True})
+    monkeypatch.setattr(hparams, "_has_accelerator", lambda: True)
+    with pytest.raises(ConfigError, match="fp16=true needs a GPU"):  # use_cpu forces the CPU on a GPU machine
+        parse_config({"dataset": "demo_sft", "do_train": True, "fp16": True, "use_cpu": True})
+
+
+def test_config_silent_on_do_keys_trains_and_explicit_keys_are_kept(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("stage: sft\ndataset: demo_sft\n")
+    assert read_config(path).training.do_train is True
+    assert read_config(path, ["do_predict=true"]).training.do_train is False  # an override counts as saying
+    path.write_text("stage: sft\ndataset: demo_sft\ndo_eval: true\n")
+    config = read_config(path)
+    assert (config.training.do_train, config.training.do_eval) == (False, True)
+
+
+def test_config_switching_every_do_key_off_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("stage: sft\ndataset: demo_sft\ndo_train: false\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: do_train, do_eval and do_predict are all false"):
+        read_config(path)
+
+
+def test_config_file_that_is_not_utf8_names_the_byte(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"stage: sft\ndataset: caf\xe9\n")
+    # "stage: sft\n" is 11 bytes and "dataset: caf" 12, so the Latin-1 é is byte 23.
+    with pytest.raises(ConfigError, match=r"c\.yaml: byte 23 \(0xe9\) is not UTF-8"):
+        read_config(path)

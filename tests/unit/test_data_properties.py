@@ -25,7 +25,6 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from alignkit.data import DataError, get_dataset
-from alignkit.data.formats import STAGE_KINDS
 from alignkit.data.loader import convert_dataset, resolve_datasets
 from alignkit.hparams import parse_config
 
@@ -112,6 +111,9 @@ ROW_SHAPES = {
     "text": (row({"text": field(texts)}, {}), ["pt"], None),
 }
 STAGES = ["pt", "sft", "rm", "dpo", "grpo"]
+# The data kind each consumer trains on (grpo/ppo are not registered stages yet; their data kind is).
+STAGE_KINDS = {"pt": "text", "sft": "supervised", "rm": "preference", "dpo": "preference", "grpo": "prompt",
+               "ppo": "prompt"}
 
 # ---------------------------------------------------------------------------------------------- files
 ENCODINGS = ["utf-8-sig", "utf-16", "utf-32", "latin-1"]  # and, mostly, plain utf-8
@@ -244,10 +246,11 @@ def test_get_dataset_gives_token_columns_or_a_data_error(tiny_tokenizer, file, s
         (Path(folder) / name).write_bytes(data)
         # A fresh cache per example (conftest's monkeypatch restores the variable after the test).
         os.environ["ALIGNKIT_DATA_CACHE"] = str(Path(folder) / "cache")
-        config = parse_config({"dataset": str(Path(folder) / name), "dataset_dir": folder, "stage": stage,
+        config = parse_config({"dataset": str(Path(folder) / name), "dataset_dir": folder,
+                               "stage": stage if stage in ("pt", "sft", "rm", "dpo") else "sft",
                                "cutoff_len": 96, "skip_invalid_rows": skip, "val_size": val_size})
         try:
-            out = get_dataset(config, tiny_tokenizer, stage)
+            out = get_dataset(config, tiny_tokenizer, STAGE_KINDS[stage])
         except DataError:
             event("DataError")
             return

@@ -27,7 +27,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .padding_free import FlatBatch, flatten_padded, last_token_per_sequence, row_token_bound, unflatten_to_padded
+from .padding_free import (
+    FlatBatch,
+    attention_slot_cost,
+    flatten_padded,
+    last_token_per_sequence,
+    row_token_bound,
+    unflatten_to_padded,
+)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 # The submodule name of a value head attached to a policy (a name `lora_target: all` skips).
@@ -119,7 +126,8 @@ def last_hidden_states(
     if not padding_free:
         out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.last_hidden_state, None
-    flat = flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(decoder))
+    flat = flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(decoder),
+                          slot_cost=attention_slot_cost(decoder))
     out = decoder(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False)
     return flat.from_rows(out.last_hidden_state).unsqueeze(0), flat
 
@@ -163,7 +171,8 @@ def sequence_rewards(
     """
     flat = None
     if padding_free:
-        flat = flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(model))
+        flat = flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(model),
+                              slot_cost=attention_slot_cost(model))
     captured: list[torch.Tensor] = []
     handle = find_score_head(model).register_forward_hook(lambda _module, _args, output: captured.append(output))
     try:

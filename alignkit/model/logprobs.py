@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ..constants import IGNORE_INDEX
 from .padding_free import (
     FlatBatch,
+    attention_slot_cost,
     flatten_padded,
     next_token_targets,
     row_token_bound,
@@ -199,7 +200,8 @@ def _flat_forward_logps(
     (in the same sequence) is labelled go through the output layer, so prompt and padding cost no
     vocabulary projection at all.
     """
-    flat = flatten_padded(input_ids, attention_mask, labels, max_row_tokens=row_token_bound(model))
+    flat = flatten_padded(input_ids, attention_mask, labels, max_row_tokens=row_token_bound(model),
+                          slot_cost=attention_slot_cost(model))
     targets = next_token_targets(flat.from_rows(flat.labels), flat.sequence_index)
     positions = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
     with _output_layer_on(model, flat.slots[positions]):

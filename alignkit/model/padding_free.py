@@ -55,6 +55,15 @@ one thread, but its many small kernel calls lost at two threads on the loaded ma
 custom attention function registered with transformers and swapped into the model; it is left as a
 follow-up. `cutoff_len` as the bound (LLaMA-Factory's 2048) would be among the slowest choices here.
 
+The bound the trainers use is chosen per batch by a cost model (`cheapest_row_capacity`): a layout of R
+rows of width W costs `R * W * (slot_cost + W)`, where `slot_cost = attention_slot_cost(model)` is how many
+attention score pairs cost as much as one token slot in the layer's weight matrices (3072 for SmolLM2-135M).
+Among the longest sequence times 1, 2, 4, ... and one row of all T tokens it takes the cheapest. Many or
+long sequences get rows as narrow as the longest one (the tables above); a few short chats, whose attention
+square is small, get one row and no row padding at all: the benchmark's 8 SmolLM2 chats (708 tokens,
+longest 230) cost 708 * 3780 = 2.68M in one row against 4 * 230 * 3302 = 3.04M in four rows, and the
+padding slots of four rows also cost a third more activation memory.
+
 On GPUs with flash attention the one-row layout is the right one: transformers turns the resets of a
 single row into `cu_seqlens` for the variable-length kernel (it detects packing only at batch size 1),
 whose cost is each sequence's own, so `row_token_bound` returns None (one row) under a flash-attention
@@ -74,7 +83,7 @@ sequences sharing a row: set `padding_free: false`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -129,17 +138,54 @@ class FlatBatch:
         return out.index_put((self.slots,), values).view(rows, width, *values.shape[1:])
 
 
-def row_layout(lengths: torch.Tensor, max_row_tokens: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+def layout_cost(sizes: Sequence[int], capacity: int, slot_cost: float) -> tuple[float, list[list[int]]]:
+    """Relative cost of packing `sizes` into rows of at most `capacity` tokens, and the rows.
+
+    A row of width W costs `W * slot_cost` in the linear layers (every slot, padding included, goes
+    through every weight matrix) and `W^2` in attention (the CPU kernel scores every pair of a masked row);
+    all rows are padded to the widest one.
+
+    Example: sizes [3, 2], slot_cost 10. Capacity 3: rows [3], [2], width 3: 2 * 3 * 10 + 2 * 3^2 = 78.
+    Capacity 5: one row [3, 2], width 5: 5 * 10 + 5^2 = 75, the cheaper one.
+    """
+    from ..data.packing import pack_lengths
+
+    bins = pack_lengths(list(sizes), max(capacity, 1))
+    width = max((sum(sizes[i] for i in members) for members in bins), default=0)
+    return len(bins) * width * (slot_cost + width), bins
+
+
+def cheapest_row_capacity(sizes: Sequence[int], slot_cost: float) -> int:
+    """The row-width bound, among the longest sequence times 1, 2, 4, ... and all tokens in one row, whose
+    layout `layout_cost` rates cheapest (ties go to the narrower rows).
+
+    Few short sequences cost least in one row (no row padding, and the attention square is small); many or
+    long ones in rows as narrow as the longest sequence (the attention square grows with the row).
+    """
+    longest, total = max(sizes, default=0), sum(sizes)
+    candidates, capacity = [], max(longest, 1)
+    while capacity < total:
+        candidates.append(capacity)
+        capacity *= 2
+    candidates.append(max(total, 1))
+    return min(candidates, key=lambda c: (layout_cost(sizes, c, slot_cost)[0], c))
+
+
+def row_layout(
+    lengths: torch.Tensor, max_row_tokens: Optional[int], slot_cost: Optional[float] = None
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Where each sequence goes when the sequences are packed into rows of bounded width.
 
     Rows hold at most `max(max_row_tokens, longest sequence)` tokens, filled best-fit decreasing
     (`alignkit.data.packing.pack_lengths`); a sequence is never split across rows, and one too long to
-    share a row with any other has a row of its own.
+    share a row with any other has a row of its own. With `max_row_tokens=0` and a `slot_cost`, the bound
+    is the cheapest of `cheapest_row_capacity`'s candidates instead of the longest sequence.
 
     Args:
         lengths: `[N]` tokens per sequence.
         max_row_tokens: the row-width bound; None puts every sequence in one row (only for attention
             kernels with variable-length support, see the module docstring).
+        slot_cost: the model's `attention_slot_cost`, to choose the bound by cost when `max_row_tokens` is 0.
 
     Returns:
         `(row, start, num_rows, width)`: `[N]` long row of each sequence, `[N]` long offset of its first
@@ -153,7 +199,12 @@ def row_layout(lengths: torch.Tensor, max_row_tokens: Optional[int]) -> tuple[to
 
     sizes = lengths.tolist()
     longest = max(sizes, default=0)
-    capacity = sum(sizes) if max_row_tokens is None else max(int(max_row_tokens), longest)
+    if max_row_tokens is None:
+        capacity = sum(sizes)
+    elif max_row_tokens == 0 and slot_cost is not None:
+        capacity = cheapest_row_capacity(sizes, slot_cost)
+    else:
+        capacity = max(int(max_row_tokens), longest)
     bins = pack_lengths(sizes, max(capacity, 1))
     row = [0] * len(sizes)
     start = [0] * len(sizes)
@@ -174,6 +225,7 @@ def flatten_padded(
     labels: Optional[torch.Tensor] = None,
     *,
     max_row_tokens: Optional[int] = 0,
+    slot_cost: Optional[float] = None,
 ) -> FlatBatch:
     """Pack the real tokens of a left- or right-padded batch into rows of bounded width.
 
@@ -185,6 +237,8 @@ def flatten_padded(
             bounds them by the batch's longest sequence (measured fastest, see the module docstring); a
             larger bound fills rows better but widens each row's attention. None: one row of all the
             tokens (only for kernels with variable-length support, see `row_token_bound`).
+        slot_cost: with `max_row_tokens=0`, choose the bound by cost instead (`attention_slot_cost(model)`;
+            see `cheapest_row_capacity`).
 
     Returns:
         A `FlatBatch` whose `position_ids` restart at 0 for every sequence.
@@ -198,7 +252,7 @@ def flatten_padded(
     starts = torch.cumsum(lengths, 0) - lengths
     flat_positions = torch.arange(flat_ids.numel(), device=device) - starts[sequence_index]
 
-    row, start, num_rows, width = row_layout(lengths, max_row_tokens)
+    row, start, num_rows, width = row_layout(lengths, max_row_tokens, slot_cost)
     slots = (row * width + start)[sequence_index] + flat_positions
     # Row padding: positions counting from 0 at the end of each row's real tokens (so a new block).
     row_used = torch.zeros(num_rows, dtype=torch.long, device=device).index_add(0, row, lengths)
@@ -316,8 +370,37 @@ def row_token_bound(model: torch.nn.Module) -> Optional[int]:
     return 0
 
 
+def attention_slot_cost(model: torch.nn.Module) -> Optional[float]:
+    """How many attention score pairs cost as much as one more token slot, per decoder layer.
+
+    A token slot costs `2 * P` FLOPs in the layer's linear weights (P = q, k, v, o and MLP weights) and a
+    pair of positions `4 * heads * head_dim` in attention (scores and weighted sum); the ratio is what
+    `cheapest_row_capacity` trades row padding against attention with.
+
+    Example, SmolLM2-135M (hidden 576, 9 heads and 3 KV heads of 64, MLP 1536, gated):
+    P = 576*576*2 + 576*192*2 + 3*576*1536 = 3,538,944; 2P / (4*576) = 3072.
+
+    Returns:
+        The ratio, or None when the config does not say the shapes (then rows are bounded by the longest
+        sequence).
+    """
+    config = getattr(getattr(model, "module", model), "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    intermediate = getattr(config, "intermediate_size", None)
+    if not (hidden and heads and intermediate):
+        return None
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    weights = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate
+    return 2 * weights / (4 * heads * head_dim)
+
+
 __all__ = [
     "FlatBatch",
+    "attention_slot_cost",
+    "cheapest_row_capacity",
+    "layout_cost",
     "row_layout",
     "row_token_bound",
     "flatten_padded",

@@ -36,7 +36,13 @@ from ..hparams import Config, ConfigError, GeneratingArguments
 from ..metrics import argmax_logits, compute_token_accuracy, decode_token_ids, similarity_metrics
 from ..model.generation import generate, stop_token_ids
 from ..model.logprobs import forward_sequence_logps
-from ..model.padding_free import first_token_unlabelled, flatten_padded, row_token_bound, unflatten_to_padded
+from ..model.padding_free import (
+    attention_slot_cost,
+    first_token_unlabelled,
+    flatten_padded,
+    row_token_bound,
+    unflatten_to_padded,
+)
 from .base import PREDICTIONS_FILE, StageTrainer, check_splits, run_stage_trainer
 
 logger = logging.getLogger(__name__)
@@ -119,7 +125,7 @@ class SFTTrainer(StageTrainer):
             # The same mechanism for an unpacked batch: its real tokens packed into rows. sft_loss shifts labels
             # along each row, so each example's first label must not be a target of the previous example.
             flat = flatten_padded(inputs.pop("input_ids"), inputs.pop("attention_mask"), labels,
-                                  max_row_tokens=row_token_bound(model))
+                                  max_row_tokens=row_token_bound(model), slot_cost=attention_slot_cost(model))
             inputs.update(input_ids=flat.input_ids, position_ids=flat.position_ids)
             labels = first_token_unlabelled(flat.labels, flat.to_rows(flat.sequence_index, fill=-1))
         # No KV cache in a training forward: it is useless there and disables the packed-sequence mask.

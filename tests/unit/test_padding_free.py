@@ -465,3 +465,62 @@ def test_mixed_batch_sft_loss_and_gradients_equal_the_padded_loss(causal_lm, tmp
     torch.testing.assert_close(logits_f[real], logits_p[real], atol=1e-4, rtol=0)
     for name, grad in grads_p.items():
         torch.testing.assert_close(grads_f[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------- row width by cost
+def test_layout_cost_by_hand():
+    """Sizes [3, 2], slot cost 10: capacity 3 gives rows [3], [2] of width 3: 2 * 3 * (10 + 3) = 78;
+    capacity 5 one row of width 5: 1 * 5 * (10 + 5) = 75."""
+    from alignkit.model.padding_free import cheapest_row_capacity, layout_cost
+
+    assert layout_cost([3, 2], 3, 10.0)[0] == 78
+    assert layout_cost([3, 2], 5, 10.0)[0] == 75
+    assert cheapest_row_capacity([3, 2], 10.0) == 5  # one row is cheaper
+    # A slot cost of 1: capacity 3 costs 2 * 3 * 4 = 24, capacity 5 costs 5 * 6 = 30: narrow rows win.
+    assert cheapest_row_capacity([3, 2], 1.0) == 3
+
+
+def test_attention_slot_cost_of_smollm2_shape_by_hand():
+    """q, o: 576 x 576 each; k, v: 576 x 192 each; gated MLP 3 x 576 x 1536: P = 3,538,944 weights per layer;
+    2P / (4 * 9 * 64) = 3072 attention pairs per token slot."""
+    from types import SimpleNamespace
+
+    from alignkit.model.padding_free import attention_slot_cost
+
+    config = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                             intermediate_size=1536)
+    assert attention_slot_cost(SimpleNamespace(config=config)) == 3072
+    assert attention_slot_cost(SimpleNamespace(config=SimpleNamespace())) is None
+
+
+def test_cost_picks_one_row_for_a_few_short_chats_and_narrow_rows_for_long_batches():
+    """The two regimes of issue 11 on the SmolLM2 shape: the benchmark's 8 short chats (708 tokens, one row:
+    708 * (3072 + 708) = 2.68M against 4 rows of 230: 4 * 230 * (3072 + 230) = 3.04M) and 32 sequences of 512
+    (one row would square 16384 tokens)."""
+    from alignkit.model.padding_free import cheapest_row_capacity
+
+    chats = [230, 120, 90, 73, 70, 60, 55, 10]
+    assert sum(chats) == 708
+    assert cheapest_row_capacity(chats, 3072.0) == 708
+    assert cheapest_row_capacity([512] * 32, 3072.0) == 512
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.floats(0.5, 5000))
+def test_cost_choice_never_costs_more_than_rows_bounded_by_the_longest(sizes, slot_cost):
+    from alignkit.model.padding_free import cheapest_row_capacity, layout_cost
+
+    chosen = cheapest_row_capacity(sizes, slot_cost)
+    assert max(sizes) <= chosen <= max(sum(sizes), 1)
+    assert layout_cost(sizes, chosen, slot_cost)[0] <= layout_cost(sizes, max(sizes), slot_cost)[0]
+
+
+def test_flatten_with_slot_cost_keeps_every_token_and_equal_logps(causal_lm):
+    """The cost-chosen layout gives the same per-token log-probs as the padded batch."""
+    from alignkit.model.logprobs import forward_token_logps
+
+    batch = padded_batch("right")
+    padded, mask = forward_token_logps(causal_lm, **batch, padding_free=False)
+    packed, packed_mask = forward_token_logps(causal_lm, **batch, padding_free=True)
+    assert torch.equal(mask, packed_mask)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)

@@ -58,11 +58,13 @@ follow-up. `cutoff_len` as the bound (LLaMA-Factory's 2048) would be among the s
 The bound the trainers use is chosen per batch by a cost model (`cheapest_row_capacity`): a layout of R
 rows of width W costs `R * W * (slot_cost + W)`, where `slot_cost = attention_slot_cost(model)` is how many
 attention score pairs cost as much as one token slot in the layer's weight matrices (3072 for SmolLM2-135M).
-Among the longest sequence times 1, 2, 4, ... and one row of all T tokens it takes the cheapest. Many or
-long sequences get rows as narrow as the longest one (the tables above); a few short chats, whose attention
-square is small, get one row and no row padding at all: the benchmark's 8 SmolLM2 chats (708 tokens,
-longest 230) cost 708 * 3780 = 2.68M in one row against 4 * 230 * 3302 = 3.04M in four rows, and the
-padding slots of four rows also cost a third more activation memory.
+One row of all T tokens holds no padding, so it has the fewest slots and the least activation memory; rows
+of the longest sequence times 1, 2, 4, ... are taken only when the cheapest of them costs under 3/4 of the
+one row. Many or long sequences get rows as narrow as the longest one (the tables above; 32 x 512 on
+SmolLM2: 18% of the one-row cost); a few short chats, whose attention square is small, keep one row: the
+benchmark's chats cost 708 * 3780 = 2.68M in one row against 4 * 230 * 3302 = 3.04M in four rows. Rows
+bounded by the longest sequence for every batch measured +450 MB peak RSS for SFT on the benchmark (their
+row padding) for a few percent of time.
 
 On GPUs with flash attention the one-row layout is the right one: transformers turns the resets of a
 single row into `cu_seqlens` for the variable-length kernel (it detects packing only at batch size 1),
@@ -155,20 +157,36 @@ def layout_cost(sizes: Sequence[int], capacity: int, slot_cost: float) -> tuple[
     return len(bins) * width * (slot_cost + width), bins
 
 
-def cheapest_row_capacity(sizes: Sequence[int], slot_cost: float) -> int:
-    """The row-width bound, among the longest sequence times 1, 2, 4, ... and all tokens in one row, whose
-    layout `layout_cost` rates cheapest (ties go to the narrower rows).
+# A layout of several rows must cost less than this share of the one-row layout to be taken: its row padding
+# costs activation memory (measured: +450 MB peak RSS for SFT on the benchmark's chats) that the FLOP count
+# does not see, so a few percent of FLOPs do not pay for it.
+MULTI_ROW_MAX_COST_SHARE = 0.75
 
-    Few short sequences cost least in one row (no row padding, and the attention square is small); many or
-    long ones in rows as narrow as the longest sequence (the attention square grows with the row).
+
+def cheapest_row_capacity(sizes: Sequence[int], slot_cost: float) -> int:
+    """The row-width bound: all tokens in one row, unless rows of the longest sequence times 1, 2, 4, ...
+    cost (`layout_cost`) less than `MULTI_ROW_MAX_COST_SHARE` of it; then the cheapest of those.
+
+    One row holds no padding at all (the fewest slots, so the least activation memory) and its attention
+    square is small for a few short sequences; many or long sequences make that square dominate, and rows
+    as narrow as the longest sequence then cost a fraction of it.
+
+    Example (SmolLM2, slot_cost 3072): 8 chats of 708 tokens, longest 230: one row 708 * (3072 + 708) =
+    2.68M, four rows of 230 cost 4 * 230 * 3302 = 3.04M: one row. 32 sequences of 512: one row
+    16384 * 19456 = 319M, 32 rows of 512 cost 32 * 512 * 3584 = 58.7M (18%): rows of 512.
     """
     longest, total = max(sizes, default=0), sum(sizes)
+    one_row = max(total, 1)
     candidates, capacity = [], max(longest, 1)
     while capacity < total:
         candidates.append(capacity)
         capacity *= 2
-    candidates.append(max(total, 1))
-    return min(candidates, key=lambda c: (layout_cost(sizes, c, slot_cost)[0], c))
+    if not candidates:
+        return one_row
+    best = min(candidates, key=lambda c: (layout_cost(sizes, c, slot_cost)[0], c))
+    if layout_cost(sizes, best, slot_cost)[0] < MULTI_ROW_MAX_COST_SHARE * layout_cost(sizes, one_row, slot_cost)[0]:
+        return best
+    return one_row
 
 
 def row_layout(
@@ -399,6 +417,7 @@ def attention_slot_cost(model: torch.nn.Module) -> Optional[float]:
 __all__ = [
     "FlatBatch",
     "attention_slot_cost",
+    "MULTI_ROW_MAX_COST_SHARE",
     "cheapest_row_capacity",
     "layout_cost",
     "row_layout",

@@ -476,8 +476,11 @@ def test_layout_cost_by_hand():
     assert layout_cost([3, 2], 3, 10.0)[0] == 78
     assert layout_cost([3, 2], 5, 10.0)[0] == 75
     assert cheapest_row_capacity([3, 2], 10.0) == 5  # one row is cheaper
-    # A slot cost of 1: capacity 3 costs 2 * 3 * 4 = 24, capacity 5 costs 5 * 6 = 30: narrow rows win.
-    assert cheapest_row_capacity([3, 2], 1.0) == 3
+    # A slot cost of 1: capacity 3 costs 2 * 3 * 4 = 24, one row 5 * 6 = 30; 24 < 0.75 * 30 = 22.5 is false,
+    # so the padding of two rows is not worth it: one row.
+    assert cheapest_row_capacity([3, 2], 1.0) == 5
+    # [4, 4] with slot cost 0: rows of 4 cost 2 * 4 * 4 = 32, one row 8 * 8 = 64: 32 < 48, rows of 4.
+    assert cheapest_row_capacity([4, 4], 0.0) == 4
 
 
 def test_attention_slot_cost_of_smollm2_shape_by_hand():
@@ -507,12 +510,19 @@ def test_cost_picks_one_row_for_a_few_short_chats_and_narrow_rows_for_long_batch
 
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.floats(0.5, 5000))
-def test_cost_choice_never_costs_more_than_rows_bounded_by_the_longest(sizes, slot_cost):
-    from alignkit.model.padding_free import cheapest_row_capacity, layout_cost
+def test_cost_choice_is_one_row_or_a_clear_saving(sizes, slot_cost):
+    """Several rows only when they cost under 3/4 of one row, and then no more than rows of the longest."""
+    from alignkit.model.padding_free import MULTI_ROW_MAX_COST_SHARE, cheapest_row_capacity, layout_cost
 
     chosen = cheapest_row_capacity(sizes, slot_cost)
-    assert max(sizes) <= chosen <= max(sum(sizes), 1)
-    assert layout_cost(sizes, chosen, slot_cost)[0] <= layout_cost(sizes, max(sizes), slot_cost)[0]
+    total = sum(sizes)
+    assert max(sizes) <= chosen <= total
+    one_row = layout_cost(sizes, total, slot_cost)[0]
+    if chosen < total:
+        assert layout_cost(sizes, chosen, slot_cost)[0] < MULTI_ROW_MAX_COST_SHARE * one_row
+        assert layout_cost(sizes, chosen, slot_cost)[0] <= layout_cost(sizes, max(sizes), slot_cost)[0]
+    else:
+        assert layout_cost(sizes, max(sizes), slot_cost)[0] >= MULTI_ROW_MAX_COST_SHARE * one_row
 
 
 def test_flatten_with_slot_cost_keeps_every_token_and_equal_logps(causal_lm):

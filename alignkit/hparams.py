@@ -425,9 +425,20 @@ def _stage_argument_classes() -> dict[str, type]:
     return {name: stage.arguments for name, stage in STAGES.items() if stage.arguments is not None}
 
 
-def _owners() -> dict[str, type]:
+def _owners(stage: Optional[str] = None) -> dict[str, type]:
+    """Key → the dataclass that receives it.
+
+    A key may belong to several stages' classes (GRPO and PPO share the reward-function keys); it goes to
+    the class of `stage` when that class has it, else to the first stage class that does (so the error
+    can name a stage it applies to).
+    """
+    stage_classes = _stage_argument_classes()
     owners: dict[str, type] = {}
-    for cls in (*ARG_CLASSES, *dict.fromkeys(_stage_argument_classes().values())):
+    preferred = stage_classes.get(stage) if stage is not None else None
+    if preferred is not None:
+        for name in _field_types(preferred):
+            owners[name] = preferred
+    for cls in (*ARG_CLASSES, *dict.fromkeys(stage_classes.values())):
         for name in _field_types(cls):
             owners.setdefault(name, cls)
     return owners
@@ -480,7 +491,7 @@ def parse_config(
         key, value = parse_override(item)
         merged[key] = value
 
-    owners = _owners()
+    owners = _owners(str(merged.get("stage", FinetuningArguments.stage)))
     where = f" in {source}" if source else ""
     per_class: dict[type, dict[str, Any]] = {cls: {} for cls in set(owners.values())}
     for key, value in merged.items():

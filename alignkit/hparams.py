@@ -88,8 +88,9 @@ class DataArguments:
     template: Optional[str] = field(
         default=None,
         metadata={
-            "help": "Chat template: unset uses the tokenizer's own; built-in ones are `chatml`, `llama3`, "
-            "`plain` (for base models without a template)."
+            "help": "Chat template: unset uses the tokenizer's own; built-in ones are `chatml`, `qwen`, `qwen3`, "
+            "`smollm2`, `llama3`, `default`, `plain` (for base models without a template), and LLaMA-Factory's "
+            "`qwen3_nothink` and `smollm` (ChatML). A template whose special tokens the tokenizer lacks is refused."
         },
     )
     cutoff_len: int = field(default=2048, metadata={"help": "Maximum tokens per example after tokenisation."})

@@ -16,8 +16,10 @@ Shapes understood (the column names can be remapped through `dataset_info.json`,
 Canonical examples are plain dicts that never reach Arrow:
 ``{"messages": [...]}`` (supervised), ``{"prompt": [...], "chosen": str, "rejected": str, "margin": float|None}``
 (preference), ``{"prompt": [...], "extra": {...}}`` (prompt-only) and ``{"text": str}`` (pretraining).
-Messages are ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``; every example may carry
-``tools`` (a string) for templates that render tool definitions.
+Messages are ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``; a function call (sharegpt
+`function_call` turn) is an assistant message with content "" and ``tool_calls`` (Hugging Face's form, see
+`template`), an `observation` a ``tool`` message. Every example may carry ``tools`` (JSON text of the tool
+signatures) for the template to render.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .errors import DataError, RowError, describe_value
+from .template import parse_tools
 
 FORMATTINGS = ("alpaca", "sharegpt", "openai")
 # The kinds of example the data layer builds; each stage names the one it trains on (`alignkit.stages`).
@@ -186,15 +189,46 @@ def _optional_text(row: dict, column: Optional[str]) -> Optional[str]:
 
 
 def _tools(row: dict, column: Optional[str]) -> Optional[str]:
-    if not column or row.get(column) in (None, ""):
+    """A row's tool signatures as JSON text, checked to be one JSON object or a list of them."""
+    if not column or row.get(column) in (None, "", []):
         return None
     value = row[column]
     try:
-        if isinstance(value, str):
-            return _text(value, column, allow_empty=True)
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):  # a parquet cell of bytes, a date, a NaN ...
-        raise RowError(column, f"expected tool definitions as text or JSON, got {describe_value(value)}.") from None
+        text = _text(value, column, allow_empty=True) if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        parse_tools(text)
+    except (TypeError, ValueError, RecursionError):  # not JSON, a JSON scalar, or a parquet cell of bytes, a date, a NaN ...
+        raise RowError(column, "expected tool signatures as JSON (an object or a list of objects with `name`, "
+                               f"`description`, `parameters`), got {describe_value(value)}.") from None
+    return text
+
+
+def _function_call(value: Any, field_name: str) -> dict[str, Any]:
+    """A `function_call` turn → an assistant message with `tool_calls` (content "").
+
+    The turn's content is JSON: `{"name": ..., "arguments": {...}}` or a list of them (parallel calls);
+    `arguments` may also be JSON text of an object, as OpenAI writes it.
+    """
+    try:
+        calls = json.loads(_text(value, field_name))
+    except (ValueError, RecursionError):
+        calls = None
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list) or not calls:
+        raise RowError(field_name, 'a function call must be JSON {"name": ..., "arguments": {...}} (or a list of '
+                                   f"them), got {describe_value(value)}.")
+    tool_calls = []
+    for call in calls:
+        arguments = call.get("arguments") if isinstance(call, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+            raise RowError(field_name, "each function call needs a `name` (text) and `arguments` (an object), got "
+                                       f"{describe_value(call)}.")
+        tool_calls.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
+    return {"role": "assistant", "content": "", "tool_calls": tool_calls}
 
 
 def _required(row: dict, column: str) -> Any:
@@ -270,7 +304,10 @@ def _messages(value: Any, field_name: str, attr: DatasetAttr, *, system: Optiona
             raise RowError(f"{where}.{role_tag}", f"role {role!r} is out of order: expected "
                                                   f"{' or '.join(map(repr, expected))} (turns must alternate "
                                                   "user/assistant after an optional leading system message).")
-        out.append({"role": expected[role], "content": _text(message[content_tag], f"{where}.{content_tag}")})
+        if role == attr.tag("function_tag"):
+            out.append(_function_call(message[content_tag], f"{where}.{content_tag}"))
+        else:
+            out.append({"role": expected[role], "content": _text(message[content_tag], f"{where}.{content_tag}")})
         turn += 1
     return out
 

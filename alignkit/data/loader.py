@@ -39,10 +39,12 @@ from .template import ChatFormatter
 
 logger = logging.getLogger(__name__)
 
-FILE_TYPES = (".json", ".jsonl", ".csv", ".parquet")
+FILE_TYPES = (".json", ".jsonl", ".csv", ".parquet", ".txt")
 CACHE_VERSION = 1  # bump when tokenisation changes so old caches are not reused
 _REGISTRY = "dataset_info.json"
 _REPORT_ROWS = 5  # rows named in a warning
+# LLaMA-Factory's multimodal columns (dataset_info.json `columns` roles and the rows' default names).
+MEDIA_COLUMNS = ("images", "videos", "audios")
 
 
 # ---------------------------------------------------------------------------------------------- resolve
@@ -139,6 +141,8 @@ def _data_files(attr: DatasetAttr) -> list[Path]:
     path = Path(attr.path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_TYPES)
+        if any(p.suffix.lower() != ".txt" for p in files):  # a notes.txt beside the data is not data
+            files = [p for p in files if p.suffix.lower() != ".txt"]
         if not files:
             raise DataError(f"dataset {attr.name!r}: folder {path} holds no {'/'.join(FILE_TYPES)} files.")
         return files
@@ -224,6 +228,20 @@ def _read_json_lines(data: bytes, rows: _Rows) -> None:
             rows.items.append((number, RowError(None, f"cannot read this JSON ({err or 'nested too deeply'}).")))
 
 
+def _read_text_lines(data: bytes, rows: _Rows) -> None:
+    """A .txt file for pretraining: one document per line, as `{"text": line}` rows.
+
+    LLaMA-Factory reads .txt with the `datasets` text builder, one row per line, where a blank line is an
+    empty document that adds only an eos token to the stream; blank lines hold no text, so they are skipped
+    here. A trailing `\r` (Windows line ends) is not part of the document.
+    """
+    for number, line in _decoded_lines(data, rows.source):
+        if isinstance(line, RowError):
+            rows.items.append((number, line))
+        elif line.strip():
+            rows.items.append((number, {"text": line.removesuffix("\r")}))
+
+
 def _decode_keeping_bad_bytes(data: bytes, source: str) -> str:
     """Text of a whole file in which undecodable UTF-8 bytes survive as lone surrogates (`_UNDECODABLE`),
     so the row holding them can be named; files with a UTF-16/32 byte-order mark decode strictly."""
@@ -272,6 +290,9 @@ def _read_file(path: Path, max_rows: Optional[int]) -> _Rows:
     if suffix == ".jsonl":
         rows = _Rows(source, line_based=True)
         _read_json_lines(path.read_bytes(), rows)
+    elif suffix == ".txt":
+        rows = _Rows(source, line_based=True)
+        _read_text_lines(path.read_bytes(), rows)
     elif suffix == ".json":
         data_bytes = path.read_bytes()
         text = _decode_keeping_bad_bytes(data_bytes, source)
@@ -362,6 +383,58 @@ def _resolve_formatting(attr: DatasetAttr, rows: _Rows, kind: str) -> str:
     return formatting
 
 
+def _refuse_text_file(attr: DatasetAttr, kind: str, stage: str) -> None:
+    """A .txt file is plain documents; only pretraining (kind `text`) can use it."""
+    if kind == "text" or attr.load_from != "file":
+        return
+    txt = next((p for p in _data_files(attr) if p.suffix.lower() == ".txt"), None)
+    if txt is not None:
+        raise DataError(f"dataset {attr.name!r}: {txt} is a .txt file (plain text, one document per line), which "
+                        f"only stage pt trains on; stage {stage} needs {kind} examples. Use stage: pt, or give a "
+                        ".json/.jsonl/.csv/.parquet file with the stage's columns.")
+
+
+def _refuse_media(attr: DatasetAttr, rows: _Rows) -> None:
+    """Images, videos or audio (LLaMA-Factory's `images`/`videos`/`audios` columns) cannot be trained here;
+    training on the text alone would keep the rows' `<image>` placeholders as literal text."""
+    why = ("alignkit trains text-only models: multimodal training is not supported yet, and training on the text "
+           "alone would keep the rows' <image>/<video>/<audio> placeholders as literal text. Use a multimodal "
+           "trainer for this dataset, or remove the media column and the placeholders to train on the text.")
+    for role in MEDIA_COLUMNS:
+        if role in attr.columns:
+            raise DataError(f"dataset {attr.name!r}: dataset_info.json maps `{role}` to column "
+                            f"`{attr.columns[role]}`; {why}")
+    for number, row in rows.items:
+        if isinstance(row, dict):
+            column = next((c for c in MEDIA_COLUMNS if row.get(c) not in (None, "", [])), None)
+            if column is not None:
+                raise DataError(f"dataset {attr.name!r}: {rows.ref(number)} has a `{column}` column; {why}")
+
+
+def _warn_unused_kto_tags(attr: DatasetAttr, rows: _Rows, stage: str) -> None:
+    """Warn when rows carry KTO desirability tags (LLaMA-Factory's `kto_tag` column, TRL's boolean `label`)
+    that this stage ignores: the rows tagged false are trained on as targets like the others."""
+    column = attr.columns.get("kto_tag")
+    dicts = [(number, row) for number, row in rows.items if isinstance(row, dict)]
+    if column is None:
+        column = "kto_tag" if any("kto_tag" in row for _, row in dicts) else None
+    if column is None and any(isinstance(row.get("label"), bool) for _, row in dicts):
+        column = "label"
+    if column is None:
+        return
+    undesirable = [number for number, row in dicts if row.get(column) is False
+                   or (isinstance(row.get(column), str) and row[column].strip().lower() == "false")]
+    if undesirable:
+        what = "line" if rows.line_based else "row"
+        logger.warning(
+            "Dataset %r (%s): %d of %d %ss are marked undesirable (`%s` is false): %s %s%s. Stage %s does not "
+            "read that column, so it trains on their replies as targets like the others. Use stage: kto to learn "
+            "from the tag, or remove those rows to train only on the desirable replies.",
+            attr.name, rows.source, len(undesirable), len(dicts), what, column, what,
+            ", ".join(map(str, undesirable[:_REPORT_ROWS])), " ..." if len(undesirable) > _REPORT_ROWS else "",
+            stage)
+
+
 def convert_dataset(attr: DatasetAttr, kind: str, stage: str, max_samples: Optional[int],
                     skip_invalid_rows: bool) -> list[tuple[str, dict]]:
     """Read, check and convert one dataset into (reference, canonical example) pairs.
@@ -371,7 +444,11 @@ def convert_dataset(attr: DatasetAttr, kind: str, stage: str, max_samples: Optio
     """
     examples: list[tuple[str, dict]] = []
     skipped: list[tuple[str, str]] = []
+    _refuse_text_file(attr, kind, stage)
     for rows in read_rows(attr, max_samples):
+        _refuse_media(attr, rows)
+        if stage != "kto":
+            _warn_unused_kto_tags(attr, rows, stage)
         formatting = _resolve_formatting(attr, rows, kind)
         if formatting in FORMATTINGS:
             attr = dataclasses.replace(attr, formatting=formatting)  # its default column names apply
@@ -573,6 +650,11 @@ def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
     """
     kind = resolve_kind(kind)
     d = config.data
+    formatter = ChatFormatter(tokenizer, d.template)
+    if formatter.jinja_template() is not None:
+        # The tokenizer is saved with the trained model (the Trainer's processing_class): it must carry the
+        # format trained with, so that chat and export after training use it.
+        tokenizer.chat_template = formatter.jinja_template()
     if d.tokenized_path and Path(d.tokenized_path).is_dir():
         logger.warning("Loading tokenised data from tokenized_path=%s; the dataset settings are ignored.",
                        d.tokenized_path)
@@ -588,7 +670,6 @@ def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
         # `do_predict: true, dataset: X` configs rely on it).
         logger.info("do_train is false: evaluating/predicting on dataset=%s.", d.dataset)
         train_attrs, eval_attrs = [], train_attrs
-    formatter = ChatFormatter(tokenizer, d.template)
 
     key_parts = {
         "version": CACHE_VERSION, "kind": kind, "train": [_attr_fingerprint(a) for a in train_attrs],

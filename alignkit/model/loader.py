@@ -118,7 +118,27 @@ def load_tokenizer(model_args: ModelArguments):
         logger.warning("The tokenizer of %s has no pad token; using its eos token %r.", path, tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
+    adapters = split_adapters(model_args.adapter_name_or_path)
+    saved = saved_chat_template(adapters[-1]) if adapters else None
+    if saved is not None and saved != tokenizer.chat_template:
+        # Training saves the template it rendered with beside the adapter (`template` may differ from the
+        # base's own): chat, export and later stages must use that format.
+        logger.info("Using the chat template saved with adapter %s (the format it was trained with).", adapters[-1])
+        tokenizer.chat_template = saved
     return tokenizer
+
+
+def saved_chat_template(folder: str | os.PathLike) -> str | None:
+    """The chat template a tokenizer saved in `folder` holds (`chat_template.jinja`, else the
+    `chat_template` of `tokenizer_config.json`), or None."""
+    jinja = Path(folder) / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = Path(folder) / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
 
 
 def load_model(

@@ -85,6 +85,7 @@ def test_openai_messages_with_leading_system_message(tmp_path, tiny_tokenizer):
 
 def test_plain_template_for_base_models(tmp_path, tiny_tokenizer):
     rows = [{"instruction": "Hi", "output": "Hello!", "system": "Be brief."}]
+    tiny_tokenizer = copy.deepcopy(tiny_tokenizer)  # a built-in template is installed into the tokenizer
     row = load(tmp_path, tiny_tokenizer, rows, template="plain")["train_dataset"][0]
     assert tiny_tokenizer.decode(row["input_ids"]) == "Be brief.\n\nHuman: Hi\nAssistant: Hello!<|im_end|>\n"
     assert trained_spans(tiny_tokenizer, row) == ["Hello!<|im_end|>\n"]
@@ -103,7 +104,7 @@ def test_template_whose_prefixes_do_not_match_is_rejected(tiny_tokenizer):
 
 
 def test_unknown_template_names_the_choices(tiny_tokenizer):
-    with pytest.raises(DataError, match="chatml, llama3, plain"):
+    with pytest.raises(DataError, match="not built in. Choose one of chatml, .*llama3, .*plain, .*qwen3_nothink"):
         ChatFormatter(tiny_tokenizer, "vicuna")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import logging
@@ -208,6 +209,7 @@ def test_identical_pairs_are_dropped_with_a_warning(tmp_path, tiny_tokenizer, ca
 
 # ---------------------------------------------------------------------------------------------- cache
 def test_second_run_hits_the_cache_and_key_changes_retokenise(tmp_path, tiny_tokenizer, monkeypatch):
+    tiny_tokenizer = copy.deepcopy(tiny_tokenizer)  # `template: plain` below is installed into the tokenizer
     path = write(tmp_path, "d.json", SFT_ROWS)
     first = get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")["train_dataset"]
 

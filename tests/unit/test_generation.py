@@ -97,8 +97,13 @@ def test_stop_token_ids_per_template(tiny_tokenizer):
     assert ChatFormatter(other_eos, "chatml").stop_token_ids() == [IM_END, ENDOFTEXT]
     assert ChatFormatter(other_eos).stop_token_ids() == [IM_END, ENDOFTEXT]
     assert ChatFormatter(other_eos, "plain").stop_token_ids() == [ENDOFTEXT]  # plain closes a reply with eos
-    with pytest.raises(DataError, match=r"'llama3'.*<\|eot_id\|>.*not a special token"):
-        ChatFormatter(tiny_tokenizer, "llama3").stop_token_ids()
+    with pytest.raises(DataError, match=r"'llama3'.*<\|eot_id\|>.*not have as single tokens"):
+        ChatFormatter(tiny_tokenizer, "llama3")
+    text_end = copy.deepcopy(tiny_tokenizer)
+    text_end.chat_template = ("{% for m in messages %}{{ m.role + ': ' + m.content + ' END' }}{% endfor %}"
+                              "{% if add_generation_prompt %}assistant: {% endif %}")
+    with pytest.raises(DataError, match=r"'END'.*not a special token"):
+        ChatFormatter(text_end).stop_token_ids()
     no_template = copy.deepcopy(other_eos)
     no_template.chat_template = None
     assert stop_token_ids(no_template) == [ENDOFTEXT]  # a base model for `stage: pt`

@@ -431,7 +431,8 @@ def _warn_unused_kto_tags(attr: DatasetAttr, rows: _Rows, stage: str) -> None:
             "read that column, so it trains on their replies as targets like the others. Use stage: kto to learn "
             "from the tag, or remove those rows to train only on the desirable replies.",
             attr.name, rows.source, len(undesirable), len(dicts), what, column, what,
-            ", ".join(map(str, undesirable[:_REPORT_ROWS])), " ..." if len(undesirable) > _REPORT_ROWS else "",
+            ", ".join(map(str, undesirable[:_REPORT_ROWS])),
+            f" and {len(undesirable) - _REPORT_ROWS} more" if len(undesirable) > _REPORT_ROWS else "",
             stage)
 
 
@@ -635,6 +636,9 @@ def resolve_kind(kind_or_stage: str) -> str:
 
 def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
     """Tokenised train and eval datasets of one kind (see docs/ARCHITECTURE.md for the columns).
+
+    With a built-in `template`, `tokenizer.chat_template` is set to that template's Jinja (the tokenizer a
+    stage saves with its model must render what was trained); pass a copy to keep the tokenizer as it was.
 
     Args:
         config: the run's `Config` (its `data` section, `finetuning.stage` for messages, and

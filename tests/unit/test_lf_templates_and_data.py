@@ -287,7 +287,7 @@ def test_kto_tag_under_sft_warns_with_the_undesirable_rows(tmp_path, tiny_tokeni
         rows = load(tmp_path, tiny_tokenizer, "kto")["train_dataset"]
     assert len(rows) == 9  # still trained: a warning, not a refusal
     message = " ".join(r.getMessage() for r in caplog.records)
-    assert "6 of 9 rows are marked undesirable (`label` is false): row 2, 3, 5, 6, 7 ..." in message
+    assert "6 of 9 rows are marked undesirable (`label` is false): row 2, 3, 5, 6, 7 and 1 more." in message
     assert "Stage sft does not read that column" in message and "Use stage: kto" in message
 
 

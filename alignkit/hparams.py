@@ -624,7 +624,7 @@ def parse_config(
     if train_kwargs.get("fp16") and train_kwargs.get("bf16"):
         raise ConfigError(f"fp16 and bf16 are both true{where}; choose one.")
     choose_precision(train_kwargs)
-    if "warmup_ratio" in merged and "warmup_steps" in merged:
+    if train_kwargs.get("warmup_ratio") is not None and "warmup_steps" in train_kwargs:
         raise ConfigError(f"{_BOTH_WARMUP_KEYS[:-1]}{where}.")
     if train_kwargs.get("do_eval") is False and train_kwargs.get("eval_strategy", "no") != "no":
         # transformers switches do_eval back on for any eval_strategy but `no`, so `do_eval: false` alone would

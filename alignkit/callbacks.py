@@ -208,17 +208,30 @@ def smooth(values: list[float], weight: float | None = None) -> list[float]:
     return out
 
 
-def plot_loss(output_dir: str | os.PathLike, keys: list[str] | None = None) -> list[Path]:
-    """Write `training_<key>.png` (raw and smoothed curves) for each numeric series with > 1 point.
+def is_run_summary(record: dict[str, Any]) -> bool:
+    """Whether a `trainer_log.jsonl` record is the summary a run logs when `trainer.train()` ends.
 
-    Keys default to every logged metric; `/` in a metric name becomes `_` in the file name.
+    It holds `train_runtime` (which `LogCallback` keeps out of step records) and `train_loss`, the average
+    loss of that run (since its resume, for a resumed run), at the step the run ended on: a run's
+    summary, not a point of the loss curve.
+    """
+    return "train_runtime" in record
+
+
+def plot_loss(output_dir: str | os.PathLike, keys: list[str] | None = None) -> list[Path]:
+    """Write `training_<key>.png` (raw and smoothed curves) for each numeric series logged at >= 2 steps.
+
+    Keys default to every logged metric; `/` in a metric name becomes `_` in the file name. Run summaries
+    (`is_run_summary`) are not curve points: after a resume each run's average `train_loss` would otherwise
+    draw a line between runs. A step logged twice counts once (its last value), and a series with fewer than
+    two steps is skipped with a log line, since one point makes empty axes.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_log(output_dir)
+    records = [r for r in read_log(output_dir) if not is_run_summary(r)]
     skip = {"current_steps", "total_steps", "percentage", "epoch", "elapsed_time", "remaining_time",
             "tokens_per_second", "total_tokens", "learning_rate", "grad_norm", "total_flos"}
 
@@ -229,10 +242,11 @@ def plot_loss(output_dir: str | os.PathLike, keys: list[str] | None = None) -> l
         keys = sorted({k for r in records for k, v in r.items() if is_metric(k) and isinstance(v, (int, float))})
     written = []
     for key in keys:
-        points = [(r["current_steps"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-        if len(points) < 2:
+        by_step = {r["current_steps"]: r[key] for r in records if isinstance(r.get(key), (int, float))}
+        if len(by_step) < 2:
+            logger.info("plot_loss: no plot of %s, logged at %d step(s); a curve needs 2.", key, len(by_step))
             continue
-        steps, values = zip(*points)
+        steps, values = zip(*sorted(by_step.items()))
         plt.figure()
         plt.plot(steps, values, color="#1f77b4", alpha=0.4, label="original")
         plt.plot(steps, smooth(list(values)), color="#1f77b4", label="smoothed")

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import importlib.metadata
+import logging
 import math
 import os
 import types
@@ -31,10 +33,22 @@ import yaml
 from transformers import Seq2SeqTrainingArguments
 
 BUNDLED_MODEL_NAME = "smollm2-135m-instruct"
+# Stands for the registered stage names in help text, filled in from `alignkit.stages.STAGES` when shown, so
+# the help lists exactly the stages that exist.
+STAGE_NAMES = "<registered stages>"
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
     """A configuration problem the user must fix; the message says which key and how."""
+
+
+def stage_names() -> str:
+    """The registered stages (`alignkit.stages.STAGES`), comma-separated, for messages and help text."""
+    from .stages import STAGES
+
+    return ", ".join(STAGES)
 
 
 @dataclass
@@ -134,7 +148,7 @@ class FinetuningArguments:
 
     stage: str = field(
         default="sft",
-        metadata={"help": "Training stage: pt, sft, rm or dpo (the registry `alignkit.stages.STAGES` lists them)."},
+        metadata={"help": f"Training stage, one of {STAGE_NAMES}."},
     )
     finetuning_type: Literal["lora", "full", "freeze"] = field(
         default="lora", metadata={"help": "LoRA adapter (default), full fine-tuning, or only the last layers."}
@@ -161,7 +175,7 @@ class FinetuningArguments:
         if self.stage not in STAGES:
             close = difflib.get_close_matches(self.stage, list(STAGES), n=1, cutoff=0.5)
             hint = f" Did you mean `{close[0]}`?" if close else ""
-            raise ConfigError(f"stage={self.stage!r} is not a stage; choose one of {', '.join(STAGES)}.{hint}")
+            raise ConfigError(f"stage={self.stage!r} is not a stage; choose one of {stage_names()}.{hint}")
         if self.lora_rank < 1:
             raise ConfigError(f"lora_rank={self.lora_rank} must be >= 1.")
         if not 0 <= self.lora_dropout < 1:
@@ -234,6 +248,14 @@ class TrainingArguments(Seq2SeqTrainingArguments):
         },
     )
     plot_loss: bool = field(default=False, metadata={"help": "Write training_<metric>.png for each logged series."})
+    warmup_ratio: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "Warm up over this share of the training steps, in [0, 1) (LLaMA-Factory's and transformers "
+            "4's key). transformers 5 folded it into `warmup_steps`, where a value below 1 is a share; it is "
+            "copied there, so give one of the two."
+        },
+    )
 
     def __post_init__(self) -> None:
         # Checked before transformers' own __post_init__ and long before the model loads: otherwise these
@@ -268,7 +290,39 @@ class TrainingArguments(Seq2SeqTrainingArguments):
             raise ConfigError(f"dataloader_num_workers={self.dataloader_num_workers} must be >= 0.")
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"seed={self.seed} must be in [0, 2**32) (numpy's range).")
+        if self.warmup_ratio is not None:
+            # transformers 5 reads warmup_steps >= 1 as a step count, so a ratio of 1 (warm up for the whole
+            # run) cannot be carried over: int(1.0) would be one step.
+            if not 0 <= self.warmup_ratio < 1:
+                raise ConfigError(f"warmup_ratio={self.warmup_ratio} must be in [0, 1); for a warm-up counted in "
+                                  "steps give warmup_steps instead.")
+            if self.warmup_steps not in (0, self.warmup_ratio):
+                raise ConfigError(_BOTH_WARMUP_KEYS)
+            self.warmup_steps = self.warmup_ratio
+        if self.deepspeed:
+            _check_deepspeed(self.deepspeed)
         super().__post_init__()
+
+
+_BOTH_WARMUP_KEYS = ("warmup_ratio and warmup_steps are both given; keep one (transformers 5 reads warmup_steps "
+                     "below 1 as a share of the training steps, so warmup_ratio: 0.1 is warmup_steps: 0.1).")
+
+
+def _check_deepspeed(deepspeed: Any) -> None:
+    """Refuse a `deepspeed` config that cannot run here, before transformers fails on it with a traceback.
+
+    transformers checks the package with `importlib.metadata` (a missing one raises `PackageNotFoundError`
+    from deep inside `TrainingArguments`), so the same check is made here first.
+    """
+    try:
+        importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(
+            f"deepspeed={deepspeed!r} needs DeepSpeed, which is not installed: pip install 'alignkit[deepspeed]' "
+            "(DeepSpeed runs on CUDA GPUs; on a CPU remove the `deepspeed` key)."
+        ) from None
+    if isinstance(deepspeed, str) and not Path(deepspeed).is_file():
+        raise ConfigError(f"deepspeed={deepspeed!r}: no such file; give the path of a DeepSpeed JSON config.")
 
 
 def _check_positive(args: Any, *keys: str) -> None:
@@ -311,6 +365,62 @@ def _has_accelerator() -> bool:
     import torch
 
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def _accelerator_has_bf16() -> bool:
+    """Whether the accelerator transformers would train on (CUDA, XPU, MPS, ...) computes in bf16."""
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    return is_torch_bf16_gpu_available()
+
+
+def _cpu_has_bf16() -> bool:
+    from .env import cpu_supports_bf16
+
+    return cpu_supports_bf16()
+
+
+def choose_precision(train_kwargs: dict[str, Any]) -> None:
+    """Settle `fp16` / `bf16` for the device the run will use, before transformers checks them.
+
+    Every LLaMA-Factory example says `bf16: true`, meaning "mixed precision where the hardware has it":
+
+    - an accelerator with bf16 (an Ampere or newer GPU, ...): bf16 as asked;
+    - the CPU (no accelerator, or `use_cpu: true`) with hardware bf16 (AVX512-BF16 or AMX, see
+      `alignkit.env.cpu_supports_bf16`): bf16 autocast on the CPU (`use_cpu` is set, which transformers
+      requires for bf16 without a GPU);
+    - the CPU without it: fp32, with one warning, because emulated bf16 runs about 3x slower than fp32;
+    - a GPU without bf16: left to transformers, whose error says which GPU is needed.
+
+    `fp16: true` on the CPU stays an error: it is never in LLaMA-Factory's examples, so it is a deliberate
+    choice, and CPU autocast in float16 has no hardware support (about 3x slower than fp32) and underflows
+    gradients that fp32 keeps.
+
+    Args:
+        train_kwargs: the `TrainingArguments` keys of the config; `bf16`, `bf16_full_eval` and `use_cpu` are
+            updated in place.
+
+    Raises:
+        ConfigError: fp16 on the CPU.
+    """
+    use_cpu = bool(train_kwargs.get("use_cpu"))
+    on_cpu = use_cpu or not _has_accelerator()
+    if train_kwargs.get("fp16") and on_cpu:
+        raise ConfigError("fp16=true needs a GPU: this run is on the CPU, where float16 gives no speed (about 3x "
+                          "slower than fp32) and loses precision. Remove fp16 (alignkit trains in fp32 on a CPU, "
+                          "or in bf16 with bf16=true where the CPU has bf16 hardware).")
+    asked = [key for key in ("bf16", "bf16_full_eval") if train_kwargs.get(key)]
+    if not asked or (not use_cpu and _accelerator_has_bf16()) or not on_cpu:
+        return
+    if _cpu_has_bf16():
+        train_kwargs["use_cpu"] = True
+        logger.info("bf16=true: training on the CPU in bf16 (this CPU has AVX512-BF16 or AMX).")
+        return
+    for key in asked:
+        train_kwargs[key] = False
+    logger.warning("%s=true: this CPU has no bf16 hardware (AVX512-BF16 or AMX) and runs bf16 about 3x slower than "
+                   "fp32, so this run trains in fp32. Remove the key to silence this; on a GPU or a CPU with bf16 "
+                   "hardware it is used as asked.", " and ".join(asked))
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -514,6 +624,15 @@ def parse_config(
     train_kwargs = per_class[TrainingArguments]
     if train_kwargs.get("fp16") and train_kwargs.get("bf16"):
         raise ConfigError(f"fp16 and bf16 are both true{where}; choose one.")
+    choose_precision(train_kwargs)
+    if train_kwargs.get("warmup_ratio") is not None and "warmup_steps" in train_kwargs:
+        raise ConfigError(f"{_BOTH_WARMUP_KEYS[:-1]}{where}.")
+    if train_kwargs.get("do_eval") is False and train_kwargs.get("eval_strategy", "no") != "no":
+        # transformers switches do_eval back on for any eval_strategy but `no`, so `do_eval: false` alone would
+        # still evaluate every eval_steps.
+        logger.info("do_eval=false: no evaluation during training either (eval_strategy=%s set to no).",
+                    train_kwargs["eval_strategy"])
+        train_kwargs["eval_strategy"] = "no"
 
     def build(cls: type) -> Any:
         try:
@@ -524,6 +643,10 @@ def parse_config(
             raise ConfigError(f"invalid {cls.__name__} settings{where}: {err}") from None
 
     built = {cls: build(cls) for cls in ARG_CLASSES}
+    if built[TrainingArguments].warmup_ratio is not None:
+        logger.info("warmup_ratio=%s is read as warmup_steps=%s (transformers 5 takes a warmup_steps below 1 as "
+                    "a share of the training steps).", built[TrainingArguments].warmup_ratio,
+                    built[TrainingArguments].warmup_steps)
     stage = built[FinetuningArguments].stage
     stage_classes = _stage_argument_classes()
     method_cls = stage_classes.get(stage)
@@ -574,11 +697,6 @@ def check_combinations(config: Config) -> None:
     from .stages import STAGES
 
     t, d, f = config.training, config.data, config.finetuning
-    if t.fp16 and (t.use_cpu or not _has_accelerator()):
-        # transformers accepts it and runs CPU autocast in float16, which has no hardware support: the
-        # run is about 3x slower than fp32 and its gradients underflow where fp32 ones do not.
-        raise ConfigError("fp16=true needs a GPU: this run is on the CPU, where float16 gives no speed (about 3x "
-                          "slower than fp32) and loses precision. Remove fp16 (alignkit trains in fp32 on a CPU).")
     stage = STAGES[f.stage]
     if t.do_train and not d.dataset and not d.tokenized_path:
         raise ConfigError("do_train=true needs `dataset` (or a `tokenized_path` saved earlier).")
@@ -602,6 +720,7 @@ def all_keys() -> dict[str, dict[str, str]]:
 
     groups: dict[str, dict[str, str]] = {}
     seen: set[str] = set()
+    names = stage_names()
     titles = [(cls.__name__, cls) for cls in ARG_CLASSES]
     for name, stage in STAGES.items():
         if stage.arguments is not None:
@@ -611,7 +730,7 @@ def all_keys() -> dict[str, dict[str, str]]:
         for f in dataclasses.fields(cls):
             if f.init and f.name not in seen:
                 seen.add(f.name)
-                keys[f.name] = f.metadata.get("help", "")
+                keys[f.name] = f.metadata.get("help", "").replace(STAGE_NAMES, names)
         if keys:
             groups[title] = keys
     return groups

@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -36,6 +38,8 @@ Head = Literal["causal_lm", "reward"]
 # SmolLM2), `score` (`classifier` in some architectures) is the reward head, trained in full instead,
 # and `v_head` is the value head `heads.attach_value_head` puts on a PPO policy.
 OUTPUT_HEADS = ("lm_head", "score", "classifier", VALUE_HEAD_NAME)
+# The sequence-classification head's name across architectures.
+REWARD_HEADS = ("score", "classifier")
 # Attribute on the loaded transformers model listing the adapter dirs merged into its weights.
 _MERGED_ATTR = "alignkit_merged_adapters"
 
@@ -163,8 +167,9 @@ def load_model(
     """
     if head not in ("causal_lm", "reward"):
         raise ValueError(f"head={head!r}: expected 'causal_lm' or 'reward'.")
-    model = _load_base(model_args, head)
     adapters = split_adapters(model_args.adapter_name_or_path)
+    head_comes_later = head == "reward" and (is_trainable or any(is_reward_adapter(a) for a in adapters))
+    model = _load_base(model_args, head, head_comes_later)
     if adapters:
         model = merge_adapters(model, adapters, head=head)
     setattr(model, _MERGED_ATTR, tuple(adapters))
@@ -243,7 +248,13 @@ def load_reward_model(model_dir: str | os.PathLike, like: ModelArguments | None 
                       head="reward")
 
 
-def _load_base(model_args: ModelArguments, head: Head):
+def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = False):
+    """The base model with `head`.
+
+    Args:
+        head_comes_later: (reward head) the score head is trained next or loaded from a reward adapter, so
+            transformers' report that the checkpoint lacks it is not shown (anything else it finds is).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     path = resolve_model_path(model_args)
@@ -259,7 +270,67 @@ def _load_base(model_args: ModelArguments, head: Head):
     config = AutoConfig.from_pretrained(path, num_labels=1, **_hub_kwargs(model_args))
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = load_tokenizer(model_args).pad_token_id
-    return AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
+    if not head_comes_later:
+        return AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
+    with _load_report_held() as held:
+        model, info = AutoModelForSequenceClassification.from_pretrained(path, config=config, output_loading_info=True,
+                                                                         **kwargs)
+    # A causal LM checkpoint has no score head: transformers reports it MISSING ("newly initialized"), which
+    # says nothing here, where the head is trained or loaded from the adapter next. Any other finding is shown.
+    if info["unexpected_keys"] or info["mismatched_keys"] or any(
+            key.split(".")[0] not in REWARD_HEADS for key in info["missing_keys"]):
+        held.release()
+    return model
+
+
+class _HeldRecords:
+    """Log records held back from `logger`, to emit later (`release`) or drop."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.records: list[logging.LogRecord] = []
+
+    def release(self) -> None:
+        for record in self.records:
+            self.logger.handle(record)
+        self.records.clear()
+
+
+@contextlib.contextmanager
+def _load_report_held():
+    """Hold back the weight-loading report transformers logs inside this block; `release()` (after the block)
+    shows it, and an exception raised inside shows it at once."""
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    held = _HeldRecords(report_logger)
+
+    def hold(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            held.records.append(record)
+            return False
+        return True
+
+    report_logger.addFilter(hold)
+    try:
+        yield held
+    except BaseException:
+        report_logger.removeFilter(hold)
+        held.release()  # the report explains the failure (transformers raises right after logging it)
+        raise
+    finally:
+        report_logger.removeFilter(hold)
+
+
+@contextlib.contextmanager
+def _peft_wrapping():
+    """Around peft calls that wrap a model (`get_peft_model`, `PeftModel.from_pretrained`).
+
+    peft 0.21's `PeftModel.__init__` reads `model.is_gradient_checkpointing`, which transformers 5 deprecated
+    in favour of `is_activation_checkpointing`; every LoRA run would print that FutureWarning, about peft's
+    code, which a user cannot act on. Only that warning, only here, is silenced.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def split_adapters(adapter_name_or_path: str | None) -> list[str]:
@@ -323,7 +394,8 @@ def merge_adapters(model, adapter_dirs: list[str], *, head: Head = "causal_lm"):
             # sequence classifier lacks, and only its decoder weights are needed for the merge.
             peft_config.task_type = None
         try:
-            peft_model = PeftModel.from_pretrained(model, adapter_dir, config=peft_config, is_trainable=False)
+            with _peft_wrapping():
+                peft_model = PeftModel.from_pretrained(model, adapter_dir, config=peft_config, is_trainable=False)
         except (RuntimeError, ValueError, KeyError) as err:
             # A state-dict error lists every mismatching tensor; the first one says enough.
             lines = [line.strip() for line in str(err).strip().splitlines()]
@@ -388,7 +460,8 @@ def add_lora(model, finetuning_args: FinetuningArguments, *, head: Head = "causa
         target_modules=targets,
         modules_to_save=modules_to_save or None,
     )
-    return get_peft_model(model, lora_config)
+    with _peft_wrapping():
+        return get_peft_model(model, lora_config)
 
 
 def _decoder_layers(model) -> tuple[str, int]:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from ..constants import IGNORE_INDEX
 from ..lifecycle import json_safe
 from ..model.adapters import adapters_disabled
 
@@ -169,19 +170,47 @@ class StageTrainer(Trainer):
         self.train_dataset = dataset.add_column(self.args.length_column_name, lengths)
 
 
-def save_pair_predictions(output_dir: str | os.PathLike, predictions: np.ndarray) -> Path:
-    """Write `generated_predictions.jsonl`: one `{"chosen": r_c, "rejected": r_r}` per pair, in dataset order.
+def save_pair_predictions(output_dir: str | os.PathLike, predictions: np.ndarray, dataset: Any = None,
+                          tokenizer: Any = None) -> Path:
+    """Write `generated_predictions.jsonl`: one line per pair, in dataset order.
+
+    Each line holds the two scores under `chosen` and `rejected` (the keys of LLaMA-Factory's reward-model
+    predictions, so tools reading those keep working) and, given the dataset and tokenizer, the text they
+    score: `prompt` (the rendered prompt, as in LLaMA-Factory's SFT predictions), `chosen_response` and
+    `rejected_response`, decoded from the tokens the model saw (special tokens dropped; cut as cutoff_len
+    cut them).
 
     Args:
         output_dir: the run's output folder.
         predictions: `[num_pairs, 2]` rewards (the reward model's, or DPO's implicit ones), chosen first.
+        dataset: the predicted pairs (`chosen_input_ids`, `chosen_labels`, `rejected_input_ids`,
+            `rejected_labels`, prompt tokens labelled -100), in the order predicted.
+        tokenizer: decodes the tokens.
     """
+    scores = np.asarray(predictions).reshape(-1, 2).tolist()
+    texts: list[dict[str, str]] = [{} for _ in scores]
+    if dataset is not None and tokenizer is not None:
+        texts = [_pair_texts(tokenizer, dataset[i]) for i in range(len(scores))]
     path = Path(output_dir) / PREDICTIONS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        for chosen, rejected in np.asarray(predictions).reshape(-1, 2).tolist():
-            f.write(json.dumps({"chosen": round(chosen, 6), "rejected": round(rejected, 6)}) + "\n")
+        for (chosen, rejected), text in zip(scores, texts):
+            row = {**text, "chosen": round(chosen, 6), "rejected": round(rejected, 6)}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
+
+
+def _pair_texts(tokenizer: Any, example: dict[str, list[int]]) -> dict[str, str]:
+    """`prompt`, `chosen_response`, `rejected_response` of one tokenised pair (the prompt is where labels are -100)."""
+    def split(name: str) -> tuple[list[int], list[int]]:
+        ids, labels = example[f"{name}_input_ids"], example[f"{name}_labels"]
+        prompt_len = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+        return ids[:prompt_len], ids[prompt_len:]
+
+    prompt_ids, chosen_ids = split("chosen")
+    _, rejected_ids = split("rejected")
+    prompt, chosen, rejected = tokenizer.batch_decode([prompt_ids, chosen_ids, rejected_ids], skip_special_tokens=True)
+    return {"prompt": prompt, "chosen_response": chosen, "rejected_response": rejected}
 
 
 def check_splits(config: "Config", datasets: dict[str, Any]) -> None:
@@ -203,6 +232,24 @@ def check_splits(config: "Config", datasets: dict[str, Any]) -> None:
         raise ConfigError("do_train=true but the training set is empty: check `dataset`, `max_samples` and `val_size`.")
 
 
+def final_step_eval_metrics(trainer: Trainer) -> Optional[dict[str, Any]]:
+    """The metrics of the evaluation the training loop ran at its last step, if it ran one on the final weights.
+
+    Returns:
+        The logged evaluation metrics at `state.global_step` (several evaluation sets merged), as
+        `trainer.evaluate()` would return them; None when the loop did not evaluate at its last step, or
+        when `load_best_model_at_end` replaced the final weights with an earlier checkpoint's.
+    """
+    state = trainer.state
+    if trainer.args.load_best_model_at_end and state.best_global_step not in (None, state.global_step):
+        return None
+    metrics: dict[str, Any] = {}
+    for record in state.log_history:
+        if record.get("step") == state.global_step and any(key.startswith("eval_") for key in record):
+            metrics.update({key: value for key, value in record.items() if key != "step"})
+    return metrics or None
+
+
 def run_stage_trainer(
     trainer: Trainer,
     config: "Config",
@@ -214,7 +261,11 @@ def run_stage_trainer(
 
     - do_train: `trainer.train` (resuming from `resume_from_checkpoint`), then the model, `train_results.json`,
       `trainer_state.json` and, with `plot_loss`, the curves.
-    - do_eval: `eval_results.json`.
+    - do_eval: `eval_results.json`, from one evaluation of the final weights. transformers evaluates in the
+      training loop every `eval_steps` and, with `eval_strategy` steps or epoch, at the last step too; that
+      last evaluation is the end-of-run one (same weights, same data), so its metrics are written and it is
+      not run a second time. An evaluation runs after training only when the loop did not evaluate at its
+      last step (`eval_strategy: no`), or when `load_best_model_at_end` brought back other weights.
     - do_predict: `predict_results.json`, then `save_predictions(output)` on the main process.
 
     Args:
@@ -235,7 +286,12 @@ def run_stage_trainer(
 
             plot_loss(t.output_dir)
     if t.do_eval:
-        metrics = trainer.evaluate(metric_key_prefix="eval")
+        metrics = final_step_eval_metrics(trainer) if t.do_train else None
+        if metrics is None:
+            metrics = trainer.evaluate(metric_key_prefix="eval")
+        else:
+            logger.info("The evaluation at the last step (%d) is the end-of-run evaluation; not run again.",
+                        trainer.state.global_step)
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", json_safe(metrics))
     if t.do_predict:
@@ -249,5 +305,5 @@ def run_stage_trainer(
 
 
 __all__ = ["StageTrainer", "is_peft_model", "weighted_means", "save_pair_predictions", "check_splits",
-           "run_stage_trainer",
+           "final_step_eval_metrics", "run_stage_trainer",
            "PREDICTIONS_FILE"]

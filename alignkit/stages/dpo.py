@@ -518,7 +518,7 @@ def run_dpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
         **datasets,
     )
     run_stage_trainer(trainer, config, save_predictions=lambda output: save_pair_predictions(
-        config.training.output_dir, output.predictions))
+        config.training.output_dir, output.predictions, trainer.eval_dataset, tokenizer))
 
 
 __all__ = [

@@ -364,6 +364,8 @@ def test_run_train_dpo_end_to_end(tiny_model_dir, tmp_path):
         assert eval_results[key] == pytest.approx(value, abs=1e-5), key
     predictions = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == len(PAIRS)
+    assert [(p["prompt"], p["chosen_response"], p["rejected_response"]) for p in predictions] == [
+        (f"user\n{prompt}\nassistant\n", chosen + "\n", rejected + "\n") for prompt, chosen, rejected in PAIRS]
     margins = [p["chosen"] - p["rejected"] for p in predictions]
     assert any(abs(m) > 1e-4 for m in margins)  # trained: the policy has moved away from the reference
     assert eval_results["eval_rewards/margins"] == pytest.approx(sum(margins) / len(margins), abs=1e-5)

@@ -78,7 +78,12 @@ def test_lora_run_logs_metrics_writes_outputs_and_trains_only_adapter_and_head(t
     # generated_predictions.jsonl (the same model, written to 6 decimals) give by hand.
     eval_results = json.loads((out / "eval_results.json").read_text())
     predictions = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
-    assert len(predictions) == 4 and all(set(p) == {"chosen", "rejected"} for p in predictions)
+    assert len(predictions) == 4
+    # Beside the two scores (LLaMA-Factory's keys), the text they score, decoded in dataset order.
+    for (prompt, chosen_text, rejected_text), p in zip(PAIRS[:4], predictions):
+        assert set(p) == {"prompt", "chosen_response", "rejected_response", "chosen", "rejected"}
+        assert p["prompt"] == f"user\n{prompt}\nassistant\n"  # ChatML with its special tokens dropped
+        assert (p["chosen_response"], p["rejected_response"]) == (chosen_text + "\n", rejected_text + "\n")
     chosen = torch.tensor([p["chosen"] for p in predictions], dtype=torch.float64)
     rejected = torch.tensor([p["rejected"] for p in predictions], dtype=torch.float64)
     expected = {

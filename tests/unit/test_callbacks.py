@@ -56,3 +56,22 @@ def test_plot_loss_writes_png_per_series(tmp_path):
     names = sorted(p.name for p in written)
     assert names == ["training_loss.png", "training_rewards_margins.png"]  # eval_loss has one point only
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
+
+def test_plot_loss_skips_run_summaries_and_series_of_one_step(tmp_path, caplog):
+    """A run stopped at step 2 and resumed to 4: each run logged its summary (`train_loss`, the run's average,
+    with `train_runtime`), and the first evaluated twice at step 2 (as runs before the one-evaluation fix
+    did). The summaries are no curve; eval_loss has one step, so no plot; the loss curve has 4 steps."""
+    lines = [{"current_steps": i, "loss": 3.0 - 0.1 * i} for i in (1, 2)]
+    lines += [{"current_steps": 2, "eval_loss": 2.5, "eval_runtime": 0.1},
+              {"current_steps": 2, "train_loss": 2.85, "train_runtime": 1.0, "total_flos": 0},
+              {"current_steps": 2, "eval_loss": 2.5, "eval_runtime": 0.1}]
+    lines += [{"current_steps": i, "loss": 3.0 - 0.1 * i} for i in (3, 4)]
+    lines += [{"current_steps": 4, "train_loss": 2.65, "train_runtime": 1.0, "total_flos": 0}]
+    (tmp_path / LOG_FILE).write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    with caplog.at_level("INFO", logger="alignkit.callbacks"):
+        written = plot_loss(tmp_path)
+    assert [p.name for p in written] == ["training_loss.png"]
+    assert not (tmp_path / "training_train_loss.png").exists() and not (tmp_path / "training_eval_loss.png").exists()
+    assert [r.getMessage() for r in caplog.records] == [
+        "plot_loss: no plot of eval_loss, logged at 1 step(s); a curve needs 2."]

@@ -44,7 +44,7 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path):
     "override, pattern",
     [
         ("lora_rank=abc", "lora_rank='abc' is not a valid int"),
-        ("stage=foo", "stage='foo'.*one of pt, sft, rm, dpo\\."),
+        ("stage=foo", "stage='foo' is not a stage; choose one of "),
         ("do_train=maybe", "do_train='maybe'.*bool"),
         ("pref_loss=kto", "pref_loss"),
         ("noequals", "key=value"),
@@ -175,3 +175,138 @@ def test_config_file_that_is_not_utf8_names_the_byte(tmp_path):
     # "stage: sft\n" is 11 bytes and "dataset: caf" 12, so the Latin-1 é is byte 23.
     with pytest.raises(ConfigError, match=r"c\.yaml: byte 23 \(0xe9\) is not UTF-8"):
         read_config(path)
+
+
+def test_stage_error_and_help_list_exactly_the_registered_stages(monkeypatch):
+    """Derived from the registry: a stage registered later appears in both, none that is not registered."""
+    from alignkit.hparams import all_keys
+    from alignkit.stages import STAGES, Stage
+
+    with pytest.raises(ConfigError) as err:
+        parse_config({}, ["stage=foo"])
+    assert err.value.args[0].startswith(f"stage='foo' is not a stage; choose one of {', '.join(STAGES)}.")
+    monkeypatch.setitem(STAGES, "newstage", Stage("newstage", "supervised", lambda config, callbacks: None))
+    with pytest.raises(ConfigError, match=r"choose one of pt, sft, rm, dpo.*, newstage\."):
+        parse_config({}, ["stage=foo"])
+    assert all_keys()["FinetuningArguments"]["stage"] == f"Training stage, one of {', '.join(STAGES)}."
+
+
+def test_warmup_ratio_becomes_warmup_steps_said_once(caplog):
+    """transformers 5 has no warmup_ratio: a warmup_steps below 1 is the share of the training steps."""
+    with caplog.at_level("INFO", logger="alignkit.hparams"):
+        config = parse_config({"warmup_ratio": 0.1})
+    assert config.training.warmup_steps == 0.1
+    assert config.training.get_warmup_steps(50) == 5  # ceil(50 * 0.1): what the scheduler gets
+    said = [r.getMessage() for r in caplog.records if "warmup_ratio" in r.getMessage()]
+    assert said == ["warmup_ratio=0.1 is read as warmup_steps=0.1 (transformers 5 takes a warmup_steps below 1 "
+                    "as a share of the training steps)."]
+
+
+@pytest.mark.parametrize("values, pattern", [
+    ({"warmup_ratio": 0.1, "warmup_steps": 0}, "warmup_ratio and warmup_steps are both given; keep one"),
+    ({"warmup_ratio": 0.1, "warmup_steps": 10}, "warmup_ratio and warmup_steps are both given; keep one"),
+    ({"warmup_ratio": 1.0}, r"warmup_ratio=1.0 must be in \[0, 1\)"),
+    ({"warmup_ratio": -0.1}, r"warmup_ratio=-0.1 must be in \[0, 1\)"),
+])
+def test_warmup_ratio_conflicts_and_range_are_errors(values, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        parse_config(values)
+
+
+def _stub_hardware(monkeypatch, *, accelerator: bool, accelerator_bf16: bool, cpu_bf16: bool) -> None:
+    import alignkit.hparams as hparams
+
+    monkeypatch.setattr(hparams, "_has_accelerator", lambda: accelerator)
+    monkeypatch.setattr(hparams, "_accelerator_has_bf16", lambda: accelerator_bf16)
+    monkeypatch.setattr(hparams, "_cpu_has_bf16", lambda: cpu_bf16)
+
+
+@pytest.mark.parametrize("hardware, given, expected, warns", [
+    # CPU without bf16 hardware: fp32, one warning.
+    (dict(accelerator=False, accelerator_bf16=False, cpu_bf16=False), {"bf16": True}, {"bf16": False}, True),
+    (dict(accelerator=False, accelerator_bf16=False, cpu_bf16=False), {"bf16": True, "bf16_full_eval": True},
+     {"bf16": False, "bf16_full_eval": False}, True),
+    # CPU with AVX512-BF16 / AMX: bf16 kept, on the CPU (transformers needs use_cpu for bf16 without a GPU).
+    (dict(accelerator=False, accelerator_bf16=False, cpu_bf16=True), {"bf16": True}, {"bf16": True, "use_cpu": True},
+     False),
+    # A bf16 GPU: as asked.
+    (dict(accelerator=True, accelerator_bf16=True, cpu_bf16=False), {"bf16": True}, {"bf16": True}, False),
+    # use_cpu on a GPU machine: the CPU decides.
+    (dict(accelerator=True, accelerator_bf16=True, cpu_bf16=False), {"bf16": True, "use_cpu": True},
+     {"bf16": False, "use_cpu": True}, True),
+    # A GPU without bf16: untouched, transformers' own error names the GPU it needs.
+    (dict(accelerator=True, accelerator_bf16=False, cpu_bf16=True), {"bf16": True}, {"bf16": True}, False),
+    # Nothing asked: nothing changes, nothing said.
+    (dict(accelerator=False, accelerator_bf16=False, cpu_bf16=False), {"bf16": False}, {"bf16": False}, False),
+])
+def test_bf16_is_honoured_where_the_hardware_has_it(monkeypatch, caplog, hardware, given, expected, warns):
+    from alignkit.hparams import choose_precision
+
+    _stub_hardware(monkeypatch, **hardware)
+    kwargs = dict(given)
+    with caplog.at_level("INFO", logger="alignkit.hparams"):
+        choose_precision(kwargs)
+    assert kwargs == expected
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    asked = " and ".join(key for key in ("bf16", "bf16_full_eval") if given.get(key))
+    assert warnings == ([f"{asked}=true: this CPU has no bf16 hardware (AVX512-BF16 or AMX) and runs bf16 about 3x "
+                         "slower than fp32, so this run trains in fp32. Remove the key to silence this; on a GPU or "
+                         "a CPU with bf16 hardware it is used as asked."] if warns else [])
+
+
+@pytest.mark.parametrize("cpu_bf16", [False, True])
+def test_bf16_config_on_a_cpu_parses_either_way(monkeypatch, caplog, cpu_bf16):
+    """The whole parse, with the capability check stubbed each way (transformers refuses bf16 on a CPU
+    unless use_cpu is set, so both outcomes must get past its check)."""
+    _stub_hardware(monkeypatch, accelerator=False, accelerator_bf16=False, cpu_bf16=cpu_bf16)
+    with caplog.at_level("WARNING", logger="alignkit.hparams"):
+        training = parse_config({"dataset": "demo_sft", "do_train": True, "bf16": True}).training
+    assert (training.bf16, training.use_cpu) == ((True, True) if cpu_bf16 else (False, False))
+    assert len([r for r in caplog.records if "bf16" in r.getMessage()]) == (0 if cpu_bf16 else 1)
+
+
+def test_fp16_stays_refused_on_a_cpu_with_bf16_hardware(monkeypatch):
+    _stub_hardware(monkeypatch, accelerator=False, accelerator_bf16=False, cpu_bf16=True)
+    with pytest.raises(ConfigError, match="fp16=true needs a GPU.*bf16=true where the CPU has bf16 hardware"):
+        parse_config({"dataset": "demo_sft", "do_train": True, "fp16": True})
+
+
+def test_deepspeed_without_the_package_is_a_config_error_naming_the_extra(monkeypatch, tmp_path):
+    """Simulated missing package (as importlib.metadata, which transformers checks, reports it): the error
+    comes at parse time, before transformers raises its PackageNotFoundError."""
+    import importlib.metadata
+
+    real_version = importlib.metadata.version
+
+    def version(name):
+        if name == "deepspeed":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    ds_config = tmp_path / "ds_z3_config.json"
+    ds_config.write_text('{"zero_optimization": {"stage": 3}}')
+    path = tmp_path / "c.yaml"
+    path.write_text(f"stage: sft\ndataset: demo_sft\ndeepspeed: {ds_config}\n")
+    with pytest.raises(ConfigError, match=r"deepspeed='.*ds_z3_config.json' needs DeepSpeed, which is not "
+                                          r"installed: pip install 'alignkit\[deepspeed\]'.*c\.yaml"):
+        read_config(path)
+
+
+def test_deepspeed_config_file_must_exist(monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.8")  # DeepSpeed "installed"
+    with pytest.raises(ConfigError, match="deepspeed='missing.json': no such file"):
+        parse_config({"deepspeed": "missing.json"})
+
+
+def test_do_eval_false_turns_in_loop_evaluation_off(caplog):
+    """transformers turns do_eval back on for any eval_strategy but `no`; an explicit do_eval: false wins."""
+    with caplog.at_level("INFO", logger="alignkit.hparams"):
+        config = parse_config({"do_eval": False, "eval_strategy": "steps", "eval_steps": 5})
+    assert (config.training.do_eval, config.training.eval_strategy) == (False, "no")
+    assert any("do_eval=false: no evaluation during training either" in r.getMessage() for r in caplog.records)
+    # Silent on do_eval (LLaMA-Factory's examples): eval_strategy decides, as in transformers.
+    config = parse_config({"eval_strategy": "steps", "eval_steps": 5, "val_size": 0.1})
+    assert (config.training.do_eval, config.training.eval_strategy) == (True, "steps")

@@ -216,3 +216,70 @@ def test_sft_adapter_can_start_a_reward_model(tiny_model_dir, tmp_path, batch, s
     with torch.no_grad():
         plain = load_model(_config(tiny_model_dir).model, config.finetuning, is_trainable=False).model(**batch)
     assert (plain.last_hidden_state - expected).abs().max() > 1e-2
+
+
+@pytest.fixture
+def load_reports():
+    """The weight-loading reports transformers logs (its logger does not propagate to pytest's caplog)."""
+    import logging
+
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            if "LOAD REPORT" in record.getMessage():
+                self.messages.append(record.getMessage())
+
+    handler = Collect()
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    report_logger.addHandler(handler)
+    yield handler.messages
+    report_logger.removeHandler(handler)
+
+
+def test_no_missing_score_table_where_the_head_is_trained_or_loaded(tiny_model_dir, tmp_path, load_reports,
+                                                                    save_perturbed_adapter):
+    """transformers reports `score.weight MISSING` whenever a causal LM checkpoint becomes a classifier. Shown
+    only where it matters: not when the head is trained next (rm training) or loaded from the adapter
+    (scoring), and the head then really is the adapter's."""
+    from safetensors.torch import load_file
+
+    from alignkit.model.loader import load_reward_model
+
+    config = _config(tiny_model_dir)
+    load_model(config.model, config.finetuning, is_trainable=True, head="reward")
+    assert load_reports == []
+
+    adapter_dir = tmp_path / "rm"
+    trained = save_perturbed_adapter(tiny_model_dir, adapter_dir, head="reward")
+    with torch.no_grad():
+        trained.base_model.model.score.modules_to_save["default"].weight.add_(1.0)
+    trained.save_pretrained(adapter_dir)
+    scorer = load_reward_model(adapter_dir)
+    assert load_reports == []
+    saved = {name: tensor for name, tensor in load_file(adapter_dir / "adapter_model.safetensors").items()
+             if "score" in name}
+    assert len(saved) == 1
+    torch.testing.assert_close(scorer.score.weight, next(iter(saved.values())), atol=0, rtol=0)
+
+    # A plain causal LM loaded as a reward model to score with: its head is random, and the report says so.
+    load_reward_model(tiny_model_dir)
+    assert len(load_reports) == 1 and "score.weight" in load_reports[0] and "MISSING" in load_reports[0]
+
+
+def test_lora_wrapping_does_not_print_peft_deprecation_warning(tiny_model_dir):
+    """peft reads transformers' deprecated `is_gradient_checkpointing`; that FutureWarning is not the user's."""
+    import warnings
+
+    config = _config(tiny_model_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_model(config.model, config.finetuning, is_trainable=True)
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+    # The filter is scoped to our peft calls: the warning itself still reaches anyone else who asks.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_model(config.model, config.finetuning, is_trainable=False).is_gradient_checkpointing
+    assert [w for w in caught if "is_gradient_checkpointing" in str(w.message)]

@@ -17,7 +17,8 @@ What this file simplifies, and why:
   LLaMA-Factory builds its KL pairs (fixed neighbours, shuffled batches). With one example per device
   there is no batch to rotate in, so the group is the whole dataset (each row paired with the reply of
   the row before it, LLaMA-Factory's pairing); TRL refuses that batch size, LLaMA-Factory's example
-  configs use it.
+  configs use it. Evaluation sets get their mismatched rows the same way (grouped by the training batch size,
+  as TRL groups them), and each evaluation batch estimates its own z0.
 - The reference is the policy at step 0, as in DPO (`StageTrainer.reference()`): the adapter disabled
   under LoRA, a frozen in-memory copy under full / freeze fine-tuning. Reference log-probs are computed
   on the fly (no `precompute_ref_log_probs` here).

@@ -109,3 +109,23 @@ def test_first_step_loss_and_metrics_match_trl(policy_dir, tiny_model_dir, tiny_
     assert set(their_metrics) == set(METRICS)
     for key in METRICS:
         assert our_metrics[key] == pytest.approx(their_metrics[key], rel=1e-5, abs=1e-5), key
+
+
+def test_unpaired_rows_tokenise_to_trls_ids(policy_dir, tiny_model_dir, tiny_tokenizer, tmp_path):
+    """From the same conversational rows our data layer gives TRL's prompt + completion ids and labels, so
+    the loss parity above holds from the data file on, not only from TRL's tokens."""
+    import json
+
+    from alignkit.data import get_dataset
+
+    theirs = _trl_trainer(policy_dir, tiny_model_dir, tiny_tokenizer, tmp_path)
+    data = tmp_path / "kto.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": p}],
+                                        "completion": [{"role": "assistant", "content": c}], "label": label}) + "\n"
+                            for p, c, label in ROWS))
+    ours = get_dataset(parse_config({"stage": "kto", "dataset": str(data), "cutoff_len": 1024}), tiny_tokenizer,
+                       "kto")["train_dataset"]
+    for i, row in enumerate(theirs.train_dataset):
+        assert ours[i]["input_ids"] == row["prompt_ids"] + row["completion_ids"]
+        assert ours[i]["labels"] == [-100] * len(row["prompt_ids"]) + row["completion_ids"]
+        assert ours[i]["desirable"] == row["label"]

@@ -3,7 +3,7 @@
 Each example is one prompt with one reply and a flag: desirable or undesirable. The policy's implicit
 reward of a reply is `r = beta * (log pi(y|x) - log pi_ref(y|x))`, and it is judged against a reference
 point `z0`, the policy's KL divergence from the reference. Desirable replies are pushed above it,
-undesirable ones below, through a sigmoid value function (the paper's eq. 7-8).
+undesirable ones below, through a sigmoid value function (the paper's KTO loss; TRL cites it as eq. 7).
 
 What this file simplifies, and why:
 - `z0` is estimated as TRL 1.16 estimates it: from mismatched (prompt, reply) pairs of the same batch, the
@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..constants import IGNORE_INDEX
@@ -110,7 +109,7 @@ def check_config(config: "Config") -> None:
 
 
 def kl_estimate(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
-    """KTO's reference point z0 from mismatched pairs (the paper's eq. 8 estimate, as TRL 1.16 forms it).
+    """KTO's reference point z0 estimated from mismatched pairs, as TRL 1.16 forms it.
 
     `z0 = max(0, mean(kl_logps - ref_kl_logps))`, detached: the reference point moves no weights.
 
@@ -135,7 +134,7 @@ def kto_loss(
     undesirable_weight: float = 1.0,
     loss_type: str = "kto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-example KTO losses (Ethayarajh et al. 2024, eq. 7-8) and the implicit rewards.
+    """Per-example KTO losses (Ethayarajh et al. 2024; eq. 7 as TRL 1.16 cites it) and the implicit rewards.
 
     With `h = log pi(y|x) - log pi_ref(y|x)`:
     - kto: desirable `w_d * (1 - sigmoid(beta * (h - z0)))`, undesirable `w_u * (1 - sigmoid(beta * (z0 - h)))`.

@@ -201,6 +201,19 @@ def make_pref(rng: random.Random, n: int = 300) -> list[dict]:
     return _unique(row, n, _prompt_key)
 
 
+def make_kto(rng: random.Random, n: int = 300) -> list[dict]:
+    """Unpaired KTO rows in LLaMA-Factory's kto_en_demo shape (`messages` + boolean `label`): each preference
+    pair gives one reply, the good one (desirable) for about 60% of prompts, so the two kinds are unbalanced."""
+    rows = []
+    for pair in make_pref(rng, n):
+        desirable = rng.random() < 0.6
+        prompt = "\n".join(part for part in (pair["instruction"], pair["input"]) if part)
+        rows.append({"messages": [{"role": "user", "content": prompt},
+                                  {"role": "assistant", "content": pair["chosen" if desirable else "rejected"]}],
+                     "label": desirable})
+    return rows
+
+
 MATH_TEMPLATES = [
     ("{name} has {a} apples and buys {b} more. How many apples does {name} have now?", lambda a, b: a + b),
     ("A shelf holds {a} books. {name} takes {b} of them away. How many books are left on the shelf?",
@@ -282,6 +295,9 @@ REGISTRY = {
                                    "rejected": "rejected"}},
     "demo_math": {"file_name": "demo_math.json", "columns": {"prompt": "prompt", "response": "answer"}},
     "demo_pt": {"file_name": "demo_pt.json", "columns": {"prompt": "text"}},
+    **{name: {"file_name": f"{name}.json", "formatting": "sharegpt", "columns": {"messages": "messages", "kto_tag": "label"},
+              "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}
+       for name in ("demo_kto", "demo_kto_eval")},
 }
 
 
@@ -296,7 +312,8 @@ def main() -> None:
     # come from the same stream of unique prompts, so no evaluation prompt is ever trained on, and the
     # training rows are the same whatever the held-out count.
     datasets = [("demo_sft", make_sft, 300, 60), ("demo_sft_sharegpt", make_sharegpt, 100, 0),
-                ("demo_pref", make_pref, 300, 60), ("demo_math", make_math, 300, 0), ("demo_pt", make_pt, 200, 0)]
+                ("demo_pref", make_pref, 300, 60), ("demo_math", make_math, 300, 0), ("demo_pt", make_pt, 200, 0),
+                ("demo_kto", make_kto, 300, 60)]
     # One generator per file so that changing one dataset does not reshuffle the others.
     for i, (name, make, n_train, n_eval) in enumerate(datasets):
         rows = make(random.Random(args.seed * 1000 + i), n_train + n_eval)

@@ -1,10 +1,10 @@
 """Data: load, validate, convert, template, tokenise (cached), collate. See docs/ARCHITECTURE.md."""
 
 from ..constants import IGNORE_INDEX
-from .collator import PairwiseCollator, SupervisedCollator
+from .collator import PairwiseCollator, SupervisedCollator, UnpairedCollator
 from .errors import DataError
 from .loader import get_dataset
 from .template import ChatFormatter
 
-__all__ = ["get_dataset", "DataError", "SupervisedCollator", "PairwiseCollator",
+__all__ = ["get_dataset", "DataError", "SupervisedCollator", "PairwiseCollator", "UnpairedCollator",
            "ChatFormatter", "IGNORE_INDEX"]

@@ -105,3 +105,22 @@ class PairwiseCollator:
         if features and "margin" in features[0]:
             batch["margin"] = torch.tensor([float(f["margin"] or 0.0) for f in features], dtype=torch.float)
         return batch
+
+
+class UnpairedCollator(SupervisedCollator):
+    """KTO rows: `input_ids`, `attention_mask`, `labels` [B, L] as `SupervisedCollator` pads them, the same
+    three under `kl_` [B, L'] for the mismatched (prompt, reply) rows when the features carry them, and
+    `desirable` [B] bool.
+
+    Args:
+        tokenizer: gives the pad id.
+        pad_to_multiple_of: round each padded length up to this multiple.
+    """
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = super().__call__([{k: f[k] for k in ("input_ids", "attention_mask", "labels")} for f in features])
+        if features and "kl_input_ids" in features[0]:
+            kl = super().__call__([{"input_ids": f["kl_input_ids"], "labels": f["kl_labels"]} for f in features])
+            batch.update({f"kl_{k}": v for k, v in kl.items()})
+        batch["desirable"] = torch.tensor([bool(f["desirable"]) for f in features], dtype=torch.bool)
+        return batch

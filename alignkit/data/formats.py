@@ -10,12 +10,16 @@ Shapes understood (the column names can be remapped through `dataset_info.json`,
   `rejected` message objects.
 - openai: `messages` with `role`/`content` keys (the same rules as sharegpt, other tag names).
 - TRL-style: `prompt` + `chosen` + `rejected` (each a string or a list of messages), `prompt` +
-  `completion`, or `prompt` alone (RL prompts; the other columns, e.g. `answer`, are kept).
+  `completion` (+ a boolean `label` for KTO's unpaired rows), or `prompt` alone (RL prompts; the other
+  columns, e.g. `answer`, are kept).
+- unpaired (KTO): any of the shapes above that gives a prompt and one reply, plus a desirable/undesirable
+  flag: the column mapped as `kto_tag` in dataset_info.json (LLaMA-Factory), else `label` (TRL).
 - text: a `text` column, for pretraining.
 
 Canonical examples are plain dicts that never reach Arrow:
 ``{"messages": [...]}`` (supervised), ``{"prompt": [...], "chosen": str, "rejected": str, "margin": float|None}``
-(preference), ``{"prompt": [...], "extra": {...}}`` (prompt-only) and ``{"text": str}`` (pretraining).
+(preference), ``{"prompt": [...], "completion": str, "desirable": bool}`` (unpaired),
+``{"prompt": [...], "extra": {...}}`` (prompt-only) and ``{"text": str}`` (pretraining).
 Messages are ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``; a function call (sharegpt
 `function_call` turn) is an assistant message with content "" and ``tool_calls`` (Hugging Face's form, see
 `template`), an `observation` a ``tool`` message. Every example may carry ``tools`` (JSON text of the tool
@@ -34,7 +38,7 @@ from .template import parse_tools
 
 FORMATTINGS = ("alpaca", "sharegpt", "openai")
 # The kinds of example the data layer builds; each stage names the one it trains on (`alignkit.stages`).
-DATA_KINDS = ("text", "supervised", "preference", "prompt")
+DATA_KINDS = ("text", "supervised", "preference", "unpaired", "prompt")
 
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
                   "history": "history", "chosen": "chosen", "rejected": "rejected", "tools": "tools"}
@@ -114,6 +118,11 @@ def guess_formatting(columns: list[str], source: str) -> str:
     )
 
 
+def kto_tag_column(attr: DatasetAttr) -> str:
+    """The column flagging a KTO row desirable: registry `columns: {kto_tag: ...}`, else TRL's `label`."""
+    return attr.column("kto_tag") or "label"
+
+
 def check_columns(attr: DatasetAttr, formatting: str, columns: list[str], kind: str, stage: str, source: str) -> None:
     """Stop at once when a dataset lacks the columns the stage needs (e.g. SFT data given to `stage: rm`).
 
@@ -140,9 +149,13 @@ def check_columns(attr: DatasetAttr, formatting: str, columns: list[str], kind: 
         else:
             need([attr.column("chosen"), attr.column("rejected")], "preference pairs", fix)
             need([attr.column("prompt") if formatting == "alpaca" else attr.column("messages")], "a prompt", fix)
-    elif kind == "supervised":
+    elif kind in ("supervised", "unpaired"):
         fix = ("This looks like preference data: use stage rm or dpo." if {"chosen", "rejected"} & cols
                else "Map the response column in dataset_info.json `columns`.")
+        if kind == "unpaired":
+            fix = ("KTO trains on single replies marked desirable or not: map that column with `columns: {kto_tag: "
+                   "...}` in dataset_info.json, or name it `label` (TRL's unpaired format). Pairs go to stage dpo.")
+            need([kto_tag_column(attr)], "a desirable/undesirable flag per row", fix)
         if formatting == "alpaca":
             need([attr.column("prompt"), attr.column("response")], "prompt and response columns", fix)
         elif formatting == "trl":
@@ -342,7 +355,7 @@ def convert_row(row: dict, attr: DatasetAttr, formatting: str, kind: str) -> dic
         row: the raw row (column → value).
         attr: where the row comes from and its column/tag mapping.
         formatting: `alpaca`, `sharegpt`, `openai`, `trl` or `text` (resolved, never `auto`).
-        kind: `text`, `supervised`, `preference` or `prompt` (see DATA_KINDS).
+        kind: `text`, `supervised`, `preference`, `unpaired` or `prompt` (see DATA_KINDS).
 
     Raises:
         RowError: the row is malformed; the loader adds the file and row number.
@@ -352,6 +365,8 @@ def convert_row(row: dict, attr: DatasetAttr, formatting: str, kind: str) -> dic
     if kind == "text":
         column = "text" if formatting == "text" else attr.columns.get("prompt", "text")
         return {"text": _text(_required(row, column), column)}
+    if kind == "unpaired":
+        return _convert_unpaired(row, attr, formatting)
     if formatting == "alpaca":
         return _convert_alpaca(row, attr, kind)
     if formatting in ("sharegpt", "openai"):
@@ -374,6 +389,35 @@ def _margin(row: dict, column: str = "margin") -> Optional[float]:
     if not math.isfinite(margin):
         raise RowError(column, f"expected a finite number, got {describe_value(value)}.")
     return margin
+
+
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def _kto_tag(row: dict, column: str) -> bool:
+    """A row's desirable flag: a JSON boolean, 0/1, or true/false text (CSV cells arrive as text)."""
+    value = _required(row, column)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise RowError(column, f"expected true (desirable) or false (undesirable), got {describe_value(value)}.")
+
+
+def _convert_unpaired(row: dict, attr: DatasetAttr, formatting: str) -> dict[str, Any]:
+    """One KTO example: the prompt turns, the reply, and whether the reply is desirable."""
+    desirable = _kto_tag(row, kto_tag_column(attr))
+    if formatting == "trl":
+        return {"prompt": _trl_messages(_required(row, "prompt"), "prompt"), "tools": None, "desirable": desirable,
+                "completion": _response_message(_required(row, "completion"), "completion", _OPENAI)}
+    # alpaca and sharegpt/openai rows: the supervised conversation, whose last turn is the reply.
+    example = _convert_alpaca(row, attr, "supervised") if formatting == "alpaca" else \
+        _convert_messages(row, attr, "supervised")
+    messages = example["messages"]
+    return {"prompt": messages[:-1], "tools": example["tools"], "desirable": desirable,
+            "completion": messages[-1]["content"]}
 
 
 def _convert_alpaca(row: dict, attr: DatasetAttr, kind: str) -> dict[str, Any]:

@@ -135,6 +135,23 @@ def encode_pairwise(formatter: ChatFormatter, example: dict, cutoff_len: int) ->
     return features, ""
 
 
+def encode_unpaired(formatter: ChatFormatter, example: dict, cutoff_len: int) -> Optional[dict[str, Any]]:
+    """One KTO reply after its prompt, labels -100 on the prompt, and its `desirable` flag.
+
+    Returns:
+        `input_ids`, `attention_mask`, `labels`, `desirable`; None when no reply token fits in `cutoff_len`.
+    """
+    prompt, tools = example["prompt"], example.get("tools")
+    prompt_ids, reply_ids = _tokenize(formatter.tokenizer, [formatter.prompt_text(prompt, tools=tools),
+                                                            formatter.reply_text(prompt, example["completion"], tools=tools)])
+    source_len, target_len = infer_seqlen(len(prompt_ids), len(reply_ids), cutoff_len)
+    if target_len == 0:
+        return None
+    prompt_ids, reply_ids = _left_cut(prompt_ids, source_len), reply_ids[:target_len]
+    return {"input_ids": prompt_ids + reply_ids, "attention_mask": [1] * (len(prompt_ids) + len(reply_ids)),
+            "labels": [IGNORE_INDEX] * len(prompt_ids) + reply_ids, "desirable": bool(example["desirable"])}
+
+
 def encode_prompt(formatter: ChatFormatter, example: dict, cutoff_len: int) -> dict[str, Any]:
     """The prompt for RL generation (left-truncated to `cutoff_len`) plus the row's other columns."""
     (prompt_ids,) = _tokenize(formatter.tokenizer, [formatter.prompt_text(example["prompt"], tools=example.get("tools"))])
@@ -164,7 +181,7 @@ def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: Ch
 
     Args:
         examples: (reference for messages, e.g. `data/x.json row 3`; canonical example) pairs.
-        kind: `text`, `supervised`, `preference` or `prompt`.
+        kind: `text`, `supervised`, `preference`, `unpaired` or `prompt`.
         formatter: the chat template.
         cutoff_len: most tokens per sequence.
         train_on_prompt: sft/pt: also train on prompt tokens.
@@ -184,6 +201,8 @@ def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: Ch
             reason = f"no response token fits in cutoff_len={cutoff_len}"
         elif kind == "preference":
             feats, reason = encode_pairwise(formatter, example, cutoff_len)
+        elif kind == "unpaired":
+            feats, reason = encode_unpaired(formatter, example, cutoff_len), f"no reply token fits in cutoff_len={cutoff_len}"
         else:
             feats, reason = encode_prompt(formatter, example, cutoff_len), ""
         if feats is None:

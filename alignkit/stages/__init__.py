@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import dpo, rm, sft
+from . import dpo, kto, rm, sft
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,8 @@ class Stage:
     Attributes:
         name: the value of the `stage` key.
         data_kind: the examples the data layer builds for it: `text` (pretraining blocks), `supervised`
-            (prompt + reply with a label mask), `preference` (chosen / rejected pairs) or `prompt` (RL prompts).
+            (prompt + reply with a label mask), `preference` (chosen / rejected pairs), `unpaired` (one reply
+            flagged desirable or not) or `prompt` (RL prompts).
         run: `run(config, callbacks)` trains / evaluates / predicts as the config says.
         arguments: the dataclass of the stage's own config keys (None: it has none); an instance arrives as
             `Config.method`.
@@ -41,6 +42,7 @@ STAGES: dict[str, Stage] = {
     "sft": Stage("sft", "supervised", sft.run_sft, check=sft.check_config),
     "rm": Stage("rm", "preference", rm.run_rm, arguments=rm.RewardArguments),
     "dpo": Stage("dpo", "preference", dpo.run_dpo, arguments=dpo.DPOArguments, check=dpo.check_config),
+    "kto": Stage("kto", "unpaired", kto.run_kto, arguments=kto.KTOArguments, check=kto.check_config),
 }
 
 __all__ = ["Stage", "STAGES"]

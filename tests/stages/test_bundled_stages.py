@@ -53,3 +53,13 @@ def test_dpo_on_bundled_model(bundled_model_dir, tmp_path):
     # Step 1: the fresh adapter is zero, so the policy equals the reference: loss = ln 2, margins 0.
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-4)
     assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_kto_on_bundled_model(bundled_model_dir, tmp_path):
+    records = _run(bundled_model_dir, tmp_path, stage="kto", dataset="demo_kto",
+                   train_sampling_strategy="sequential")
+    first = records[0]
+    # Step 1: the fresh adapter is zero, so the policy equals the reference: rewards and z0 are 0 and each
+    # example's loss is 1 - sigmoid(0) = 0.5 (unit weights).
+    assert first["loss"] == pytest.approx(0.5, abs=1e-5)
+    assert first["kl"] == 0.0

@@ -10,7 +10,7 @@ from alignkit.hparams import parse_config
 from alignkit.train import run_train
 
 DATA = Path(__file__).resolve().parents[2] / "data"
-DATASETS = {"sft": "demo_sft", "rm": "demo_pref", "dpo": "demo_pref"}
+DATASETS = {"sft": "demo_sft", "rm": "demo_pref", "dpo": "demo_pref", "kto": "demo_kto"}
 
 
 def _run(tiny_model_dir, out, stage, seed):

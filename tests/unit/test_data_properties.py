@@ -102,6 +102,10 @@ ROW_SHAPES = {
     "openai": (row({"messages": conversation(*OPENAI, ends_with_user=False)}, {"tools": json_values}),
                ["sft", "grpo"], "openai"),
     "trl_completion": (row({"prompt": field(texts), "completion": field(texts)}, {}), ["sft", "grpo"], None),
+    "trl_unpaired": (row({"prompt": mostly(texts, conversation(*OPENAI, ends_with_user=True), one_in=3),
+                          "completion": field(texts), "label": mostly(st.booleans(), json_values)}, {}), ["kto"], None),
+    "sharegpt_kto": (row({"conversations": conversation(*SHAREGPT, ends_with_user=False),
+                          "label": mostly(st.booleans(), json_values)}, {"system": field(texts)}), ["kto"], "sharegpt"),
     "trl_pairs": (row({"prompt": mostly(texts, conversation(*OPENAI, ends_with_user=True), one_in=3),
                        "chosen": field(texts), "rejected": field(texts)}, {"margin": json_values}),
                   ["rm", "dpo"], None),
@@ -110,9 +114,10 @@ ROW_SHAPES = {
     "prompt_only": (row({"prompt": field(texts)}, {"answer": json_values}), ["grpo", "ppo"], None),
     "text": (row({"text": field(texts)}, {}), ["pt"], None),
 }
-STAGES = ["pt", "sft", "rm", "dpo", "grpo"]
+STAGES = ["pt", "sft", "rm", "dpo", "kto", "grpo"]
 # The data kind each consumer trains on (grpo/ppo are not registered stages yet; their data kind is).
-STAGE_KINDS = {"pt": "text", "sft": "supervised", "rm": "preference", "dpo": "preference", "grpo": "prompt",
+STAGE_KINDS = {"pt": "text", "sft": "supervised", "rm": "preference", "dpo": "preference", "kto": "unpaired",
+               "grpo": "prompt",
                "ppo": "prompt"}
 
 # ---------------------------------------------------------------------------------------------- files
@@ -165,6 +170,9 @@ def _check_examples(examples, kind: str) -> None:
             assert isinstance(example["chosen"], str) and isinstance(example["rejected"], str)
             assert example["prompt"]
             assert example["margin"] is None or isinstance(example["margin"], float)
+        elif kind == "unpaired":
+            assert example["prompt"] and isinstance(example["completion"], str)
+            assert isinstance(example["desirable"], bool)
         elif kind == "prompt":
             assert example["prompt"] and isinstance(example["extra"], dict)
         else:
@@ -247,7 +255,7 @@ def test_get_dataset_gives_token_columns_or_a_data_error(tiny_tokenizer, file, s
         # A fresh cache per example (conftest's monkeypatch restores the variable after the test).
         os.environ["ALIGNKIT_DATA_CACHE"] = str(Path(folder) / "cache")
         config = parse_config({"dataset": str(Path(folder) / name), "dataset_dir": folder,
-                               "stage": stage if stage in ("pt", "sft", "rm", "dpo") else "sft",
+                               "stage": stage if stage in ("pt", "sft", "rm", "dpo", "kto") else "sft",
                                "cutoff_len": 96, "skip_invalid_rows": skip, "val_size": val_size})
         try:
             out = get_dataset(config, tiny_tokenizer, STAGE_KINDS[stage])

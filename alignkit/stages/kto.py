@@ -1,0 +1,396 @@
+"""Kahneman-Tversky optimisation (Ethayarajh et al. 2024): alignment from replies marked good or bad, unpaired.
+
+Each example is one prompt with one reply and a flag: desirable or undesirable. The policy's implicit
+reward of a reply is `r = beta * (log pi(y|x) - log pi_ref(y|x))`, and it is judged against a reference
+point `z0`, the policy's KL divergence from the reference. Desirable replies are pushed above it,
+undesirable ones below, through a sigmoid value function (the paper's KTO loss; TRL cites it as eq. 7).
+
+What this file simplifies, and why:
+- `z0` is estimated as TRL 1.16 estimates it: from mismatched (prompt, reply) pairs of the same batch, the
+  mean of `log pi(y'|x) - log pi_ref(y'|x)` over them, clamped at 0 and detached (no gradient flows
+  through the reference point). The mismatched rows are added to the dataset when the trainer is built:
+  each row's prompt with the reply of the row before it within its group of `per_device_train_batch_size`
+  consecutive rows (the first takes the group's last), TRL's rotation. Under sequential sampling
+  (`train_sampling_strategy: sequential`, TRL's default for KTO) a batch is such a group, so its
+  mismatched replies are its own replies paired with other prompts, as the paper recommends. Under the
+  default random sampling each prompt still meets a reply written for another prompt, which is how
+  LLaMA-Factory builds its KL pairs (fixed neighbours, shuffled batches). With one example per device
+  there is no batch to rotate in, so the group is the whole dataset (each row paired with the reply of
+  the row before it, LLaMA-Factory's pairing); TRL refuses that batch size, LLaMA-Factory's example
+  configs use it. Evaluation sets get their mismatched rows the same way (grouped by the training batch size,
+  as TRL groups them), and each evaluation batch estimates its own z0.
+- The reference is the policy at step 0, as in DPO (`StageTrainer.reference()`): the adapter disabled
+  under LoRA, a frozen in-memory copy under full / freeze fine-tuning. Reference log-probs are computed
+  on the fly (no `precompute_ref_log_probs` here).
+- The loss is the mean over the batch's examples of the weighted per-example losses (TRL's `nanmean`
+  over the concatenated desirable and undesirable losses); `kto_chosen_weight` / `kto_rejected_weight`
+  (TRL: `desirable_weight` / `undesirable_weight`) rebalance data with unequal shares of the two.
+- `pref_ftx` adds the mean NLL per desirable-reply token (the same term as DPO's `pref_ftx` on chosen
+  replies). LLaMA-Factory scales its version by `batch size / desirable count`; this one is not rescaled.
+- Metrics under TRL 1.16's names: `kl`, `rewards/chosen` and `logps/chosen` (means over the desirable
+  examples), `rewards/rejected` and `logps/rejected` (over the undesirable ones), `rewards/margins`. TRL
+  averages a logging window's batch values with equal weight; here each value counts for the examples it
+  covers (the same number when the window is one batch). TRL's `logits/*` and `entropy` need the full
+  vocabulary logits, which alignkit never builds, and are not logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..constants import IGNORE_INDEX
+from ..hparams import ConfigError
+from ..model.logprobs import forward_sequence_logps
+from .base import PREDICTIONS_FILE, StageTrainer, run_stage_trainer
+from .dpo import chosen_nll_loss
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from ..hparams import Config
+
+logger = logging.getLogger(__name__)
+
+KL_LOSSES = ("kto",)  # the loss types whose reference point is the KL estimate
+
+
+@dataclass
+class KTOArguments:
+    """The keys of `stage: kto` (LLaMA-Factory's names; `loss_type` is TRL's, LLaMA-Factory has no such key)."""
+
+    pref_beta: float = field(
+        default=0.1, metadata={"help": "KTO beta: scales the implicit reward (how far the policy may move)."}
+    )
+    kto_chosen_weight: float = field(
+        default=1.0, metadata={"help": "Weight of the losses of desirable replies (TRL: desirable_weight)."}
+    )
+    kto_rejected_weight: float = field(
+        default=1.0, metadata={"help": "Weight of the losses of undesirable replies (TRL: undesirable_weight)."}
+    )
+    pref_ftx: float = field(
+        default=0.0, metadata={"help": "Weight of the SFT loss on desirable replies added to the KTO loss."}
+    )
+    loss_type: Literal["kto", "apo_zero_unpaired"] = field(
+        default="kto",
+        metadata={
+            "help": "kto (the paper's loss, reference point = KL estimate) or apo_zero_unpaired (the unpaired "
+            "APO-zero loss of D'Oosterlinck et al. 2024: no reference point, no KL pass)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not self.pref_beta > 0:  # also refuses NaN
+            raise ConfigError(f"pref_beta={self.pref_beta} must be > 0: at 0 the KTO loss has no gradient.")
+        for key in ("kto_chosen_weight", "kto_rejected_weight"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key}={getattr(self, key)} must be > 0 (1.0 weighs both kinds of reply alike).")
+        if self.pref_ftx < 0:
+            raise ConfigError(f"pref_ftx={self.pref_ftx} must be >= 0 (the weight of an added SFT loss).")
+
+
+def check_config(config: "Config") -> None:
+    """What `stage: kto` refuses beyond its own keys."""
+    if config.training.predict_with_generate:
+        raise ConfigError("predict_with_generate applies to stage sft, not kto; remove it.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure tensor functions. B = examples in the batch; log-probs are per-sequence sums.
+# ---------------------------------------------------------------------------------------------------
+
+
+def kl_estimate(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
+    """KTO's reference point z0 estimated from mismatched pairs, as TRL 1.16 forms it.
+
+    `z0 = max(0, mean(kl_logps - ref_kl_logps))`, detached: the reference point moves no weights.
+
+    Args:
+        kl_logps: [B] policy log-probs of replies under prompts they were not written for.
+        ref_kl_logps: [B] reference log-probs of the same.
+
+    Returns:
+        Scalar z0 (0-dim tensor).
+    """
+    return (kl_logps - ref_kl_logps).mean().clamp(min=0).detach()
+
+
+def kto_loss(
+    policy_logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor | float,
+    *,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    loss_type: str = "kto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example KTO losses (Ethayarajh et al. 2024; eq. 7 as TRL 1.16 cites it) and the implicit rewards.
+
+    With `h = log pi(y|x) - log pi_ref(y|x)`:
+    - kto: desirable `w_d * (1 - sigmoid(beta * (h - z0)))`, undesirable `w_u * (1 - sigmoid(beta * (z0 - h)))`.
+    - apo_zero_unpaired (D'Oosterlinck et al. 2024, eq. 7 unpaired, as TRL 1.16): desirable
+      `w_d * (1 - sigmoid(beta * h))`, undesirable `w_u * sigmoid(beta * h)`; z0 is not used.
+
+    Args:
+        policy_logps: [B] summed policy log-probs of the replies.
+        ref_logps: [B] summed reference log-probs of the same.
+        desirable: [B] bool, True for a desirable reply.
+        kl: z0, the reference point (see `kl_estimate`).
+        beta: scales the log-ratio.
+        desirable_weight, undesirable_weight: w_d and w_u.
+        loss_type: kto or apo_zero_unpaired.
+
+    Returns:
+        `(losses [B], rewards [B])` in the input order; rewards `beta * h` are detached.
+    """
+    logratios = policy_logps - ref_logps
+    if loss_type == "kto":
+        desirable_losses = 1 - torch.sigmoid(beta * (logratios - kl))
+        undesirable_losses = 1 - torch.sigmoid(beta * (kl - logratios))
+    elif loss_type == "apo_zero_unpaired":
+        desirable_losses = 1 - torch.sigmoid(beta * logratios)
+        undesirable_losses = torch.sigmoid(beta * logratios)
+    else:
+        raise ValueError(f"loss_type={loss_type!r}: choose kto or apo_zero_unpaired.")
+    losses = torch.where(desirable, desirable_weight * desirable_losses, undesirable_weight * undesirable_losses)
+    return losses, beta * logratios.detach()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mismatched (prompt, reply) rows for the KL estimate
+# ---------------------------------------------------------------------------------------------------
+
+
+def rotated_partners(num_rows: int, group_size: int) -> list[int]:
+    """For each row, the row whose reply it borrows: the one before it within its group of `group_size`
+    consecutive rows, the group's last for its first (TRL's rotation: `(x1, yn), (x2, y1), ..., (xn, yn-1)`).
+
+    Example: 5 rows in groups of 2 -> groups (0, 1), (2, 3), (4) -> partners [1, 0, 3, 2, 4].
+    """
+    partners = []
+    for start in range(0, num_rows, group_size):
+        group = list(range(start, min(start + group_size, num_rows)))
+        partners += group[-1:] + group[:-1]
+    return partners
+
+
+def _prompt_length(labels: list[int]) -> int:
+    """Tokens before the first labelled one (KTO rows never train on their prompt)."""
+    return next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+
+
+def with_mismatched_rows(dataset: "Dataset", group_size: int, max_length: Optional[int] = None) -> "Dataset":
+    """`dataset` plus `kl_input_ids` / `kl_labels`: each row's prompt followed by its partner's reply
+    (`rotated_partners`), labels -100 on the prompt.
+
+    Args:
+        dataset: tokenised unpaired rows (`input_ids`, `labels`).
+        group_size: rows per rotation group (`per_device_train_batch_size`; the whole dataset at 1).
+        max_length: when a prompt and a borrowed reply exceed it, both are cut as `cutoff_len` cuts a row
+            (the prompt keeps its end, the reply its start).
+    """
+    from ..data.processors import infer_seqlen
+
+    if "kl_input_ids" in dataset.column_names:
+        return dataset
+    input_ids, labels = dataset["input_ids"], dataset["labels"]
+    prompt_lengths = [_prompt_length(row) for row in labels]
+    kl_input_ids, kl_labels = [], []
+    for i, j in enumerate(rotated_partners(len(dataset), group_size if group_size > 1 else len(dataset))):
+        prompt, reply = input_ids[i][:prompt_lengths[i]], input_ids[j][prompt_lengths[j]:]
+        if max_length is not None and len(prompt) + len(reply) > max_length:
+            source_len, target_len = infer_seqlen(len(prompt), len(reply), max_length)
+            prompt, reply = prompt[len(prompt) - source_len:], reply[:target_len]
+        kl_input_ids.append(prompt + reply)
+        kl_labels.append([IGNORE_INDEX] * len(prompt) + reply)
+    return dataset.add_column("kl_input_ids", kl_input_ids).add_column("kl_labels", kl_labels)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------
+
+
+class KTOTrainer(StageTrainer):
+    """`Trainer` whose loss is KTO's over a batch of unpaired rows (`UnpairedCollator`).
+
+    Args:
+        kto_args: `pref_beta`, `kto_chosen_weight`, `kto_rejected_weight`, `pref_ftx`, `loss_type`.
+        ref_model: an explicit frozen reference model. Default: the policy with its LoRA adapter disabled,
+            or a frozen in-memory deep copy of the policy as it is now (full / freeze fine-tuning).
+        kl_max_length: the most tokens of a mismatched row (`cutoff_len`); None: no cut.
+        *args, **kwargs: as for `transformers.Trainer`; `args.padding_free` runs the batch's real tokens only.
+    """
+
+    # The loss is a per-micro-batch mean over examples: let Trainer divide it by the accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, kto_args: KTOArguments, ref_model: Optional[nn.Module] = None,
+                 kl_max_length: Optional[int] = None, **kwargs) -> None:
+        self.beta = kto_args.pref_beta
+        self.desirable_weight = kto_args.kto_chosen_weight
+        self.undesirable_weight = kto_args.kto_rejected_weight
+        self.pref_ftx = kto_args.pref_ftx
+        self.loss_type = kto_args.loss_type
+        self.uses_kl = self.loss_type in KL_LOSSES
+        super().__init__(*args, ref_model=ref_model, keep_reference_copy=True, **kwargs)
+        if self.uses_kl:
+            group = self.args.per_device_train_batch_size
+            if group == 1:
+                logger.info("per_device_train_batch_size=1: each example's KL row borrows the reply of the example "
+                            "before it in the dataset (a batch of one has no other reply to borrow).")
+            if self.train_dataset is not None:
+                self.train_dataset = with_mismatched_rows(self.train_dataset, group, kl_max_length)
+            if isinstance(self.eval_dataset, dict):
+                self.eval_dataset = {k: with_mismatched_rows(v, group, kl_max_length)
+                                     for k, v in self.eval_dataset.items()}
+            elif self.eval_dataset is not None:
+                self.eval_dataset = with_mismatched_rows(self.eval_dataset, group, kl_max_length)
+        if self.train_dataset is not None and hasattr(self.train_dataset, "column_names"):
+            _warn_if_unbalanced(self.train_dataset["desirable"], self.desirable_weight, self.undesirable_weight)
+
+    def _sequence_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor], prefix: str = ""
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed log-probs [B] and reply lengths [B] of the batch's rows (`prefix="kl_"`: its mismatched rows)."""
+        return forward_sequence_logps(model, inputs[f"{prefix}input_ids"], inputs[f"{prefix}attention_mask"],
+                                      inputs[f"{prefix}labels"], padding_free=self.args.padding_free)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logps, lengths = self._sequence_logps(model, inputs)
+        desirable = inputs["desirable"].bool()
+        kl: torch.Tensor | float = 0.0
+        with self.reference() as reference:
+            ref_logps, _ = self._sequence_logps(reference, inputs)
+            if self.uses_kl:
+                ref_kl_logps, _ = self._sequence_logps(reference, inputs, "kl_")
+        if self.uses_kl:
+            with torch.no_grad():  # z0 is a detached reference point: no graph for the policy's KL pass
+                kl_logps, _ = self._sequence_logps(model, inputs, "kl_")
+            kl = kl_estimate(kl_logps, ref_kl_logps)
+            if self.accelerator.num_processes > 1:
+                # TRL's z0 is the mean of every process's batch estimate, clamped after averaging.
+                kl = self.accelerator.gather(((kl_logps - ref_kl_logps).mean())[None]).mean().clamp(min=0)
+
+        losses, rewards = kto_loss(logps, ref_logps, desirable, kl, beta=self.beta,
+                                   desirable_weight=self.desirable_weight,
+                                   undesirable_weight=self.undesirable_weight, loss_type=self.loss_type)
+        loss = losses.mean()
+        if self.pref_ftx and desirable.any():
+            loss = loss + self.pref_ftx * chosen_nll_loss(logps[desirable], lengths[desirable])
+
+        self._record_kto_metrics(logps.detach(), rewards, desirable, kl)
+        if return_outputs:
+            return loss, {"rewards": rewards}
+        return loss
+
+    def _record_kto_metrics(self, logps: torch.Tensor, rewards: torch.Tensor, desirable: torch.Tensor,
+                            kl: torch.Tensor | float) -> None:
+        """Each metric counts for the examples it is a mean over (the desirable ones for `*/chosen`)."""
+        num_desirable, num_undesirable = int(desirable.sum()), int((~desirable).sum())
+        self.record_metrics({"kl": kl}, desirable.numel())
+        if num_desirable:
+            self.record_metrics({"rewards/chosen": rewards[desirable], "logps/chosen": logps[desirable]},
+                                num_desirable)
+        if num_undesirable:
+            self.record_metrics({"rewards/rejected": rewards[~desirable], "logps/rejected": logps[~desirable]},
+                                num_undesirable)
+        if num_desirable and num_undesirable:
+            margin = rewards[desirable].mean() - rewards[~desirable].mean()
+            self.record_metrics({"rewards/margins": margin}, desirable.numel())
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The loss; unless `prediction_loss_only`, each example's implicit reward [B] and its flag [B]."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        loss = loss.detach()
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, outputs["rewards"], inputs["desirable"].long()
+
+
+def _warn_if_unbalanced(desirable: list[bool], desirable_weight: float, undesirable_weight: float) -> None:
+    """Warn when the weights leave one kind of reply dominating the loss.
+
+    The KTO paper advises `w_d * n_d / (w_u * n_u)` in [1, 4/3]; this warns outside that range and names the
+    `kto_chosen_weight` range that reaches it (TRL warns likewise, naming either weight).
+    """
+    num_desirable = sum(bool(d) for d in desirable)
+    num_undesirable = len(desirable) - num_desirable
+    if not num_desirable or not num_undesirable:
+        logger.warning("The training set holds only %s replies: KTO then has nothing to contrast them with.",
+                       "desirable" if num_desirable else "undesirable")
+        return
+    ratio = desirable_weight * num_desirable / (undesirable_weight * num_undesirable)
+    if not 1.0 <= ratio <= 4 / 3:
+        suggested = undesirable_weight * num_undesirable / num_desirable
+        logger.warning("%d desirable and %d undesirable replies with kto_chosen_weight=%g and kto_rejected_weight=%g "
+                       "give a desirable:undesirable loss weight of %.2f; the KTO paper advises 1 to 4/3. Set "
+                       "kto_chosen_weight to about %.2f-%.2f.", num_desirable, num_undesirable, desirable_weight,
+                       undesirable_weight, ratio, suggested, suggested * 4 / 3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage entry point
+# ---------------------------------------------------------------------------------------------------
+
+
+def save_unpaired_predictions(output_dir: str, rewards: Any, desirable: Any) -> Path:
+    """Write `generated_predictions.jsonl`: one `{"reward": r, "desirable": bool}` per example, in dataset order."""
+    path = Path(output_dir) / PREDICTIONS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for reward, flag in zip(np.asarray(rewards).reshape(-1).tolist(), np.asarray(desirable).reshape(-1).tolist()):
+            f.write(json.dumps({"reward": round(reward, 6), "desirable": bool(flag)}) + "\n")
+    return path
+
+
+def run_kto(config: "Config", callbacks: list["TrainerCallback"]) -> None:
+    """Train, evaluate and predict with the KTO loss as `config` says; outputs go to `output_dir`.
+
+    Prediction writes each example's implicit reward (`beta * (policy - reference)` log-probs) and its
+    desirable flag to `generated_predictions.jsonl`.
+    """
+    from ..data import UnpairedCollator, get_dataset
+    from ..model.loader import load_model, load_tokenizer
+    from .base import check_splits
+
+    tokenizer = load_tokenizer(config.model)
+    datasets = get_dataset(config, tokenizer, "kto")
+    check_splits(config, datasets)
+    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
+    trainer = KTOTrainer(
+        model=model,
+        args=config.training,
+        kto_args=config.method,
+        kl_max_length=config.data.cutoff_len,
+        data_collator=UnpairedCollator(tokenizer),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        **datasets,
+    )
+    run_stage_trainer(trainer, config, save_predictions=lambda output: save_unpaired_predictions(
+        config.training.output_dir, output.predictions, output.label_ids))
+
+
+__all__ = [
+    "kl_estimate",
+    "kto_loss",
+    "rotated_partners",
+    "with_mismatched_rows",
+    "KTOArguments",
+    "check_config",
+    "KTOTrainer",
+    "save_unpaired_predictions",
+    "run_kto",
+]

@@ -91,7 +91,8 @@ def chat(
         generating_args: decoding settings (greedy by default).
         prompt: a single user message; the reply is returned.
         system: an optional system message put before the conversation.
-        template: the chat template (`chatml`, `llama3`, `plain`; None: the tokenizer's own).
+        template: the chat template (a built-in name, see `alignkit.data.template`; None: the tokenizer's own,
+            which for a trained adapter is the template saved with it).
         stream: where replies (and the interactive prompts' echoes) are written.
         input_fn: reads one user line; `input` by default, replaceable in tests.
 

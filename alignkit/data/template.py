@@ -216,9 +216,10 @@ BUILTIN_TEMPLATES: dict[str, BuiltinTemplate] = {
     # Qwen3 with thinking (LLaMA-Factory `qwen3`): ChatML, replies without a thought get an empty one.
     "qwen3": BuiltinTemplate(**dict(_CHATML, special_tokens=("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
                                     empty_thought="<think>\n\n</think>\n\n")),
-    # SmolLM2 (LLaMA-Factory `smollm2`): ChatML with SmolLM2's default system prompt.
+    # SmolLM2 (LLaMA-Factory `smollm2`): ChatML with the default system prompt SmolLM2's own template writes
+    # (without the final full stop LLaMA-Factory's copy adds: the model was tuned on its own).
     "smollm2": BuiltinTemplate(**dict(_CHATML, default_system="You are a helpful AI assistant named SmolLM, "
-                                                              "trained by Hugging Face.")),
+                                                              "trained by Hugging Face")),
     "llama3": BuiltinTemplate(
         prefix="<|begin_of_text|>",
         system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",

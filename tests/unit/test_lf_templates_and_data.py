@@ -74,7 +74,7 @@ def test_llama_factory_names_render_as_their_builtin(tiny_tokenizer):
     assert ChatFormatter(tiny_tokenizer, "qwen").render(messages) == (
         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n" + chatml)
     assert ChatFormatter(tiny_tokenizer, "smollm2").render(messages).startswith(
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face.<|im_end|>\n")
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n")
     with_system = [{"role": "system", "content": "S"}] + messages
     assert ChatFormatter(tiny_tokenizer, "qwen").render(with_system) == "<|im_start|>system\nS<|im_end|>\n" + chatml
 

@@ -131,7 +131,7 @@ class RewardFunctionArguments:
 
 
 def _check_spec_syntax(spec: str) -> None:
-    """Catch a misspelt built-in early (`acuracy`): a bare word that is neither a built-in nor a path."""
+    """Catch a malformed `module:function` and a misspelt built-in (`acuracy`) before anything loads."""
     if not spec:
         raise ConfigError("reward_funcs holds an empty entry; remove it.")
     if ":" in spec:
@@ -142,10 +142,12 @@ def _check_spec_syntax(spec: str) -> None:
         return
     if spec in BUILTIN_NAMES or "/" in spec or os.sep in spec or Path(spec).exists():
         return
+    # Any other bare word may be a reward model folder beside the config file (checked when the functions
+    # are built); one that is close to a built-in's name is almost surely a typo.
     close = difflib.get_close_matches(spec, BUILTIN_NAMES, n=1, cutoff=0.6)
-    hint = f" Did you mean `{close[0]}`?" if close else ""
-    raise ConfigError(f"reward_funcs: {spec!r} is not a built-in ({', '.join(BUILTIN_NAMES)}), a "
-                      f"`module:function`, a `file.py:function` or an existing reward model directory.{hint}")
+    if close:
+        raise ConfigError(f"reward_funcs: {spec!r} is not a built-in ({', '.join(BUILTIN_NAMES)}). Did you mean "
+                          f"`{close[0]}`?")
 
 
 # ------------------------------------------------------------------------------------------ user functions

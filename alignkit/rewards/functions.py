@@ -322,7 +322,7 @@ class RewardFunction:
                 self.function(**_row_kwargs(kwargs, row))
             except Exception as row_err:  # noqa: BLE001 - any exception is the user's bug to report
                 return RewardFunctionError(
-                    f"reward function {self.name} raised {type(row_err).__name__}: {row_err} on row {row} "
+                    f"reward function {self.name} raised {type(row_err).__name__}: {row_err} on row {row} of {num_rows} "
                     f"(prompt {_preview(kwargs['prompts'][row])}, completion {_preview(kwargs['completions'][row])}"
                     f"{_column_preview(kwargs, row)}). Fix the function ({self.spec}) or return None for rows it "
                     "cannot score.")

@@ -275,7 +275,7 @@ def test_a_file_that_fails_to_import_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("function,message", [
-    ("raises_on_bad", r"raises_on_bad raised ZeroDivisionError: .* on row 1 \(prompt 'q1', completion 'bad'"),
+    ("raises_on_bad", r"raises_on_bad raised ZeroDivisionError: .* on row 1 of 2 \(prompt 'q1', completion 'bad'"),
     ("too_few", "too_few returned 1 values for 2 completions"),
     ("returns_string", r"returns_string: row 1 got 'high', which is not a number.*Row 1: prompt 'q1', completion 'bad'"),
     ("returns_nan", r"returns_nan: row 1 got nan, which is not finite. Return a finite float, or None"),

@@ -13,7 +13,9 @@ import torch
 
 from alignkit.hparams import ConfigError
 from alignkit.rewards import (
+    RewardFunction,
     RewardFunctionArguments,
+    RewardFunctions,
     RewardFunctionError,
     build_reward_functions,
     combine_rewards,
@@ -292,3 +294,45 @@ def test_columns_reach_user_functions_and_lengths_are_checked(user_file):
         rewards(["q"], ["c"], {})  # the column the function needs is absent
     with pytest.raises(ValueError, match="column 'difficulty' has 1 values for 2"):
         rewards(["q", "q"], ["c", "c"], {"difficulty": [1]})
+
+
+def test_shared_keywords_reach_every_function_unsliced():
+    """TRL gives reward functions `trainer_state`; callers pass such values once, not per row."""
+    seen = []
+
+    def spy(prompts, completions, trainer_state=None, **kwargs):
+        seen.append((trainer_state, kwargs["answer"]))
+        return [1.0 / len(c) for c in completions]  # raises on an empty completion
+
+    rewards = RewardFunctions([RewardFunction("spy", "spy", spy)], [1.0])
+    state = {"global_step": 3}
+    rewards(["q0", "q1"], ["ab", "abcd"], {"answer": ["1", "2"]}, trainer_state=state)
+    assert seen == [(state, ["1", "2"])]
+    with pytest.raises(RewardFunctionError, match=r"spy raised ZeroDivisionError.*row 1 of 2.*answer='2'"):
+        rewards(["q0", "q1"], ["ab", ""], {"answer": ["1", "2"]}, trainer_state=state)
+    assert seen[-1] == (state, ["2"])  # the row-by-row search slices columns, never the shared state
+    with pytest.raises(ValueError, match="clash"):
+        rewards(["q"], ["a"], {"answer": ["1"]}, answer="x")
+
+
+def test_a_stage_arguments_class_can_subclass_the_reward_keys():
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class StageArguments(RewardFunctionArguments):
+        max_completion_length: int = field(default=16)
+
+    args = StageArguments(reward_funcs="accuracy,length", reward_weights=[1, 0.5])
+    assert args.reward_funcs == ["accuracy", "length"] and args.reward_weights == [1.0, 0.5]
+    rewards = build_reward_functions(args)  # L_max from the stage's max_completion_length: 16, W = 3
+    out = rewards(["q"], ["5"], {"answer": ["5"]}, completion_ids=[[1] * 14], truncated=[False])
+    assert out[0].tolist() == [1.0, pytest.approx(-1 / 3)]  # (16 - 3 - 14) / 3
+
+
+def test_reward_arguments_convert_command_line_strings():
+    from alignkit.evaluate import reward_arguments
+
+    args = reward_arguments(["accuracy", "length"], {"reward_weights": "1,0.5", "length_reward_window": "4",
+                                                     "length_reward_truncated": "-2"})
+    assert args.reward_weights == [1.0, 0.5] and args.length_reward_window == 4
+    assert args.length_reward_truncated == -2.0

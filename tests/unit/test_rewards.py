@@ -60,6 +60,14 @@ MESSY = [
     ("Paris is the capital.", "16", 0.0),
     (r"\boxed{Paris}", "Paris", 1.0),  # a text answer compares as text
     ([{"role": "assistant", "content": "So 4 * 5 = 20."}], "20", 1.0),  # conversational shape
+    # Tails of the bundled SmolLM2-135M-Instruct's greedy answers to demo_math_eval prompts (all wrong).
+    ("Sara reads 10 more pages, so she reads 372 - 10 = 370 pages.\nTherefore, Sara has read 370 pages.\n"
+     "#### 370\nThe answer is: 370", "454", 0.0),
+    ("Sara reads 10 more pages, so she reads 372 - 10 = 370 pages.\n#### 370\nThe answer is: 370", "370", 1.0),
+    ("Now, we divide the total number of sweets by the number of friends: 55 / 11 = 4.\n\nSo, each friend gets 4 "
+     "sweets.", "4", 1.0),
+    ("Ravi shares 24 sweets, so each friend gets 24/3 = 9 sweets.", "9", 1.0),  # "= 9", not the fraction 24/3
+    ("So, Mei has 11 - 7 = 6 books left on the shelf.\n\nThe answer is 6.", "4", 0.0),
 ]
 
 

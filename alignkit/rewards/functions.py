@@ -225,7 +225,10 @@ def load_user_function(spec: str, config_dir: Optional[str] = None) -> Callable[
         available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
                            and getattr(v, "__module__", None) == module.__name__)
         close = difflib.get_close_matches(function_name, available, n=1)
-        hint = f" Did you mean `{close[0]}`?" if close else (f" It defines: {', '.join(available)}." if available else "")
+        if close:
+            hint = f" Did you mean `{close[0]}`?"
+        else:
+            hint = f" It defines: {', '.join(available)}." if available else ""
         raise RewardFunctionError(f"reward function {spec!r}: {where} has no `{function_name}`.{hint}")
     if not callable(function):
         raise RewardFunctionError(f"reward function {spec!r}: `{function_name}` in {where} is a "
@@ -281,8 +284,8 @@ def check_reward_values(name: str, values: Any, num_rows: int, prompts: Sequence
         if number is None or not math.isfinite(number):
             problem = "not a number" if number is None else "not finite"
             raise RewardFunctionError(
-                f"reward function {name}: row {row} got {_preview(value)}, which is {problem}. Return a finite float, or None "
-                f"to skip a completion. Row {row}: prompt {_preview(prompts[row])}, completion "
+                f"reward function {name}: row {row} got {_preview(value)}, which is {problem}. Return a finite "
+                f"float, or None to skip a completion. Row {row}: prompt {_preview(prompts[row])}, completion "
                 f"{_preview(completions[row])}.")
         out.append(number)
     return out
@@ -324,10 +327,10 @@ class RewardFunction:
                 self.function(**_row_kwargs(kwargs, row, per_row))
             except Exception as row_err:  # noqa: BLE001 - any exception is the user's bug to report
                 return RewardFunctionError(
-                    f"reward function {self.name} raised {type(row_err).__name__}: {row_err} on row {row} of {num_rows} "
-                    f"(prompt {_preview(kwargs['prompts'][row])}, completion {_preview(kwargs['completions'][row])}"
-                    f"{_column_preview(kwargs, row, per_row)}). Fix the function ({self.spec}) or return None for rows it "
-                    "cannot score.")
+                    f"reward function {self.name} raised {type(row_err).__name__}: {row_err} on row {row} of "
+                    f"{num_rows} (prompt {_preview(kwargs['prompts'][row])}, completion "
+                    f"{_preview(kwargs['completions'][row])}{_column_preview(kwargs, row, per_row)}). Fix the "
+                    f"function ({self.spec}) or return None for rows it cannot score.")
         return RewardFunctionError(f"reward function {self.name} raised {first} on a batch of {num_rows} rows, though "
                                    f"no row alone raised. Fix the function ({self.spec}).")
 

@@ -18,10 +18,11 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from .data.collator import pad_sequences
 from .data.errors import DataError
 from .data.processors import infer_seqlen
 from .data.template import ChatFormatter
@@ -39,6 +40,46 @@ def _as_messages(prompt: Prompt, system: Optional[str] = None) -> Messages:
     if system:
         messages = [{"role": "system", "content": system}] + messages
     return messages
+
+
+def encode_scored(formatter: ChatFormatter, prompt: Prompt, response: str, *, tools: Optional[str] = None,
+                  cutoff_len: Optional[int] = None) -> list[int]:
+    """Token ids of `prompt` followed by the assistant `response`, as the rm data layer builds them.
+
+    The one rendering of a scored sequence: `alignkit score` and the reward-model reward functions of the
+    online stages (`alignkit.rewards.model`) both use it, so a reward equals the score of the same text.
+
+    Args:
+        formatter: the template the reward model was trained with.
+        prompt: a user message string or a list of messages.
+        response: the assistant reply scored.
+        tools: tool definitions (JSON text), as in the data layer.
+        cutoff_len: most tokens; longer sequences lose the start of the prompt first, as in training.
+    """
+    messages = _as_messages(prompt)
+    prompt_text = formatter.prompt_text(messages, tools=tools)
+    reply_text = formatter.reply_text(messages, response, tools=tools)
+    prompt_ids, reply_ids = formatter.tokenizer([prompt_text, reply_text], add_special_tokens=False)["input_ids"]
+    if cutoff_len is not None and len(prompt_ids) + len(reply_ids) > cutoff_len:
+        keep_prompt, keep_reply = infer_seqlen(len(prompt_ids), len(reply_ids), cutoff_len)
+        prompt_ids = prompt_ids[len(prompt_ids) - keep_prompt:] if keep_prompt else []
+        reply_ids = reply_ids[:keep_reply]
+    return prompt_ids + reply_ids
+
+
+def score_sequences(score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sequences: Sequence[list[int]],
+                    pad_token_id: int, device, *, batch_size: int = 8, padding_side: str = "right") -> list[float]:
+    """Pad token id lists `batch_size` at a time and score them with `score(input_ids, attention_mask) -> [B]`.
+
+    Shared by `RewardScorer` and the reward-model reward functions (`alignkit.rewards.model`).
+    """
+    scores: list[float] = []
+    for start in range(0, len(sequences), batch_size):
+        batch = [list(ids) for ids in sequences[start:start + batch_size]]
+        input_ids = pad_sequences(batch, pad_token_id, side=padding_side).to(device)
+        attention_mask = pad_sequences([[1] * len(ids) for ids in batch], 0, side=padding_side).to(device)
+        scores.extend(score(input_ids, attention_mask).float().cpu().tolist())
+    return scores
 
 
 class RewardScorer:
@@ -85,33 +126,14 @@ class RewardScorer:
 
     def encode(self, prompt: Prompt, response: str, tools: Optional[str] = None) -> list[int]:
         """Token ids of `prompt` followed by the assistant `response`, as the rm data layer builds them."""
-        messages = _as_messages(prompt)
-        prompt_text = self.formatter.prompt_text(messages, tools=tools)
-        reply_text = self.formatter.reply_text(messages, response, tools=tools)
-        prompt_ids, reply_ids = self.tokenizer([prompt_text, reply_text], add_special_tokens=False)["input_ids"]
-        if self.cutoff_len is not None and len(prompt_ids) + len(reply_ids) > self.cutoff_len:
-            keep_prompt, keep_reply = infer_seqlen(len(prompt_ids), len(reply_ids), self.cutoff_len)
-            prompt_ids = prompt_ids[len(prompt_ids) - keep_prompt:] if keep_prompt else []
-            reply_ids = reply_ids[:keep_reply]
-        return prompt_ids + reply_ids
+        return encode_scored(self.formatter, prompt, response, tools=tools, cutoff_len=self.cutoff_len)
 
     @torch.no_grad()
     def score_ids(self, sequences: Sequence[list[int]]) -> list[float]:
         """Rewards of already tokenised sequences, `batch_size` at a time."""
-        pad_id = self.tokenizer.pad_token_id
-        scores: list[float] = []
-        for start in range(0, len(sequences), self.batch_size):
-            batch = sequences[start: start + self.batch_size]
-            length = max(len(ids) for ids in batch)
-            input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(batch), length), dtype=torch.long)
-            for row, ids in enumerate(batch):
-                span = slice(0, len(ids)) if self.padding_side == "right" else slice(length - len(ids), length)
-                input_ids[row, span] = torch.tensor(ids, dtype=torch.long)
-                attention_mask[row, span] = 1
-            rewards = sequence_rewards(self.model, input_ids.to(self.device), attention_mask.to(self.device))
-            scores.extend(rewards.tolist())
-        return scores
+        return score_sequences(lambda ids, mask: sequence_rewards(self.model, ids, mask), sequences,
+                               self.tokenizer.pad_token_id, self.device, batch_size=self.batch_size,
+                               padding_side=self.padding_side)
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
         """One reward per (prompt, response); a prompt is a user message string or a list of messages."""
@@ -204,4 +226,4 @@ def score_file(
     return len(rows)
 
 
-__all__ = ["RewardScorer", "score_file"]
+__all__ = ["RewardScorer", "encode_scored", "score_file", "score_sequences"]

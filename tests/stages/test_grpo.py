@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import TrainerCallback
 
 from alignkit.callbacks import read_log
 from alignkit.hparams import parse_config
@@ -143,19 +142,6 @@ def test_accumulation_alone_does_not_change_the_update(loss_type, tiny_model_dir
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0)
 
 
-class _Crash(Exception):
-    """Stands for the process dying."""
-
-
-class _CrashBeforeStep(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step + 1 == self.step:
-            raise _Crash(f"killed before step {self.step}")
-
-
 def _rounds(out: Path) -> dict[int, list]:
     by_round: dict[int, list] = {}
     for line in (out / grpo_module.COMPLETIONS_FILE).read_text().splitlines():
@@ -166,7 +152,8 @@ def _rounds(out: Path) -> dict[int, list]:
 
 
 @pytest.mark.parametrize("checkpoint_step", [3, 4])
-def test_resume_mid_generation_batch_equals_the_straight_run(checkpoint_step, tiny_model_dir, tmp_path):
+def test_resume_mid_generation_batch_equals_the_straight_run(checkpoint_step, tiny_model_dir, tmp_path,
+                                                            crash_before_step):
     """steps_per_generation 2, GA 1: checkpoint-3 falls inside generation round 1 (its second slice is still
     to train), checkpoint-4 on a round boundary. 4 prompts = 2 rounds = 4 steps per epoch, so the resumed run
     also crosses into epoch 2. Losses, completions and rewards after the checkpoint equal the straight run's."""
@@ -176,8 +163,8 @@ def test_resume_mid_generation_batch_equals_the_straight_run(checkpoint_step, ti
     run_train(_config(tiny_model_dir, tmp_path, straight, **overrides))
     resumed = tmp_path / "resumed"
     config = _config(tiny_model_dir, tmp_path, resumed, **overrides)
-    with pytest.raises(_Crash):
-        run_train(config, callbacks=[_CrashBeforeStep(checkpoint_step + 1)])
+    with pytest.raises(Exception, match="killed before step"):
+        run_train(config, callbacks=[crash_before_step(checkpoint_step + 1)])
     run_train(_config(tiny_model_dir, tmp_path, resumed, **overrides))
 
     want, got = _losses(straight), _losses(resumed)

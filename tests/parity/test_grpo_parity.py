@@ -22,10 +22,10 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from alignkit.hparams import parse_config
-from alignkit.model.generation import Generation, completion_mask, pad_prompts
 from alignkit.rewards import RewardFunction, RewardFunctions
 from alignkit.stages import grpo as grpo_module
 from alignkit.stages.grpo import GRPOTrainer
+from alignkit.stages.rollout import generation_from_token_lists
 
 pytestmark = pytest.mark.parity
 trl = pytest.importorskip("trl")
@@ -121,13 +121,7 @@ def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, **method):
     stop_ids = [tokenizer.eos_token_id]
 
     def sample(model, tok, prompt_ids, **kwargs):
-        rows = injector(prompt_ids)
-        width = max(len(r) for r in rows)
-        ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
-        mask, truncated = completion_mask(ids, stop_ids)
-        prompts, prompt_mask = pad_prompts(prompt_ids, tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
-        return Generation(prompts, prompt_mask, ids, mask, truncated, texts)
+        return generation_from_token_lists(tokenizer, prompt_ids, injector(prompt_ids), stop_ids)
 
     monkeypatch.setattr(grpo_module, "sample_completions", sample)
     dataset = Dataset.from_list([

@@ -183,3 +183,45 @@ def test_resume_mid_generation_batch_equals_the_straight_run(checkpoint_step, ti
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
     if checkpoint_step == 3:
         assert (resumed / "checkpoint-3" / grpo_module.ROLLOUT_BUFFER_FILE).is_file()
+
+
+def test_vllm_colocate_path_with_a_stand_in_engine(tiny_model_dir, tmp_path, monkeypatch):
+    """No GPU here, so vLLM itself cannot run: a stand-in `vllm` module with the documented API records what
+    the trainer asks of it. The engine is built once from the base model's folder, gets the merged weights
+    before each round that follows an update, and samples each row with its own seed."""
+    import sys
+    from types import SimpleNamespace
+
+    engines = []
+
+    class FakeLLM:
+        def __init__(self, model, **kwargs):
+            self.model, self.kwargs, self.loads, self.seeds = model, kwargs, [], []
+            runner = SimpleNamespace(model=SimpleNamespace(load_weights=lambda weights: self.loads.append(dict(weights))))
+            self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(
+                model_runner=runner)))
+            engines.append(self)
+
+        def reset_prefix_cache(self):
+            pass
+
+        def generate(self, prompts, sampling_params, use_tqdm=False):
+            assert len(prompts) == len(sampling_params) and "prompt_token_ids" in prompts[0]
+            self.seeds.append([p.seed for p in sampling_params])
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[10 + p.seed % 40, 11 + p.seed % 7, 2, 5])])
+                    for p in sampling_params]
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=FakeLLM, SamplingParams=SimpleNamespace))
+    config = _config(tiny_model_dir, tmp_path, tmp_path / "out", max_steps=2)
+    config.method.use_vllm = True  # set after parsing: the config check would (rightly) ask for a GPU
+    run_train(config)
+
+    (engine,) = engines
+    assert engine.model == tiny_model_dir and engine.kwargs["gpu_memory_utilization"] == 0.3
+    assert len(engine.loads) == 2 and len(engine.seeds) == 2  # one sync per round, each after a new step
+    assert "model.layers.0.self_attn.q_proj.weight" in engine.loads[0]
+    assert not any("lora_" in name for name in engine.loads[0])
+    assert all(len(set(seeds)) == len(seeds) == 4 for seeds in engine.seeds)  # a seed per completion
+    records = [r for r in read_log(tmp_path / "out") if "loss" in r]
+    assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
+    assert records[0]["completions/max_length"] == 3  # cut after the stop token (id 2)

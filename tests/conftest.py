@@ -62,6 +62,20 @@ def save_perturbed_adapter():
     return _save_perturbed_adapter
 
 
+@pytest.fixture
+def reward_adapter_dir(tiny_model_dir, tmp_path):
+    """An rm run's LoRA output over the tiny model (task_type SEQ_CLS, `score` in modules_to_save), its
+    score head shifted off its initial values as if trained."""
+    import torch
+
+    out = tmp_path / "rm_lora"
+    trained = _save_perturbed_adapter(tiny_model_dir, out, head="reward")
+    with torch.no_grad():
+        trained.base_model.model.score.modules_to_save["default"].weight.add_(1.0)
+    trained.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def bundled_model_dir(tmp_path_factory):
     """The bundled SmolLM2-135M-Instruct converted once per test session (for `slow` tests).

@@ -440,10 +440,9 @@ class GRPOTrainer(StageTrainer):
             grpo_args.generation_batch_size, self.args.gradient_accumulation_steps)
         self.num_iterations = grpo_args.num_iterations
         self.generate_every = self.steps_per_generation * self.num_iterations
-        # TRL's rule: old log-probs are needed when a slice may be trained after an optimizer step that
-        # followed its generation.
-        # vLLM samples from its own kernels' numbers, so the ratio is always taken against the trainer's
-        # own log-probs of the sampled tokens (TRL additionally reweights by vLLM's; not done here).
+        # Old log-probs (TRL's rule): needed when a slice may be trained after an optimizer step that followed
+        # its generation. With vLLM always: it samples from its own kernels' numbers, so the ratio is taken
+        # against the trainer's log-probs of the sampled tokens (TRL also reweights by vLLM's; not done here).
         self.needs_old_logps = self.args.gradient_accumulation_steps % self.generate_every != 0 or grpo_args.use_vllm
         self._vllm: Optional[VLLMColocateSampler] = None
         self.generation_kwargs = {
@@ -451,7 +450,6 @@ class GRPOTrainer(StageTrainer):
             "temperature": grpo_args.temperature, "top_p": grpo_args.top_p, "top_k": grpo_args.top_k,
             "repetition_penalty": grpo_args.repetition_penalty,
         }
-        self.generation_count = 0  # generate calls made (tests count them)
         self._micro_step: Optional[int] = None  # micro-batches trained so far; set from the state on first use
         self._micro_batches_per_epoch: Optional[int] = None
         self._buffer: Optional[list[dict[str, torch.Tensor]]] = None
@@ -536,7 +534,6 @@ class GRPOTrainer(StageTrainer):
             generation = sample_completions(self.model, self.processing_class, prompt_ids,
                                             stop_token_ids=self.stop_token_ids,
                                             generation_kwargs=self.generation_kwargs, seed=seed)
-        self.generation_count += 1
         generation_time = time.perf_counter() - start
         self._step_generation_time += generation_time
 

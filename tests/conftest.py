@@ -93,3 +93,24 @@ def bundled_model_dir(tmp_path_factory):
         finally:
             mp.undo()
     return str(bundled.ensure_bundled_model())
+
+
+class SimulatedCrash(Exception):
+    """Stands for the training process dying (resume tests)."""
+
+
+@pytest.fixture
+def crash_before_step():
+    """`crash_before_step(n)` -> a callback that raises `SimulatedCrash` when step n is about to start, i.e.
+    after step n - 1 has been logged and its checkpoint saved, as when the process is killed there."""
+    from transformers import TrainerCallback
+
+    class CrashBeforeStep(TrainerCallback):
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == self.step:
+                raise SimulatedCrash(f"killed before step {self.step}")
+
+    return CrashBeforeStep

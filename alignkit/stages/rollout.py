@@ -1,0 +1,290 @@
+"""Rollouts for the online stages (GRPO, PPO): sample completions, score them, read their log-probs.
+
+Each function takes a model, tensors or lists and returns tensors; none reads a trainer or a config, so
+GRPO and PPO share them as they are.
+
+- `sample_completions`: one batch of prompts (token ids) → a `Generation` (left-padded prompts, completion
+  ids, `completion_mask` up to and including each row's stop token, `truncated`), sampled under a seed of
+  its own (`rollout_seed`), so the same round gives the same completions in a resumed run, and with the
+  LoRA adapter merged while decoding (`alignkit.model.generation.merged_lora`).
+- `completion_logps`: per-token log-probs (and, for metrics, entropies) of the completion tokens under a
+  model, logits divided by the sampling temperature, as the policy gradient needs them.
+- `trl_prompts` / `trl_completions`: prompts and completions in the shapes TRL's reward functions take.
+- `VLLMColocateSampler`: the same `Generation` from vLLM in the training process (GPU only, not run here).
+- `score_completions`: the reward functions' `[N, F]` matrix and the weighted `[N]` reward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..data.collator import _pad_id
+from ..model.generation import Generation, generate, pad_prompts
+from ..model.logprobs import selective_log_softmax
+
+# Rows of logits per entropy chunk: bounds the softmax temporary to about this many elements.
+_ENTROPY_CHUNK_ELEMENTS = 1 << 24
+
+
+def rollout_seed(seed: int, round_index: int) -> int:
+    """The sampling seed of generation round `round_index` of a run seeded with `seed`.
+
+    Seeding each round on its own (rather than drawing from one running generator) makes a round's
+    completions depend only on the weights and this number, so a run resumed from a checkpoint samples
+    what the uninterrupted run sampled. Example: seed 42, round 3 → 42 * 1_000_003 + 3 = 42000129.
+    """
+    return (seed * 1_000_003 + round_index) % (2**63 - 1)
+
+
+def sample_completions(
+    model,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    stop_token_ids: Sequence[int],
+    generation_kwargs: dict[str, Any],
+    seed: int,
+    merge_lora: bool = True,
+) -> Generation:
+    """Sample one completion per prompt row with its own seed, leaving the global RNG as it was.
+
+    Args:
+        model: the policy (plain or a `PeftModel`); put in eval mode while decoding, restored after.
+        tokenizer: gives the pad id and decodes the completions.
+        prompt_ids: token ids per row (a prompt repeated k times gives k rows, each sampled on its own).
+        stop_token_ids: ids that end a row (the template's end of turn, `ChatFormatter.stop_token_ids()`).
+        generation_kwargs: for `model.generate` (`max_new_tokens`, `do_sample`, `temperature`, ...).
+        seed: sampling seed (`rollout_seed`).
+        merge_lora: decode with the LoRA adapter merged into the base weights (restored exactly after).
+
+    Returns:
+        A `Generation` (see `alignkit.model.generation`).
+    """
+    input_ids, attention_mask = pad_prompts(prompt_ids, _pad_id(tokenizer))
+    devices = [torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return generate(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_token_ids,
+                        generation_kwargs=generation_kwargs, merge_lora=merge_lora)
+
+
+def generation_from_token_lists(tokenizer, prompt_ids: Sequence[Sequence[int]],
+                                completions: Sequence[Sequence[int]], stop_token_ids: Sequence[int]) -> Generation:
+    """A `Generation` from completions given as token lists (another engine's output, or fixed ones in tests).
+
+    Each completion is cut after its first stop token; the rest are right-padded with the pad id and masked.
+    A completion without a stop token is `truncated`.
+
+    Args:
+        tokenizer: gives the pad id and decodes the texts.
+        prompt_ids: token ids per row.
+        completions: new token ids per row.
+        stop_token_ids: ids that end a completion.
+    """
+    stops = set(int(t) for t in stop_token_ids)
+    rows = []
+    for ids in completions:
+        ids = [int(t) for t in ids]
+        end = next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))
+        rows.append(ids[:end])
+    pad_id = _pad_id(tokenizer)
+    width = max(1, max(len(r) for r in rows))
+    completion_ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
+    lengths = torch.tensor([len(r) for r in rows])
+    mask = (torch.arange(width) < lengths[:, None]).long()
+    truncated = torch.tensor([not r or r[-1] not in stops for r in rows])
+    prompts, prompt_mask = pad_prompts(prompt_ids, pad_id)
+    texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
+    return Generation(prompts, prompt_mask, completion_ids, mask, truncated, texts)
+
+
+def vllm_weight_items(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights of `model` under the names of the plain checkpoint, for `vLLM ... load_weights`.
+
+    Under PEFT, call it with the adapter merged (`merged_lora`): LoRA's own matrices are skipped, and
+    PEFT's prefix (`base_model.model.`) and the wrapped layers' `.base_layer` are removed, so
+    `base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight` becomes
+    `model.layers.0.self_attn.q_proj.weight`.
+    """
+    for name, param in model.named_parameters():
+        if "lora_" in name or ".original_module." in name:
+            continue
+        name = name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        yield name, param.detach()
+
+
+class VLLMColocateSampler:
+    """Sampling with vLLM in the training process (TRL's colocate mode); GPU only.
+
+    Written against vLLM's documented offline API (`LLM`, `SamplingParams`, `LLM.generate` with token-id
+    prompts, one `SamplingParams` per request) and the in-process weight loading TRL 1.16 uses
+    (`llm_engine.model_executor.driver_worker.model_runner.model.load_weights`). No GPU was available to
+    this project, so this class has not run; its pure parts (`vllm_weight_items`,
+    `generation_from_token_lists`) are tested on the CPU.
+
+    Args:
+        model_path: the policy's base model folder (vLLM loads it once; the trained weights are pushed
+            in by `sync_weights` before each generation round that follows an update).
+        gpu_memory_utilization: share of GPU memory vLLM may take.
+        max_model_len: longest prompt + completion (None: the model's own limit).
+        dtype: the training model's dtype, so vLLM samples from the same numbers.
+    """
+
+    def __init__(self, model_path: str, *, gpu_memory_utilization: float, max_model_len: Optional[int],
+                 dtype: torch.dtype) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                       dtype=str(dtype).removeprefix("torch."), distributed_executor_backend="external_launcher",
+                       seed=0)
+        self.synced_step: Optional[int] = None
+
+    def sync_weights(self, model) -> None:
+        """Load the policy's current weights (LoRA merged) into vLLM and drop its prefix cache."""
+        from ..model.generation import merged_lora
+
+        engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        with torch.no_grad(), merged_lora(model):
+            engine_model.load_weights(list(vllm_weight_items(model)))
+        self.llm.reset_prefix_cache()
+
+    def sample(self, tokenizer, prompt_ids: Sequence[Sequence[int]], *, stop_token_ids: Sequence[int],
+               generation_kwargs: dict[str, Any], seed: int) -> Generation:
+        """One completion per row; row i is sampled with seed `seed + i` (a shared seed would give every copy of
+        a prompt the same completion)."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(
+            n=1, temperature=generation_kwargs.get("temperature", 1.0), top_p=generation_kwargs.get("top_p", 1.0),
+            top_k=generation_kwargs.get("top_k") or -1,
+            repetition_penalty=generation_kwargs.get("repetition_penalty", 1.0),
+            max_tokens=generation_kwargs["max_new_tokens"], stop_token_ids=list(stop_token_ids), seed=seed + i,
+        ) for i in range(len(prompt_ids))]
+        outputs = self.llm.generate([{"prompt_token_ids": list(map(int, ids))} for ids in prompt_ids],
+                                    sampling_params=params, use_tqdm=False)
+        completions = [list(output.outputs[0].token_ids) for output in outputs]
+        return generation_from_token_lists(tokenizer, prompt_ids, completions, stop_token_ids)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax of `logits` over the last dimension, row chunk by row chunk, without gradient.
+
+    `H = logsumexp(z) - sum_v softmax(z)_v * z_v`. Example: logits [0, 0] give H = log 2 = 0.6931.
+
+    Args:
+        logits: `[..., V]`.
+
+    Returns:
+        `[...]` float32 entropies (nats).
+    """
+    with torch.no_grad():
+        rows = logits.reshape(-1, logits.size(-1))
+        out = torch.empty(rows.size(0), dtype=torch.float32, device=logits.device)
+        step = max(1, _ENTROPY_CHUNK_ELEMENTS // max(rows.size(-1), 1))
+        for start in range(0, rows.size(0), step):
+            chunk = rows[start:start + step].float()
+            probs = chunk.softmax(-1)
+            out[start:start + step] = torch.logsumexp(chunk, -1) - (probs * chunk).sum(-1)
+        return out.view(logits.shape[:-1])
+
+
+def completion_logps(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    batch_size: Optional[int] = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Per-token log-probs of the completion tokens, `log softmax(logits / temperature)[token]`.
+
+    The model runs on `[prompt; completion]` (prompts left-padded, completions right-padded by their
+    mask) and only the last `C + 1` positions reach the output layer: position `P - 1 + j` predicts
+    completion token j. Dividing by the sampling temperature scores the tokens under the distribution
+    they were sampled from, as TRL does.
+
+    Args:
+        model: a causal LM accepting `logits_to_keep` (a `PeftModel` forwards it).
+        prompt_ids, prompt_mask: `[N, P]` left-padded prompts and their mask.
+        completion_ids, completion_mask: `[N, C]` completions and their mask (0 after the stop token).
+        temperature: sampling temperature (> 0).
+        batch_size: rows per forward pass (default: all at once); bounds activation memory without grad.
+        with_entropy: also return each position's entropy (no gradient; for the `entropy` metric).
+
+    Returns:
+        `(logps [N, C] float32, entropy [N, C] float32 or None)`; values at masked positions are computed
+        but meaningless, so callers mask them.
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    length = completion_ids.size(1)
+    step = batch_size or input_ids.size(0)
+    all_logps, all_entropy = [], []
+    for start in range(0, input_ids.size(0), step):
+        end = start + step
+        logits = model(input_ids=input_ids[start:end], attention_mask=attention_mask[start:end], use_cache=False,
+                       logits_to_keep=length + 1).logits
+        if temperature != 1.0:
+            logits = logits / temperature
+        # The last kept position predicts past the completion: give it a dummy index and drop it.
+        index = F.pad(completion_ids[start:end], (0, 1), value=0)
+        all_logps.append(selective_log_softmax(logits, index)[:, :-1])
+        if with_entropy:
+            all_entropy.append(token_entropy(logits)[:, :-1])
+    logps = torch.cat(all_logps)
+    return logps, (torch.cat(all_entropy) if with_entropy else None)
+
+
+def trl_prompts(messages: Sequence[list[dict[str, str]]], conversational: Sequence[bool]) -> list[Any]:
+    """Prompts in TRL's shapes: the messages of a conversational row, the last user turn's text otherwise."""
+    out: list[Any] = []
+    for row, is_conversational in zip(messages, conversational):
+        if is_conversational:
+            out.append([{"role": m["role"], "content": m["content"]} for m in row])
+        else:
+            out.append(next(m["content"] for m in reversed(row) if m["role"] == "user"))
+    return out
+
+
+def trl_completions(texts: Sequence[str], conversational: Sequence[bool]) -> list[Any]:
+    """Completions in TRL's shapes: `[{"role": "assistant", "content": text}]` or the text itself."""
+    return [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, conversational)]
+
+
+def score_completions(
+    reward_functions,
+    prompts: list[Any],
+    completions: list[Any],
+    columns: dict[str, list],
+    completion_ids: Optional[list[list[int]]] = None,
+    truncated: Optional[Sequence[bool]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every reward function on every completion, and their weighted sum.
+
+    Args:
+        reward_functions: `alignkit.rewards.RewardFunctions` (`.names`, `.weights [F]`, callable → `[N, F]`).
+        prompts, completions: TRL shapes (`trl_prompts`, `trl_completions`).
+        columns: the dataset's other columns, one list of N values each (keyword arguments of user functions).
+        completion_ids: token ids of each completion (up to and including its stop token).
+        truncated: N flags, True where a completion hit the length limit without stopping.
+
+    Returns:
+        `(per_function [N, F] float32 with NaN where a function returned None, rewards [N])`: the weighted
+        sum ignoring NaN (`alignkit.rewards.combine_rewards`), NaN where every function returned None.
+    """
+    from ..rewards import combine_rewards
+
+    per_function = reward_functions(prompts, completions, columns, completion_ids=completion_ids,
+                                    truncated=truncated).float()
+    return per_function, combine_rewards(per_function, reward_functions.weights)
+
+
+__all__ = ["rollout_seed", "sample_completions", "generation_from_token_lists", "vllm_weight_items",
+           "VLLMColocateSampler", "token_entropy", "completion_logps", "trl_prompts",
+           "trl_completions", "score_completions"]

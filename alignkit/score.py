@@ -41,6 +41,31 @@ def _as_messages(prompt: Prompt, system: Optional[str] = None) -> Messages:
     return messages
 
 
+def encode_scored(formatter: ChatFormatter, prompt: Prompt, response: str, *, tools: Optional[str] = None,
+                  cutoff_len: Optional[int] = None) -> list[int]:
+    """Token ids of `prompt` followed by the assistant `response`, as the rm data layer builds them.
+
+    The one rendering of a scored sequence: `alignkit score` and the reward-model reward functions of the
+    online stages (`alignkit.rewards.model`) both use it, so a reward equals the score of the same text.
+
+    Args:
+        formatter: the template the reward model was trained with.
+        prompt: a user message string or a list of messages.
+        response: the assistant reply scored.
+        tools: tool definitions (JSON text), as in the data layer.
+        cutoff_len: most tokens; longer sequences lose the start of the prompt first, as in training.
+    """
+    messages = _as_messages(prompt)
+    prompt_text = formatter.prompt_text(messages, tools=tools)
+    reply_text = formatter.reply_text(messages, response, tools=tools)
+    prompt_ids, reply_ids = formatter.tokenizer([prompt_text, reply_text], add_special_tokens=False)["input_ids"]
+    if cutoff_len is not None and len(prompt_ids) + len(reply_ids) > cutoff_len:
+        keep_prompt, keep_reply = infer_seqlen(len(prompt_ids), len(reply_ids), cutoff_len)
+        prompt_ids = prompt_ids[len(prompt_ids) - keep_prompt:] if keep_prompt else []
+        reply_ids = reply_ids[:keep_reply]
+    return prompt_ids + reply_ids
+
+
 class RewardScorer:
     """A reward model ready to score (prompt, response) pairs or whole conversations.
 
@@ -85,15 +110,7 @@ class RewardScorer:
 
     def encode(self, prompt: Prompt, response: str, tools: Optional[str] = None) -> list[int]:
         """Token ids of `prompt` followed by the assistant `response`, as the rm data layer builds them."""
-        messages = _as_messages(prompt)
-        prompt_text = self.formatter.prompt_text(messages, tools=tools)
-        reply_text = self.formatter.reply_text(messages, response, tools=tools)
-        prompt_ids, reply_ids = self.tokenizer([prompt_text, reply_text], add_special_tokens=False)["input_ids"]
-        if self.cutoff_len is not None and len(prompt_ids) + len(reply_ids) > self.cutoff_len:
-            keep_prompt, keep_reply = infer_seqlen(len(prompt_ids), len(reply_ids), self.cutoff_len)
-            prompt_ids = prompt_ids[len(prompt_ids) - keep_prompt:] if keep_prompt else []
-            reply_ids = reply_ids[:keep_reply]
-        return prompt_ids + reply_ids
+        return encode_scored(self.formatter, prompt, response, tools=tools, cutoff_len=self.cutoff_len)
 
     @torch.no_grad()
     def score_ids(self, sequences: Sequence[list[int]]) -> list[float]:
@@ -204,4 +221,4 @@ def score_file(
     return len(rows)
 
 
-__all__ = ["RewardScorer", "score_file"]
+__all__ = ["RewardScorer", "encode_scored", "score_file"]

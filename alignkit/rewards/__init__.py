@@ -1,0 +1,34 @@
+"""Rewards for the online stages (GRPO, PPO): built-in functions, user functions, reward models.
+
+The contract the stages code against (docs/ARCHITECTURE.md, "Rewards"):
+`RewardFunctionArguments` (the shared config keys), `build_reward_functions(args, model=, formatter=,
+model_args=) -> RewardFunctions`, whose call gives `[N, F]` rewards (NaN for None), `combine_rewards`
+(their weighted sum, NaN-aware as TRL), and `RewardFunctionError` for a function that fails or returns
+something unusable.
+"""
+
+from .builtin import BUILTIN_NAMES, accuracy_reward, extract_final_answer, format_reward, length_reward
+from .functions import (
+    RewardFunction,
+    RewardFunctionArguments,
+    RewardFunctionError,
+    RewardFunctions,
+    build_reward_functions,
+    combine_rewards,
+    load_user_function,
+)
+
+__all__ = [
+    "BUILTIN_NAMES",
+    "RewardFunction",
+    "RewardFunctionArguments",
+    "RewardFunctionError",
+    "RewardFunctions",
+    "accuracy_reward",
+    "build_reward_functions",
+    "combine_rewards",
+    "extract_final_answer",
+    "format_reward",
+    "length_reward",
+    "load_user_function",
+]

@@ -1,0 +1,513 @@
+"""Reward functions for the online stages (GRPO, PPO): the config keys, the specs, the calls, the sum.
+
+`reward_funcs` lists specs, each one of:
+
+- a built-in name: `accuracy`, `format`, `length` (`alignkit.rewards.builtin`);
+- a user function, `package.module:function` (imported from the Python path) or
+  `path/to/file.py:function` (a relative path is looked up in the folder of the config file first, then
+  in the current directory); the function has TRL's signature, `f(prompts, completions, completion_ids,
+  **kwargs)` with the dataset's other columns (e.g. `answer`) as keyword arguments, and returns one float
+  or None per completion;
+- a reward model: the output_dir of a `stage: rm` run (or an exported reward model), see
+  `alignkit.rewards.model`.
+
+`build_reward_functions` turns the specs into a `RewardFunctions`, whose call gives an `[N, F]` float32
+tensor (NaN where a function returned None), and `combine_rewards` their weighted sum. Every value a
+function returns is checked as it comes back: a function that raises, returns the wrong number of values,
+or something that is not a finite number or None stops the run with a `RewardFunctionError` naming the
+function and the first bad row.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Sequence
+
+import torch
+
+from ..hparams import ConfigError
+from .builtin import BUILTIN_NAMES, DEFAULT_FORMAT_PATTERN, accuracy_reward, format_reward, length_reward
+
+
+class RewardFunctionError(ValueError):
+    """A reward function failed or returned something unusable; the message names it, the row and the fix."""
+
+
+@dataclass
+class RewardFunctionArguments:
+    """Reward keys shared by the online stages (GRPO, PPO subclass this)."""
+
+    reward_funcs: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Reward functions, a list or comma-separated: built-in `accuracy`, `format`, `length`; "
+            "`package.module:function`; `path/to/file.py:function` (relative to the config file's folder, then "
+            "the current directory); or a reward model directory written by `stage: rm`."
+        },
+    )
+    reward_weights: Optional[list[float]] = field(
+        default=None,
+        metadata={"help": "One weight per reward function (default: all 1.0); the reward is their weighted sum."},
+    )
+    log_completions: bool = field(
+        default=False,
+        metadata={"help": "Append each prompt, completion and its rewards to `completions.jsonl` in output_dir."},
+    )
+    format_reward_pattern: str = field(
+        default=DEFAULT_FORMAT_PATTERN,
+        metadata={
+            "help": "`format` reward: regex the whole completion (stripped of surrounding whitespace) must match, "
+            "with `.` matching newlines. Default: one `<think>...</think>` block followed by an answer."
+        },
+    )
+    length_reward_max_tokens: Optional[int] = field(
+        default=None,
+        metadata={"help": "`length` reward: L_max in tokens (default: the stage's `max_completion_length`)."},
+    )
+    length_reward_window: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "`length` reward: completions longer than L_max - window are penalised linearly, down to -1 "
+            "at L_max (DAPO's soft overlong penalty). Default: a fifth of L_max (DAPO used 4096 of 20480)."
+        },
+    )
+    length_reward_truncated: float = field(
+        default=-1.0,
+        metadata={"help": "`length` reward: the reward of a completion cut off at L_max before it stopped."},
+    )
+    reward_model_type: Literal["auto", "lora", "full"] = field(
+        default="auto",
+        metadata={
+            "help": "How a reward model in reward_funcs is loaded. `lora`: an rm run's LoRA adapter as a second "
+            "adapter on the policy's base (no second copy of the base; needs finetuning_type lora and the RM's "
+            "base); `full`: on its own; `auto`: `lora` when possible, else `full`."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.reward_funcs, str):
+            self.reward_funcs = [s.strip() for s in self.reward_funcs.split(",") if s.strip()]
+        self.reward_funcs = [str(s).strip() for s in self.reward_funcs]
+        for spec in self.reward_funcs:
+            _check_spec_syntax(spec)
+        if self.reward_weights is not None:
+            weights = self.reward_weights
+            if isinstance(weights, str):
+                weights = [w for w in weights.split(",") if w.strip()]
+            try:
+                self.reward_weights = [float(w) for w in weights]
+            except (TypeError, ValueError):
+                raise ConfigError(f"reward_weights={weights!r}: give one number per reward function.") from None
+            if len(self.reward_weights) != len(self.reward_funcs):
+                raise ConfigError(f"reward_weights has {len(self.reward_weights)} values but reward_funcs has "
+                                  f"{len(self.reward_funcs)} ({', '.join(self.reward_funcs) or 'none'}); give one "
+                                  "weight per function.")
+            bad = [w for w in self.reward_weights if not math.isfinite(w)]
+            if bad:
+                raise ConfigError(f"reward_weights holds {bad[0]}; weights must be finite numbers.")
+        if self.length_reward_max_tokens is not None and self.length_reward_max_tokens < 1:
+            raise ConfigError(f"length_reward_max_tokens={self.length_reward_max_tokens} must be >= 1.")
+        if self.length_reward_window is not None and self.length_reward_window < 1:
+            raise ConfigError(f"length_reward_window={self.length_reward_window} must be >= 1.")
+        if not math.isfinite(self.length_reward_truncated):
+            raise ConfigError(f"length_reward_truncated={self.length_reward_truncated} must be a finite number.")
+        try:
+            import re
+
+            re.compile(self.format_reward_pattern)
+        except re.error as err:
+            raise ConfigError(f"format_reward_pattern={self.format_reward_pattern!r} is not a valid regular "
+                              f"expression: {err}.") from None
+
+
+def _check_spec_syntax(spec: str) -> None:
+    """Catch a misspelt built-in early (`acuracy`): a bare word that is neither a built-in nor a path."""
+    if not spec:
+        raise ConfigError("reward_funcs holds an empty entry; remove it.")
+    if ":" in spec:
+        target, _, function = spec.rpartition(":")
+        if not target or not function.isidentifier():
+            raise ConfigError(f"reward_funcs: {spec!r} is not `package.module:function` or `path/to/file.py:function`"
+                              " (the part after the last ':' must be a function name).")
+        return
+    if spec in BUILTIN_NAMES or "/" in spec or os.sep in spec or Path(spec).exists():
+        return
+    close = difflib.get_close_matches(spec, BUILTIN_NAMES, n=1, cutoff=0.6)
+    hint = f" Did you mean `{close[0]}`?" if close else ""
+    raise ConfigError(f"reward_funcs: {spec!r} is not a built-in ({', '.join(BUILTIN_NAMES)}), a "
+                      f"`module:function`, a `file.py:function` or an existing reward model directory.{hint}")
+
+
+# ------------------------------------------------------------------------------------------ user functions
+
+
+def _resolve_file(path_text: str, spec: str, config_dir: Optional[str]) -> Path:
+    path = Path(path_text).expanduser()
+    if path.is_absolute():
+        candidates = [path]
+    else:
+        candidates = ([Path(config_dir) / path] if config_dir else []) + [Path.cwd() / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    looked = " and ".join(str(c) for c in candidates)
+    raise RewardFunctionError(f"reward function {spec!r}: file not found (looked at {looked}). Relative paths are "
+                              "resolved against the config file's folder, then the current directory.")
+
+
+def _import_file(path: Path, spec: str):
+    # A name unique per file, so two reward files called `rewards.py` do not replace each other.
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    module_name = f"alignkit_user_rewards.{path.stem}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise RewardFunctionError(f"reward function {spec!r}: {path} cannot be imported as a Python file.")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    # The file's own folder is on the path while it runs, so it can import modules beside it.
+    sys.path.insert(0, str(path.parent))
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[module_name]
+        raise RewardFunctionError(f"reward function {spec!r}: importing {path} raised {type(err).__name__}: {err}. "
+                                  "Fix the file so that `python " + str(path) + "` runs.") from err
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def load_user_function(spec: str, config_dir: Optional[str] = None) -> Callable[..., Any]:
+    """Import the function a `module:function` or `file.py:function` spec names.
+
+    Args:
+        spec: `package.module:function` or `path/to/file.py:function`.
+        config_dir: folder of the config file; relative file paths are looked up there first, then in the
+            current directory.
+
+    Raises:
+        RewardFunctionError: the module or file does not import, has no such function, or the function
+            does not take `**kwargs` (TRL passes the dataset's columns as keyword arguments).
+    """
+    target, _, function_name = spec.rpartition(":")
+    is_file = target.endswith(".py") or "/" in target or os.sep in target
+    if is_file:
+        path = _resolve_file(target, spec, config_dir)
+        module = _import_file(path, spec)
+        where = str(path)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as err:
+            raise RewardFunctionError(
+                f"reward function {spec!r}: cannot import module {target!r} ({err}). Install the package or add its "
+                "folder to PYTHONPATH, or name a file instead: `path/to/file.py:function`.") from err
+        except Exception as err:
+            raise RewardFunctionError(f"reward function {spec!r}: importing {target!r} raised "
+                                      f"{type(err).__name__}: {err}.") from err
+        where = f"module {target}"
+    function = getattr(module, function_name, None)
+    if function is None:
+        available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                           and getattr(v, "__module__", None) == module.__name__)
+        close = difflib.get_close_matches(function_name, available, n=1)
+        hint = f" Did you mean `{close[0]}`?" if close else (f" It defines: {', '.join(available)}." if available else "")
+        raise RewardFunctionError(f"reward function {spec!r}: {where} has no `{function_name}`.{hint}")
+    if not callable(function):
+        raise RewardFunctionError(f"reward function {spec!r}: `{function_name}` in {where} is a "
+                                  f"{type(function).__name__}, not a function.")
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        parameters = None  # builtins without a signature: trust them
+    if parameters is not None and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        raise RewardFunctionError(
+            f"reward function {spec!r}: `{function_name}` must accept **kwargs: it is called as "
+            "f(prompts=..., completions=..., completion_ids=..., **dataset_columns) (TRL's signature). "
+            f"Add `**kwargs` to its parameters.")
+    return function
+
+
+# --------------------------------------------------------------------------------------- checked calls
+
+
+def _preview(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _row_kwargs(kwargs: dict[str, Any], row: int) -> dict[str, Any]:
+    return {k: (v[row:row + 1] if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()}
+
+
+def check_reward_values(name: str, values: Any, num_rows: int, prompts: Sequence[Any],
+                        completions: Sequence[Any]) -> list[float]:
+    """One function's output as floats (NaN for None), or a `RewardFunctionError` naming the first bad row.
+
+    Accepted per completion: an int, float, bool, numpy number or 0-d tensor that is finite, or None
+    (the function does not apply: NaN here, left out of the means as in TRL). NaN and infinities are
+    refused: return None to skip a completion.
+    """
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().reshape(-1).tolist() if values.dim() <= 1 else values
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+        raise RewardFunctionError(f"reward function {name} returned {type(values).__name__} {_preview(values)}; it "
+                                  f"must return a list of {num_rows} floats (or None), one per completion.")
+    if len(values) != num_rows:
+        raise RewardFunctionError(f"reward function {name} returned {len(values)} values for {num_rows} completions; "
+                                  "return exactly one float (or None) per completion, in order.")
+    out: list[float] = []
+    for row, value in enumerate(values):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if value is None:
+            out.append(math.nan)
+            continue
+        number = float(value) if isinstance(value, numbers.Real) else None
+        if number is None or not math.isfinite(number):
+            problem = "not a number" if number is None else "not finite"
+            raise RewardFunctionError(
+                f"reward function {name}: row {row} got {_preview(value)}, which is {problem}. Return a finite float, or None "
+                f"to skip a completion. Row {row}: prompt {_preview(prompts[row])}, completion "
+                f"{_preview(completions[row])}.")
+        out.append(number)
+    return out
+
+
+@dataclass
+class RewardFunction:
+    """One named reward function and how to call it.
+
+    Attributes:
+        name: used in metric names (`rewards/<name>/mean`) and errors.
+        spec: what the user wrote in `reward_funcs`.
+        function: called as `function(prompts=..., completions=..., completion_ids=..., **columns)`.
+    """
+
+    name: str
+    spec: str
+    function: Callable[..., Any]
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Optional[list],
+                 columns: dict[str, list]) -> list[float]:
+        kwargs = {"prompts": list(prompts), "completions": list(completions), "completion_ids": completion_ids,
+                  **columns}
+        try:
+            values = self.function(**kwargs)
+        except RewardFunctionError:
+            raise
+        except Exception as err:
+            raise self._locate_failure(err, kwargs, len(prompts)) from err
+        return check_reward_values(self.name, values, len(prompts), prompts, completions)
+
+    def _locate_failure(self, err: Exception, kwargs: dict[str, Any], num_rows: int) -> RewardFunctionError:
+        """The batch call raised: call the function on one row at a time to name the first row that fails."""
+        first = f"{type(err).__name__}: {err}"
+        for row in range(num_rows):
+            try:
+                self.function(**_row_kwargs(kwargs, row))
+            except Exception as row_err:  # noqa: BLE001 - any exception is the user's bug to report
+                return RewardFunctionError(
+                    f"reward function {self.name} raised {type(row_err).__name__}: {row_err} on row {row} "
+                    f"(prompt {_preview(kwargs['prompts'][row])}, completion {_preview(kwargs['completions'][row])}"
+                    f"{_column_preview(kwargs, row)}). Fix the function ({self.spec}) or return None for rows it "
+                    "cannot score.")
+        return RewardFunctionError(f"reward function {self.name} raised {first} on a batch of {num_rows} rows, though "
+                                   f"no row alone raised. Fix the function ({self.spec}).")
+
+
+def _column_preview(kwargs: dict[str, Any], row: int) -> str:
+    extra = [f"{k}={_preview(v[row], 40)}" for k, v in kwargs.items()
+             if k not in ("prompts", "completions", "completion_ids") and isinstance(v, (list, tuple))]
+    return (", " + ", ".join(extra)) if extra else ""
+
+
+class RewardFunctions:
+    """The reward functions of a run, called together.
+
+    Attributes:
+        names: one per function, unique (`rewards/<name>/mean`).
+        weights: [F] float32, the `reward_weights`.
+        functions: the `RewardFunction`s, in `reward_funcs` order.
+    """
+
+    def __init__(self, functions: list[RewardFunction], weights: Sequence[float]) -> None:
+        if len(functions) != len(weights):
+            raise ValueError(f"{len(functions)} reward functions but {len(weights)} weights.")
+        self.functions = functions
+        self.names = [f.name for f in functions]
+        self.weights = torch.tensor(list(weights), dtype=torch.float32)
+
+    def __len__(self) -> int:
+        return len(self.functions)
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], columns: Optional[dict[str, list]] = None,
+                 *, completion_ids: Optional[Sequence[Sequence[int]]] = None,
+                 truncated: Optional[Sequence[bool]] = None) -> torch.Tensor:
+        """Every function's reward for every completion.
+
+        Args:
+            prompts: N prompts (strings, or message lists for conversational rows).
+            completions: N completions (strings, or `[{"role": "assistant", "content": text}]`).
+            columns: the dataset's other columns, each a list of N values (passed as keyword arguments).
+            completion_ids: N lists of token ids (real tokens only; the `length` reward needs them).
+            truncated: N flags, True where a completion hit the length limit without stopping (the `length`
+                reward's cut-off case); passed to user functions as the `truncated` keyword too.
+
+        Returns:
+            [N, F] float32 on the CPU, NaN where a function returned None.
+
+        Raises:
+            RewardFunctionError: a function raised, returned the wrong number of values, or a non-number.
+        """
+        num_rows = len(prompts)
+        if len(completions) != num_rows:
+            raise ValueError(f"{num_rows} prompts but {len(completions)} completions.")
+        columns = dict(columns or {})
+        for key, values in columns.items():
+            if len(values) != num_rows:
+                raise ValueError(f"column {key!r} has {len(values)} values for {num_rows} completions.")
+        if completion_ids is not None:
+            completion_ids = [list(map(int, ids)) for ids in completion_ids]
+        if truncated is not None:
+            columns["truncated"] = [bool(t) for t in truncated]
+        rewards = torch.empty(num_rows, len(self.functions), dtype=torch.float32)
+        for column, function in enumerate(self.functions):
+            rewards[:, column] = torch.tensor(function(prompts, completions, completion_ids, columns),
+                                              dtype=torch.float32)
+        return rewards
+
+
+def combine_rewards(per_function: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The reward of each completion: the weighted sum over functions, NaN (a None) counted as absent.
+
+    As TRL 1.16's GRPO (`(rewards_per_func * weights).nansum(dim=1)`), and a completion that every function
+    skipped stays NaN (TRL marks it unscorable: left out of the baselines, advantage 0) instead of being
+    summed to 0.
+
+    Args:
+        per_function: [N, F] rewards, NaN where a function returned None.
+        weights: [F] weights.
+
+    Returns:
+        [N] rewards.
+    """
+    if per_function.dim() != 2 or weights.shape != (per_function.shape[1],):
+        raise ValueError(f"per_function must be [N, F] and weights [F]; got {tuple(per_function.shape)} and "
+                         f"{tuple(weights.shape)}.")
+    total = (per_function * weights.to(per_function)).nansum(dim=1)
+    return total.masked_fill(torch.isnan(per_function).all(dim=1), math.nan)
+
+
+# -------------------------------------------------------------------------------------------- building
+
+
+def _builtin(name: str, args: RewardFunctionArguments, max_completion_length: Optional[int]) -> Callable[..., Any]:
+    if name == "accuracy":
+        return accuracy_reward
+    if name == "format":
+        pattern = args.format_reward_pattern
+
+        def format_(completions, **kwargs):
+            return format_reward(completions, pattern=pattern)
+
+        return format_
+    max_length = args.length_reward_max_tokens or max_completion_length
+    if max_length is None:
+        raise ConfigError("reward `length` needs L_max: set length_reward_max_tokens (or max_completion_length).")
+    window = args.length_reward_window or max(1, max_length // 5)
+    if window > max_length:
+        raise ConfigError(f"length_reward_window={window} is larger than L_max={max_length}; give a window of at "
+                          "most L_max tokens.")
+    truncated_reward = args.length_reward_truncated
+
+    def length_(completions, completion_ids=None, truncated=None, **kwargs):
+        if completion_ids is None:
+            raise RewardFunctionError("reward `length` needs completion_ids (the completions' token ids); the "
+                                      "caller passed none.")
+        return length_reward(completion_ids, max_length=max_length, window=window, truncated=truncated,
+                             truncated_reward=truncated_reward)
+
+    return length_
+
+
+def _unique_names(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return out
+
+
+def build_reward_functions(
+    args: RewardFunctionArguments,
+    *,
+    model: Any = None,
+    formatter: Any = None,
+    model_args: Any = None,
+    config_dir: Optional[str] = None,
+    max_completion_length: Optional[int] = None,
+) -> RewardFunctions:
+    """Turn `reward_funcs` into callable, checked reward functions.
+
+    Args:
+        args: the stage's arguments (a `RewardFunctionArguments` subclass).
+        model: the policy (a PeftModel under LoRA); reward-model specs on its base share it.
+        formatter: the run's `ChatFormatter`; reward models score text rendered with it.
+        model_args: the run's `ModelArguments` (dtype, attention kernel for a reward model loaded on its own).
+        config_dir: folder of the config file, where relative `file.py:function` paths are looked up first.
+        max_completion_length: L_max of the `length` reward when `length_reward_max_tokens` is unset
+            (default: `args.max_completion_length` when the stage has that key).
+
+    Raises:
+        ConfigError: no reward function, or a setting a built-in needs is missing.
+        RewardFunctionError: a user function does not import.
+    """
+    if not args.reward_funcs:
+        raise ConfigError("reward_funcs is empty: give at least one reward function, e.g. `reward_funcs: "
+                          "accuracy,format` (built-ins: " + ", ".join(BUILTIN_NAMES) + ").")
+    if max_completion_length is None:
+        max_completion_length = getattr(args, "max_completion_length", None)
+    functions, names = [], []
+    for spec in args.reward_funcs:
+        if spec in BUILTIN_NAMES:
+            function, name = _builtin(spec, args, max_completion_length), spec
+        elif ":" in spec:
+            function = load_user_function(spec, config_dir)
+            name = getattr(function, "__name__", None) or spec.rpartition(":")[2]
+        else:
+            from .model import load_reward_function
+
+            function = load_reward_function(spec, args, model=model, formatter=formatter, model_args=model_args,
+                                            config_dir=config_dir)
+            name = function.name
+        functions.append(function)
+        names.append(name)
+    weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(functions)
+    return RewardFunctions([RewardFunction(name, spec, function) for name, spec, function
+                            in zip(_unique_names(names), args.reward_funcs, functions)], weights)
+
+
+__all__ = [
+    "RewardFunction",
+    "RewardFunctionArguments",
+    "RewardFunctionError",
+    "RewardFunctions",
+    "build_reward_functions",
+    "check_reward_values",
+    "combine_rewards",
+    "load_user_function",
+]

@@ -1,0 +1,190 @@
+"""Reward models as reward functions: an rm run's output scoring (prompt, completion) pairs.
+
+Two ways to hold one (`reward_model_type`):
+
+- `lora`: the rm run's LoRA adapter and score head loaded as a named, frozen second adapter on the
+  policy's PeftModel (`alignkit.model.adapters.load_reward_adapter`) and switched in only while scoring
+  (`reward_adapter_rewards`, which switches back and restores every `requires_grad`). No second copy of
+  the base is made. It needs the policy under LoRA and the RM trained on the same base.
+- `full`: the reward model loaded on its own (`alignkit.score.RewardScorer`, which is `alignkit score`):
+  a full or exported RM, an RM on another base, or a policy that is not a PeftModel.
+- `auto` (default): `lora` when the directory holds a reward adapter and the policy is a PeftModel on a
+  base the adapter fits, else `full`.
+
+Either way the text is rendered as `alignkit score` renders it (`alignkit.score.encode_scored`: the
+prompt, a user message when it is a string, then the completion as the assistant reply closed by the
+template's end of turn), so a reward equals `alignkit score` on the same text.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..data.collator import _pad_id, pad_sequences
+from ..data.template import ChatFormatter
+from ..hparams import ConfigError
+from .builtin import completion_text
+
+logger = logging.getLogger(__name__)
+
+# Sequences per scoring forward pass.
+SCORING_BATCH_SIZE = 8
+
+
+def resolve_reward_model_dir(spec: str, config_dir: Optional[str] = None) -> Path:
+    """The reward model directory a spec names: absolute, or relative to the config file's folder, then cwd."""
+    path = Path(spec).expanduser()
+    candidates = [path] if path.is_absolute() else ([Path(config_dir) / path] if config_dir else []) + [path]
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate.resolve()
+    looked = " and ".join(str(c) for c in candidates)
+    raise ConfigError(f"reward_funcs: {spec!r} is not a built-in, a `module:function`, a `file.py:function`, nor a "
+                      f"reward model directory (looked at {looked}). Give the output_dir of a `stage: rm` run.")
+
+
+def _as_prompt(prompt: Any) -> Any:
+    """TRL's prompt shapes to what `encode_scored` takes: a string (one user turn) or a list of messages."""
+    if isinstance(prompt, (str, list)):
+        return prompt
+    raise TypeError(f"a prompt must be a string or a list of messages, got {type(prompt).__name__}.")
+
+
+class AdapterRewardModel:
+    """A reward adapter on the policy's base, scored with the run's template.
+
+    Args:
+        policy: the PeftModel holding the adapter.
+        reward: what `load_reward_adapter` returned.
+        formatter: the run's `ChatFormatter`.
+        name: metric name.
+    """
+
+    def __init__(self, policy, reward, formatter: ChatFormatter, name: str) -> None:
+        self.policy = policy
+        self.reward = reward
+        self.formatter = formatter
+        self.name = name
+        self.__name__ = name
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+        from ..score import encode_scored
+
+        sequences = [encode_scored(self.formatter, _as_prompt(p), completion_text(c))
+                     for p, c in zip(prompts, completions, strict=True)]
+        return score_sequences(lambda ids, mask: _adapter_scores(self.policy, self.reward, ids, mask),
+                               sequences, _pad_id(self.formatter.tokenizer), next(self.policy.parameters()).device)
+
+
+def _adapter_scores(policy, reward, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    from ..model.adapters import reward_adapter_rewards
+
+    return reward_adapter_rewards(policy, reward, input_ids, attention_mask)
+
+
+def score_sequences(score, sequences: Sequence[list[int]], pad_token_id: int, device,
+                    batch_size: int = SCORING_BATCH_SIZE) -> list[float]:
+    """Right-pad token id lists `batch_size` at a time and score them with `score(input_ids, attention_mask)`."""
+    scores: list[float] = []
+    for start in range(0, len(sequences), batch_size):
+        batch = [list(ids) for ids in sequences[start:start + batch_size]]
+        input_ids = pad_sequences(batch, pad_token_id, side="right").to(device)
+        attention_mask = pad_sequences([[1] * len(ids) for ids in batch], 0, side="right").to(device)
+        scores.extend(score(input_ids, attention_mask).float().cpu().tolist())
+    return scores
+
+
+class FullRewardModel:
+    """A reward model loaded on its own: `alignkit score`'s scorer, called with TRL's signature."""
+
+    def __init__(self, scorer, name: str) -> None:
+        self.scorer = scorer
+        self.name = name
+        self.__name__ = name
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+        return self.scorer.score([_as_prompt(p) for p in prompts], [completion_text(c) for c in completions])
+
+
+def _is_peft_model(model) -> bool:
+    from peft import PeftModel
+
+    return isinstance(getattr(model, "module", model), PeftModel)
+
+
+def _free_adapter_name(model) -> str:
+    from ..model.adapters import REWARD_ADAPTER
+
+    taken = set(getattr(model, "module", model).peft_config)
+    name, n = REWARD_ADAPTER, 1
+    while name in taken:
+        n += 1
+        name = f"{REWARD_ADAPTER}_{n}"
+    return name
+
+
+def load_reward_function(spec: str, args, *, model=None, formatter: Optional[ChatFormatter] = None,
+                         model_args=None, config_dir: Optional[str] = None):
+    """A reward function (TRL's signature, with `.name`) scoring with the reward model at `spec`.
+
+    Args:
+        spec: the reward model directory (an rm run's output_dir or an exported reward model).
+        args: `RewardFunctionArguments` (`reward_model_type`).
+        model: the policy; a PeftModel lets a LoRA reward adapter share its base.
+        formatter: the run's `ChatFormatter`; its template renders the scored text.
+        model_args: the run's `ModelArguments` (dtype, attention kernel) for a model loaded on its own.
+        config_dir: folder of the config file, for relative directories.
+
+    Raises:
+        ConfigError: not a directory, `reward_model_type: lora` where it cannot apply, or an adapter that
+            does not fit the policy.
+    """
+    from ..model.loader import is_reward_adapter
+
+    model_dir = resolve_reward_model_dir(spec, config_dir)
+    name = model_dir.name
+    kind = getattr(args, "reward_model_type", "auto")
+    is_adapter = (model_dir / "adapter_config.json").is_file() and is_reward_adapter(model_dir)
+    if kind == "lora":
+        if not is_adapter:
+            raise ConfigError(f"reward_model_type=lora but {model_dir} is not an rm run's LoRA adapter; use "
+                              "reward_model_type: full (or auto).")
+        if model is None or not _is_peft_model(model):
+            raise ConfigError(f"reward_model_type=lora needs the policy under LoRA (finetuning_type: lora) to share "
+                              f"its base with {model_dir}; use reward_model_type: full (or auto).")
+    if formatter is None:
+        raise ValueError("a reward model needs the run's ChatFormatter (formatter=...) to render the scored text.")
+    if kind != "full" and is_adapter and model is not None and _is_peft_model(model):
+        from ..model.adapters import load_reward_adapter
+
+        try:
+            reward = load_reward_adapter(model, model_dir, name=_free_adapter_name(model))
+        except ConfigError as err:
+            if kind == "lora":
+                raise
+            logger.info("Reward model %s does not fit the policy's base as an adapter (%s); loading it on its own.",
+                        model_dir, err)
+        else:
+            logger.info("Reward model %s: LoRA adapter %r on the policy's base.", model_dir, reward.name)
+            return AdapterRewardModel(model, reward, formatter, name)
+
+    from ..score import RewardScorer
+
+    device = next(model.parameters()).device if model is not None else None
+    template = None if formatter.name == "tokenizer" else formatter.name
+    scorer = RewardScorer(model_dir, template=template, batch_size=SCORING_BATCH_SIZE,
+                          device=str(device) if device is not None else None)
+    if model_args is not None and model_args.infer_dtype != "auto":
+        from ..model.loader import resolve_dtype
+
+        scorer.model.to(resolve_dtype(model_args.infer_dtype))
+    logger.info("Reward model %s loaded on its own.", model_dir)
+    return FullRewardModel(scorer, name)
+
+
+__all__ = ["AdapterRewardModel", "FullRewardModel", "load_reward_function", "resolve_reward_model_dir",
+           "score_sequences"]

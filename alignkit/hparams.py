@@ -190,12 +190,7 @@ class GeneratingArguments:
         if self.temperature <= 0 and self.do_sample:
             raise ConfigError("temperature must be > 0 when do_sample=true (use do_sample=false for greedy).")
         _check_positive(self, "num_beams")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (1 turns nucleus sampling off).")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 turns top-k sampling off).")
-        if not self.repetition_penalty > 0:
-            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 means none).")
+        check_sampling_knobs(self)
 
     def to_generation_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `model.generate` (sampling knobs only when sampling)."""
@@ -268,6 +263,17 @@ class TrainingArguments(Seq2SeqTrainingArguments):
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"seed={self.seed} must be in [0, 2**32) (numpy's range).")
         super().__post_init__()
+
+
+def check_sampling_knobs(args: Any) -> None:
+    """Raise a ConfigError for a `top_p`, `top_k` or `repetition_penalty` out of range (generation and the
+    online stages' sampling keys)."""
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"top_p={args.top_p} must be in (0, 1] (1 turns nucleus sampling off).")
+    if args.top_k < 0:
+        raise ConfigError(f"top_k={args.top_k} must be >= 0 (0 turns top-k sampling off).")
+    if not args.repetition_penalty > 0:
+        raise ConfigError(f"repetition_penalty={args.repetition_penalty} must be > 0 (1 means none).")
 
 
 def _check_positive(args: Any, *keys: str) -> None:

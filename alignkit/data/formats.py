@@ -352,7 +352,8 @@ def _convert_alpaca(row: dict, attr: DatasetAttr, kind: str) -> dict[str, Any]:
                 "chosen": _response_message(_required(row, chosen_col), chosen_col, attr),
                 "rejected": _response_message(_required(row, rejected_col), rejected_col, attr)}
     used = _alpaca_used_columns(attr)
-    return {"prompt": prompt, "tools": tools, "extra": {k: v for k, v in row.items() if k not in used}}
+    return {"prompt": prompt, "tools": tools, "conversational": False,
+            "extra": {k: v for k, v in row.items() if k not in used}}
 
 
 def _convert_messages(row: dict, attr: DatasetAttr, kind: str) -> dict[str, Any]:
@@ -392,7 +393,8 @@ def _convert_trl(row: dict, kind: str) -> dict[str, Any]:
         return {"prompt": prompt, "tools": None, "margin": _margin(row),
                 "chosen": _response_message(_required(row, "chosen"), "chosen", _OPENAI),
                 "rejected": _response_message(_required(row, "rejected"), "rejected", _OPENAI)}
-    return {"prompt": prompt, "tools": None, "extra": {k: v for k, v in row.items() if k != "prompt"}}
+    return {"prompt": prompt, "tools": None, "conversational": not isinstance(row["prompt"], str),
+            "extra": {k: v for k, v in row.items() if k != "prompt"}}
 
 
 def _implicit_prompt_pair(row: dict) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from .template import ChatFormatter
 logger = logging.getLogger(__name__)
 
 FILE_TYPES = (".json", ".jsonl", ".csv", ".parquet")
-CACHE_VERSION = 1  # bump when tokenisation changes so old caches are not reused
+CACHE_VERSION = 2  # bump when tokenisation changes so old caches are not reused
 _REGISTRY = "dataset_info.json"
 _REPORT_ROWS = 5  # rows named in a warning
 

@@ -136,12 +136,18 @@ def encode_pairwise(formatter: ChatFormatter, example: dict, cutoff_len: int) ->
 
 
 def encode_prompt(formatter: ChatFormatter, example: dict, cutoff_len: int) -> dict[str, Any]:
-    """The prompt for RL generation (left-truncated to `cutoff_len`) plus the row's other columns."""
+    """The prompt for RL generation (left-truncated to `cutoff_len`) plus the row's other columns.
+
+    `prompt_messages` and `prompt_conversational` keep the prompt as written, for reward functions, which
+    take it in TRL's shapes: the messages for a conversational row, the user's text for a standard one
+    (alpaca, or a TRL `prompt` string).
+    """
     (prompt_ids,) = _tokenize(formatter.tokenizer, [formatter.prompt_text(example["prompt"], tools=example.get("tools"))])
     prompt_ids = _left_cut(prompt_ids, min(cutoff_len, len(prompt_ids)))
     features: dict[str, Any] = {k: v for k, v in example["extra"].items()
                                 if k not in ("input_ids", "attention_mask")}
-    features.update(input_ids=prompt_ids, attention_mask=[1] * len(prompt_ids))
+    features.update(input_ids=prompt_ids, attention_mask=[1] * len(prompt_ids), prompt_messages=example["prompt"],
+                    prompt_conversational=example.get("conversational", True))
     return features
 
 

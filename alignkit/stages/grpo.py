@@ -1,0 +1,730 @@
+"""Group relative policy optimisation (GRPO, Shao et al. 2024, DeepSeekMath §4.1), at TRL 1.16's numbers.
+
+For each prompt the policy samples `num_generations` completions, reward functions score them, and each
+completion's advantage is its reward relative to its group: `(r - mean) / (std + 1e-4)`. The policy then
+takes clipped policy-gradient steps on those completions (PPO's surrogate without a value model), with an
+optional k3 KL penalty towards the step-0 policy.
+
+How the work is laid out, and why:
+- Generation batches. The dataloader yields `per_device_train_batch_size x steps_per_generation` rows, each
+  prompt repeated `num_generations` times, and yields each such batch `steps_per_generation x
+  num_iterations` times in a row. The first time, `_prepare_inputs` generates and scores the whole batch at
+  once (one batched `generate`, the expensive part), shuffles it and cuts it into `steps_per_generation`
+  micro-batches, which it buffers; later calls take the next slice of the buffer. Trainer's own loop,
+  gradient accumulation, scheduler and checkpointing run unchanged around that (the layout of TRL 1.16 and
+  of the transformers guide on subclassing `Trainer`).
+- Off-policy corrections. The importance ratio `pi / pi_old` needs the log-probs of the policy that
+  sampled. When every slice is trained within the optimizer step that generated it (TRL's rule:
+  `gradient_accumulation_steps % (steps_per_generation x num_iterations) == 0`) that policy is the current
+  one and `pi_old = pi.detach()`; otherwise they are computed once, right after generation.
+- The reference (only when `beta > 0`) is the policy with its LoRA adapter disabled, or a frozen in-memory
+  copy under full fine-tuning: `StageTrainer.reference()`, never a second model read from disk.
+- Loss aggregation follows TRL 1.16 for each `loss_type`, including its division for gradient
+  accumulation, so that changing `gradient_accumulation_steps` alone (with the batch it accumulates to
+  fixed) leaves the update unchanged for `grpo`, `dr_grpo` and `dapo`; `bnpo` normalises by the tokens of
+  each micro-batch, so it depends on how the batch is cut, as in TRL.
+- On-policy with `beta = 0` the loss is about 0 by construction: the ratio is 1, and the advantages of a
+  group sum to 0. Its gradient is not 0. Watch `reward` (and `rewards/<name>/mean`), not `loss`.
+- Resume. Sampling is seeded per generation round (`rollout_seed`), and the buffered generation batch is
+  saved in each checkpoint, so a run stopped at any checkpoint, also in the middle of a generation batch,
+  continues with the completions, rewards and losses of the uninterrupted run.
+- One process only for now: the group of a prompt must be scored in one place; a multi-process run is
+  refused with a message rather than computing per-process advantages.
+
+Defaults: every key below has TRL 1.16's default (`loss_type: dapo`, `beta: 0.0`, `num_generations: 8`,
+`max_completion_length: 512`, `temperature: 1.0`, `top_p: 1.0`, `top_k: 0`, `epsilon: 0.2`,
+`scale_rewards: group`, `use_bias_correction_kl: true`, ...). One shared key differs: `learning_rate` is the
+Trainer's (5e-5) unless set, where TRL's GRPOConfig uses 1e-6 for full fine-tuning; a LoRA run wants a
+larger rate than that anyway, so the examples set it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Sequence
+
+import torch
+from torch.utils.data import Sampler
+
+from ..hparams import ConfigError, check_sampling_knobs
+from ..rewards import RewardFunctionArguments
+from .base import StageTrainer, run_stage_trainer
+from .rollout import (
+    completion_logps,
+    rollout_seed,
+    sample_completions,
+    score_completions,
+    trl_completions,
+    trl_prompts,
+)
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+
+    from ..hparams import Config
+
+logger = logging.getLogger(__name__)
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+COMPLETIONS_FILE = "completions.jsonl"
+ROLLOUT_BUFFER_FILE = "grpo_rollout_buffer.pt"
+# Columns the data layer adds to prompt rows for GRPO itself; reward functions get every other column.
+PROMPT_COLUMNS = ("input_ids", "attention_mask", "prompt_messages", "prompt_conversational")
+
+
+@dataclass
+class GRPOArguments(RewardFunctionArguments):
+    """The keys of `stage: grpo` (TRL 1.16's names and defaults), plus the reward keys it inherits."""
+
+    num_generations: int = field(
+        default=8, metadata={"help": "Completions sampled per prompt (the group); at least 2. TRL default 8."})
+    steps_per_generation: Optional[int] = field(
+        default=None,
+        metadata={"help": "Micro-batches trained per generation batch (default: gradient_accumulation_steps). "
+                          "Set this or generation_batch_size, not both."})
+    generation_batch_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "Completions generated at once (default: per_device_train_batch_size x "
+                          "steps_per_generation); a multiple of per_device_train_batch_size and num_generations."})
+    num_iterations: int = field(
+        default=1, metadata={"help": "Passes over each generation batch (mu in the GRPO paper). TRL default 1."})
+    max_completion_length: int = field(
+        default=512, metadata={"help": "Most tokens generated per completion. TRL default 512."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0). TRL default 1.0."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1 = off. TRL default 1.0."})
+    top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens; 0 = off. TRL default 0."})
+    repetition_penalty: float = field(
+        default=1.0, metadata={"help": "Penalty > 1 discourages repeated tokens; 1 = none. TRL default 1.0."})
+    beta: float = field(
+        default=0.0,
+        metadata={"help": "Weight of the k3 KL penalty towards the reference (the step-0 policy); 0 = no reference "
+                          "pass at all. TRL default 0.0 (DeepSeek-R1 used 0.001)."})
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the ratio: 1 - epsilon."})
+    epsilon_high: Optional[float] = field(
+        default=None, metadata={"help": "Upper clipping range: 1 + epsilon_high (default: epsilon; DAPO uses 0.28)."})
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = field(
+        default="dapo",
+        metadata={"help": "Token-loss aggregation: dapo (default: over the generation batch's tokens), grpo (per "
+                          "sequence, then mean), dr_grpo (over batch x max_completion_length), bnpo (over the "
+                          "micro-batch's tokens)."})
+    scale_rewards: Literal["group", "batch", "none"] = field(
+        default="group",
+        metadata={"help": "Divide advantages by the reward std of the group, of the whole batch, or not at all "
+                          "(Dr. GRPO). TRL default group."})
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "Leave completions that hit max_completion_length out of the loss (DAPO)."})
+    use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={"help": "Multiply the per-token KL by the importance ratio (unbiased reverse-KL gradient, "
+                          "DeepSeek-V3.2). TRL 1.16 default true; only matters with beta > 0."})
+    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts each epoch (seeded)."})
+    use_vllm: bool = field(
+        default=False,
+        metadata={"help": "Generate with vLLM in the training process (colocate mode; needs a GPU and the `vllm` "
+                          "extra: pip install 'alignkit[vllm]'). Written against vLLM 0.33's API, not run here."})
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "Share of GPU memory vLLM may take in colocate mode. TRL default 0.3."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_generations < 2:
+            raise ConfigError(f"num_generations={self.num_generations}: GRPO compares completions of the same "
+                              "prompt, so it needs at least 2 (TRL's default is 8).")
+        for key in ("num_iterations", "max_completion_length", "steps_per_generation", "generation_batch_size"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"{key}={value} must be at least 1.")
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            raise ConfigError("steps_per_generation and generation_batch_size are both set; set one (the other "
+                              "follows from per_device_train_batch_size).")
+        if not self.temperature > 0:
+            raise ConfigError(f"temperature={self.temperature} must be > 0: GRPO samples its completions.")
+        check_sampling_knobs(self)
+        if not self.beta >= 0:
+            raise ConfigError(f"beta={self.beta} must be >= 0 (0 = no KL penalty).")
+        if not self.epsilon >= 0:
+            raise ConfigError(f"epsilon={self.epsilon} must be >= 0.")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        elif not self.epsilon_high >= 0:
+            raise ConfigError(f"epsilon_high={self.epsilon_high} must be >= 0 (default: epsilon).")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
+
+
+def resolve_generation_batch(per_device_train_batch_size: int, num_processes: int, num_generations: int,
+                             steps_per_generation: Optional[int], generation_batch_size: Optional[int],
+                             gradient_accumulation_steps: int) -> tuple[int, int]:
+    """`(steps_per_generation, generation_batch_size)` from whichever is given, as TRL 1.16 derives them.
+
+    Neither given: `steps_per_generation = gradient_accumulation_steps`. Example: batch 4, 1 process, GA 2,
+    nothing set → (2, 8).
+
+    Raises:
+        ConfigError: the generation batch is not a whole number of micro-batches or of groups.
+    """
+    global_batch = per_device_train_batch_size * num_processes
+    if steps_per_generation is None and generation_batch_size is None:
+        steps_per_generation = gradient_accumulation_steps
+    if steps_per_generation is None:
+        if generation_batch_size % global_batch:
+            raise ConfigError(f"generation_batch_size={generation_batch_size} must be a multiple of "
+                              f"per_device_train_batch_size x processes = {global_batch}.")
+        steps_per_generation = generation_batch_size // global_batch
+    generation_batch_size = global_batch * steps_per_generation
+    if generation_batch_size % num_generations:
+        raise ConfigError(
+            f"the generation batch ({generation_batch_size} = per_device_train_batch_size "
+            f"{per_device_train_batch_size} x steps_per_generation {steps_per_generation}) must hold whole groups of "
+            f"num_generations={num_generations} completions: make per_device_train_batch_size x steps_per_generation "
+            f"a multiple of {num_generations} (e.g. per_device_train_batch_size: {num_generations}).")
+    return steps_per_generation, generation_batch_size
+
+
+def check_config(config: "Config") -> None:
+    """What `stage: grpo` refuses beyond its own keys (called after the config is parsed)."""
+    g, t = config.method, config.training
+    if t.do_eval or t.do_predict:
+        raise ConfigError("stage grpo trains only: remove do_eval/do_predict, and measure a reward on held-out "
+                          "prompts with `alignkit eval` (greedy) before and after training.")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        raise ConfigError(f"stage grpo runs in one process (WORLD_SIZE={world_size}): a prompt's group must be "
+                          "scored in one place. Run it without torchrun/accelerate launch.")
+    g.steps_per_generation, g.generation_batch_size = resolve_generation_batch(
+        t.per_device_train_batch_size, world_size, g.num_generations, g.steps_per_generation,
+        g.generation_batch_size, t.gradient_accumulation_steps)
+    if g.use_vllm and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("use_vllm: true needs vLLM, which is not installed: pip install 'alignkit[vllm]' (on a "
+                          "machine with a GPU), or set use_vllm: false to generate with transformers.")
+    if g.use_vllm and (t.use_cpu or not torch.cuda.is_available()):
+        raise ConfigError("use_vllm: true needs a CUDA GPU; on this machine set use_vllm: false.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure tensor functions. N = completions, C = completion length, G = num_generations.
+# ---------------------------------------------------------------------------------------------------
+
+
+def nan_std(values: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Sample standard deviation (Bessel-corrected) ignoring NaN; NaN where fewer than 2 values remain.
+
+    Example: [1, 3, NaN] → mean 2, squared deviations 1 and 1, variance 2 / (2 - 1) = 2, std 1.4142.
+    """
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    count = (~torch.isnan(values)).sum(dim=dim)
+    squares = torch.nansum((values - mean) ** 2, dim=dim)
+    variance = squares / (count - 1).clamp(min=1)
+    return torch.where(count > 1, variance.sqrt(), torch.full_like(variance, float("nan")))
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int,
+                     scale_rewards: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO advantages (DeepSeekMath eq. 3 with TRL 1.16's 1e-4): each reward against its group's mean.
+
+    `A_i = (r_i - mean(group)) / (std + 1e-4)`, std of the group (`group`), of the whole batch (`batch`), or
+    no division (`none`, Dr. GRPO). NaN rewards (no function scored the completion) are left out of the mean
+    and std, and get advantage 0.
+
+    Example (G = 2, group): rewards [1, 3, 2, 2] → groups (1, 3) and (2, 2); means 2, 2; stds sqrt(2), 0;
+    A = [-1 / 1.4143, 1 / 1.4143, 0, 0] = [-0.70706, 0.70706, 0, 0]; the second group has std 0.
+
+    Args:
+        rewards: `[N]` combined rewards, groups contiguous (rows i*G .. i*G + G - 1 share a prompt).
+        num_generations: G.
+        scale_rewards: `group`, `batch` or `none`.
+
+    Returns:
+        `(advantages [N], std_is_zero [N] bool)`: the second marks rows whose std (of the group, or of the
+        batch with `batch`) is 0, for the `frac_reward_zero_std` metric.
+    """
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    if scale_rewards in ("group", "none"):
+        std = nan_std(grouped, dim=1).repeat_interleave(num_generations)
+    elif scale_rewards == "batch":
+        std = nan_std(rewards).expand_as(rewards)
+    else:
+        raise ValueError(f"scale_rewards={scale_rewards!r}: choose group, batch or none.")
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+def clipped_surrogate(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+                      epsilon_low: float, epsilon_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7), as a loss.
+
+    `ratio = exp(logps - old_logps)`, `loss = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)`.
+
+    Example (eps 0.2): ratio 1.5, A = 1 → -min(1.5, 1.2) = -1.2; ratio 0.5, A = -1 → -min(-0.5, -0.8) = 0.8.
+
+    Args:
+        logps: `[N, C]` policy log-probs of the completion tokens.
+        old_logps: `[N, C]` log-probs under the policy that sampled them (no gradient).
+        advantages: `[N]` one advantage per completion, or `[N, C]` per token.
+        epsilon_low, epsilon_high: the clipping range.
+
+    Returns:
+        `(per_token_loss [N, C], ratio [N, C])`.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    return -torch.min(ratio * advantages, clipped * advantages), ratio
+
+
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL(pi || pi_ref) per token (Schulman 2020; DeepSeekMath eq. 4).
+
+    `exp(ref - logp) - (ref - logp) - 1`, >= 0, and 0 where the two agree. Example: ref - logp = ln 2 →
+    2 - 0.693147 - 1 = 0.306853.
+
+    Args:
+        logps, ref_logps: `[N, C]` policy and reference log-probs of the same tokens.
+    """
+    delta = ref_logps - logps
+    return torch.exp(delta) - delta - 1
+
+
+def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, *,
+                   accumulation_steps: int = 1, steps_per_generation: int = 1,
+                   generation_tokens: Optional[float] = None,
+                   max_completion_length: Optional[int] = None) -> torch.Tensor:
+    """One micro-batch's share of the step's loss, already divided for gradient accumulation (TRL 1.16).
+
+    With `S = sum(per_token_loss * mask)` over the micro-batch of B rows and `k = accumulation_steps`:
+    - `grpo`: mean over rows of (row sum / row tokens), divided by k;
+    - `bnpo`: S / tokens of the micro-batch, divided by k;
+    - `dr_grpo`: S / (B x max_completion_length), divided by k;
+    - `dapo`: S / (generation_tokens x k / steps_per_generation), the tokens of one accumulation window's
+      share of the generation batch.
+    Summed over the k micro-batches of a step, grpo, dr_grpo and dapo give the same number as one micro-batch
+    holding all the rows, so changing k alone leaves the update as it was.
+
+    Example: losses [[1, 2], [3, 0]], mask [[1, 1], [1, 0]], k = 2: grpo ((1.5 + 3) / 2) / 2 = 1.125;
+    bnpo (6 / 3) / 2 = 1.0; dr_grpo with length 4: (6 / 8) / 2 = 0.375; dapo with 6 generation tokens and
+    steps_per_generation 2: 6 / (6 x 2 / 2) = 1.0.
+
+    Args:
+        per_token_loss: `[B, C]`.
+        mask: `[B, C]` 1 on tokens that count.
+        loss_type: grpo, bnpo, dr_grpo or dapo.
+        accumulation_steps: micro-batches accumulated into this optimizer step.
+        steps_per_generation: micro-batches the generation batch was cut into (dapo).
+        generation_tokens: tokens that count in the whole generation batch (dapo).
+        max_completion_length: dr_grpo's constant.
+    """
+    mask = mask.to(per_token_loss.dtype)
+    masked = per_token_loss * mask
+    if loss_type == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation_steps
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0) / accumulation_steps
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type=dr_grpo needs max_completion_length.")
+        return masked.sum() / (per_token_loss.size(0) * max_completion_length) / accumulation_steps
+    if loss_type == "dapo":
+        if generation_tokens is None:
+            raise ValueError("loss_type=dapo needs generation_tokens.")
+        return masked.sum() / (max(float(generation_tokens), 1.0) * accumulation_steps / steps_per_generation)
+    raise ValueError(f"loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}.")
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` over the positions where `mask` is 1 (0 when there are none)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data: generation batches
+# ---------------------------------------------------------------------------------------------------
+
+
+class GenerationBatchSampler(Sampler[int]):
+    """Row indices laid out in generation batches, each prompt repeated, each batch repeated.
+
+    An epoch shuffles the prompts (seeded by `seed + epoch`), cuts them into chunks of
+    `prompts_per_batch` (an incomplete last chunk is dropped, as TRL drops it), and for each chunk yields
+    `repeat_count` times the chunk with every index repeated `num_generations` times in a row. With a
+    dataloader batch of `prompts_per_batch x num_generations` rows, each batch is one generation batch,
+    delivered `repeat_count = steps_per_generation x num_iterations` times.
+
+    Example: 4 prompts, no shuffle, 2 per batch, G = 2, repeat 2 →
+    [0,0,1,1], [0,0,1,1], [2,2,3,3], [2,2,3,3].
+    """
+
+    def __init__(self, num_rows: int, num_generations: int, prompts_per_batch: int, repeat_count: int = 1,
+                 shuffle: bool = True, seed: int = 0) -> None:
+        self.num_rows = num_rows
+        self.num_generations = num_generations
+        self.prompts_per_batch = prompts_per_batch
+        self.repeat_count = repeat_count
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Trainer calls this at each epoch start: a new order per epoch, the same order on resume."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_rows, generator=generator).tolist()
+        else:
+            order = list(range(self.num_rows))
+        for start in range(0, len(order) - self.prompts_per_batch + 1, self.prompts_per_batch):
+            chunk = order[start:start + self.prompts_per_batch]
+            for _ in range(self.repeat_count):
+                for index in chunk:
+                    yield from [index] * self.num_generations
+
+    def __len__(self) -> int:
+        return (self.num_rows // self.prompts_per_batch) * self.prompts_per_batch * self.num_generations \
+            * self.repeat_count
+
+
+def collate_prompt_rows(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows as they are: prompts are padded when they are generated from, not before."""
+    return features
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------
+
+
+class GRPOTrainer(StageTrainer):
+    """`Trainer` that samples groups of completions, scores them and takes clipped policy-gradient steps.
+
+    Args:
+        grpo_args: the stage's keys (`GRPOArguments`), with `steps_per_generation` resolved or None.
+        reward_functions: `alignkit.rewards.RewardFunctions` (`.names`, `.weights`, callable → `[N, F]`).
+        stop_token_ids: ids that end a completion (the template's end of turn).
+        *args, **kwargs: as for `transformers.Trainer`; `train_dataset` holds the data layer's prompt rows
+            (`input_ids`, `prompt_messages`, `prompt_conversational` and the row's other columns) and
+            `processing_class` the tokenizer.
+    """
+
+    # Each micro-batch's loss is divided for gradient accumulation by `aggregate_loss` itself.
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, grpo_args: GRPOArguments, reward_functions, stop_token_ids: Sequence[int],
+                 **kwargs) -> None:
+        kwargs.setdefault("data_collator", collate_prompt_rows)
+        super().__init__(*args, keep_reference_copy=grpo_args.beta != 0, **kwargs)
+        if self.accelerator.num_processes > 1:
+            raise ConfigError("stage grpo runs in one process: a prompt's group must be scored in one place.")
+        self.grpo_args = grpo_args
+        self.reward_functions = reward_functions
+        self.stop_token_ids = list(stop_token_ids)
+        self.num_generations = grpo_args.num_generations
+        self.steps_per_generation, self.generation_batch_size = resolve_generation_batch(
+            self.args.per_device_train_batch_size, 1, grpo_args.num_generations, grpo_args.steps_per_generation,
+            grpo_args.generation_batch_size, self.args.gradient_accumulation_steps)
+        self.num_iterations = grpo_args.num_iterations
+        self.generate_every = self.steps_per_generation * self.num_iterations
+        # TRL's rule: old log-probs are needed when a slice may be trained after an optimizer step that
+        # followed its generation.
+        self.needs_old_logps = self.args.gradient_accumulation_steps % self.generate_every != 0
+        self.generation_kwargs = {
+            "do_sample": True, "max_new_tokens": grpo_args.max_completion_length,
+            "temperature": grpo_args.temperature, "top_p": grpo_args.top_p, "top_k": grpo_args.top_k,
+            "repetition_penalty": grpo_args.repetition_penalty,
+        }
+        self.generation_count = 0  # generate calls made (tests count them)
+        self._micro_step: Optional[int] = None  # micro-batches trained so far; set from the state on first use
+        self._micro_batches_per_epoch: Optional[int] = None
+        self._buffer: Optional[list[dict[str, torch.Tensor]]] = None
+        self._buffer_round: Optional[int] = None
+        self._step_time = 0.0
+        self._step_generation_time = 0.0
+
+    # ---- data ----
+
+    def _get_train_sampler(self, dataset=None) -> Sampler:
+        dataset = self.train_dataset if dataset is None else dataset
+        return GenerationBatchSampler(len(dataset), self.num_generations,
+                                      self.generation_batch_size // self.num_generations,
+                                      repeat_count=self.generate_every, shuffle=self.grpo_args.shuffle_dataset,
+                                      seed=self.args.seed)
+
+    def get_train_dataloader(self):
+        """Batches of one generation batch (`per_device_train_batch_size x steps_per_generation` rows)."""
+        if self.train_dataset is None:
+            raise ValueError("GRPOTrainer: training needs a train_dataset of prompts.")
+        rows_needed = self.generation_batch_size // self.num_generations
+        if len(self.train_dataset) < rows_needed:
+            raise ConfigError(f"the training set has {len(self.train_dataset)} prompt(s) but one generation batch "
+                              f"takes {rows_needed} ({self.generation_batch_size} completions / num_generations "
+                              f"{self.num_generations}): add prompts or lower per_device_train_batch_size.")
+        dataloader = self._get_dataloader(self.train_dataset, "Training",
+                                          self._train_batch_size * self.steps_per_generation,
+                                          sampler_fn=self._get_train_sampler, is_training=True)
+        self._micro_batches_per_epoch = len(dataloader)
+        return dataloader
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """Tokens are counted when they are generated (prompt + completion, as TRL counts), not per slice."""
+
+    # ---- the step ----
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._micro_step += 1
+        self._step_time += time.perf_counter() - start
+        if self.accelerator.sync_gradients:  # the last micro-batch of this optimizer step
+            self.record_metrics({"step_time": self._step_time,
+                                 "time/generation": self._step_generation_time,
+                                 "time/training": self._step_time - self._step_generation_time}, 1)
+            self._step_time = self._step_generation_time = 0.0
+        return loss
+
+    def _micro_steps_done(self) -> int:
+        """Micro-batches trained before `state.global_step` (a resumed run starts at a step boundary)."""
+        ga = self.args.gradient_accumulation_steps
+        per_epoch = self._micro_batches_per_epoch
+        if per_epoch is None:
+            return self.state.global_step * ga
+        updates_per_epoch = max(math.ceil(per_epoch / ga), 1)
+        epochs, within = divmod(self.state.global_step, updates_per_epoch)
+        return epochs * per_epoch + within * ga
+
+    def _prepare_inputs(self, generation_batch):
+        if not self.model.training:
+            raise ValueError("stage grpo does not evaluate through the Trainer; use `alignkit eval`.")
+        if self._micro_step is None:
+            self._micro_step = self._micro_steps_done()
+        round_index = self._micro_step // self.generate_every
+        if self._buffer is None or self._buffer_round != round_index:
+            self._buffer = self._generate_and_score(generation_batch, round_index)
+            self._buffer_round = round_index
+        return self._buffer[self._micro_step % self.steps_per_generation]
+
+    # ---- generation and scoring ----
+
+    def _generate_and_score(self, rows: list[dict[str, Any]], round_index: int) -> list[dict[str, torch.Tensor]]:
+        """Generate for the whole generation batch, score it, and cut it into `steps_per_generation` slices."""
+        start = time.perf_counter()
+        generation = sample_completions(
+            self.model, self.processing_class, [row["input_ids"] for row in rows],
+            stop_token_ids=self.stop_token_ids, generation_kwargs=self.generation_kwargs,
+            seed=rollout_seed(self.args.seed, round_index))
+        self.generation_count += 1
+        generation_time = time.perf_counter() - start
+        self._step_generation_time += generation_time
+
+        device = self.args.device
+        prompt_ids, prompt_mask = generation.prompt_ids.to(device), generation.prompt_mask.to(device)
+        completion_ids = generation.completion_ids.to(device)
+        completion_mask = generation.completion_mask.to(device)
+        truncated = generation.truncated.to(device)
+        lengths = completion_mask.sum(1)
+        if self.grpo_args.mask_truncated_completions:
+            completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
+
+        conversational = [bool(row["prompt_conversational"]) for row in rows]
+        prompts = trl_prompts([row["prompt_messages"] for row in rows], conversational)
+        completions = trl_completions(generation.texts, conversational)
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key not in PROMPT_COLUMNS}
+        completion_id_lists = [ids[:n].tolist() for ids, n in zip(generation.completion_ids, lengths.tolist())]
+        per_function, rewards = score_completions(self.reward_functions, prompts, completions, columns,
+                                                  completion_id_lists, truncated.tolist())
+        per_function, rewards = per_function.to(device), rewards.to(device)
+        advantages, std_is_zero = group_advantages(rewards, self.num_generations, self.grpo_args.scale_rewards)
+
+        batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+                 "completion_mask": completion_mask, "advantages": advantages}
+        with torch.no_grad():
+            if self.needs_old_logps:
+                batch["old_logps"], _ = completion_logps(
+                    self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                    temperature=self.grpo_args.temperature, batch_size=self.args.per_device_train_batch_size)
+            if self.grpo_args.beta != 0:
+                with self.reference() as reference:
+                    batch["ref_logps"], _ = completion_logps(
+                        reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        temperature=self.grpo_args.temperature, batch_size=self.args.per_device_train_batch_size)
+
+        self.state.num_input_tokens_seen += int(prompt_mask.sum().item() + lengths.sum().item())
+        self._record_rollout_metrics(per_function, rewards, std_is_zero, lengths, truncated)
+        if self.grpo_args.log_completions and self.is_world_process_zero():
+            self._append_completions(round_index, prompts, completions, per_function, rewards, advantages)
+
+        # Shuffle (seeded per round) so each slice mixes groups, then cut into equal slices.
+        generator = torch.Generator().manual_seed(rollout_seed(self.args.seed, round_index) + 1)
+        order = torch.randperm(len(rows), generator=generator).to(device)
+        generation_tokens = completion_mask.sum().float()
+        slices = []
+        for part in order.chunk(self.steps_per_generation):
+            piece = {key: value[part] for key, value in batch.items()}
+            piece["generation_tokens"] = generation_tokens
+            slices.append(piece)
+        return slices
+
+    def _record_rollout_metrics(self, per_function, rewards, std_is_zero, lengths, truncated) -> None:
+        """TRL 1.16's rollout metrics, one value per generation round."""
+        lengths = lengths.float()
+        terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1, device=lengths.device)
+        metrics: dict[str, float] = {
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/mean_terminated_length": terminated.mean().item(),
+            "completions/min_terminated_length": terminated.min().item(),
+            "completions/max_terminated_length": terminated.max().item(),
+        }
+        for i, name in enumerate(self.reward_functions.names):
+            metrics[f"rewards/{name}/mean"] = torch.nanmean(per_function[:, i]).item()
+            metrics[f"rewards/{name}/std"] = nan_std(per_function[:, i]).item()
+        metrics["reward"] = torch.nanmean(rewards).item()
+        metrics["reward_std"] = nan_std(rewards).item()
+        metrics["frac_reward_zero_std"] = std_is_zero.float().mean().item()
+        # A metric that is NaN this round (e.g. every value None) is left out rather than poisoning the mean.
+        self.record_metrics({k: v for k, v in metrics.items() if not math.isnan(v)}, 1)
+
+    def _append_completions(self, round_index, prompts, completions, per_function, rewards, advantages) -> None:
+        """`log_completions`: one JSON line per completion in `output_dir/completions.jsonl`."""
+        path = Path(self.args.output_dir) / COMPLETIONS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        names = self.reward_functions.names
+        with open(path, "a", encoding="utf-8") as f:
+            for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+                scores = {name: (None if math.isnan(v) else v) for name, v in zip(names, per_function[i].tolist())}
+                total = rewards[i].item()
+                f.write(json.dumps({"step": self.state.global_step, "round": round_index, "prompt": prompt,
+                                    "completion": completion, "rewards": scores,
+                                    "reward": None if math.isnan(total) else total,
+                                    "advantage": advantages[i].item()}, ensure_ascii=False) + "\n")
+
+    # ---- the loss ----
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("GRPOTrainer.compute_loss returns the loss only.")
+        g = self.grpo_args
+        mask = inputs["completion_mask"]
+        logps, entropy = completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"],
+                                          inputs["completion_ids"], mask, temperature=g.temperature,
+                                          with_entropy=True)
+        old_logps = inputs.get("old_logps", logps.detach())
+        advantages = inputs["advantages"]
+        per_token_loss, ratio = clipped_surrogate(logps, old_logps, advantages, g.epsilon, g.epsilon_high)
+        metrics: dict[str, torch.Tensor] = {}
+        if g.beta != 0:
+            per_token_kl = k3_kl(logps, inputs["ref_logps"])
+            if g.use_bias_correction_kl:
+                per_token_kl = per_token_kl * ratio
+            per_token_loss = per_token_loss + g.beta * per_token_kl
+            metrics["kl"] = masked_mean(per_token_kl.detach(), mask)
+        loss = aggregate_loss(per_token_loss, mask, g.loss_type,
+                              accumulation_steps=self.current_gradient_accumulation_steps,
+                              steps_per_generation=self.steps_per_generation,
+                              generation_tokens=inputs["generation_tokens"],
+                              max_completion_length=g.max_completion_length)
+
+        ratio = ratio.detach()
+        adv = advantages.unsqueeze(1)
+        low = ((ratio < 1 - g.epsilon) & (adv < 0)).float()
+        high = ((ratio > 1 + g.epsilon_high) & (adv > 0)).float()
+        # Per-completion clip shares, over completions with at least one token that counts (TRL's nanmin/nanmax).
+        counted = mask.sum(-1) > 0
+        row_tokens = mask.sum(-1).clamp(min=1)
+        low_rows, high_rows = ((low * mask).sum(-1) / row_tokens)[counted], ((high * mask).sum(-1) / row_tokens)[counted]
+        metrics.update({
+            "entropy": masked_mean(entropy, mask),
+            "clip_ratio/low_mean": masked_mean(low, mask),
+            "clip_ratio/high_mean": masked_mean(high, mask),
+            "clip_ratio/region_mean": masked_mean(torch.maximum(low, high), mask),
+        })
+        if counted.any():
+            metrics.update({"clip_ratio/low_min": low_rows.min(), "clip_ratio/high_max": high_rows.max()})
+        self.record_metrics(metrics, 1)
+        return loss
+
+    # ---- checkpoints ----
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Beside the optimizer: the buffered generation batch, so a resume mid-batch trains on the same slices."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self._buffer is not None and self.args.should_save:
+            path = Path(output_dir) / ROLLOUT_BUFFER_FILE
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            torch.save({"round": self._buffer_round, "slices": [{k: v.cpu() for k, v in s.items()}
+                                                                for s in self._buffer]}, tmp)
+            os.replace(tmp, path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        self._micro_step = None  # recomputed from the restored global step on the next micro-batch
+        self._buffer = self._buffer_round = None
+        if checkpoint is None:
+            return
+        path = Path(checkpoint) / ROLLOUT_BUFFER_FILE
+        if path.is_file():
+            saved = torch.load(path, weights_only=True)
+            self._buffer = [{k: v.to(self.args.device) for k, v in s.items()} for s in saved["slices"]]
+            self._buffer_round = saved["round"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage entry point
+# ---------------------------------------------------------------------------------------------------
+
+
+def run_grpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
+    """Train the policy with GRPO as `config` says; outputs (adapter, logs, completions.jsonl) go to `output_dir`."""
+    from ..data import ChatFormatter, get_dataset
+    from ..model.loader import load_model, load_tokenizer
+    from ..rewards import build_reward_functions
+    from .base import check_splits
+
+    tokenizer = load_tokenizer(config.model)
+    datasets = get_dataset(config, tokenizer, "grpo")
+    check_splits(config, datasets)
+    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
+    formatter = ChatFormatter(tokenizer, config.data.template)
+    reward_functions = build_reward_functions(
+        config.method, model=model, formatter=formatter, model_args=config.model,
+        config_dir=str(Path(config.source).parent) if config.source else None)
+    trainer = GRPOTrainer(
+        model=model,
+        args=config.training,
+        grpo_args=config.method,
+        reward_functions=reward_functions,
+        stop_token_ids=formatter.stop_token_ids(),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        train_dataset=datasets["train_dataset"],
+    )
+    run_stage_trainer(trainer, config)
+
+
+__all__ = [
+    "GRPOArguments",
+    "check_config",
+    "resolve_generation_batch",
+    "nan_std",
+    "group_advantages",
+    "clipped_surrogate",
+    "k3_kl",
+    "aggregate_loss",
+    "masked_mean",
+    "GenerationBatchSampler",
+    "GRPOTrainer",
+    "run_grpo",
+]

@@ -79,13 +79,30 @@ def test_config_checks():
             config.method.ppo_epochs) == (0.2, 6.0, 10000, 1.0, 0.95, 0.2, 0.2, 0.1, 4)
 
 
-def test_reward_read_in_ppo_equals_alignkit_score(tiny_model_dir, prompts_file, reward_dir, tmp_path):
-    """The reward adapter switched in on the policy's base scores what `alignkit score` scores; the policy's
-    log-probs after a scoring pass are bit-identical (the adapter really was switched back)."""
+def test_shared_reward_keys_reach_the_running_stage():
+    """`log_completions` and `reward_funcs` belong to GRPO and PPO alike (hparams._owners): each run's class gets them."""
+    from alignkit.stages.grpo import GRPOArguments
+    from alignkit.stages.ppo import PPOArguments
+
+    keys = {"do_train": True, "dataset": "x", "reward_funcs": "format", "log_completions": True}
+    ppo, grpo = parse_config({"stage": "ppo", **keys}), parse_config({"stage": "grpo", **keys})
+    assert type(ppo.method) is PPOArguments and ppo.method.log_completions and ppo.method.reward_funcs == ["format"]
+    assert type(grpo.method) is GRPOArguments and grpo.method.log_completions
+    with pytest.raises(ConfigError, match="applies to stage ppo"):
+        parse_config({"stage": "grpo", **keys, "vf_coef": 0.5})
+
+
+@pytest.mark.parametrize("reward_model_type", ["lora", "full"])
+def test_reward_read_in_ppo_equals_alignkit_score(reward_model_type, tiny_model_dir, prompts_file, reward_dir,
+                                                  tmp_path):
+    """The reward model (an adapter switched in on the policy's base, or loaded on its own) scores what
+    `alignkit score` scores; the policy's log-probs after a scoring pass are bit-identical (the adapter really
+    was switched back)."""
     trainer = build_ppo_trainer(_config(tiny_model_dir, prompts_file, tmp_path / "out", reward_model=reward_dir,
-                                        reward_model_type="lora"), [])
+                                        reward_model_type=reward_model_type), [])
     model = trainer.model
-    assert "reward" in model.peft_config and model.active_adapter == POLICY_ADAPTER
+    assert ("reward" in model.peft_config) == (reward_model_type == "lora")
+    assert model.active_adapter == POLICY_ADAPTER
     rollout, metrics, records = trainer.make_rollout(0)
     before = trainer.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.labels, grad=False)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
@@ -227,3 +244,21 @@ def test_end_to_end(critic, tiny_model_dir, prompts_file, reward_dir, tmp_path):
     trained = load_file(out / "adapter_model.safetensors")
     assert any(t.abs().sum() > 0 for k, t in trained.items() if "lora_B" in k)
     assert isinstance(policy, PeftModel)
+
+
+def test_padded_and_padding_free_rollouts_agree(tiny_model_dir, prompts_file, reward_dir, sft_dir, tmp_path):
+    """Prompts of different lengths: both layouts give each token its true position, so the same numbers."""
+    rollouts = []
+    for padding_free in (False, True):
+        config = _config(tiny_model_dir, prompts_file, tmp_path / f"out{padding_free}", reward_model=reward_dir,
+                         adapter_name_or_path=sft_dir, padding_free=padding_free)
+        trainer = build_ppo_trainer(config, [])
+        with torch.no_grad():  # a zero head would hide a layout error
+            trainer.value_head.weight.copy_(torch.randn(trainer.value_head.weight.shape,
+                                                        generator=torch.Generator().manual_seed(0)) * 0.1)
+        rollouts.append(trainer.make_rollout(0)[0])
+    padded, packed = rollouts
+    assert torch.equal(padded.input_ids, packed.input_ids)
+    assert len(set(padded.attention_mask.sum(dim=1).tolist())) > 1
+    for name in ("logps", "ref_logps", "values", "scores", "advantages"):
+        torch.testing.assert_close(getattr(padded, name), getattr(packed, name), rtol=0, atol=1e-5, msg=name)

@@ -147,3 +147,35 @@ def test_length_sampler_is_seeded_and_in_range():
     assert torch.equal(state, torch.get_rng_state())  # the global stream is untouched
     with pytest.raises(ValueError, match="low <= high"):
         sample_response_lengths(5, 4, 1, seed=0, step=0)
+
+
+def test_pack_right():
+    """prompt [pad, 5, 6], response [7, 8] with mask [1, 0] -> [5, 6, 7, pad, pad], labels only on 7."""
+    from alignkit.stages.ppo import pack_right
+
+    ids, mask, labels = pack_right(torch.tensor([[0, 5, 6], [4, 5, 6]]), torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                                   torch.tensor([[7, 8], [9, 3]]), torch.tensor([[1, 0], [1, 1]]), pad_token_id=0)
+    assert ids.tolist() == [[5, 6, 7, 0, 0], [4, 5, 6, 9, 3]]
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert labels.tolist() == [[-100, -100, 7, -100, -100], [-100, -100, -100, 9, 3]]
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_logps_from_hidden_equal_forward_token_logps(padding_free, tiny_model_dir):
+    """One decoder pass read through the output layer gives the log-probs the model's own forward gives."""
+    from transformers import AutoModelForCausalLM
+
+    from alignkit.model.heads import last_hidden_states
+    from alignkit.model.logprobs import forward_token_logps
+    from alignkit.stages.ppo import logps_from_hidden, pack_right
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids, mask, labels = pack_right(torch.tensor([[0, 0, 5, 6], [4, 5, 6, 7]]), torch.tensor([[0, 0, 1, 1], [1] * 4]),
+                                   torch.tensor([[7, 8, 9], [9, 3, 2]]), torch.tensor([[1, 1, 0], [1, 1, 1]]),
+                                   pad_token_id=2)
+    with torch.no_grad():
+        hidden, flat = last_hidden_states(model, ids, mask, padding_free=padding_free)
+        ours = logps_from_hidden(model, hidden, flat, labels)
+        theirs, labelled = forward_token_logps(model, ids, mask, labels)
+    assert labelled.sum().item() == 5
+    torch.testing.assert_close(ours, theirs * labelled, rtol=0, atol=1e-5)

@@ -599,6 +599,8 @@ class PPOTrainer(StageTrainer):
 
     def __init__(self, *args, ppo_args: PPOArguments, reward_functions, formatter, value_head,
                  max_new_tokens: int, **kwargs) -> None:
+        # A full/freeze policy needs a frozen copy as its reference (under LoRA the adapter is disabled instead).
+        kwargs.setdefault("keep_reference_copy", True)
         super().__init__(*args, **kwargs)
         self.ppo_args = ppo_args
         self.reward_functions = reward_functions
@@ -752,6 +754,7 @@ class PPOTrainer(StageTrainer):
                     **{name: (None if math.isnan(v) else v) for name, v in zip(self.reward_functions.names, row)}}
                    for prompt, text, raw, row in zip(prompts, texts, raw_scores, per_function.tolist())]
         self.state.num_input_tokens_seen += int(attention_mask.sum().item())
+        # Scoring plus the rollout's policy, critic and reference passes.
         metrics["time/scoring"] = time.perf_counter() - start
         return rollout, metrics, records
 

@@ -262,3 +262,30 @@ def test_padded_and_padding_free_rollouts_agree(tiny_model_dir, prompts_file, re
     assert len(set(padded.attention_mask.sum(dim=1).tolist())) > 1
     for name in ("logps", "ref_logps", "values", "scores", "advantages"):
         torch.testing.assert_close(getattr(padded, name), getattr(packed, name), rtol=0, atol=1e-5, msg=name)
+
+
+def test_gradient_accumulation_does_not_change_the_update(tiny_model_dir, prompts_file, tmp_path):
+    """Rollout of 4 as 4 x GA 1 or 2 x GA 2 (mini-batches of 2): the token-weighted loss gives the same update."""
+    adapters = []
+    for batch, accumulation in ((4, 1), (2, 2)):
+        out = tmp_path / f"b{batch}"
+        run_train(_config(tiny_model_dir, prompts_file, out, reward_funcs="format,length", reward_weights="1,1",
+                          per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+                          mini_batch_size=None, max_steps=1, max_grad_norm=0))
+        adapters.append(load_file(out / "adapter_model.safetensors"))
+    for key in adapters[0]:
+        torch.testing.assert_close(adapters[1][key], adapters[0][key], rtol=0, atol=1e-6, msg=key)
+    assert any(t.abs().sum() > 0 for k, t in adapters[0].items() if "lora_B" in k)
+
+
+def test_full_fine_tuning_policy(tiny_model_dir, prompts_file, tmp_path):
+    """finetuning_type full: a frozen copy is the reference; the saved model has no value head inside it."""
+    out = tmp_path / "out"
+    run_train(_config(tiny_model_dir, prompts_file, out, finetuning_type="full", reward_funcs="length",
+                      learning_rate=1e-4))
+    weights = load_file(out / "model.safetensors")
+    assert not any(k.startswith("v_head") for k in weights)
+    assert (out / VALUE_HEAD_FILE).is_file()
+    AutoModelForCausalLM.from_pretrained(str(out))
+    record = [r for r in read_log(out) if "objective/kl" in r][-1]
+    assert record["objective/kl"] != 0.0  # the policy moved away from its frozen copy after step 1

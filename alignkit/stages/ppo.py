@@ -4,8 +4,9 @@ The design is the original PPO-with-PEFT one (Ziegler et al. 2019's loop, as TRL
 old PPO ran it): the policy is a LoRA adapter; its reference is the same base with that adapter disabled
 (an SFT adapter given as `adapter_name_or_path` is merged into the base when the model loads, so it belongs
 to the reference); the reward model is the rm stage's LoRA output loaded as a second, frozen, named adapter
-with its score head and switched in only to score; the critic is a value head on the policy's hidden states.
-One copy of the base weights in memory serves all four roles.
+with its score head and switched in only to score; the critic is a value head on the policy's hidden states
+(or, `ppo_critic: adapter`, a third adapter with its own head). One copy of the base weights in memory serves
+every role.
 
 One PPO step, top to bottom (`PPOTrainer.train`):
 
@@ -17,8 +18,9 @@ One PPO step, top to bottom (`PPOTrainer.train`):
 3. Old log-probs and values of the policy, reference log-probs with the adapter disabled; per-token reward
    `-kl_coef * (logp - ref_logp)` with the score added at the response's last token (`kl_penalty_rewards`).
 4. GAE over the response tokens (`gae_advantages`), advantages whitened.
-5. `ppo_epochs` passes over the rollout in shuffled mini-batches: clipped policy loss + `vf_coef` x clipped
-   value loss, gradient clipping at `max_grad_norm`, one optimizer step per mini-batch.
+5. `ppo_epochs` passes over the rollout in shuffled batches of `per_device_train_batch_size x
+   gradient_accumulation_steps` rows (run `mini_batch_size` rows at a time): clipped policy loss + `vf_coef` x
+   clipped value loss, gradient clipping at `max_grad_norm`, one optimizer step per batch.
 6. The KL coefficient adapts to the rollout's KL (`AdaptiveKLController`), the scheduler steps once.
 
 What this simplifies, and why:
@@ -26,8 +28,14 @@ What this simplifies, and why:
   (one rollout and its `ppo_epochs` passes), as in LLaMA-Factory's PPO; the optimizer steps several times in
   it. The loop is our own, but built from the Trainer's parts (optimizer, scheduler, `TrainerState`,
   callbacks, `_save_checkpoint`, `log`), so the files every stage writes are written here too.
-- Prompts are drawn by a permutation seeded from `seed` and the epoch, so the prompts of step k depend on k
-  alone: a resumed run needs no data skipping. Sampling draws from the global RNG, which checkpoints save.
+- Prompts are drawn by a permutation seeded from `seed` and the epoch, responses are sampled under a seed of
+  their own per step (`rollout.rollout_seed`, shared with GRPO), response lengths and update batches are drawn
+  from `(seed, step)`: step k depends on k and the weights alone, so a resumed run needs no data skipping and
+  equals the uninterrupted one. Checkpoints add the KL coefficient and score statistics (`ppo_state.json`).
+- The policy's log-probs and the critic's values come from one decoder pass (`logps_from_hidden`); the
+  sequences are laid out contiguously (`pack_right`) so each token has its true position in the padded and the
+  padding-free forward alike.
+- Tested on one process (CPU); the loop does not wrap the model for DDP/DeepSpeed.
 """
 
 from __future__ import annotations

@@ -244,6 +244,13 @@ def test_end_to_end(critic, tiny_model_dir, prompts_file, reward_dir, tmp_path):
     trained = load_file(out / "adapter_model.safetensors")
     assert any(t.abs().sum() > 0 for k, t in trained.items() if "lora_B" in k)
     assert isinstance(policy, PeftModel)
+    if critic == "head":  # `alignkit export` merges it like any causal-LM adapter
+        from alignkit.export import export_model
+        from alignkit.hparams import ModelArguments
+
+        exported = export_model(ModelArguments(model_name_or_path=tiny_model_dir, adapter_name_or_path=str(out)),
+                                str(tmp_path / "export"))
+        AutoModelForCausalLM.from_pretrained(str(exported))
 
 
 def test_padded_and_padding_free_rollouts_agree(tiny_model_dir, prompts_file, reward_dir, sft_dir, tmp_path):

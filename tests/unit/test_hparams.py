@@ -44,7 +44,7 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path):
     "override, pattern",
     [
         ("lora_rank=abc", "lora_rank='abc' is not a valid int"),
-        ("stage=foo", "stage='foo'.*one of pt, sft, rm, dpo, grpo\\."),
+        ("stage=foo", "stage='foo'.*one of pt, sft, rm, dpo, grpo, ppo\\."),
         ("do_train=maybe", "do_train='maybe'.*bool"),
         ("pref_loss=kto", "pref_loss"),
         ("noequals", "key=value"),

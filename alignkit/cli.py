@@ -4,6 +4,7 @@
     alignkit chat [--model DIR] [--adapter DIR] [--prompt TEXT]
     alignkit export --model DIR [--adapter DIR] --export-dir DIR [--force]
     alignkit score --model DIR --input FILE.jsonl [--output FILE.jsonl]
+    alignkit eval --dataset NAME --reward SPEC [--model DIR] [--adapter DIR]   mean rewards, greedy (before/after RL)
     alignkit demo                                 a short LoRA SFT of the bundled model, before/after
     alignkit env                                  versions and device
 """
@@ -18,6 +19,7 @@ import sys
 from .callbacks import TrainingDiverged
 from .data.errors import DataError
 from .hparams import ConfigError, DataArguments
+from .rewards.functions import RewardFunctionError
 
 
 def _configure_logging() -> None:
@@ -80,6 +82,40 @@ def _cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from .evaluate import default_dataset_dir, evaluate_rewards, reward_arguments
+    from .hparams import parse_override
+    from .rewards import RewardFunctionArguments
+
+    reward_keys = {f.name for f in fields(RewardFunctionArguments)}
+    reward_settings, config_overrides = {}, []
+    for item in args.overrides:
+        key, value = parse_override(item)
+        if key in reward_keys:
+            reward_settings[key] = value
+        else:
+            config_overrides.append(item)
+    if args.reward_weights:
+        reward_settings["reward_weights"] = args.reward_weights
+    reward_args = reward_arguments(args.reward, reward_settings)
+    for key, value in (("dataset", args.dataset), ("template", args.template), ("max_new_tokens", args.max_new_tokens),
+                       ("max_samples", args.max_samples), ("cutoff_len", args.cutoff_len)):
+        if value is not None:
+            config_overrides.append(f"{key}={value}")
+    config_overrides.append(f"dataset_dir={args.dataset_dir or default_dataset_dir(args.dataset)}")
+    config = _model_args(args.model, args.adapter, config_overrides)
+    result = evaluate_rewards(config, reward_args, batch_size=args.batch_size, output=args.output)
+    adapter = f" + {args.adapter}" if args.adapter else ""
+    print(f"eval: {result.num_rows} prompts of {args.dataset}, model {config.model.model_name_or_path or 'bundled'}"
+          f"{adapter}, greedy, max_new_tokens {config.generating.max_new_tokens}")
+    print(result.summary())
+    if args.output:
+        print(f"Per-row completions and rewards written to {args.output}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -129,6 +165,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--template", default=None, help="chat template (default: the tokenizer's own)")
     p.set_defaults(func=_cmd_score)
 
+    p = sub.add_parser("eval", help="mean reward of a model or adapter on held-out prompts, greedy (before/after RL)")
+    p.add_argument("--model", help="model directory or hub id (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--adapter", help="LoRA adapter directory to evaluate (e.g. a grpo run's output_dir)")
+    p.add_argument("--dataset", required=True, help="prompts: a name in dataset_info.json or a file "
+                   "(e.g. demo_math_eval); every other column (answer) reaches the reward functions")
+    p.add_argument("--dataset-dir", help="folder with dataset_info.json (default: ./data, else the checkout's data/)")
+    p.add_argument("--reward", action="append", required=True,
+                   help="reward spec, repeatable: accuracy, format, length, module:function, file.py:function, "
+                   "or a reward model directory")
+    p.add_argument("--reward-weights", help="comma-separated weights of the weighted sum (default all 1)")
+    p.add_argument("--max-new-tokens", type=int, help="most tokens per completion; use the run's "
+                   "max_completion_length (default: max_new_tokens' default, 512)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default %(default)s)")
+    p.add_argument("--max-samples", type=int, help="evaluate only the first N prompts")
+    p.add_argument("--cutoff-len", type=int, help="most prompt tokens (default: cutoff_len's default)")
+    p.add_argument("--template", help="chat template (default: the tokenizer's own)")
+    p.add_argument("--output", help="write one jsonl line per prompt: completion, columns, rewards")
+    p.add_argument("overrides", nargs="*", help="more settings as key=value, e.g. format_reward_pattern=... "
+                   "length_reward_window=64")
+    p.set_defaults(func=_cmd_eval)
+
     p = sub.add_parser("demo", help="a short LoRA fine-tune of the bundled model, answers before and after")
     p.add_argument("--output-dir", default="outputs/demo")
     p.add_argument("--steps", type=int, default=None, help="override the number of SFT steps")
@@ -146,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging()
     try:
         return args.func(args)
-    except (ConfigError, DataError, TrainingDiverged, FileExistsError, FileNotFoundError) as err:
+    except (ConfigError, DataError, RewardFunctionError, TrainingDiverged, FileExistsError, FileNotFoundError) as err:
         # Raised where input enters, with a message written for the user; anything else is a bug
         # and keeps its traceback.
         print(f"alignkit: error: {err}", file=sys.stderr)

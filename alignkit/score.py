@@ -18,10 +18,11 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from .data.collator import pad_sequences
 from .data.errors import DataError
 from .data.processors import infer_seqlen
 from .data.template import ChatFormatter
@@ -64,6 +65,21 @@ def encode_scored(formatter: ChatFormatter, prompt: Prompt, response: str, *, to
         prompt_ids = prompt_ids[len(prompt_ids) - keep_prompt:] if keep_prompt else []
         reply_ids = reply_ids[:keep_reply]
     return prompt_ids + reply_ids
+
+
+def score_sequences(score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sequences: Sequence[list[int]],
+                    pad_token_id: int, device, *, batch_size: int = 8, padding_side: str = "right") -> list[float]:
+    """Pad token id lists `batch_size` at a time and score them with `score(input_ids, attention_mask) -> [B]`.
+
+    Shared by `RewardScorer` and the reward-model reward functions (`alignkit.rewards.model`).
+    """
+    scores: list[float] = []
+    for start in range(0, len(sequences), batch_size):
+        batch = [list(ids) for ids in sequences[start:start + batch_size]]
+        input_ids = pad_sequences(batch, pad_token_id, side=padding_side).to(device)
+        attention_mask = pad_sequences([[1] * len(ids) for ids in batch], 0, side=padding_side).to(device)
+        scores.extend(score(input_ids, attention_mask).float().cpu().tolist())
+    return scores
 
 
 class RewardScorer:
@@ -115,20 +131,9 @@ class RewardScorer:
     @torch.no_grad()
     def score_ids(self, sequences: Sequence[list[int]]) -> list[float]:
         """Rewards of already tokenised sequences, `batch_size` at a time."""
-        pad_id = self.tokenizer.pad_token_id
-        scores: list[float] = []
-        for start in range(0, len(sequences), self.batch_size):
-            batch = sequences[start: start + self.batch_size]
-            length = max(len(ids) for ids in batch)
-            input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(batch), length), dtype=torch.long)
-            for row, ids in enumerate(batch):
-                span = slice(0, len(ids)) if self.padding_side == "right" else slice(length - len(ids), length)
-                input_ids[row, span] = torch.tensor(ids, dtype=torch.long)
-                attention_mask[row, span] = 1
-            rewards = sequence_rewards(self.model, input_ids.to(self.device), attention_mask.to(self.device))
-            scores.extend(rewards.tolist())
-        return scores
+        return score_sequences(lambda ids, mask: sequence_rewards(self.model, ids, mask), sequences,
+                               self.tokenizer.pad_token_id, self.device, batch_size=self.batch_size,
+                               padding_side=self.padding_side)
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
         """One reward per (prompt, response); a prompt is a user message string or a list of messages."""
@@ -221,4 +226,4 @@ def score_file(
     return len(rows)
 
 
-__all__ = ["RewardScorer", "encode_scored", "score_file"]
+__all__ = ["RewardScorer", "encode_scored", "score_file", "score_sequences"]

@@ -1,4 +1,4 @@
-"""alignkit against TRL 1.16, side by side: `python -m bench [--stage sft rm dpo] [--model tiny] [--reps 2]`.
+"""alignkit against TRL 1.16, side by side: `python -m bench [--stage sft rm dpo grpo] [--model tiny] [--reps 2]`.
 
 For each stage both tools train the same LoRA adapter (r=8, alpha=16, dropout 0, every linear layer but the
 head) on the same model, the same generated data (see `bench.workloads`), the same batch, learning rate,
@@ -39,11 +39,14 @@ if __package__ in (None, ""):  # `python bench/run.py`: make the repository root
 from bench import workloads  # noqa: E402
 from bench.worker import TRL_BEST  # noqa: E402
 
-STAGES = ("sft", "rm", "dpo")
+STAGES = ("sft", "rm", "dpo", "grpo")
 VARIANTS = ("alignkit", "trl_default", "trl_best")
 BUNDLED = "smollm2-135m-instruct"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-FIGURES = ("step_time_s", "tokens_per_s", "peak_rss_mb", "peak_gpu_mb", "final_loss", "mfu")
+FIGURES = ("step_time_s", "tokens_per_s", "peak_rss_mb", "peak_gpu_mb", "final_loss", "mfu", "completions_per_s",
+           "generation_s", "training_s", "generated_tokens_per_s")
+RATIO_FIGURES = ("step_time_s", "tokens_per_s", "peak_rss_mb", "peak_gpu_mb", "mfu", "completions_per_s",
+                 "generation_s", "training_s")
 
 # (stage, figure, compared variant, bound, sense) — sense "min": alignkit / other >= bound is met; "max": <=.
 # Targets on the figure "mfu" compare alignkit's MFU itself (no other variant) with the bound. With --device cuda
@@ -57,7 +60,15 @@ TARGETS = [
     ("dpo", "step_time_s", "trl_best", 1.0, "max"),
     ("dpo", "peak_rss_mb", "trl_default", 1.0, "max"),
     ("dpo", "peak_rss_mb", "trl_best", 1.0, "max"),
+    ("grpo", "completions_per_s", "trl_default", 2.0, "min"),
+    ("grpo", "completions_per_s", "trl_best", 1.0, "min"),
+    ("grpo", "peak_rss_mb", "trl_default", 1.0, "max"),
 ]
+
+
+def data_kind(stage: str) -> str:
+    """The generated data a stage trains on: `sft`, `pref` (rm, dpo) or `prompt` (grpo)."""
+    return {"sft": "sft", "grpo": "prompt"}.get(stage, "pref")
 
 
 def alignkit_has_stage(stage: str) -> bool:
@@ -82,17 +93,27 @@ def resolve_model(model: str, work_dir: Path) -> tuple[str, str]:
     raise SystemExit(f"--model {model!r}: expected `{BUNDLED}`, `tiny`, or an existing local model directory.")
 
 
-def prepare_data(model_dir: str, stages: list[str], n_rows: int, cutoff: int, work_dir: Path) -> dict[str, Any]:
-    """Generate, fit to the cutoff, and write each stage's data; returns paths and length statistics per stage."""
+def prepare_data(model_dir: str, stages: list[str], n_rows: int, cutoff: int, work_dir: Path,
+                 num_generations: int = 4) -> dict[str, Any]:
+    """Generate, fit to the cutoff, and write each stage's data; returns paths and length statistics per stage.
+
+    GRPO gets `n_rows / num_generations` prompts (a step trains on `batch` completions, `num_generations`
+    per prompt), not fitted: a prompt alone stays far below the cutoff."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     out: dict[str, Any] = {}
-    for kind in sorted({"sft" if s == "sft" else "pref" for s in stages}):
-        rows = workloads.fit_to_cutoff(tokenizer, workloads.canonical_rows(kind, n_rows), cutoff)
+    for kind in sorted({data_kind(s) for s in stages}):
+        rows = workloads.canonical_rows(kind, n_rows if kind != "prompt" else max(1, n_rows // num_generations))
+        if kind == "prompt":  # prompts only: their own templated length is what is reported
+            lengths = [len(tokenizer.apply_chat_template(
+                [{"role": "system", "content": r["system"]}, {"role": "user", "content": r["prompt"]}],
+                add_generation_prompt=True, tokenize=True)["input_ids"]) for r in rows]
+        else:
+            rows = workloads.fit_to_cutoff(tokenizer, rows, cutoff)
+            keys = ["response"] if kind == "sft" else ["chosen", "rejected"]
+            lengths = [workloads.chat_length(tokenizer, r, k) for r in rows for k in keys]
         paths = workloads.write_datasets(rows, work_dir / "data", f"bench_{kind}")
-        keys = ["response"] if kind == "sft" else ["chosen", "rejected"]
-        lengths = [workloads.chat_length(tokenizer, r, k) for r in rows for k in keys]
         paths["rows"] = len(rows)
         paths["chat_tokens"] = {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths),
                                 "total": sum(lengths)}
@@ -137,14 +158,16 @@ def summarise_stage(runs: list[dict[str, Any]], n_params: int, peak_gflops: floa
         if not ok:
             continue
         for r in ok:
+            r.setdefault("reference_forward", False)
             flops, _ = workloads.flops_per_token(n_params, lora=True, reference_forward=r["reference_forward"])
             r["flops_per_token"] = flops
             r["mfu"] = flops * r["tokens_per_s"] / (peak_gflops * 1e9) if r.get("tokens_per_s") else None
         summary[variant] = {fig: spread([r.get(fig) for r in ok]) for fig in FIGURES}
         summary[variant]["first_loss"] = spread([r.get("first_loss") for r in ok])
         summary[variant]["setup_s"] = spread([r.get("setup_s") for r in ok])
-        summary[variant]["tokens_per_step_mean"] = statistics.mean(
-            statistics.mean(r["tokens_per_step"]) for r in ok)
+        counted = [r["tokens_per_step"] for r in ok if None not in r["tokens_per_step"]]
+        summary[variant]["tokens_per_step_mean"] = (statistics.mean(statistics.mean(t) for t in counted)
+                                                    if counted else None)
         summary[variant]["formula"] = workloads.flops_per_token(
             n_params, lora=True, reference_forward=ok[0]["reference_forward"])[1]
     ratios: dict[str, Any] = {}
@@ -156,7 +179,7 @@ def summarise_stage(runs: list[dict[str, Any]], n_params: int, peak_gflops: floa
                 fig: (summary["alignkit"][fig]["median"] / summary[other][fig]["median"]
                       if summary["alignkit"].get(fig) and summary[other].get(fig) and summary[other][fig]["median"]
                       else None)
-                for fig in ("step_time_s", "tokens_per_s", "peak_rss_mb", "peak_gpu_mb", "mfu")
+                for fig in RATIO_FIGURES
             }
     return {"summary": summary, "ratios": ratios}
 
@@ -274,6 +297,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for stage, data in report["stages"].items():
+        if stage == "grpo":
+            continue  # its own table below: completions, not training tokens, are what a step produces
         for variant in VARIANTS:
             row = data["summary"].get(variant)
             if row is None:
@@ -290,11 +315,40 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {stage} | {name} | {_fmt(ratio['step_time_s'], 2)}x | {_fmt(ratio['tokens_per_s'], 2)}x | "
                 f"| {_fmt(ratio[mem], 2)}x | | | {_fmt(ratio['mfu'], 2)}x | |")
+    if "grpo" in report["stages"]:
+        lines += _grpo_table(report, mem, mem_label)
     lines += ["", "| stage | target | figures | met |", "|---|---|---|---|"]
     for t in report["targets"]:
         verdict = {True: "met", False: "not met", None: "not measured"}[t["met"]]
         lines.append(f"| {t['stage']} | {t['target']} | {t['figures']} | {verdict} |")
     return "\n".join(lines) + "\n"
+
+
+def _grpo_table(report: dict[str, Any], mem: str, mem_label: str) -> list[str]:
+    """GRPO rows: completions/s and how a step splits between generating and training."""
+    s, data = report["settings"], report["stages"]["grpo"]
+    lines = ["", f"GRPO: {s['batch']} completions per step ({s['batch'] // s['num_generations']} prompts x "
+             f"{s['num_generations']}), at most {s['max_completion_length']} new tokens each, sampling at each "
+             "tool's default (temperature 1.0), one generation per step; generation time is the sampling call "
+             "alone, training time the rest of the step (log-probs, loss, backward, optimizer).", "",
+             f"| run | step time (s) | completions/s | generation (s/step) | training (s/step) | generated tokens/s "
+             f"| {mem_label} | first loss | final loss |", "|---|---|---|---|---|---|---|---|---|"]
+    for variant in VARIANTS:
+        row = data["summary"].get(variant)
+        if row is None:
+            failed = [r for r in data["runs"] if r.get("variant_key") == variant and not r.get("ok")]
+            if failed:
+                lines.append(f"| {variant} | failed: {failed[0].get('error', '?')[:80]} | | | | | | | |")
+            continue
+        lines.append(f"| {variant} | {_cell(row['step_time_s'])} | {_cell(row['completions_per_s'])} "
+                     f"| {_cell(row['generation_s'])} | {_cell(row['training_s'])} "
+                     f"| {_cell(row['generated_tokens_per_s'])} | {_cell(row[mem], 4)} | {_cell(row['first_loss'], 4)} "
+                     f"| {_cell(row['final_loss'], 4)} |")
+    for name, ratio in data["ratios"].items():
+        lines.append(f"| {name} | {_fmt(ratio['step_time_s'], 2)}x | {_fmt(ratio['completions_per_s'], 2)}x "
+                     f"| {_fmt(ratio['generation_s'], 2)}x | {_fmt(ratio['training_s'], 2)}x | "
+                     f"| {_fmt(ratio[mem], 2)}x | | |")
+    return lines
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -310,6 +364,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cutoff", type=int, default=256, help="Max tokens per conversation; data is fitted to it.")
     p.add_argument("--lr", type=float, default=1e-4, help="Learning rate, in both tools.")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every process.")
+    p.add_argument("--num-generations", type=int, default=4,
+                   help="GRPO: completions per prompt (--batch completions per step, so batch/this prompts).")
+    p.add_argument("--max-completion-length", type=int, default=32, help="GRPO: most new tokens per completion.")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: bf16 autocast (bf16=True) in both tools, bf16 matmul probe.")
     p.add_argument("--variants", default=",".join(VARIANTS),
@@ -352,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     stages = list(dict.fromkeys(opts.stage)) if opts.stage else [s for s in STAGES if available[s]]
     if not stages:
         raise SystemExit("no alignkit stage is available yet; name stages with --stage to benchmark TRL alone.")
+    if "grpo" in stages and opts.batch % opts.num_generations:
+        raise SystemExit(f"--batch {opts.batch} must be a multiple of --num-generations {opts.num_generations}: a GRPO "
+                         "step trains on whole groups of completions.")
     plan = plan_runs(opts, stages, available)
     if opts.dry_run:
         print(json.dumps({"stages": stages, "alignkit_available": available, "device": opts.device,
@@ -364,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     model_name, model_dir = resolve_model(opts.model, work_dir)
     n_rows = opts.steps * opts.batch  # one epoch is exactly the run, so a precomputation covers only used rows
-    data = prepare_data(model_dir, stages, n_rows, opts.cutoff, work_dir)
+    data = prepare_data(model_dir, stages, n_rows, opts.cutoff, work_dir, opts.num_generations)
     n_causal = workloads.matmul_params(model_dir, "causal_lm")
     n_reward = workloads.matmul_params(model_dir, "reward")
 
@@ -382,12 +442,15 @@ def main(argv: list[str] | None = None) -> int:
     probes = [probe("before")]
     runs: list[dict[str, Any]] = []
     for i, (stage, rep, variant) in enumerate(plan, 1):
-        kind = "sft" if stage == "sft" else "pref"
+        kind = data_kind(stage)
         tool = "alignkit" if variant == "alignkit" else "trl"
         args = ["--tool", tool, "--variant", "best" if variant == "trl_best" else "default", "--stage", stage,
                 "--model-dir", model_dir, "--steps", str(opts.steps), "--warmup", str(opts.warmup),
                 "--batch", str(opts.batch), "--cutoff", str(opts.cutoff), "--lr", str(opts.lr),
                 "--threads", str(opts.threads), "--device", opts.device]
+        if stage == "grpo":
+            args += ["--num-generations", str(opts.num_generations),
+                     "--max-completion-length", str(opts.max_completion_length)]
         if tool == "alignkit":
             args += ["--alignkit-dataset", data[kind]["alignkit_dataset"],
                      "--alignkit-dataset-dir", data[kind]["alignkit_dataset_dir"]]
@@ -397,8 +460,10 @@ def main(argv: list[str] | None = None) -> int:
         result = run_worker(args, opts.threads, opts.run_timeout, work_dir / "logs" / f"{stage}_{variant}_{rep}.log")
         result.update(variant_key=variant, rep=rep, stage=stage,
                       reference_forward=stage == "dpo" and variant != "trl_best")
-        status = (f"{result['step_time_s']:.2f} s/step, {result['tokens_per_s']:.0f} tok/s, "
-                  f"{result['peak_rss_mb']:.0f} MB" if result.get("ok") else f"FAILED: {result.get('error')}")
+        rate = (f"{result['completions_per_s']:.2f} completions/s" if stage == "grpo"
+                else f"{result.get('tokens_per_s') or 0:.0f} tok/s") if result.get("ok") else ""
+        status = (f"{result['step_time_s']:.2f} s/step, {rate}, {result['peak_rss_mb']:.0f} MB"
+                  if result.get("ok") else f"FAILED: {result.get('error')}")
         print(f"[bench]   {status}", file=sys.stderr, flush=True)
         runs.append(result)
     probes.append(probe("after"))
@@ -423,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                   "matmul_params_reward": n_reward},
         "settings": {"steps": opts.steps, "warmup": opts.warmup, "batch": opts.batch, "cutoff": opts.cutoff,
                      "lr": opts.lr, "reps": opts.reps, "threads": opts.threads, "device": opts.device,
+                     "num_generations": opts.num_generations, "max_completion_length": opts.max_completion_length,
                      "precision": precision, "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target": "all linear"},
                      "variants": opts.variants,
                      "trl_default_overrides": "bf16=True" if opts.device == "cuda" else "bf16=False",

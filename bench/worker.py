@@ -9,6 +9,9 @@ Both tools are `transformers.Trainer` subclasses, so the same callback measures 
   (one micro-batch per step). Collator calls outside the training loop (TRL's reference precomputation)
   are not counted, because that loop uses its own dataloader;
 - peak resident memory of the whole process: `getrusage(RUSAGE_SELF).ru_maxrss`;
+- GRPO: each generation call is timed (alignkit's `sample_completions`, TRL's `_generate_single_turn`) with
+  the tokens it generated; a GRPO batch is raw prompt rows, so tokens/s is not counted, completions/s is
+  (`--batch` completions per step, one generation batch per step);
 - losses: the Trainer's own `log_history` (logging every step).
 
 `--matmul` instead times a large square `torch.mm` at the same thread count: the machine's limit.
@@ -42,6 +45,7 @@ TRL_BEST = {
     "sft": {"padding_free": True, "max_length": None, "gradient_checkpointing": False},
     "rm": {"gradient_checkpointing": False},
     "dpo": {"precompute_ref_log_probs": True, "gradient_checkpointing": False},
+    "grpo": {"gradient_checkpointing": False},
 }
 
 
@@ -51,8 +55,22 @@ class StepRecorder:
     def __init__(self) -> None:
         self.train_begin = 0.0
         self.step_ends: list[float] = []
-        self.batch_tokens: list[int] = []
+        self.batch_tokens: list[int | None] = []  # None for a batch of raw rows (GRPO prompts)
         self.threads_at_begin = 0
+        # GRPO: one entry per generation call (seconds, new tokens generated).
+        self.generation_s: list[float] = []
+        self.generated_tokens: list[int] = []
+
+    def timed_generation(self, generate, count_tokens):
+        """Wrap `generate` so each call's wall time and generated tokens (`count_tokens(output)`) are recorded."""
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            output = generate(*args, **kwargs)
+            self.generation_s.append(time.perf_counter() - start)
+            self.generated_tokens.append(int(count_tokens(output)))
+            return output
+
+        return timed
 
 
 def count_real_tokens(batch: dict[str, Any]) -> int:
@@ -81,7 +99,7 @@ def make_callback(recorder: StepRecorder):
 
             def counting_collate(examples):
                 batch = collate(examples)
-                recorder.batch_tokens.append(count_real_tokens(batch))
+                recorder.batch_tokens.append(count_real_tokens(batch) if isinstance(batch, dict) else None)
                 return batch
 
             loader.collate_fn = counting_collate
@@ -92,10 +110,13 @@ def make_callback(recorder: StepRecorder):
                 torch.cuda.synchronize()
             recorder.step_ends.append(time.perf_counter())
 
-    return _Callback()
+    callback = _Callback()
+    callback.recorder = recorder  # runners that time generation reach the recorder through the callback
+    return callback
 
 
-def summarise(recorder: StepRecorder, log_history: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+def summarise(recorder: StepRecorder, log_history: list[dict[str, Any]], warmup: int,
+              completions_per_step: int | None = None) -> dict[str, Any]:
     """Per-run figures from the recorded timestamps, token counts and the Trainer's log history."""
     stamps = [recorder.train_begin] + recorder.step_ends
     durations = [b - a for a, b in zip(stamps, stamps[1:])]
@@ -105,17 +126,44 @@ def summarise(recorder: StepRecorder, log_history: list[dict[str, Any]], warmup:
     if len(tokens) < steps:
         raise RuntimeError(f"counted {len(tokens)} batches for {steps} steps; the token counter missed batches.")
     time_measured = sum(durations[i] for i in measured)
-    tokens_measured = sum(tokens[i] for i in measured)
+    counted = all(tokens[i] is not None for i in measured)
+    tokens_measured = sum(tokens[i] for i in measured) if counted else None
     losses = [h["loss"] for h in log_history if "loss" in h]
-    return {
+    out = {
         "steps": steps,
         "measured_steps": len(measured),
         "step_times_s": [round(d, 4) for d in durations],
         "tokens_per_step": tokens,
         "step_time_s": time_measured / len(measured) if measured else None,
-        "tokens_per_s": tokens_measured / time_measured if time_measured > 0 else None,
+        "tokens_per_s": tokens_measured / time_measured if counted and time_measured > 0 else None,
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
+    }
+    if recorder.generation_s:
+        out.update(summarise_generation(recorder, measured, time_measured, completions_per_step))
+    return out
+
+
+def summarise_generation(recorder: StepRecorder, measured: list[int], time_measured: float,
+                         completions_per_step: int | None) -> dict[str, Any]:
+    """GRPO figures: generation call k belongs to step k (one generation batch per step, GA 1).
+
+    Example: measured steps of 10 s and 12 s with generation calls of 6 s and 8 s, 8 completions per step:
+    completions/s = 16 / 22 = 0.727; generation 7 s/step, training 11 - 7 = 4 s/step.
+    """
+    if len(recorder.generation_s) < max(measured) + 1:
+        raise RuntimeError(f"{len(recorder.generation_s)} generation calls for {max(measured) + 1} steps: expected "
+                           "one per step (gradient_accumulation_steps 1, steps_per_generation 1).")
+    generation = sum(recorder.generation_s[i] for i in measured) / len(measured)
+    generated = sum(recorder.generated_tokens[i] for i in measured)
+    step_time = time_measured / len(measured)
+    return {
+        "generation_s_per_step": [round(t, 4) for t in recorder.generation_s],
+        "generated_tokens_per_step": recorder.generated_tokens,
+        "generation_s": generation,
+        "training_s": step_time - generation,
+        "completions_per_s": completions_per_step * len(measured) / time_measured if completions_per_step else None,
+        "generated_tokens_per_s": generated / time_measured if time_measured > 0 else None,
     }
 
 
@@ -146,6 +194,15 @@ def run_alignkit(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any
     }
     if opts.stage == "dpo":
         values["pref_beta"] = 0.1  # TRL's DPOConfig default, written out so both sides agree
+    if opts.stage == "grpo":
+        import alignkit.stages.grpo as grpo
+
+        # The same reward function object TRL gets, named by module path; GRPO's other keys keep their
+        # (TRL 1.16) defaults on both sides.
+        values.update(reward_funcs="bench.workloads:bench_reward", num_generations=opts.num_generations,
+                      max_completion_length=opts.max_completion_length)
+        grpo.sample_completions = callback.recorder.timed_generation(
+            grpo.sample_completions, lambda generation: generation.completion_mask.sum())
     if opts.device == "cuda":
         # Same as the TRL side: fp32 master weights under bf16 autocast.
         values.update(bf16=True, infer_dtype="float32")
@@ -176,9 +233,12 @@ def run_trl(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any]], d
         "per_device_train_batch_size": opts.batch,
         "max_steps": opts.steps,
         "learning_rate": opts.lr,
-        "max_length": opts.cutoff,
         **COMMON_TRAINING,
     }
+    if opts.stage == "grpo":  # prompts are not truncated (none reaches the cutoff); completions are capped
+        settings.update(num_generations=opts.num_generations, max_completion_length=opts.max_completion_length)
+    else:
+        settings["max_length"] = opts.cutoff
     if opts.device == "cuda":
         settings["bf16"] = True
     else:
@@ -206,12 +266,23 @@ def run_trl(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any]], d
         settings.setdefault("beta", 0.1)
         trainer = DPOTrainer(model=opts.model_dir, args=DPOConfig(**settings), train_dataset=dataset,
                              peft_config=LoraConfig(task_type="CAUSAL_LM", **lora), callbacks=[callback])
+    elif opts.stage == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        from bench.workloads import bench_reward
+
+        trainer = GRPOTrainer(model=opts.model_dir, reward_funcs=bench_reward, args=GRPOConfig(**settings),
+                              train_dataset=dataset, peft_config=LoraConfig(task_type="CAUSAL_LM", **lora),
+                              callbacks=[callback])
+        trainer._generate_single_turn = callback.recorder.timed_generation(
+            trainer._generate_single_turn, lambda output: sum(len(ids) for ids in output[0]))
     else:
         raise ValueError(f"stage {opts.stage!r} has no TRL runner in the benchmark yet.")
     effective = {k: _jsonable(getattr(trainer.args, k)) for k in
                  ("gradient_checkpointing", "bf16", "max_length", "learning_rate", "lr_scheduler_type",
                   "per_device_train_batch_size", "padding_free", "precompute_ref_log_probs", "packing",
-                  "beta", "loss_type", "disable_dropout") if hasattr(trainer.args, k)}
+                  "beta", "loss_type", "disable_dropout", "num_generations", "max_completion_length",
+                  "steps_per_generation", "temperature") if hasattr(trainer.args, k)}
     trainer.train()
     return list(trainer.state.log_history), {"passed": {k: _jsonable(v) for k, v in settings.items()},
                                              "effective": effective}
@@ -267,7 +338,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool", choices=["alignkit", "trl"])
     p.add_argument("--variant", choices=["default", "best"], default="default",
                    help="TRL only: its defaults, or its faster settings (bench.worker.TRL_BEST).")
-    p.add_argument("--stage", choices=["sft", "rm", "dpo"])
+    p.add_argument("--stage", choices=["sft", "rm", "dpo", "grpo"])
     p.add_argument("--model-dir")
     p.add_argument("--alignkit-dataset")
     p.add_argument("--alignkit-dataset-dir")
@@ -277,6 +348,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--cutoff", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--num-generations", type=int, default=4, help="GRPO: completions per prompt.")
+    p.add_argument("--max-completion-length", type=int, default=32, help="GRPO: most new tokens per completion.")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--output-dir", default=None, help="Trainer output_dir (default: a temporary directory).")
@@ -328,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                 callback = make_callback(recorder)
                 runner = run_alignkit if opts.tool == "alignkit" else run_trl
                 history, settings = runner(opts, callback)
-                result.update(summarise(recorder, history, opts.warmup))
+                result.update(summarise(recorder, history, opts.warmup,
+                                        completions_per_step=opts.batch if opts.stage == "grpo" else None))
                 result.update(ok=True, settings=settings, threads=torch.get_num_threads(),
                               threads_at_train_begin=recorder.threads_at_begin,
                               setup_s=recorder.train_begin - started if recorder.train_begin else None)

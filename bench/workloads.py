@@ -72,14 +72,15 @@ def _sentences(rng: random.Random, n_words: int) -> str:
 
 
 def canonical_rows(kind: str, n: int, seed: int = 0) -> list[dict[str, str]]:
-    """`n` canonical rows: `kind="sft"` gives system/prompt/response; `"pref"` gives system/prompt/chosen/rejected.
+    """`n` canonical rows: `kind="sft"` gives system/prompt/response; `"pref"` gives system/prompt/chosen/rejected;
+    `"prompt"` (GRPO) gives system/prompt only.
 
     After a one-line task, prompts carry a median of 6 words of context (up to 80); responses have a median of
     28 words (up to 170); chosen answers 22 and rejected 18 (up to 150), so chosen and rejected lengths differ
     as in real preference data. The medians keep a full benchmark run within its time budget on two CPU cores.
     """
-    if kind not in ("sft", "pref"):
-        raise ValueError(f"kind={kind!r}: expected 'sft' or 'pref'.")
+    if kind not in ("sft", "pref", "prompt"):
+        raise ValueError(f"kind={kind!r}: expected 'sft', 'pref' or 'prompt'.")
     rng = random.Random(f"alignkit-bench-{kind}-{seed}")
     rows = []
     for _ in range(n):
@@ -89,7 +90,7 @@ def canonical_rows(kind: str, n: int, seed: int = 0) -> list[dict[str, str]]:
         row = {"system": SYSTEM_PROMPT, "prompt": prompt}
         if kind == "sft":
             row["response"] = _sentences(rng, _lognormal_int(rng, 28, 0.7, 5, 170))
-        else:
+        elif kind == "pref":
             row["chosen"] = _sentences(rng, _lognormal_int(rng, 22, 0.6, 5, 150))
             row["rejected"] = _sentences(rng, _lognormal_int(rng, 18, 0.8, 4, 150))
         rows.append(row)
@@ -143,11 +144,15 @@ def write_datasets(rows: list[dict[str, str]], out_dir: str | Path, name: str) -
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     is_pref = "chosen" in rows[0]
+    is_prompt = not is_pref and "response" not in rows[0]
     alpaca = []
     trl_rows: list[dict[str, Any]] = []
     for row in rows:
         prompt_messages = [{"role": "system", "content": row["system"]}, {"role": "user", "content": row["prompt"]}]
-        if is_pref:
+        if is_prompt:
+            alpaca.append({"instruction": row["prompt"], "input": "", "system": row["system"]})
+            trl_rows.append({"prompt": prompt_messages})
+        elif is_pref:
             alpaca.append({"instruction": row["prompt"], "input": "", "chosen": row["chosen"],
                            "rejected": row["rejected"], "system": row["system"]})
             trl_rows.append({
@@ -163,7 +168,8 @@ def write_datasets(rows: list[dict[str, str]], out_dir: str | Path, name: str) -
     file_name = f"{name}.json"
     (out / file_name).write_text(json.dumps(alpaca, ensure_ascii=False, indent=1), encoding="utf-8")
     columns = {"prompt": "instruction", "query": "input", "system": "system"}
-    columns.update({"chosen": "chosen", "rejected": "rejected"} if is_pref else {"response": "output"})
+    if not is_prompt:
+        columns.update({"chosen": "chosen", "rejected": "rejected"} if is_pref else {"response": "output"})
     entry: dict[str, Any] = {"file_name": file_name, "formatting": "alpaca", "columns": columns}
     if is_pref:
         entry["ranking"] = True
@@ -174,6 +180,15 @@ def write_datasets(rows: list[dict[str, str]], out_dir: str | Path, name: str) -
     trl_file = out / f"{name}.trl.jsonl"
     trl_file.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in trl_rows), encoding="utf-8")
     return {"alignkit_dataset_dir": str(out), "alignkit_dataset": name, "trl_file": str(trl_file)}
+
+
+def bench_reward(completions, completion_ids=None, **kwargs) -> list[float]:
+    """GRPO benchmark reward, the same function in both tools: each completion's share of distinct tokens.
+
+    Cheap and deterministic, and it differs between completions of one prompt, so advantages are not all 0.
+    Example: ids [5, 5, 7, 9] → 3 distinct of 4 = 0.75.
+    """
+    return [len(set(ids)) / max(len(ids), 1) for ids in completion_ids]
 
 
 def matmul_params(model_dir: str | Path, head: str) -> int:

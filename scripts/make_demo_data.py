@@ -281,6 +281,8 @@ REGISTRY = {
                        "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen",
                                    "rejected": "rejected"}},
     "demo_math": {"file_name": "demo_math.json", "columns": {"prompt": "prompt", "response": "answer"}},
+    # Held-out math problems for `alignkit eval`, written by scripts/make_math_eval.py (run it after this).
+    "demo_math_eval": {"file_name": "demo_math_eval.json", "columns": {"prompt": "prompt", "response": "answer"}},
     "demo_pt": {"file_name": "demo_pt.json", "columns": {"prompt": "text"}},
 }
 

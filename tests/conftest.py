@@ -62,6 +62,20 @@ def save_perturbed_adapter():
     return _save_perturbed_adapter
 
 
+@pytest.fixture
+def reward_adapter_dir(tiny_model_dir, tmp_path):
+    """An rm run's LoRA output over the tiny model (task_type SEQ_CLS, `score` in modules_to_save), its
+    score head shifted off its initial values as if trained."""
+    import torch
+
+    out = tmp_path / "rm_lora"
+    trained = _save_perturbed_adapter(tiny_model_dir, out, head="reward")
+    with torch.no_grad():
+        trained.base_model.model.score.modules_to_save["default"].weight.add_(1.0)
+    trained.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def bundled_model_dir(tmp_path_factory):
     """The bundled SmolLM2-135M-Instruct converted once per test session (for `slow` tests).
@@ -79,3 +93,24 @@ def bundled_model_dir(tmp_path_factory):
         finally:
             mp.undo()
     return str(bundled.ensure_bundled_model())
+
+
+class SimulatedCrash(Exception):
+    """Stands for the training process dying (resume tests)."""
+
+
+@pytest.fixture
+def crash_before_step():
+    """`crash_before_step(n)` -> a callback that raises `SimulatedCrash` when step n is about to start, i.e.
+    after step n - 1 has been logged and its checkpoint saved, as when the process is killed there."""
+    from transformers import TrainerCallback
+
+    class CrashBeforeStep(TrainerCallback):
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == self.step:
+                raise SimulatedCrash(f"killed before step {self.step}")
+
+    return CrashBeforeStep

@@ -131,7 +131,7 @@ class RewardFunctionArguments:
 
 
 def _check_spec_syntax(spec: str) -> None:
-    """Catch a misspelt built-in early (`acuracy`): a bare word that is neither a built-in nor a path."""
+    """Catch a malformed `module:function` and a misspelt built-in (`acuracy`) before anything loads."""
     if not spec:
         raise ConfigError("reward_funcs holds an empty entry; remove it.")
     if ":" in spec:
@@ -142,10 +142,12 @@ def _check_spec_syntax(spec: str) -> None:
         return
     if spec in BUILTIN_NAMES or "/" in spec or os.sep in spec or Path(spec).exists():
         return
+    # Any other bare word may be a reward model folder beside the config file (checked when the functions
+    # are built); one that is close to a built-in's name is almost surely a typo.
     close = difflib.get_close_matches(spec, BUILTIN_NAMES, n=1, cutoff=0.6)
-    hint = f" Did you mean `{close[0]}`?" if close else ""
-    raise ConfigError(f"reward_funcs: {spec!r} is not a built-in ({', '.join(BUILTIN_NAMES)}), a "
-                      f"`module:function`, a `file.py:function` or an existing reward model directory.{hint}")
+    if close:
+        raise ConfigError(f"reward_funcs: {spec!r} is not a built-in ({', '.join(BUILTIN_NAMES)}). Did you mean "
+                          f"`{close[0]}`?")
 
 
 # ------------------------------------------------------------------------------------------ user functions
@@ -248,8 +250,8 @@ def _preview(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _row_kwargs(kwargs: dict[str, Any], row: int) -> dict[str, Any]:
-    return {k: (v[row:row + 1] if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()}
+def _row_kwargs(kwargs: dict[str, Any], row: int, per_row: set[str]) -> dict[str, Any]:
+    return {k: (v[row:row + 1] if k in per_row and v is not None else v) for k, v in kwargs.items()}
 
 
 def check_reward_values(name: str, values: Any, num_rows: int, prompts: Sequence[Any],
@@ -301,36 +303,38 @@ class RewardFunction:
     function: Callable[..., Any]
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Optional[list],
-                 columns: dict[str, list]) -> list[float]:
+                 columns: dict[str, list], shared: Optional[dict[str, Any]] = None) -> list[float]:
         kwargs = {"prompts": list(prompts), "completions": list(completions), "completion_ids": completion_ids,
-                  **columns}
+                  **columns, **(shared or {})}
         try:
             values = self.function(**kwargs)
         except RewardFunctionError:
             raise
         except Exception as err:
-            raise self._locate_failure(err, kwargs, len(prompts)) from err
+            per_row = {"prompts", "completions", "completion_ids", *columns}
+            raise self._locate_failure(err, kwargs, len(prompts), per_row) from err
         return check_reward_values(self.name, values, len(prompts), prompts, completions)
 
-    def _locate_failure(self, err: Exception, kwargs: dict[str, Any], num_rows: int) -> RewardFunctionError:
+    def _locate_failure(self, err: Exception, kwargs: dict[str, Any], num_rows: int,
+                        per_row: set[str]) -> RewardFunctionError:
         """The batch call raised: call the function on one row at a time to name the first row that fails."""
         first = f"{type(err).__name__}: {err}"
         for row in range(num_rows):
             try:
-                self.function(**_row_kwargs(kwargs, row))
+                self.function(**_row_kwargs(kwargs, row, per_row))
             except Exception as row_err:  # noqa: BLE001 - any exception is the user's bug to report
                 return RewardFunctionError(
-                    f"reward function {self.name} raised {type(row_err).__name__}: {row_err} on row {row} "
+                    f"reward function {self.name} raised {type(row_err).__name__}: {row_err} on row {row} of {num_rows} "
                     f"(prompt {_preview(kwargs['prompts'][row])}, completion {_preview(kwargs['completions'][row])}"
-                    f"{_column_preview(kwargs, row)}). Fix the function ({self.spec}) or return None for rows it "
+                    f"{_column_preview(kwargs, row, per_row)}). Fix the function ({self.spec}) or return None for rows it "
                     "cannot score.")
         return RewardFunctionError(f"reward function {self.name} raised {first} on a batch of {num_rows} rows, though "
                                    f"no row alone raised. Fix the function ({self.spec}).")
 
 
-def _column_preview(kwargs: dict[str, Any], row: int) -> str:
+def _column_preview(kwargs: dict[str, Any], row: int, per_row: set[str]) -> str:
     extra = [f"{k}={_preview(v[row], 40)}" for k, v in kwargs.items()
-             if k not in ("prompts", "completions", "completion_ids") and isinstance(v, (list, tuple))]
+             if k in per_row and k not in ("prompts", "completions", "completion_ids")]
     return (", " + ", ".join(extra)) if extra else ""
 
 
@@ -355,7 +359,7 @@ class RewardFunctions:
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], columns: Optional[dict[str, list]] = None,
                  *, completion_ids: Optional[Sequence[Sequence[int]]] = None,
-                 truncated: Optional[Sequence[bool]] = None) -> torch.Tensor:
+                 truncated: Optional[Sequence[bool]] = None, **shared: Any) -> torch.Tensor:
         """Every function's reward for every completion.
 
         Args:
@@ -365,6 +369,8 @@ class RewardFunctions:
             completion_ids: N lists of token ids (real tokens only; the `length` reward needs them).
             truncated: N flags, True where a completion hit the length limit without stopping (the `length`
                 reward's cut-off case); passed to user functions as the `truncated` keyword too.
+            **shared: keyword arguments passed to every function as they are, not per row (e.g.
+                `trainer_state=self.state`, which TRL gives its reward functions).
 
         Returns:
             [N, F] float32 on the CPU, NaN where a function returned None.
@@ -384,8 +390,11 @@ class RewardFunctions:
         if truncated is not None:
             columns["truncated"] = [bool(t) for t in truncated]
         rewards = torch.empty(num_rows, len(self.functions), dtype=torch.float32)
+        clash = sorted(set(shared) & (set(columns) | {"prompts", "completions", "completion_ids"}))
+        if clash:
+            raise ValueError(f"shared keyword(s) {clash} clash with the per-row arguments of the same name.")
         for column, function in enumerate(self.functions):
-            rewards[:, column] = torch.tensor(function(prompts, completions, completion_ids, columns),
+            rewards[:, column] = torch.tensor(function(prompts, completions, completion_ids, columns, shared),
                                               dtype=torch.float32)
         return rewards
 

@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..data.collator import _pad_id, pad_sequences
+from ..data.collator import _pad_id
 from ..data.template import ChatFormatter
 from ..hparams import ConfigError
 from .builtin import completion_text
@@ -72,30 +72,19 @@ class AdapterRewardModel:
         self.__name__ = name
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
-        from ..score import encode_scored
+        from ..score import encode_scored, score_sequences
 
         sequences = [encode_scored(self.formatter, _as_prompt(p), completion_text(c))
                      for p, c in zip(prompts, completions, strict=True)]
         return score_sequences(lambda ids, mask: _adapter_scores(self.policy, self.reward, ids, mask),
-                               sequences, _pad_id(self.formatter.tokenizer), next(self.policy.parameters()).device)
+                               sequences, _pad_id(self.formatter.tokenizer), next(self.policy.parameters()).device,
+                               batch_size=SCORING_BATCH_SIZE)
 
 
 def _adapter_scores(policy, reward, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     from ..model.adapters import reward_adapter_rewards
 
     return reward_adapter_rewards(policy, reward, input_ids, attention_mask)
-
-
-def score_sequences(score, sequences: Sequence[list[int]], pad_token_id: int, device,
-                    batch_size: int = SCORING_BATCH_SIZE) -> list[float]:
-    """Right-pad token id lists `batch_size` at a time and score them with `score(input_ids, attention_mask)`."""
-    scores: list[float] = []
-    for start in range(0, len(sequences), batch_size):
-        batch = [list(ids) for ids in sequences[start:start + batch_size]]
-        input_ids = pad_sequences(batch, pad_token_id, side="right").to(device)
-        attention_mask = pad_sequences([[1] * len(ids) for ids in batch], 0, side="right").to(device)
-        scores.extend(score(input_ids, attention_mask).float().cpu().tolist())
-    return scores
 
 
 class FullRewardModel:
@@ -186,5 +175,4 @@ def load_reward_function(spec: str, args, *, model=None, formatter: Optional[Cha
     return FullRewardModel(scorer, name)
 
 
-__all__ = ["AdapterRewardModel", "FullRewardModel", "load_reward_function", "resolve_reward_model_dir",
-           "score_sequences"]
+__all__ = ["AdapterRewardModel", "FullRewardModel", "load_reward_function", "resolve_reward_model_dir"]

@@ -28,6 +28,9 @@ How the work is laid out, and why:
 - Resume. Sampling is seeded per generation round (`rollout_seed`), and the buffered generation batch is
   saved in each checkpoint, so a run stopped at any checkpoint, also in the middle of a generation batch,
   continues with the completions, rewards and losses of the uninterrupted run.
+- `use_vllm: true` samples with vLLM in this process (`rollout.VLLMColocateSampler`, GPU only, weights
+  pushed in after each update). It is written against vLLM's documented API and has not run: no GPU was
+  available to this project.
 - One process only for now: the group of a prompt must be scored in one place; a multi-process run is
   refused with a message rather than computing per-process advantages.
 
@@ -55,8 +58,9 @@ from torch.utils.data import Sampler
 
 from ..hparams import ConfigError, check_sampling_knobs
 from ..rewards import RewardFunctionArguments
-from .base import StageTrainer, run_stage_trainer
+from .base import StageTrainer, is_peft_model, run_stage_trainer
 from .rollout import (
+    VLLMColocateSampler,
     completion_logps,
     rollout_seed,
     sample_completions,
@@ -436,15 +440,16 @@ class GRPOTrainer(StageTrainer):
             grpo_args.generation_batch_size, self.args.gradient_accumulation_steps)
         self.num_iterations = grpo_args.num_iterations
         self.generate_every = self.steps_per_generation * self.num_iterations
-        # TRL's rule: old log-probs are needed when a slice may be trained after an optimizer step that
-        # followed its generation.
-        self.needs_old_logps = self.args.gradient_accumulation_steps % self.generate_every != 0
+        # Old log-probs (TRL's rule): needed when a slice may be trained after an optimizer step that followed
+        # its generation. With vLLM always: it samples from its own kernels' numbers, so the ratio is taken
+        # against the trainer's log-probs of the sampled tokens (TRL also reweights by vLLM's; not done here).
+        self.needs_old_logps = self.args.gradient_accumulation_steps % self.generate_every != 0 or grpo_args.use_vllm
+        self._vllm: Optional[VLLMColocateSampler] = None
         self.generation_kwargs = {
             "do_sample": True, "max_new_tokens": grpo_args.max_completion_length,
             "temperature": grpo_args.temperature, "top_p": grpo_args.top_p, "top_k": grpo_args.top_k,
             "repetition_penalty": grpo_args.repetition_penalty,
         }
-        self.generation_count = 0  # generate calls made (tests count them)
         self._micro_step: Optional[int] = None  # micro-batches trained so far; set from the state on first use
         self._micro_batches_per_epoch: Optional[int] = None
         self._buffer: Optional[list[dict[str, torch.Tensor]]] = None
@@ -519,11 +524,16 @@ class GRPOTrainer(StageTrainer):
     def _generate_and_score(self, rows: list[dict[str, Any]], round_index: int) -> list[dict[str, torch.Tensor]]:
         """Generate for the whole generation batch, score it, and cut it into `steps_per_generation` slices."""
         start = time.perf_counter()
-        generation = sample_completions(
-            self.model, self.processing_class, [row["input_ids"] for row in rows],
-            stop_token_ids=self.stop_token_ids, generation_kwargs=self.generation_kwargs,
-            seed=rollout_seed(self.args.seed, round_index))
-        self.generation_count += 1
+        prompt_ids = [row["input_ids"] for row in rows]
+        seed = rollout_seed(self.args.seed, round_index)
+        if self.grpo_args.use_vllm:
+            generation = self._vllm_sampler().sample(self.processing_class, prompt_ids,
+                                                     stop_token_ids=self.stop_token_ids,
+                                                     generation_kwargs=self.generation_kwargs, seed=seed)
+        else:
+            generation = sample_completions(self.model, self.processing_class, prompt_ids,
+                                            stop_token_ids=self.stop_token_ids,
+                                            generation_kwargs=self.generation_kwargs, seed=seed)
         generation_time = time.perf_counter() - start
         self._step_generation_time += generation_time
 
@@ -574,6 +584,18 @@ class GRPOTrainer(StageTrainer):
             piece["generation_tokens"] = generation_tokens
             slices.append(piece)
         return slices
+
+    def _vllm_sampler(self) -> VLLMColocateSampler:
+        """The colocated vLLM engine, created on first use, holding the policy's weights as of this step."""
+        if self._vllm is None:
+            base = self.model.get_base_model() if is_peft_model(self.model) else self.model
+            self._vllm = VLLMColocateSampler(base.name_or_path,
+                                             gpu_memory_utilization=self.grpo_args.vllm_gpu_memory_utilization,
+                                             max_model_len=None, dtype=next(base.parameters()).dtype)
+        if self._vllm.synced_step != self.state.global_step:
+            self._vllm.sync_weights(self.model)
+            self._vllm.synced_step = self.state.global_step
+        return self._vllm
 
     def _record_rollout_metrics(self, per_function, rewards, std_is_zero, lengths, truncated) -> None:
         """TRL 1.16's rollout metrics, one value per generation round."""

@@ -10,12 +10,13 @@ GRPO and PPO share them as they are.
 - `completion_logps`: per-token log-probs (and, for metrics, entropies) of the completion tokens under a
   model, logits divided by the sampling temperature, as the policy gradient needs them.
 - `trl_prompts` / `trl_completions`: prompts and completions in the shapes TRL's reward functions take.
+- `VLLMColocateSampler`: the same `Generation` from vLLM in the training process (GPU only, not run here).
 - `score_completions`: the reward functions' `[N, F]` matrix and the weighted `[N]` reward.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,104 @@ def sample_completions(
         torch.manual_seed(seed)
         return generate(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_token_ids,
                         generation_kwargs=generation_kwargs, merge_lora=merge_lora)
+
+
+def generation_from_token_lists(tokenizer, prompt_ids: Sequence[Sequence[int]],
+                                completions: Sequence[Sequence[int]], stop_token_ids: Sequence[int]) -> Generation:
+    """A `Generation` from completions given as token lists (another engine's output, or fixed ones in tests).
+
+    Each completion is cut after its first stop token; the rest are right-padded with the pad id and masked.
+    A completion without a stop token is `truncated`.
+
+    Args:
+        tokenizer: gives the pad id and decodes the texts.
+        prompt_ids: token ids per row.
+        completions: new token ids per row.
+        stop_token_ids: ids that end a completion.
+    """
+    stops = set(int(t) for t in stop_token_ids)
+    rows = []
+    for ids in completions:
+        ids = [int(t) for t in ids]
+        end = next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))
+        rows.append(ids[:end])
+    pad_id = _pad_id(tokenizer)
+    width = max(1, max(len(r) for r in rows))
+    completion_ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
+    lengths = torch.tensor([len(r) for r in rows])
+    mask = (torch.arange(width) < lengths[:, None]).long()
+    truncated = torch.tensor([not r or r[-1] not in stops for r in rows])
+    prompts, prompt_mask = pad_prompts(prompt_ids, pad_id)
+    texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
+    return Generation(prompts, prompt_mask, completion_ids, mask, truncated, texts)
+
+
+def vllm_weight_items(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights of `model` under the names of the plain checkpoint, for `vLLM ... load_weights`.
+
+    Under PEFT, call it with the adapter merged (`merged_lora`): LoRA's own matrices are skipped, and
+    PEFT's prefix (`base_model.model.`) and the wrapped layers' `.base_layer` are removed, so
+    `base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight` becomes
+    `model.layers.0.self_attn.q_proj.weight`.
+    """
+    for name, param in model.named_parameters():
+        if "lora_" in name or ".original_module." in name:
+            continue
+        name = name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        yield name, param.detach()
+
+
+class VLLMColocateSampler:
+    """Sampling with vLLM in the training process (TRL's colocate mode); GPU only.
+
+    Written against vLLM's documented offline API (`LLM`, `SamplingParams`, `LLM.generate` with token-id
+    prompts, one `SamplingParams` per request) and the in-process weight loading TRL 1.16 uses
+    (`llm_engine.model_executor.driver_worker.model_runner.model.load_weights`). No GPU was available to
+    this project, so this class has not run; its pure parts (`vllm_weight_items`,
+    `generation_from_token_lists`) are tested on the CPU.
+
+    Args:
+        model_path: the policy's base model folder (vLLM loads it once; the trained weights are pushed
+            in by `sync_weights` before each generation round that follows an update).
+        gpu_memory_utilization: share of GPU memory vLLM may take.
+        max_model_len: longest prompt + completion (None: the model's own limit).
+        dtype: the training model's dtype, so vLLM samples from the same numbers.
+    """
+
+    def __init__(self, model_path: str, *, gpu_memory_utilization: float, max_model_len: Optional[int],
+                 dtype: torch.dtype) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                       dtype=str(dtype).removeprefix("torch."), distributed_executor_backend="external_launcher",
+                       seed=0)
+        self.synced_step: Optional[int] = None
+
+    def sync_weights(self, model) -> None:
+        """Load the policy's current weights (LoRA merged) into vLLM and drop its prefix cache."""
+        from ..model.generation import merged_lora
+
+        engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        with torch.no_grad(), merged_lora(model):
+            engine_model.load_weights(list(vllm_weight_items(model)))
+        self.llm.reset_prefix_cache()
+
+    def sample(self, tokenizer, prompt_ids: Sequence[Sequence[int]], *, stop_token_ids: Sequence[int],
+               generation_kwargs: dict[str, Any], seed: int) -> Generation:
+        """One completion per row; row i is sampled with seed `seed + i` (a shared seed would give every copy of
+        a prompt the same completion)."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(
+            n=1, temperature=generation_kwargs.get("temperature", 1.0), top_p=generation_kwargs.get("top_p", 1.0),
+            top_k=generation_kwargs.get("top_k") or -1,
+            repetition_penalty=generation_kwargs.get("repetition_penalty", 1.0),
+            max_tokens=generation_kwargs["max_new_tokens"], stop_token_ids=list(stop_token_ids), seed=seed + i,
+        ) for i in range(len(prompt_ids))]
+        outputs = self.llm.generate([{"prompt_token_ids": list(map(int, ids))} for ids in prompt_ids],
+                                    sampling_params=params, use_tqdm=False)
+        completions = [list(output.outputs[0].token_ids) for output in outputs]
+        return generation_from_token_lists(tokenizer, prompt_ids, completions, stop_token_ids)
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -186,5 +285,6 @@ def score_completions(
     return per_function, combine_rewards(per_function, reward_functions.weights)
 
 
-__all__ = ["rollout_seed", "sample_completions", "token_entropy", "completion_logps", "trl_prompts",
+__all__ = ["rollout_seed", "sample_completions", "generation_from_token_lists", "vllm_weight_items",
+           "VLLMColocateSampler", "token_entropy", "completion_logps", "trl_prompts",
            "trl_completions", "score_completions"]

@@ -150,9 +150,55 @@ def test_bench_end_to_end_on_tiny_model(tmp_path):
     # (templates may differ by a trailing newline token per sequence).
     sft = report["stages"]["sft"]["summary"]
     assert abs(sft["alignkit"]["tokens_per_step_mean"] - sft["trl_default"]["tokens_per_step_mean"]) <= 2 * 2
-    assert len(report["targets"]) == len(bench_run.TARGETS)
+    assert len(report["targets"]) == len([t for t in bench_run.TARGETS if t[0] in report["stages"]])
     markdown = (out_dir / "smoke.md").read_text()
     for text in ("| stage | run | step time (s)", "alignkit/trl_default", "GFLOP/s", "4N", "not measured",
                  report["machine"]["cpu"]):
         assert text in markdown
     assert markdown in proc.stdout
+
+
+def test_summarise_grpo_generation_split():
+    """Steps of 10, 10 and 12 s (warm-up 1) with generation calls of 5, 6 and 8 s generating 40, 50 and 60 tokens,
+    8 completions per step: measured steps 2-3 take 22 s → 16 / 22 = 0.727 completions/s; generation
+    (6 + 8) / 2 = 7 s/step, training 11 - 7 = 4 s/step; (50 + 60) / 22 = 5 generated tokens/s. A batch of raw
+    rows (no attention mask) leaves tokens/s uncounted."""
+    recorder = StepRecorder()
+    recorder.train_begin, recorder.step_ends = 0.0, [10.0, 20.0, 32.0]
+    recorder.batch_tokens = [None, None, None]
+    recorder.generation_s, recorder.generated_tokens = [5.0, 6.0, 8.0], [40, 50, 60]
+    out = summarise(recorder, [{"loss": 0.0}], warmup=1, completions_per_step=8)
+    assert out["completions_per_s"] == pytest.approx(16 / 22)
+    assert out["generation_s"] == pytest.approx(7.0) and out["training_s"] == pytest.approx(4.0)
+    assert out["generated_tokens_per_s"] == pytest.approx(5.0)
+    assert out["tokens_per_s"] is None
+
+
+def test_bench_grpo_end_to_end_on_tiny_model(tmp_path):
+    """GRPO, alignkit and TRL's default, 2 steps (1 timed): completions/s and the generation/training split."""
+    out_dir = tmp_path / "results"
+    cmd = [sys.executable, "-m", "bench", "--model", "tiny", "--stage", "grpo", "--reps", "1", "--steps", "2",
+           "--warmup", "1", "--batch", "4", "--num-generations", "2", "--max-completion-length", "8",
+           "--variants", "alignkit,trl_default", "--matmul-size", "256", "--matmul-seconds", "0.2",
+           "--output-dir", str(out_dir), "--name", "grpo", "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out_dir / "grpo.json").read_text())
+    assert report["settings"]["num_generations"] == 2 and report["settings"]["max_completion_length"] == 8
+    data = report["stages"]["grpo"]
+    for run in data["runs"]:
+        assert run["ok"], run.get("error")
+        assert run["steps"] == 2 and len(run["generation_s_per_step"]) == 2  # one generation per step
+        assert 0 < run["generation_s"] < run["step_time_s"]
+        assert run["training_s"] == pytest.approx(run["step_time_s"] - run["generation_s"])
+        assert run["completions_per_s"] == pytest.approx(4 / run["step_time_s"])
+        assert all(4 <= n <= 4 * 8 for n in run["generated_tokens_per_step"])
+        assert run["peak_rss_mb"] > 0 and math.isfinite(run["final_loss"])
+    ratio = data["ratios"]["alignkit/trl_default"]["completions_per_s"]
+    summary = data["summary"]
+    assert ratio == pytest.approx(summary["alignkit"]["completions_per_s"]["median"]
+                                  / summary["trl_default"]["completions_per_s"]["median"])
+    assert {t["target"] for t in report["targets"] if t["stage"] == "grpo"} >= {
+        "completions_per_s alignkit/trl_default >= 2.0", "peak_rss_mb alignkit/trl_default <= 1.0"}
+    markdown = (out_dir / "grpo.md").read_text()
+    assert "| run | step time (s) | completions/s | generation (s/step)" in markdown

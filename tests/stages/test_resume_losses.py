@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import TrainerCallback
 
 from alignkit.callbacks import read_log
 from alignkit.hparams import parse_config
@@ -26,21 +25,6 @@ from alignkit.train import run_train
 
 STEPS, CHECKPOINT_STEP, BATCH = 6, 3, 4
 COMPARED = ("loss", "grad_norm", "learning_rate")
-
-
-class _Crash(Exception):
-    """Stands for the process dying."""
-
-
-class _CrashBeforeStep(TrainerCallback):
-    """Raise when step `step` is about to start, i.e. after step `step - 1` has been logged and saved."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step + 1 == self.step:
-            raise _Crash(f"killed before step {self.step}")
 
 
 def _data(tmp_path: Path, stage: str) -> str:
@@ -76,13 +60,14 @@ def _logged(out: Path) -> dict[int, dict]:
 
 
 @pytest.mark.parametrize("stage", ["sft", "rm"])
-def test_resumed_run_logs_the_same_losses_and_saves_the_same_adapter(stage, tiny_model_dir, tmp_path):
+def test_resumed_run_logs_the_same_losses_and_saves_the_same_adapter(stage, tiny_model_dir, tmp_path,
+                                                                     crash_before_step):
     data = _data(tmp_path, stage)
     straight_out, resumed_out = tmp_path / "straight", tmp_path / "resumed"
     _run(_config(stage, tiny_model_dir, data, straight_out))
 
-    with pytest.raises(_Crash):
-        _run(_config(stage, tiny_model_dir, data, resumed_out), callbacks=[_CrashBeforeStep(CHECKPOINT_STEP + 1)])
+    with pytest.raises(Exception, match="killed before step"):
+        _run(_config(stage, tiny_model_dir, data, resumed_out), callbacks=[crash_before_step(CHECKPOINT_STEP + 1)])
     assert sorted(p.name for p in resumed_out.glob("checkpoint-*")) == [f"checkpoint-{CHECKPOINT_STEP}"]
     assert not (resumed_out / "adapter_model.safetensors").exists()  # the crash came before the final save
     assert sorted(_logged(resumed_out)) == list(range(1, CHECKPOINT_STEP + 1))

@@ -17,7 +17,14 @@ from alignkit.stages.grpo import (
     nan_std,
     resolve_generation_batch,
 )
-from alignkit.stages.rollout import rollout_seed, token_entropy, trl_completions, trl_prompts
+from alignkit.stages.rollout import (
+    generation_from_token_lists,
+    rollout_seed,
+    token_entropy,
+    trl_completions,
+    trl_prompts,
+    vllm_weight_items,
+)
 
 
 def test_nan_std_is_bessel_corrected_and_skips_nan():
@@ -178,3 +185,35 @@ def test_rollout_seed_and_trl_shapes():
     messages = [[{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]] * 2
     assert trl_prompts(messages, [True, False]) == [messages[0], "q"]
     assert trl_completions(["a", "b"], [True, False]) == [[{"role": "assistant", "content": "a"}], "b"]
+
+
+def test_generation_from_token_lists_cuts_at_the_stop_token(tiny_tokenizer):
+    """Rows [5, 6, 2, 7] (stop 2 at index 2) and [8, 9] (no stop): lengths 3 and 2, the second truncated."""
+    out = generation_from_token_lists(tiny_tokenizer, [[11, 12], [13]], [[5, 6, 2, 7], [8, 9]], [2])
+    assert out.completion_ids.tolist() == [[5, 6, 2], [8, 9, tiny_tokenizer.pad_token_id]]
+    assert out.completion_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert out.truncated.tolist() == [False, True]
+    assert out.prompt_mask.tolist() == [[1, 1], [0, 1]]  # prompts left-padded
+
+
+def test_vllm_weight_items_give_the_plain_checkpoint_names(tiny_model_dir):
+    """A LoRA policy's weights, merged, under the names (and values) of the plain model's checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from alignkit.model.generation import merged_lora
+    from alignkit.model.loader import load_model
+
+    config = parse_config({"model_name_or_path": tiny_model_dir, "lora_rank": 4})
+    policy = load_model(config.model, config.finetuning, is_trainable=True)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.01)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad(), merged_lora(policy):  # the items view the merged weights only inside the block
+        items = dict(vllm_weight_items(policy))
+        assert set(items) == {n for n, _ in plain.named_parameters()}
+        merged = items["model.layers.0.self_attn.q_proj.weight"]
+        layer = policy.get_base_model().model.layers[0].self_attn.q_proj
+        delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+        torch.testing.assert_close(merged, plain.model.layers[0].self_attn.q_proj.weight + delta)

@@ -44,14 +44,9 @@ def _perturb(model, adapter="default", seed=3):
 
 
 @pytest.fixture
-def reward_dir(tiny_model_dir, tmp_path, save_perturbed_adapter):
+def reward_dir(reward_adapter_dir):
     """An rm run's LoRA output (task_type SEQ_CLS, `score` in modules_to_save) with a trained-looking head."""
-    out = tmp_path / "rm"
-    trained = save_perturbed_adapter(tiny_model_dir, out, head="reward")
-    with torch.no_grad():
-        trained.base_model.model.score.modules_to_save["default"].weight.add_(1.0)
-    trained.save_pretrained(out)
-    return out
+    return reward_adapter_dir
 
 
 @pytest.fixture

@@ -13,7 +13,9 @@ import torch
 
 from alignkit.hparams import ConfigError
 from alignkit.rewards import (
+    RewardFunction,
     RewardFunctionArguments,
+    RewardFunctions,
     RewardFunctionError,
     build_reward_functions,
     combine_rewards,
@@ -58,6 +60,14 @@ MESSY = [
     ("Paris is the capital.", "16", 0.0),
     (r"\boxed{Paris}", "Paris", 1.0),  # a text answer compares as text
     ([{"role": "assistant", "content": "So 4 * 5 = 20."}], "20", 1.0),  # conversational shape
+    # Tails of the bundled SmolLM2-135M-Instruct's greedy answers to demo_math_eval prompts (all wrong).
+    ("Sara reads 10 more pages, so she reads 372 - 10 = 370 pages.\nTherefore, Sara has read 370 pages.\n"
+     "#### 370\nThe answer is: 370", "454", 0.0),
+    ("Sara reads 10 more pages, so she reads 372 - 10 = 370 pages.\n#### 370\nThe answer is: 370", "370", 1.0),
+    ("Now, we divide the total number of sweets by the number of friends: 55 / 11 = 4.\n\nSo, each friend gets 4 "
+     "sweets.", "4", 1.0),
+    ("Ravi shares 24 sweets, so each friend gets 24/3 = 9 sweets.", "9", 1.0),  # "= 9", not the fraction 24/3
+    ("So, Mei has 11 - 7 = 6 books left on the shelf.\n\nThe answer is 6.", "4", 0.0),
 ]
 
 
@@ -275,7 +285,7 @@ def test_a_file_that_fails_to_import_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("function,message", [
-    ("raises_on_bad", r"raises_on_bad raised ZeroDivisionError: .* on row 1 \(prompt 'q1', completion 'bad'"),
+    ("raises_on_bad", r"raises_on_bad raised ZeroDivisionError: .* on row 1 of 2 \(prompt 'q1', completion 'bad'"),
     ("too_few", "too_few returned 1 values for 2 completions"),
     ("returns_string", r"returns_string: row 1 got 'high', which is not a number.*Row 1: prompt 'q1', completion 'bad'"),
     ("returns_nan", r"returns_nan: row 1 got nan, which is not finite. Return a finite float, or None"),
@@ -292,3 +302,45 @@ def test_columns_reach_user_functions_and_lengths_are_checked(user_file):
         rewards(["q"], ["c"], {})  # the column the function needs is absent
     with pytest.raises(ValueError, match="column 'difficulty' has 1 values for 2"):
         rewards(["q", "q"], ["c", "c"], {"difficulty": [1]})
+
+
+def test_shared_keywords_reach_every_function_unsliced():
+    """TRL gives reward functions `trainer_state`; callers pass such values once, not per row."""
+    seen = []
+
+    def spy(prompts, completions, trainer_state=None, **kwargs):
+        seen.append((trainer_state, kwargs["answer"]))
+        return [1.0 / len(c) for c in completions]  # raises on an empty completion
+
+    rewards = RewardFunctions([RewardFunction("spy", "spy", spy)], [1.0])
+    state = {"global_step": 3}
+    rewards(["q0", "q1"], ["ab", "abcd"], {"answer": ["1", "2"]}, trainer_state=state)
+    assert seen == [(state, ["1", "2"])]
+    with pytest.raises(RewardFunctionError, match=r"spy raised ZeroDivisionError.*row 1 of 2.*answer='2'"):
+        rewards(["q0", "q1"], ["ab", ""], {"answer": ["1", "2"]}, trainer_state=state)
+    assert seen[-1] == (state, ["2"])  # the row-by-row search slices columns, never the shared state
+    with pytest.raises(ValueError, match="clash"):
+        rewards(["q"], ["a"], {"answer": ["1"]}, answer="x")
+
+
+def test_a_stage_arguments_class_can_subclass_the_reward_keys():
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class StageArguments(RewardFunctionArguments):
+        max_completion_length: int = field(default=16)
+
+    args = StageArguments(reward_funcs="accuracy,length", reward_weights=[1, 0.5])
+    assert args.reward_funcs == ["accuracy", "length"] and args.reward_weights == [1.0, 0.5]
+    rewards = build_reward_functions(args)  # L_max from the stage's max_completion_length: 16, W = 3
+    out = rewards(["q"], ["5"], {"answer": ["5"]}, completion_ids=[[1] * 14], truncated=[False])
+    assert out[0].tolist() == [1.0, pytest.approx(-1 / 3)]  # (16 - 3 - 14) / 3
+
+
+def test_reward_arguments_convert_command_line_strings():
+    from alignkit.evaluate import reward_arguments
+
+    args = reward_arguments(["accuracy", "length"], {"reward_weights": "1,0.5", "length_reward_window": "4",
+                                                     "length_reward_truncated": "-2"})
+    assert args.reward_weights == [1.0, 0.5] and args.length_reward_window == 4
+    assert args.length_reward_truncated == -2.0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM
 
 from alignkit.callbacks import read_log
 from alignkit.hparams import ConfigError, parse_config
@@ -162,19 +162,6 @@ def test_only_policy_and_critic_change(critic, tiny_model_dir, prompts_file, rew
     assert torch.equal(reward_head, reward_function.reward.head.weight)
 
 
-class _Crash(Exception):
-    pass
-
-
-class _CrashBeforeStep(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step + 1 == self.step:
-            raise _Crash
-
-
 COMPARED = ("loss", "reward/mean", "objective/kl", "objective/kl_coef", "ppo/loss/value", "val/mean",
             "learning_rate", "grad_norm")
 
@@ -183,7 +170,7 @@ def _logged(out):
     return {r["current_steps"]: {k: r.get(k) for k in COMPARED} for r in read_log(out) if "loss" in r}
 
 
-def test_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file, reward_dir, tmp_path):
+def test_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file, reward_dir, tmp_path, crash_before_step):
     """4 steps straight vs. stopped after checkpoint-2 and resumed: the same completions, rewards, losses, KL
     coefficient, adapter and value head."""
     def config(out):
@@ -192,8 +179,8 @@ def test_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file, reward_di
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train(config(straight))
-    with pytest.raises(_Crash):
-        run_train(config(resumed), callbacks=[_CrashBeforeStep(3)])
+    with pytest.raises(Exception, match="killed before step"):
+        run_train(config(resumed), callbacks=[crash_before_step(3)])
     assert sorted(p.name for p in resumed.glob("checkpoint-*")) == ["checkpoint-2"]
     assert (resumed / "checkpoint-2" / VALUE_HEAD_FILE).is_file()
     assert (resumed / "checkpoint-2" / "ppo_state.json").is_file()

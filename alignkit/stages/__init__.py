@@ -1,8 +1,8 @@
 """The training stages, registered here and nowhere else.
 
-Each stage is one module (`sft.py`, `rm.py`, `dpo.py`, `grpo.py`) holding its own keys (a dataclass), its pure loss
-functions, its Trainer subclass and its `run_<stage>(config, callbacks)`. This table is what the rest of
-alignkit reads: the config parser (which keys exist, what to check), the data layer (what kind of example
+Each stage is one module (`sft.py`, `rm.py`, `dpo.py`, `grpo.py`, `ppo.py`) holding its own keys (a dataclass),
+its pure loss functions, its Trainer subclass and its `run_<stage>(config, callbacks)`. This table is what the
+rest of alignkit reads: the config parser (which keys exist, what to check), the data layer (what kind of example
 the stage trains on) and `alignkit train` (what to run). Adding a stage means writing its module and one
 line here; the imports are explicit, so an error inside a stage module surfaces as itself.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import dpo, grpo, kto, rm, sft
+from . import dpo, grpo, kto, ppo, rm, sft
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ STAGES: dict[str, Stage] = {
     "dpo": Stage("dpo", "preference", dpo.run_dpo, arguments=dpo.DPOArguments, check=dpo.check_config),
     "kto": Stage("kto", "unpaired", kto.run_kto, arguments=kto.KTOArguments, check=kto.check_config),
     "grpo": Stage("grpo", "prompt", grpo.run_grpo, arguments=grpo.GRPOArguments, check=grpo.check_config),
+    "ppo": Stage("ppo", "prompt", ppo.run_ppo, arguments=ppo.PPOArguments, check=ppo.check_config),
 }
 
 __all__ = ["Stage", "STAGES"]

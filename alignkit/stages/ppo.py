@@ -1,0 +1,1079 @@
+"""PPO against a reward model, the classic RLHF third stage, with LoRA on one shared base model.
+
+The design is the original PPO-with-PEFT one (Ziegler et al. 2019's loop, as TRL 0.x and LLaMA-Factory's
+old PPO ran it): the policy is a LoRA adapter; its reference is the same base with that adapter disabled
+(an SFT adapter given as `adapter_name_or_path` is merged into the base when the model loads, so it belongs
+to the reference); the reward model is the rm stage's LoRA output loaded as a second, frozen, named adapter
+with its score head and switched in only to score; the critic is a value head on the policy's hidden states
+(or, `ppo_critic: adapter`, a third adapter with its own head). One copy of the base weights in memory serves
+every role.
+
+One PPO step, top to bottom (`PPOTrainer.train`):
+
+1. Rollout: take the next `per_device_train_batch_size x gradient_accumulation_steps x ppo_buffer_size`
+   prompts; sample one response each from the policy (temperature 1, no top-k/top-p: the log-probs and the
+   KL below are those of the distribution actually sampled), each cut to a length drawn from
+   `response_length_range` or stopping at the template's end of turn within `max_new_tokens`.
+2. Score: the reward model reads each prompt + response at its last token (and/or `reward_funcs`).
+3. Old log-probs and values of the policy, reference log-probs with the adapter disabled; per-token reward
+   `-kl_coef * (logp - ref_logp)` with the score added at the response's last token (`kl_penalty_rewards`).
+4. GAE over the response tokens (`gae_advantages`), advantages whitened.
+5. `ppo_epochs` passes over the rollout in shuffled batches of `per_device_train_batch_size x
+   gradient_accumulation_steps` rows (run `mini_batch_size` rows at a time): clipped policy loss + `vf_coef` x
+   clipped value loss, gradient clipping at `max_grad_norm`, one optimizer step per batch.
+6. The KL coefficient adapts to the rollout's KL (`AdaptiveKLController`), the scheduler steps once.
+
+What this simplifies, and why:
+- A Trainer "step" (`global_step`, `max_steps`, `save_steps`, `logging_steps`, the scheduler) is one PPO step
+  (one rollout and its `ppo_epochs` passes), as in LLaMA-Factory's PPO; the optimizer steps several times in
+  it. The loop is our own, but built from the Trainer's parts (optimizer, scheduler, `TrainerState`,
+  callbacks, `_save_checkpoint`, `log`), so the files every stage writes are written here too.
+- Prompts are drawn by a permutation seeded from `seed` and the epoch, responses are sampled under a seed of
+  their own per step (`rollout.rollout_seed`, shared with GRPO), response lengths and update batches are drawn
+  from `(seed, step)`: step k depends on k and the weights alone, so a resumed run needs no data skipping and
+  equals the uninterrupted one. Checkpoints add the KL coefficient and score statistics (`ppo_state.json`).
+- The policy's log-probs and the critic's values come from one decoder pass (`logps_from_hidden`); the
+  sequences are laid out contiguously (`pack_right`) so each token has its true position in the padded and the
+  padding-free forward alike.
+- Tested on one process (CPU); the loop does not wrap the model for DDP/DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..constants import IGNORE_INDEX
+from ..rewards import RewardFunctionArguments
+from .base import StageTrainer
+from .grpo import masked_mean  # one masked mean for both RL stages
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+
+    from ..hparams import Config
+
+logger = logging.getLogger(__name__)
+
+PPO_STATE_FILE = "ppo_state.json"
+COMPLETIONS_FILE = "completions.jsonl"
+CRITIC_ADAPTER = "critic"
+
+
+@dataclass
+class PPOArguments(RewardFunctionArguments):
+    """The keys of `stage: ppo` (plus the reward keys it shares with GRPO: `reward_funcs`, `reward_weights`,
+    `reward_model_type`, `log_completions`, ...).
+
+    Defaults are those of TRL 0.x's `PPOConfig` (the last TRL with this PPO) and LLaMA-Factory's PPO keys,
+    except where a help text says otherwise.
+    """
+
+    reward_model: Optional[str] = field(
+        default=None,
+        metadata={"help": "Reward model: an rm run's output_dir (LLaMA-Factory's key). Its score is added to any "
+                  "`reward_funcs` (weight 1). `reward_model_type` says how it is held: `lora` a second adapter "
+                  "on the policy's base, `full` on its own, `auto` (default) lora when it fits."},
+    )
+    ppo_critic: Literal["head", "adapter"] = field(
+        default="head",
+        metadata={"help": "`head` (default): a value head on the policy's hidden states (the original PPO-with-PEFT "
+                  "design); `adapter`: the critic gets its own LoRA adapter and head, both initialised from the "
+                  "LoRA reward model (InstructGPT style; one more decoder pass per update)."},
+    )
+    ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout (TRL 0.x and LLaMA-Factory: 4)."})
+    ppo_buffer_size: int = field(
+        default=1,
+        metadata={"help": "Rollout size in optimizer steps: a rollout holds per_device_train_batch_size x "
+                  "gradient_accumulation_steps x ppo_buffer_size prompts (LLaMA-Factory's key, default 1)."},
+    )
+    ppo_score_norm: bool = field(
+        default=False,
+        metadata={"help": "Normalise scores by the running mean and std of all scores so far (LLaMA-Factory's key)."},
+    )
+    ppo_whiten_rewards: bool = field(
+        default=False, metadata={"help": "Whiten the per-token rewards (scale only) before GAE (LLaMA-Factory's key)."}
+    )
+    ppo_target: float = field(
+        default=6.0, metadata={"help": "Target KL (nats per response) of the adaptive KL controller (TRL: 6)."}
+    )
+    init_kl_coef: float = field(
+        default=0.2, metadata={"help": "Initial (or, with adap_kl_ctrl false, fixed) KL coefficient (TRL: 0.2)."}
+    )
+    adap_kl_ctrl: bool = field(
+        default=True, metadata={"help": "Adapt the KL coefficient towards ppo_target (Ziegler et al.; TRL: true)."}
+    )
+    horizon: int = field(default=10000, metadata={"help": "Horizon of the adaptive KL controller (TRL: 10000)."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount over response tokens (TRL: 1)."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda (TRL: 0.95)."})
+    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range (TRL: 0.2)."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Value clip range (TRL: 0.2)."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss (TRL: 0.1)."})
+    mini_batch_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "Rows per forward/backward pass in the PPO update (default per_device_train_batch_size). "
+                  "One optimizer step covers per_device_train_batch_size x gradient_accumulation_steps rows; TRL "
+                  "0.x's default of 128 (with batch 128) is a GPU size, so it follows the batch here instead."},
+    )
+    whiten_advantages: bool = field(
+        default=True, metadata={"help": "Whiten the advantages over the rollout's response tokens (TRL: always)."}
+    )
+    response_length_range: Optional[list[int]] = field(
+        default=None,
+        metadata={"help": "`min,max` (both included): each response is cut to a length drawn uniformly from this "
+                  "range (the length sampler), or ends at its end of turn before. Unset (default): responses end at "
+                  "their end of turn or at max_new_tokens."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from ..hparams import ConfigError
+
+        if self.response_length_range is not None:
+            try:
+                self.response_length_range = [int(v) for v in self.response_length_range]
+            except (TypeError, ValueError):
+                raise ConfigError(f"response_length_range={self.response_length_range!r}: give two integers "
+                                  "`min,max`.") from None
+            if len(self.response_length_range) != 2 or not 1 <= self.response_length_range[0] \
+                    <= self.response_length_range[1]:
+                raise ConfigError(f"response_length_range={self.response_length_range}: give `min,max` with "
+                                  "1 <= min <= max (e.g. 16,64).")
+        for key in ("ppo_epochs", "ppo_buffer_size", "horizon"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}={getattr(self, key)} must be at least 1.")
+        if self.mini_batch_size is not None and self.mini_batch_size < 1:
+            raise ConfigError(f"mini_batch_size={self.mini_batch_size} must be at least 1.")
+        for key in ("ppo_target", "cliprange", "cliprange_value"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key}={getattr(self, key)} must be > 0.")
+        for key in ("init_kl_coef", "vf_coef"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}={getattr(self, key)} must be >= 0.")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise ConfigError(f"gamma={self.gamma} and lam={self.lam} must lie in [0, 1].")
+
+
+def check_config(config: "Config") -> None:
+    """What only PPO forbids, before the model loads."""
+    from ..hparams import ConfigError
+
+    m, t = config.method, config.training
+    if t.do_train and not m.reward_model and not m.reward_funcs:
+        raise ConfigError("stage ppo needs a reward: set `reward_model` (an rm run's output_dir) and/or "
+                          "`reward_funcs`.")
+    if m.ppo_critic == "adapter":
+        if config.finetuning.finetuning_type != "lora" or not m.reward_model or m.reward_model_type == "full":
+            raise ConfigError("ppo_critic=adapter initialises the critic from a LoRA reward model: it needs "
+                              "finetuning_type lora, `reward_model` set to an rm run's LoRA output and "
+                              "reward_model_type lora or auto. Use ppo_critic: head otherwise.")
+    if t.do_eval or t.do_predict:
+        raise ConfigError("stage ppo trains only: set do_eval and do_predict to false (score the trained policy "
+                          "with `alignkit score`).")
+    batch = t.per_device_train_batch_size * t.gradient_accumulation_steps
+    if m.mini_batch_size is not None and batch % m.mini_batch_size:
+        raise ConfigError(f"mini_batch_size={m.mini_batch_size} must divide per_device_train_batch_size x "
+                          f"gradient_accumulation_steps = {batch}.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure tensor functions
+# ---------------------------------------------------------------------------------------------------
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `values` over the masked positions, Bessel-corrected by default (as TRL 0.x's).
+
+    Example: values [2, 4, 6, 99], mask [1, 1, 1, 0]: mean 4, squared deviations 4, 0, 4;
+    biased 8 / 3, unbiased 8 / 2 = 4.
+
+    Raises:
+        ValueError: `unbiased` with fewer than two masked positions (the correction divides by n - 1).
+    """
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        if count < 2:
+            raise ValueError("whitening needs at least two response tokens in the rollout; raise the batch or "
+                             "the response lengths.")
+        variance = variance * count / (count - 1)
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Standardise `values` over the masked positions: `(x - mean) / sqrt(var + 1e-8)`, 0 where masked out.
+
+    Args:
+        values: [N, T] float.
+        mask: [N, T], 1 on response tokens.
+        shift_mean: False adds the mean back (scale only), as TRL 0.x whitened rewards.
+
+    Returns:
+        [N, T]. Example: values [2, 4, 6 | 99 masked]: mean 4, unbiased var 4 (std 2) -> [-1, 0, 1, 0];
+        with shift_mean=False -> [3, 4, 5, 0].
+    """
+    mean, variance = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask.to(values.dtype)
+
+
+def response_last_index(mask: torch.Tensor) -> torch.Tensor:
+    """[N] position of each row's last response token (mask [N, T]).
+
+    Raises:
+        ValueError: a row has no response token.
+    """
+    if not bool(mask.ne(0).any(dim=1).all()):
+        raise ValueError("every response needs at least one token (a row's response mask is all zero).")
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    return (positions * mask.ne(0).long()).argmax(dim=1)
+
+
+def kl_penalty_rewards(
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: the KL penalty at every response token, the score added at the last one.
+
+    `kl_t = logp_t - ref_logp_t` (the sampled token's log-ratio, an unbiased estimate of KL(policy || ref)),
+    `r_t = -kl_coef * kl_t`, and `r_last += score` (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022, eq. 2).
+
+    Args:
+        logps: [N, T] the policy's log-probs of the response tokens at rollout time.
+        ref_logps: [N, T] the reference's.
+        scores: [N] one score per response (reward model and/or reward functions).
+        mask: [N, T] 1 on response tokens; each row needs at least one.
+        kl_coef: the KL coefficient beta.
+
+    Returns:
+        `(rewards, kl)`, both [N, T] and 0 outside the mask.
+
+    Example: logps [-1, -2], ref_logps [-1.5, -1], score 3, beta 0.1: kl = [0.5, -1],
+    rewards = [-0.05, 0.1 + 3] = [-0.05, 3.1].
+    """
+    mask_f = mask.to(logps.dtype)
+    kl = (logps - ref_logps) * mask_f
+    rewards = -kl_coef * kl
+    last = response_last_index(mask)
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    rewards = rewards.index_put((rows, last), rewards[rows, last] + scores.to(rewards.dtype))
+    return rewards, kl
+
+
+def gae_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the response tokens (Schulman et al. 2016, eqs. 11-16).
+
+    `delta_t = r_t + gamma * V_{t+1} - V_t` and `A_t = delta_t + gamma * lam * A_{t+1}`, where `V_{t+1}` and
+    `A_{t+1}` count as 0 when position t + 1 is not a response token (after the last one: the episode ends).
+    Returns are `A_t + V_t`, the value targets.
+
+    Args:
+        rewards: [N, T] per-token rewards (`kl_penalty_rewards`).
+        values: [N, T] the critic's values at rollout time.
+        mask: [N, T] 1 on response tokens.
+        gamma: discount.
+        lam: GAE's lambda.
+
+    Returns:
+        `(advantages, returns)`, [N, T], 0 outside the mask.
+
+    Example (gamma 1, lam 0.5):
+        row 1: rewards [0, 0, 1], values [0.5, 0.5, 0.5], mask [1, 1, 1]:
+            t=2: delta = 1 + 0 - 0.5 = 0.5, A = 0.5
+            t=1: delta = 0 + 0.5 - 0.5 = 0, A = 0 + 0.5 * 0.5 = 0.25
+            t=0: delta = 0, A = 0.5 * 0.25 = 0.125; returns [0.625, 0.75, 1.0]
+        row 2: rewards [0, 2, 0], values [1, 0.5, 9], mask [1, 1, 0]:
+            t=2 masked: A = 0
+            t=1: delta = 2 + 0 - 0.5 = 1.5 (t=2 is past the end), A = 1.5
+            t=0: delta = 0 + 0.5 - 1 = -0.5, A = -0.5 + 0.5 * 1.5 = 0.25; returns [1.25, 2.0, 0]
+    """
+    mask_f = mask.to(values.dtype)
+    values = values * mask_f
+    length = rewards.shape[1]
+    advantages = torch.zeros_like(values)
+    next_advantage = torch.zeros_like(values[:, 0])
+    next_value = torch.zeros_like(values[:, 0])
+    for t in reversed(range(length)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = (delta + gamma * lam * next_advantage) * mask_f[:, t]
+        advantages[:, t] = advantage
+        # What position t - 1 sees as "next": this position's value and advantage, or 0 past the end.
+        next_value, next_advantage = values[:, t], advantage
+    returns = (advantages + values) * mask_f
+    return advantages, returns
+
+
+def clipped_policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate (Schulman et al. 2017, eq. 7), as a loss averaged over response tokens.
+
+    `ratio = exp(logp - old_logp)`, `loss = mean_t max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))`.
+
+    Args:
+        logps: [N, T] the policy's log-probs now (differentiable).
+        old_logps: [N, T] at rollout time.
+        advantages: [N, T].
+        mask: [N, T] 1 on response tokens.
+        cliprange: eps.
+
+    Returns:
+        `(loss, clipfrac, approxkl)`: the loss; the share of tokens where the clipped term was taken;
+        `0.5 * mean (logp - old_logp)^2`, the usual estimate of KL(old || new).
+
+    Example (eps 0.2): A [1, -1, 2], ratio [1.5, 0.5, 1]:
+        -A * ratio = [-1.5, 0.5, -2], -A * clip = [-1.2, 0.8, -2], max = [-1.2, 0.8, -2],
+        loss = (-1.2 + 0.8 - 2) / 3 = -0.8; clipped where the second is larger: 2 of 3;
+        approxkl = 0.5 * (ln(1.5)^2 + ln(0.5)^2 + 0) / 3 = 0.5 * (0.164402 + 0.480453) / 3 = 0.107476.
+    """
+    log_ratio = (logps - old_logps) * mask.to(logps.dtype)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    clipfrac = masked_mean((clipped > unclipped).to(logps.dtype), mask)
+    approxkl = 0.5 * masked_mean(log_ratio ** 2, mask)
+    return loss, clipfrac.detach(), approxkl.detach()
+
+
+def clipped_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipped value loss of OpenAI's PPO baselines (as in TRL 0.x), averaged over response tokens.
+
+    `v_clip = old_v + clip(v - old_v, -c, c)`, `loss = 0.5 * mean_t max((v - R)^2, (v_clip - R)^2)`.
+
+    Args:
+        values: [N, T] the critic now (differentiable).
+        old_values: [N, T] at rollout time.
+        returns: [N, T] targets (`gae_advantages`).
+        mask: [N, T] 1 on response tokens.
+        cliprange_value: c.
+
+    Returns:
+        `(loss, clipfrac)`: clipfrac is the share of tokens where the clipped error was the larger.
+
+    Example (c 0.2): v [1, 0], old [0.5, 0], R [2, 1]: v_clip = [0.7, 0], errors (v - R)^2 = [1, 1] and
+    (v_clip - R)^2 = [1.69, 1], max = [1.69, 1], loss = 0.5 * 2.69 / 2 = 0.6725, clipfrac 1 / 2 = 0.5.
+    """
+    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    unclipped_error = (values - returns) ** 2
+    clipped_error = (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask)
+    clipfrac = masked_mean((clipped_error > unclipped_error).to(values.dtype), mask)
+    return loss, clipfrac.detach()
+
+
+def truncate_to_lengths(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Cut each row's response mask to its first `lengths[i]` tokens.
+
+    Args:
+        mask: [N, T] response mask (1 up to and including the stop token).
+        lengths: [N] most tokens each response keeps.
+
+    Returns:
+        [N, T] same dtype. Example: mask [[1, 1, 1, 0], [1, 1, 1, 1]], lengths [2, 3] ->
+        [[1, 1, 0, 0], [1, 1, 1, 0]].
+    """
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    return mask * (positions.unsqueeze(0) < lengths.to(mask.device).unsqueeze(1)).to(mask.dtype)
+
+
+def sample_response_lengths(low: int, high: int, count: int, seed: int, step: int) -> torch.Tensor:
+    """The length sampler: `count` response lengths drawn uniformly from `[low, high]` (both included).
+
+    Seeded by `(seed, step)` alone (numpy's `SeedSequence`), so step k draws the same lengths in a resumed
+    run as in an uninterrupted one, without any state to save, and the global RNG is not touched.
+
+    Returns:
+        [count] long tensor.
+    """
+    if not 1 <= low <= high:
+        raise ValueError(f"response lengths [{low}, {high}]: need 1 <= low <= high.")
+    rng = np.random.default_rng([seed, step])
+    return torch.as_tensor(rng.integers(low, high + 1, size=count), dtype=torch.long)
+
+
+class FixedKLController:
+    """A constant KL coefficient (`adap_kl_ctrl: false`)."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Nothing changes."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController(FixedKLController):
+    """Ziegler et al. 2019's adaptive KL coefficient (section 2.2): steer the measured KL towards `target`.
+
+    After each rollout of `n_steps` samples with mean (per-response, summed over tokens) KL `kl`:
+    `err = clip(kl / target - 1, -0.2, 0.2)`, `kl_coef *= 1 + err * n_steps / horizon`.
+
+    Example (init 0.2, target 6, horizon 10000): kl 9, n_steps 256: err = clip(0.5) = 0.2,
+    coef = 0.2 * (1 + 0.2 * 256 / 10000) = 0.2 * 1.00512 = 0.201024; then kl 5.4: err = -0.1,
+    coef = 0.201024 * (1 - 0.1 * 256 / 10000) = 0.201024 * 0.99744 = 0.2005094.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
+        super().__init__(init_kl_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+class RunningMoments:
+    """Running mean and (Bessel-corrected) standard deviation of every score seen (`ppo_score_norm`).
+
+    Batches are merged with Chan et al.'s parallel formula, so the result equals the moments of all values
+    at once. Example: [1, 2, 3] -> mean 2, std 1; then [5] -> over 1, 2, 3, 5: mean 2.75, squared deviations
+    3.0625 + 0.5625 + 0.0625 + 5.0625 = 8.75, std sqrt(8.75 / 3) = 1.707825.
+    """
+
+    def __init__(self) -> None:
+        self.mean, self.m2, self.count = 0.0, 0.0, 0
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
+
+    def update(self, values: torch.Tensor) -> None:
+        values = values.detach().double().flatten()
+        n = values.numel()
+        if n == 0:
+            return
+        batch_mean = values.mean().item()
+        batch_m2 = ((values - batch_mean) ** 2).sum().item()
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += batch_m2 + delta ** 2 * self.count * n / total
+        self.count = total
+
+    def normalize(self, values: torch.Tensor) -> torch.Tensor:
+        """`(values - mean) / (std + 1e-8)` with the moments as they stand."""
+        return (values - self.mean) / (self.std + 1e-8)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "m2": self.m2, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.mean, self.m2, self.count = float(state["mean"]), float(state["m2"]), int(state["count"])
+
+
+def pack_right(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, response_mask: torch.Tensor,
+    pad_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lay each prompt + response out contiguously from column 0, right-padded, with the response labelled.
+
+    Generation leaves `[left-padded prompt | response + filler]`; here each row's real tokens move to the left
+    end (a stable sort of the mask keeps their order), so position ids 0, 1, ... are each token's true position
+    in the padded and the padding-free forward alike (`alignkit.model.generation.left_pad` is the mirror image).
+
+    Args:
+        prompt_ids, prompt_mask: [N, P] left-padded prompts.
+        completion_ids, response_mask: [N, C] responses; the mask is 1 on the response's tokens.
+        pad_token_id: written into the padding.
+
+    Returns:
+        `(input_ids, attention_mask, labels)`, each [N, P + C]; labels are the response tokens, -100 elsewhere.
+        Example: prompt [pad, 5, 6] (mask [0, 1, 1]), response [7, 8] (mask [1, 0]), pad 0 ->
+        input_ids [5, 6, 7, 0, 0], attention_mask [1, 1, 1, 0, 0], labels [-100, -100, 7, -100, -100].
+    """
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
+    labelled = torch.cat([torch.zeros_like(prompt_mask), response_mask.to(prompt_mask.dtype)], dim=1)
+    order = torch.sort(mask, dim=1, descending=True, stable=True).indices
+    mask = torch.gather(mask, 1, order)
+    ids = torch.gather(ids, 1, order).masked_fill(mask == 0, pad_token_id)
+    labels = ids.masked_fill(torch.gather(labelled, 1, order) == 0, IGNORE_INDEX)
+    return ids, mask, labels
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward passes of the policy, the reference and the critic
+# ---------------------------------------------------------------------------------------------------
+
+
+def logps_from_hidden(model: nn.Module, hidden: torch.Tensor, flat, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probs of the labelled tokens from the decoder's last hidden states, via the model's output layer.
+
+    Only the positions that predict a labelled token go through the output layer, as in
+    `alignkit.model.logprobs.forward_token_logps`; taking the hidden states (rather than calling the model)
+    lets the value head read the same decoder pass.
+
+    Args:
+        model: the causal LM (PEFT/DDP wrappers allowed) whose output layer applies.
+        hidden: [N, L, H] padded hidden states, or [1, T, H] flat ones with `flat` their `FlatBatch`.
+        flat: None, or the `FlatBatch` of `last_hidden_states`.
+        labels: [N, L], -100 where no log-prob is wanted.
+
+    Returns:
+        [N, L - 1] float32: column t holds `log p(labels[:, t + 1])`, 0 where unlabelled.
+    """
+    from ..model.logprobs import selective_log_softmax
+    from ..model.padding_free import unflatten_to_padded
+
+    if flat is not None:
+        hidden = unflatten_to_padded(hidden[0], flat.real)
+    targets = labels[:, 1:]
+    selected = targets != IGNORE_INDEX
+    head = getattr(model, "module", model).get_output_embeddings()
+    logits = head(hidden[:, :-1][selected])
+    kept = selective_log_softmax(logits, targets[selected])
+    return kept.new_zeros(targets.shape).masked_scatter(selected, kept)
+
+
+@dataclass
+class Rollout:
+    """One rollout, laid out by `pack_right`; per-token tensors are [N, L - 1], column t scoring token t + 1.
+
+    Attributes:
+        input_ids, attention_mask, labels: [N, L] the prompt + response sequences.
+        mask: [N, L - 1] float, 1 where column t scores a response token.
+        logps, ref_logps, values: at rollout time, of the policy, the reference and the critic.
+        advantages, returns: from GAE (advantages whitened when asked).
+        scores: [N] the combined score of each response (normalised with ppo_score_norm).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    mask: torch.Tensor
+    logps: torch.Tensor
+    ref_logps: torch.Tensor
+    values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    scores: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> "Rollout":
+        return Rollout(**{name: getattr(self, name)[index] for name in self.__dataclass_fields__})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------
+
+
+class PPOTrainer(StageTrainer):
+    """PPO's loop on the Trainer's optimizer, scheduler, state, callbacks, checkpoints and logging.
+
+    Args:
+        ppo_args: the stage's `PPOArguments`.
+        reward_functions: `alignkit.rewards.RewardFunctions` (reward model and/or functions), or None when
+            the run does not train.
+        formatter: the run's `ChatFormatter` (stop tokens).
+        value_head: the critic's head, attached to the policy (`attach_value_head`).
+        max_new_tokens: most response tokens when no `response_length_range` is set.
+        *args, **kwargs: as for `transformers.Trainer` (`train_dataset`: prompt rows).
+    """
+
+    def __init__(self, *args, ppo_args: PPOArguments, reward_functions, formatter, value_head,
+                 max_new_tokens: int, **kwargs) -> None:
+        # A full/freeze policy needs a frozen copy as its reference (under LoRA the adapter is disabled instead).
+        kwargs.setdefault("keep_reference_copy", True)
+        super().__init__(*args, **kwargs)
+        self.ppo_args = ppo_args
+        self.reward_functions = reward_functions
+        self.formatter = formatter
+        self.value_head = value_head
+        self.stop_token_ids = formatter.stop_token_ids()
+        low_high = ppo_args.response_length_range
+        self.max_response_tokens = low_high[1] if low_high else max_new_tokens
+        self.kl_ctl = (AdaptiveKLController(ppo_args.init_kl_coef, ppo_args.ppo_target, ppo_args.horizon)
+                       if ppo_args.adap_kl_ctrl else FixedKLController(ppo_args.init_kl_coef))
+        self.score_moments = RunningMoments()
+        t = self.args
+        self.backward_batch_size = t.per_device_train_batch_size * t.gradient_accumulation_steps
+        self.rollout_size = self.backward_batch_size * ppo_args.ppo_buffer_size
+        self.mini_batch_size = ppo_args.mini_batch_size or t.per_device_train_batch_size
+
+    # ---- data ----
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.train_dataset) // self.rollout_size
+
+    def rollout_rows(self, step: int) -> dict[str, list]:
+        """The prompt rows of PPO step `step`: slice `step` of its epoch's permutation, seeded by (seed, epoch)."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        order = np.random.default_rng([seed, epoch]).permutation(len(self.train_dataset))
+        chosen = order[index * self.rollout_size:(index + 1) * self.rollout_size]
+        return self.train_dataset.select(chosen.tolist()).to_dict()
+
+    # ---- forward passes ----
+
+    def _critic_values(self, batch: Rollout | dict, grad: bool) -> torch.Tensor:
+        """[N, L - 1] values of the critic adapter + head, aligned with the log-prob columns."""
+        from ..model.adapters import use_adapter
+        from ..model.heads import token_values
+
+        with use_adapter(self.model, CRITIC_ADAPTER):
+            if grad:
+                for name, param in self.model.named_parameters():
+                    if f".{CRITIC_ADAPTER}." in name:
+                        param.requires_grad_(True)
+            values = token_values(self.model, self.value_head, batch["input_ids"], batch["attention_mask"],
+                                  padding_free=self.args.padding_free)
+        return values[:, :-1]
+
+    def policy_outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                       with_values: bool = True, grad: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Log-probs of the labelled tokens and, with `with_values`, the critic's values, both [N, L - 1].
+
+        Critic `head`: one decoder pass feeds both the output layer and the value head.
+        Critic `adapter`: a second pass with the critic adapter switched in.
+        """
+        from ..model.heads import last_hidden_states, values_from_hidden
+
+        hidden, flat = last_hidden_states(self.model, input_ids, attention_mask, padding_free=self.args.padding_free)
+        logps = logps_from_hidden(self.model, hidden, flat, labels)
+        if not with_values:
+            return logps, None
+        if self.ppo_args.ppo_critic == "head":
+            values = values_from_hidden(self.value_head, hidden, attention_mask, flat)[:, :-1]
+        else:
+            values = self._critic_values({"input_ids": input_ids, "attention_mask": attention_mask}, grad)
+        return logps, values
+
+    # ---- one PPO step ----
+
+    def make_rollout(self, step: int) -> tuple[Rollout, dict[str, Any], list[dict[str, Any]]]:
+        """Generate, score and evaluate one rollout; returns it, its metrics and its completion records."""
+        from ..data.collator import _pad_id
+        from ..model.heads import last_hidden_states
+        from .rollout import rollout_seed, sample_completions, score_completions, trl_completions, trl_prompts
+
+        rows = self.rollout_rows(step)
+        start = time.perf_counter()
+        generation = sample_completions(
+            self.model, self.processing_class, rows["input_ids"], stop_token_ids=self.stop_token_ids,
+            # The policy's own distribution: the log-probs, ratios and KL below are those of what was sampled.
+            generation_kwargs={"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                               "max_new_tokens": self.max_response_tokens},
+            seed=rollout_seed(self.args.seed, step))
+        response_mask = generation.completion_mask
+        if self.ppo_args.response_length_range is not None:
+            low, high = self.ppo_args.response_length_range
+            lengths = sample_response_lengths(low, high, response_mask.shape[0], self.args.seed, step)
+            response_mask = truncate_to_lengths(response_mask, lengths)
+        generation_time = time.perf_counter() - start
+
+        start = time.perf_counter()
+        response_ids = [row[m.bool()].tolist() for row, m in zip(generation.completion_ids.cpu(), response_mask.cpu())]
+        texts = self.processing_class.batch_decode(response_ids, skip_special_tokens=True)
+        conversational = rows.get("prompt_conversational", [True] * len(texts))
+        prompts = trl_prompts(rows["prompt_messages"], conversational)
+        columns = {k: v for k, v in rows.items()
+                   if k not in ("input_ids", "attention_mask", "prompt_messages", "prompt_conversational")}
+        truncated = [not any(t in self.stop_token_ids for t in ids) for ids in response_ids]
+        per_function, raw_scores = score_completions(self.reward_functions, prompts,
+                                                     trl_completions(texts, conversational), columns,
+                                                     completion_ids=response_ids, truncated=truncated)
+        if torch.isnan(raw_scores).any():
+            bad = int(torch.isnan(raw_scores).nonzero()[0])
+            raise ValueError(f"PPO step {step + 1}: every reward function returned None for completion {bad} "
+                             f"({texts[bad][:80]!r}); PPO needs a score for every response.")
+
+        device = self.args.device
+        input_ids, attention_mask, labels = pack_right(
+            generation.prompt_ids.to(device), generation.prompt_mask.to(device), generation.completion_ids.to(device),
+            response_mask.to(device), _pad_id(self.processing_class))
+        mask = (labels[:, 1:] != IGNORE_INDEX).float()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                logps, values = self.policy_outputs(input_ids, attention_mask, labels, grad=False)
+            with self.reference() as reference_model:
+                hidden, flat = last_hidden_states(reference_model, input_ids, attention_mask,
+                                                  padding_free=self.args.padding_free)
+                ref_logps = logps_from_hidden(reference_model, hidden, flat, labels)
+        finally:
+            self.model.train(was_training)
+
+        scores = raw_scores.to(device)
+        if self.ppo_args.ppo_score_norm:
+            self.score_moments.update(scores)
+            scores = self.score_moments.normalize(scores).float()
+        kl_coef = self.kl_ctl.value
+        rewards, kl = kl_penalty_rewards(logps, ref_logps, scores, mask, kl_coef)
+        if self.ppo_args.ppo_whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False)
+        advantages, returns = gae_advantages(rewards, values * mask, mask, self.ppo_args.gamma, self.ppo_args.lam)
+        if self.ppo_args.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+        rollout = Rollout(input_ids, attention_mask, labels, mask, logps, ref_logps, values * mask, advantages,
+                          returns, scores)
+        lengths = mask.sum(dim=1)
+        metrics = {
+            "objective/kl": kl.sum(dim=1).mean().item(),
+            "objective/kl_coef": kl_coef,
+            # TRL 0.x's estimate: the sampled tokens' negative log-probs summed over each response.
+            "objective/entropy": (-logps * mask).sum(dim=1).mean().item(),
+            "reward/mean": raw_scores.mean().item(),
+            "reward/std": raw_scores.std().item() if raw_scores.numel() > 1 else 0.0,
+            "response_length/mean": lengths.mean().item(),
+            "response_length/min": lengths.min().item(),
+            "response_length/max": lengths.max().item(),
+            "time/generation": generation_time,
+        }
+        for name, column in zip(self.reward_functions.names, per_function.T):
+            metrics[f"rewards/{name}/mean"] = torch.nanmean(column).item()
+        records = [{"step": step + 1, "prompt": prompt, "completion": text, "reward": raw.item(),
+                    **{name: (None if math.isnan(v) else v) for name, v in zip(self.reward_functions.names, row)}}
+                   for prompt, text, raw, row in zip(prompts, texts, raw_scores, per_function.tolist())]
+        self.state.num_input_tokens_seen += int(attention_mask.sum().item())
+        # Scoring plus the rollout's policy, critic and reference passes.
+        metrics["time/scoring"] = time.perf_counter() - start
+        return rollout, metrics, records
+
+    def ppo_update(self, rollout: Rollout, step: int) -> dict[str, float]:
+        """`ppo_epochs` passes over the rollout in shuffled mini-batches; one optimizer step per backward batch."""
+        a = self.ppo_args
+        sums: dict[str, float] = {}
+        updates = 0
+        grad_norm = None
+        self.model.train()
+        size = rollout.input_ids.shape[0]
+        for epoch in range(a.ppo_epochs):
+            order = torch.as_tensor(np.random.default_rng([self.args.seed, step, epoch]).permutation(size))
+            for start in range(0, size, self.backward_batch_size):
+                batch_index = order[start:start + self.backward_batch_size]
+                # Token-weighted: each micro-batch's token mean counts by its share of the backward batch's tokens,
+                # so the update is the token mean over the backward batch whatever mini_batch_size is.
+                batch_tokens = rollout.mask[batch_index].sum().clamp(min=1)
+                stats = {k: 0.0 for k in ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "policy/clipfrac",
+                                          "policy/approxkl", "val/clipfrac", "val/mean")}
+                for micro_start in range(0, len(batch_index), self.mini_batch_size):
+                    micro = rollout.rows(batch_index[micro_start:micro_start + self.mini_batch_size])
+                    share = micro.mask.sum() / batch_tokens
+                    logps, values = self.policy_outputs(micro.input_ids, micro.attention_mask, micro.labels)
+                    policy_loss, policy_clipfrac, approxkl = clipped_policy_loss(
+                        logps, micro.logps, micro.advantages, micro.mask, a.cliprange)
+                    value_loss, value_clipfrac = clipped_value_loss(values, micro.values, micro.returns, micro.mask,
+                                                                    a.cliprange_value)
+                    loss = policy_loss + a.vf_coef * value_loss
+                    self.accelerator.backward(loss * share)
+                    for key, value in (("ppo/loss/policy", policy_loss), ("ppo/loss/value", value_loss),
+                                       ("ppo/loss/total", loss), ("policy/clipfrac", policy_clipfrac),
+                                       ("policy/approxkl", approxkl), ("val/clipfrac", value_clipfrac),
+                                       ("val/mean", masked_mean(values.detach(), micro.mask))):
+                        stats[key] += value.detach().item() * share.item()
+                if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
+                    grad_norm = self.accelerator.clip_grad_norm_(
+                        [p for p in self.model.parameters() if p.requires_grad], self.args.max_grad_norm)
+                self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+                self.optimizer.step()
+                self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
+                self.optimizer.zero_grad(set_to_none=True)
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                updates += 1
+        out = {key: value / updates for key, value in sums.items()}
+        if grad_norm is not None:
+            out["grad_norm"] = float(grad_norm)
+        return out
+
+    # ---- the loop ----
+
+    def train(self, resume_from_checkpoint: Optional[str | bool] = None, trial=None, **kwargs):
+        """Run PPO steps until `max_steps` (or `num_train_epochs` passes over the prompts); see the module doc."""
+        from transformers.trainer_callback import ExportableState, TrainerState
+        from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_metrics
+
+        from ..hparams import ConfigError
+
+        args = self.args
+        self.is_in_train = True
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(args.output_dir)
+        if self.steps_per_epoch < 1:
+            raise ConfigError(f"the training set has {len(self.train_dataset)} prompts, fewer than one rollout of "
+                              f"{self.rollout_size} (per_device_train_batch_size x gradient_accumulation_steps x "
+                              "ppo_buffer_size); lower those or give more prompts.")
+        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * self.steps_per_epoch)
+        self.state = TrainerState(stateful_callbacks=[
+            cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)])
+        self.state.train_batch_size = self.rollout_size
+        self.state.compute_steps(args, max_steps)
+        self.create_optimizer()
+        self.model_wrapped = self.model
+        self.create_scheduler(num_training_steps=max_steps, optimizer=self.optimizer)
+        if resume_from_checkpoint:
+            self._resume(resume_from_checkpoint)
+        self.state.init_training_references(self, max_steps, math.ceil(max_steps / self.steps_per_epoch), trial)
+        self.state.max_steps = max_steps
+        self._initial_num_input_tokens_seen = self.state.num_input_tokens_seen
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        start_time, first_step = time.time(), self.state.global_step
+        total_loss, loss_since_log, steps_since_log = 0.0, 0.0, 0
+        self.model.train()
+        while self.state.global_step < max_steps:
+            step = self.state.global_step
+            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            rollout, metrics, records = self.make_rollout(step)
+            start = time.perf_counter()
+            stats = self.ppo_update(rollout, step)
+            metrics["time/training"] = time.perf_counter() - start
+            self.kl_ctl.update(metrics["objective/kl"], self.rollout_size)
+            self.lr_scheduler.step()
+            if self.ppo_args.log_completions and self.is_world_process_zero():
+                _append_jsonl(Path(args.output_dir) / COMPLETIONS_FILE, records)
+            grad_norm = stats.pop("grad_norm", None)
+            self.record_metrics({**metrics, **stats}, self.rollout_size)
+            total_loss += stats["ppo/loss/total"]
+            loss_since_log += stats["ppo/loss/total"]
+            steps_since_log += 1
+            self.state.global_step += 1
+            self.state.epoch = self.state.global_step / self.steps_per_epoch
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if self.control.should_log or self.state.global_step >= max_steps:
+                logs = {"loss": loss_since_log / steps_since_log, "learning_rate": self._get_learning_rate()}
+                if grad_norm is not None:
+                    logs["grad_norm"] = grad_norm
+                self.log(logs, start_time)
+                loss_since_log, steps_since_log = 0.0, 0
+            if self.control.should_save:
+                self._save_checkpoint(self.model, trial)
+                self.control = self.callback_handler.on_save(args, self.state, self.control)
+            if self.control.should_training_stop:
+                break
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        done = self.state.global_step - first_step
+        metrics = speed_metrics("train", start_time, num_samples=done * self.rollout_size, num_steps=done)
+        metrics["train_loss"] = total_loss / max(done, 1)
+        metrics["total_flos"] = self.state.total_flos
+        self.is_in_train = False
+        self.log(metrics)
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    # ---- saving and resuming ----
+
+    def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
+        """The policy as a plain PEFT adapter (only it: not the reward or critic adapter), the value head beside
+        it (`value_head.safetensors`), and the critic adapter in `critic/` with `ppo_critic: adapter`."""
+        from ..model.adapters import POLICY_ADAPTER
+        from ..model.heads import save_value_head
+        from .base import is_peft_model
+
+        output_dir = output_dir or self.args.output_dir
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if is_peft_model(self.model):
+            self.model.save_pretrained(output_dir, selected_adapters=[POLICY_ADAPTER])
+            if self.ppo_args.ppo_critic == "adapter":
+                self.model.save_pretrained(output_dir, selected_adapters=[CRITIC_ADAPTER])
+        else:
+            # A full/freeze policy: its weights without the attached value head (saved on its own below).
+            state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("v_head.")}
+            self.model.save_pretrained(output_dir, state_dict=state)
+        save_value_head(self.value_head, output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint plus `ppo_state.json` (KL coefficient, score moments), written first so that a
+        checkpoint with a `trainer_state.json` always has it."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.should_save:
+            folder.mkdir(parents=True, exist_ok=True)
+            state = {"kl_ctl": self.kl_ctl.state_dict(), "score_moments": self.score_moments.state_dict()}
+            (folder / PPO_STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
+        super()._save_checkpoint(model, trial)
+
+    def _resume(self, checkpoint: str) -> None:
+        """Everything a checkpoint holds back in place: adapter(s), value head, optimizer, scheduler, RNG,
+        Trainer state and PPO state. Weights are copied into the existing tensors, which the optimizer holds."""
+        from peft.utils import load_peft_weights, set_peft_model_state_dict
+        from transformers.trainer_callback import TrainerState
+
+        from ..model.adapters import POLICY_ADAPTER
+        from ..model.heads import load_value_head
+        from .base import is_peft_model
+
+        if is_peft_model(self.model):
+            set_peft_model_state_dict(self.model, load_peft_weights(checkpoint), adapter_name=POLICY_ADAPTER)
+            if self.ppo_args.ppo_critic == "adapter":
+                set_peft_model_state_dict(self.model, load_peft_weights(os.path.join(checkpoint, CRITIC_ADAPTER)),
+                                          adapter_name=CRITIC_ADAPTER)
+        else:
+            self._load_from_checkpoint(checkpoint)
+        with torch.no_grad():
+            loaded = load_value_head(checkpoint, self.value_head.hidden_size)
+            self.value_head.weight.copy_(loaded.weight)
+            self.value_head.bias.copy_(loaded.bias)
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+        self._load_callback_state()
+        self._load_optimizer_and_scheduler(checkpoint)
+        self._load_rng_state(checkpoint)
+        state = json.loads((Path(checkpoint) / PPO_STATE_FILE).read_text(encoding="utf-8"))
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.score_moments.load_state_dict(state["score_moments"])
+        logger.info("Resumed PPO from %s at step %d (kl_coef %.6g).", checkpoint, self.state.global_step,
+                    self.kl_ctl.value)
+
+
+def _append_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage entry point
+# ---------------------------------------------------------------------------------------------------
+
+
+def build_critic(model: nn.Module, ppo_args: PPOArguments, config_dir: Optional[str] = None):
+    """The critic's value head, attached to the policy; with `ppo_critic: adapter` also its own LoRA adapter.
+
+    `adapter`: the reward model's LoRA weights are loaded a second time as the trainable adapter `critic`, and the
+    value head starts from its score head (the critic starts out predicting the reward model's score).
+
+    Returns:
+        The `ValueHead` (float32, trainable).
+    """
+    from ..model.adapters import load_reward_adapter
+    from ..model.heads import ValueHead, attach_value_head
+    from ..rewards.model import resolve_reward_model_dir
+
+    if ppo_args.ppo_critic == "head":
+        return attach_value_head(model)
+    reward_dir = resolve_reward_model_dir(ppo_args.reward_model, config_dir)
+    critic = load_reward_adapter(model, reward_dir, name=CRITIC_ADAPTER)
+    for name, param in model.named_parameters():
+        if f".{CRITIC_ADAPTER}." in name:
+            param.requires_grad_(True)
+    head = ValueHead(critic.head.in_features)
+    with torch.no_grad():
+        head.weight.copy_(critic.head.weight.float())
+        if critic.head.bias is not None:
+            head.bias.copy_(critic.head.bias.float())
+    return attach_value_head(model, head)
+
+
+def reward_arguments(ppo_args: PPOArguments) -> PPOArguments:
+    """`ppo_args` with `reward_model` put first in `reward_funcs` (weight 1), so one `RewardFunctions` scores."""
+    import dataclasses
+
+    if not ppo_args.reward_model:
+        return ppo_args
+    weights = None
+    if ppo_args.reward_weights is not None:
+        weights = [1.0] + list(ppo_args.reward_weights)
+    return dataclasses.replace(ppo_args, reward_funcs=[ppo_args.reward_model] + list(ppo_args.reward_funcs),
+                               reward_weights=weights)
+
+
+def build_ppo_trainer(config: "Config", callbacks: list["TrainerCallback"]) -> PPOTrainer:
+    """Load the tokenizer, prompts, policy, critic and rewards, and build the `PPOTrainer` (`run_ppo` trains it)."""
+    from ..data import get_dataset
+    from ..data.template import ChatFormatter
+    from ..model.loader import load_model, load_tokenizer
+    from ..rewards import build_reward_functions
+    from .base import check_splits
+
+    tokenizer = load_tokenizer(config.model)
+    datasets = get_dataset(config, tokenizer, "ppo")
+    check_splits(config, datasets)
+    model = load_model(config.model, config.finetuning, is_trainable=True)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    formatter = ChatFormatter(tokenizer, config.data.template)
+    config_dir = str(Path(config.source).parent) if config.source else None
+    ppo_args = config.method
+    # The critic before the reward model: its adapter is a second load of the same rm output.
+    value_head = build_critic(model, ppo_args, config_dir)
+    reward_functions = build_reward_functions(reward_arguments(ppo_args), model=model, formatter=formatter,
+                                              model_args=config.model, config_dir=config_dir,
+                                              max_completion_length=config.generating.max_new_tokens)
+    return PPOTrainer(
+        model=model,
+        args=config.training,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        train_dataset=datasets.get("train_dataset"),
+        ppo_args=ppo_args,
+        reward_functions=reward_functions,
+        formatter=formatter,
+        value_head=value_head,
+        max_new_tokens=config.generating.max_new_tokens,
+    )
+
+
+def run_ppo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
+    """Train a policy with PPO as `config` says; the policy adapter and value head go to `output_dir`."""
+    from .base import run_stage_trainer
+
+    run_stage_trainer(build_ppo_trainer(config, callbacks), config)
+
+
+__all__ = [
+    "PPOArguments",
+    "check_config",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "response_last_index",
+    "kl_penalty_rewards",
+    "gae_advantages",
+    "clipped_policy_loss",
+    "clipped_value_loss",
+    "truncate_to_lengths",
+    "sample_response_lengths",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "RunningMoments",
+    "pack_right",
+    "logps_from_hidden",
+    "Rollout",
+    "PPOTrainer",
+    "build_critic",
+    "reward_arguments",
+    "build_ppo_trainer",
+    "run_ppo",
+]

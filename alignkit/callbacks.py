@@ -224,7 +224,7 @@ def plot_loss(output_dir: str | os.PathLike, keys: list[str] | None = None) -> l
     Keys default to every logged metric; `/` in a metric name becomes `_` in the file name. Run summaries
     (`is_run_summary`) are not curve points: after a resume each run's average `train_loss` would otherwise
     draw a line between runs. A step logged twice counts once (its last value), and a series with fewer than
-    two steps is skipped with a log line, since one point makes empty axes.
+    two steps is skipped (one log line names them all), since one point makes empty axes.
     """
     import matplotlib
 
@@ -240,11 +240,11 @@ def plot_loss(output_dir: str | os.PathLike, keys: list[str] | None = None) -> l
 
     if keys is None:
         keys = sorted({k for r in records for k, v in r.items() if is_metric(k) and isinstance(v, (int, float))})
-    written = []
+    written, too_short = [], []
     for key in keys:
         by_step = {r["current_steps"]: r[key] for r in records if isinstance(r.get(key), (int, float))}
         if len(by_step) < 2:
-            logger.info("plot_loss: no plot of %s, logged at %d step(s); a curve needs 2.", key, len(by_step))
+            too_short.append(key)
             continue
         steps, values = zip(*sorted(by_step.items()))
         plt.figure()
@@ -259,4 +259,6 @@ def plot_loss(output_dir: str | os.PathLike, keys: list[str] | None = None) -> l
         plt.savefig(path, format="png", dpi=100)
         plt.close()
         written.append(path)
+    if too_short:
+        logger.info("plot_loss: no plot of %s: logged at fewer than 2 steps, and a curve needs 2.", ", ".join(too_short))
     return written

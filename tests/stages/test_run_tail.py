@@ -84,5 +84,6 @@ def test_plots_after_a_resume_draw_no_run_summaries_and_no_single_points(tiny_mo
     assert (out / "training_loss.png").is_file()
     assert not (out / "training_train_loss.png").exists()
     assert not (out / "training_eval_loss.png").exists()
-    assert "plot_loss: no plot of eval_loss, logged at 1 step(s); a curve needs 2." in caplog.messages
+    assert "plot_loss: no plot of eval_accuracy, eval_loss: logged at fewer than 2 steps, and a curve needs 2." \
+        in caplog.messages
 

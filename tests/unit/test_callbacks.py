@@ -74,4 +74,4 @@ def test_plot_loss_skips_run_summaries_and_series_of_one_step(tmp_path, caplog):
     assert [p.name for p in written] == ["training_loss.png"]
     assert not (tmp_path / "training_train_loss.png").exists() and not (tmp_path / "training_eval_loss.png").exists()
     assert [r.getMessage() for r in caplog.records] == [
-        "plot_loss: no plot of eval_loss, logged at 1 step(s); a curve needs 2."]
+        "plot_loss: no plot of eval_loss: logged at fewer than 2 steps, and a curve needs 2."]

@@ -200,6 +200,8 @@ def test_warmup_ratio_becomes_warmup_steps_said_once(caplog):
     said = [r.getMessage() for r in caplog.records if "warmup_ratio" in r.getMessage()]
     assert said == ["warmup_ratio=0.1 is read as warmup_steps=0.1 (transformers 5 takes a warmup_steps below 1 "
                     "as a share of the training steps)."]
+    # `warmup_ratio: null` (a template's placeholder) is not a second warm-up key.
+    assert parse_config({"warmup_ratio": None, "warmup_steps": 3}).training.warmup_steps == 3
 
 
 @pytest.mark.parametrize("values, pattern", [

@@ -200,12 +200,19 @@ def save_pair_predictions(output_dir: str | os.PathLike, predictions: np.ndarray
     return path
 
 
+def split_prompt_reply(ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+    """A tokenised example's prompt and reply ids: the prompt is the leading run of labels equal to -100.
+
+    Example: ids [5, 6, 7, 8], labels [-100, -100, 7, 8] → ([5, 6], [7, 8]).
+    """
+    prompt_len = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+    return list(ids[:prompt_len]), list(ids[prompt_len:])
+
+
 def _pair_texts(tokenizer: Any, example: dict[str, list[int]]) -> dict[str, str]:
     """`prompt`, `chosen_response`, `rejected_response` of one tokenised pair (the prompt is where labels are -100)."""
     def split(name: str) -> tuple[list[int], list[int]]:
-        ids, labels = example[f"{name}_input_ids"], example[f"{name}_labels"]
-        prompt_len = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
-        return ids[:prompt_len], ids[prompt_len:]
+        return split_prompt_reply(example[f"{name}_input_ids"], example[f"{name}_labels"])
 
     prompt_ids, chosen_ids = split("chosen")
     _, rejected_ids = split("rejected")
@@ -304,6 +311,6 @@ def run_stage_trainer(
             logger.info("Wrote predictions to %s", path)
 
 
-__all__ = ["StageTrainer", "is_peft_model", "weighted_means", "save_pair_predictions", "check_splits",
+__all__ = ["StageTrainer", "split_prompt_reply", "is_peft_model", "weighted_means", "save_pair_predictions", "check_splits",
            "final_step_eval_metrics", "run_stage_trainer",
            "PREDICTIONS_FILE"]

@@ -345,13 +345,29 @@ def _warn_if_unbalanced(desirable: list[bool], desirable_weight: float, undesira
 # ---------------------------------------------------------------------------------------------------
 
 
-def save_unpaired_predictions(output_dir: str, rewards: Any, desirable: Any) -> Path:
-    """Write `generated_predictions.jsonl`: one `{"reward": r, "desirable": bool}` per example, in dataset order."""
+def save_unpaired_predictions(output_dir: str, rewards: Any, desirable: Any, dataset: Any = None,
+                              tokenizer: Any = None) -> Path:
+    """Write `generated_predictions.jsonl`: one line per example, in dataset order.
+
+    Each line holds the implicit `reward` and the `desirable` flag and, given the dataset and tokenizer,
+    the text scored: `prompt` and `completion`, decoded from the tokens the model saw (special tokens
+    dropped), as the rm and dpo predictions carry theirs.
+    """
+    from .base import split_prompt_reply
+
+    rewards = np.asarray(rewards).reshape(-1).tolist()
+    flags = np.asarray(desirable).reshape(-1).tolist()
     path = Path(output_dir) / PREDICTIONS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        for reward, flag in zip(np.asarray(rewards).reshape(-1).tolist(), np.asarray(desirable).reshape(-1).tolist()):
-            f.write(json.dumps({"reward": round(reward, 6), "desirable": bool(flag)}) + "\n")
+        for i, (reward, flag) in enumerate(zip(rewards, flags)):
+            row: dict[str, Any] = {}
+            if dataset is not None and tokenizer is not None:
+                prompt_ids, reply_ids = split_prompt_reply(dataset[i]["input_ids"], dataset[i]["labels"])
+                prompt, completion = tokenizer.batch_decode([prompt_ids, reply_ids], skip_special_tokens=True)
+                row = {"prompt": prompt, "completion": completion}
+            row.update(reward=round(reward, 6), desirable=bool(flag))
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
 
 
@@ -380,7 +396,7 @@ def run_kto(config: "Config", callbacks: list["TrainerCallback"]) -> None:
         **datasets,
     )
     run_stage_trainer(trainer, config, save_predictions=lambda output: save_unpaired_predictions(
-        config.training.output_dir, output.predictions, output.label_ids))
+        config.training.output_dir, output.predictions, output.label_ids, trainer.eval_dataset, tokenizer))
 
 
 __all__ = [

@@ -201,6 +201,8 @@ def test_run_train_kto_end_to_end(tiny_model_dir, tmp_path):
     eval_results = json.loads((out / "eval_results.json").read_text())
     predictions = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
     assert [p["desirable"] for p in predictions] == [d for _, _, d in ROWS]
+    # Each line carries the text it scores: the rendered prompt holds the question, the completion is the reply.
+    assert all(q in p["prompt"] and p["completion"].strip() == c for (q, c, _), p in zip(ROWS, predictions))
     chosen = [p["reward"] for p in predictions if p["desirable"]]
     rejected = [p["reward"] for p in predictions if not p["desirable"]]
     assert any(abs(r) > 1e-4 for r in chosen + rejected)  # trained: the policy moved from the reference

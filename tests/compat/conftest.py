@@ -37,6 +37,7 @@ _METHOD_KEYS: dict[str, dict[str, Any]] = {
     "sft": {},
     "rm": {},
     "dpo": {"pref_beta": 0.1, "pref_loss": "sigmoid"},
+    "kto": {"pref_beta": 0.1},
 }
 # LLaMA-Factory's learning rates per stage and finetuning type, as in its examples.
 _LEARNING_RATES = {"dpo": 5.0e-6, "kto": 5.0e-6}

@@ -248,23 +248,29 @@ def test_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file, reward_di
 
 
 @pytest.mark.parametrize("critic", ["head", "adapter"])
-def test_end_to_end(critic, tiny_model_dir, prompts_file, reward_dir, tmp_path):
-    """`alignkit train` of stage ppo: the files every stage writes, the metrics, and an adapter plain peft loads."""
+def test_end_to_end(critic, tiny_model_dir, prompts_file, reward_from_sft_dir, sft_dir, tmp_path):
+    """`alignkit train` of stage ppo, as the README pipeline runs it (policy and RM from the SFT adapter): the
+    files every stage writes, the SFT adapter recorded under the policy, the metrics, and an adapter plain peft
+    loads."""
     from peft import PeftModel
 
+    from alignkit.model.loader import BASE_ADAPTERS_FILE
+
     out = tmp_path / "out"
-    run_train(_config(tiny_model_dir, prompts_file, out, reward_model=reward_dir, ppo_critic=critic,
-                      reward_funcs="format", reward_weights="0.5", log_completions=True, plot_loss=True))
+    run_train(_config(tiny_model_dir, prompts_file, out, reward_model=reward_from_sft_dir, ppo_critic=critic,
+                      adapter_name_or_path=sft_dir, reward_funcs="format", reward_weights="0.5",
+                      log_completions=True, plot_loss=True))
     for name in ("adapter_model.safetensors", "adapter_config.json", VALUE_HEAD_FILE, "trainer_state.json",
                  "train_results.json", "trainer_log.jsonl", COMPLETIONS_FILE, "training_loss.png"):
         assert (out / name).is_file(), name
+    assert json.loads((out / BASE_ADAPTERS_FILE).read_text()) == {"base_adapters": [str(Path(sft_dir).resolve())]}
     assert not (out / "reward").exists()  # the reward adapter is not part of the output
     assert (out / "critic").is_dir() == (critic == "adapter")
     record = [r for r in read_log(out) if "loss" in r][-1]
     for key in ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "objective/kl", "objective/kl_coef",
                 "objective/entropy", "reward/mean", "reward/std", "policy/clipfrac", "policy/approxkl",
                 "val/clipfrac", "val/mean", "response_length/mean", "time/generation", "time/training",
-                "rewards/rm/mean", "rewards/format/mean"):
+                "rewards/rm_sft/mean", "rewards/format/mean"):
         assert key in record and record[key] is not None, key
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 2

@@ -353,26 +353,62 @@ def same_adapters(first: Sequence[str], second: Sequence[str]) -> bool:
     return [_absolute(a) for a in first] == [_absolute(b) for b in second]
 
 
+def _read_record(adapter_dir: str | os.PathLike) -> dict:
+    path = Path(adapter_dir) / BASE_ADAPTERS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        record = None
+    chain = record.get("base_adapters") if isinstance(record, dict) else None
+    digests = record.get("sha256", [None] * len(chain)) if isinstance(chain, list) else None
+    if (not isinstance(chain, list) or not all(isinstance(a, str) and a for a in chain)
+            or not isinstance(digests, list) or len(digests) != len(chain)):
+        raise ConfigError(f"{path}: expected {{\"base_adapters\": [adapter folders, in merge order], \"sha256\": "
+                          "[their weights' digests]}; fix the file (or delete it if the adapter was trained on the "
+                          "bare base).")
+    return {"base_adapters": chain, "sha256": digests}
+
+
 def read_base_adapters(adapter_dir: str | os.PathLike) -> tuple[str, ...]:
     """The adapters a run merged into the base before training the adapter in `adapter_dir`, in order.
 
-    Read from `base_adapters.json` (`{"base_adapters": ["/abs/sft", ...]}`); () when the folder has none,
-    which is what an adapter trained on the bare base (or saved by plain peft) means.
+    Read from `base_adapters.json` (`{"base_adapters": ["/abs/sft", ...], "sha256": [...]}`); () when the
+    folder has none, which is what an adapter trained on the bare base (or saved by plain peft) means.
 
     Raises:
         ConfigError: the file is not that JSON shape (the message names it).
     """
-    path = Path(adapter_dir) / BASE_ADAPTERS_FILE
-    if not path.is_file():
-        return ()
-    try:
-        chain = json.loads(path.read_text(encoding="utf-8")).get("base_adapters")
-    except (json.JSONDecodeError, AttributeError):
-        chain = None
-    if not isinstance(chain, list) or not all(isinstance(a, str) and a for a in chain):
-        raise ConfigError(f"{path}: expected {{\"base_adapters\": [adapter folders, in merge order]}}; fix the "
-                          "file (or delete it if the adapter was trained on the bare base).")
-    return tuple(chain)
+    return tuple(_read_record(adapter_dir).get("base_adapters", ()))
+
+
+def _weights_digest(adapter_dir: str | os.PathLike) -> str | None:
+    """sha256 of the adapter's weights file (a few MB for LoRA), or None when it has none we know."""
+    import hashlib
+
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        path = Path(adapter_dir) / name
+        if path.is_file():
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            return digest.hexdigest()
+    return None
+
+
+def _warn_if_changed(adapter_dir: str) -> None:
+    """Warn when an adapter recorded under `adapter_dir` now holds other weights than it was trained over
+    (e.g. the SFT run re-run into the same output_dir): the result is not the model that was trained."""
+    record = _read_record(adapter_dir)
+    for base_adapter, recorded in zip(record.get("base_adapters", ()), record.get("sha256", ())):
+        if recorded is not None and (Path(base_adapter) / "adapter_config.json").is_file() \
+                and _weights_digest(base_adapter) != recorded:
+            logger.warning("The adapter %s holds other weights than when %s was trained on top of it (the sha256 in %s "
+                           "differs): it was retrained or overwritten since, so %s no longer gives the model it was "
+                           "trained as. Retrain %s, or restore that adapter.", base_adapter, adapter_dir,
+                           Path(adapter_dir) / BASE_ADAPTERS_FILE, adapter_dir, adapter_dir)
 
 
 def save_base_adapters(model, output_dir: str | os.PathLike) -> Path | None:
@@ -380,7 +416,8 @@ def save_base_adapters(model, output_dir: str | os.PathLike) -> Path | None:
 
     A LoRA adapter trained over merged adapters (an RM or DPO run started from an SFT adapter) is only right
     on that merged base; plain peft knows only `base_model_name_or_path`, so the chain is recorded here and
-    `resolve_adapter_chain` puts it back. Paths are absolute. A full or freeze run saves the merged weights
+    `resolve_adapter_chain` puts it back. Paths are absolute; the sha256 of each one's weights file lets a
+    later load warn when one was retrained in place. A full or freeze run saves the merged weights
     themselves (nothing to record); neither does a run that merged nothing.
 
     Returns:
@@ -389,8 +426,10 @@ def save_base_adapters(model, output_dir: str | os.PathLike) -> Path | None:
     chain = merged_adapters(model)
     if not chain or not (Path(output_dir) / "adapter_config.json").is_file():
         return None
+    chain = [_absolute(a) for a in chain]
+    record = {"base_adapters": chain, "sha256": [_weights_digest(a) for a in chain]}
     path = Path(output_dir) / BASE_ADAPTERS_FILE
-    path.write_text(json.dumps({"base_adapters": [_absolute(a) for a in chain]}, indent=2) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return path
 
 
@@ -400,7 +439,8 @@ def resolve_adapter_chain(adapters: Sequence[str]) -> list[str]:
     An adapter whose folder records base adapters (`base_adapters.json`) was trained on the base with those
     merged. Given alone (`adapter_name_or_path=dpo`), its recorded chain is merged before it. Given after
     others (`sft,dpo`, the explicit form), those are used; when they are not the recorded chain (a moved
-    folder, or a deliberate choice) a warning names both.
+    folder, or a deliberate choice) a warning names both. A recorded adapter whose weights changed since
+    (its sha256) is warned about too.
 
     Raises:
         ConfigError: a recorded adapter folder no longer exists; the message names it, the record, and the fix.
@@ -418,9 +458,12 @@ def resolve_adapter_chain(adapters: Sequence[str]) -> list[str]:
                         f"adapter_name_or_path=<where it is now>,{adapter}."
                     )
             chain.extend(recorded)
+            _warn_if_changed(adapter)
         elif recorded and not same_adapters(chain, recorded):
             logger.warning("adapter_name_or_path: %s was trained on top of %s (its %s) but is given after %s; using "
                            "the adapters given.", adapter, ", ".join(recorded), BASE_ADAPTERS_FILE, ", ".join(chain))
+        elif recorded:
+            _warn_if_changed(adapter)
         chain.append(_absolute(adapter))
     return [_absolute(a) for a in chain]
 

@@ -295,7 +295,8 @@ def test_base_adapters_are_recorded_and_put_back_before_the_adapter(tiny_model_d
     save_perturbed_adapter(tiny_model_dir, tmp_path / "sft", seed=3)
     trained = save_perturbed_adapter(tiny_model_dir, tmp_path / "dpo", seed=4, over="sft")
     sft_abs = str((tmp_path / "sft").resolve())
-    assert json.loads((tmp_path / "dpo" / BASE_ADAPTERS_FILE).read_text()) == {"base_adapters": [sft_abs]}
+    record = json.loads((tmp_path / "dpo" / BASE_ADAPTERS_FILE).read_text())
+    assert record["base_adapters"] == [sft_abs] and len(record["sha256"]) == 1 and len(record["sha256"][0]) == 64
     assert read_base_adapters(tmp_path / "dpo") == (sft_abs,)
     with torch.no_grad():
         expected = trained(**batch).logits
@@ -348,3 +349,19 @@ def test_a_malformed_base_adapters_file_is_named(tiny_model_dir, tmp_path, save_
     config = _config(tiny_model_dir, adapter_name_or_path=str(tmp_path / "dpo"))
     with pytest.raises(ConfigError, match=r"dpo/base_adapters.json: expected \{\"base_adapters\""):
         load_model(config.model, config.finetuning, is_trainable=False)
+
+
+def test_a_base_adapter_retrained_in_place_is_warned_about(tiny_model_dir, tmp_path, save_perturbed_adapter, caplog):
+    """The SFT run re-run into the same folder after the DPO run: the path still exists, but the weights under the
+    DPO adapter are not those it was trained on; the record's sha256 tells, and loading says so."""
+    save_perturbed_adapter(tiny_model_dir, tmp_path / "sft", seed=3)
+    save_perturbed_adapter(tiny_model_dir, tmp_path / "dpo", seed=4, over=tmp_path / "sft")
+    config = _config(tiny_model_dir, adapter_name_or_path=str(tmp_path / "dpo"))
+    load_model(config.model, config.finetuning, is_trainable=False)
+    assert "other weights" not in caplog.text
+    save_perturbed_adapter(tiny_model_dir, tmp_path / "sft", seed=9)
+    for given in (str(tmp_path / "dpo"), f"{tmp_path / 'sft'},{tmp_path / 'dpo'}"):
+        caplog.clear()
+        config = _config(tiny_model_dir, adapter_name_or_path=given)
+        load_model(config.model, config.finetuning, is_trainable=False)
+        assert f"The adapter {tmp_path / 'sft'} holds other weights than when {tmp_path / 'dpo'} was trained" in caplog.text

@@ -66,7 +66,8 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "PEFT adapter(s) to start from, comma-separated. For a new stage they are merged into the "
-            "base in memory and a fresh adapter is trained on top, so the reference model includes them."
+            "base in memory and a fresh adapter is trained on top, so the reference model includes them. An "
+            "adapter trained that way records them (base_adapters.json) and brings them along: give the last one."
         },
     )
     cache_dir: Optional[str] = field(default=None, metadata={"help": "Where hub downloads are cached."})

@@ -1,7 +1,8 @@
 """Score responses with a trained reward model: `RewardScorer` for Python, `score_file` for `alignkit score`.
 
 `model_dir` is what an rm run wrote: a LoRA output directory (its `adapter_config.json` names the base,
-and the adapter, with its trained `score` head, is merged into it on load) or a full model (a full
+and the adapter, with its trained `score` head, is merged into it on load, after the adapters the run started
+from, which its `base_adapters.json` records: an RM trained from an SFT adapter scores on base + SFT) or a full model (a full
 fine-tuning run, or `alignkit export` of an adapter). Conversations are rendered and tokenised with the
 data layer's chat template code, as in training, so a pair scores here exactly as it did in evaluation.
 Each reward is read at the sequence's last real token from the attention mask

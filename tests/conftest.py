@@ -36,15 +36,19 @@ def _isolated_home(tmp_path, monkeypatch):
     monkeypatch.setenv("ALIGNKIT_DATA_CACHE", str(tmp_path / "data_cache"))
 
 
-def _save_perturbed_adapter(model_dir, out_dir, head="causal_lm", seed=1):
+def _save_perturbed_adapter(model_dir, out_dir, head="causal_lm", seed=1, over=None):
     """Save a fresh LoRA adapter over `model_dir` whose lora_B is random (PEFT starts it at zero, so an
-    untouched adapter would change nothing), as if trained; returns the model with the adapter active."""
+    untouched adapter would change nothing), as if trained; returns the model with the adapter active.
+    `over`: adapter_name_or_path merged into the base first, recorded beside the adapter as a run records it."""
     import torch
 
     from alignkit.hparams import parse_config
-    from alignkit.model.loader import load_model
+    from alignkit.model.loader import load_model, save_base_adapters
 
-    config = parse_config({"model_name_or_path": str(model_dir)})
+    config = parse_config({"model_name_or_path": str(model_dir), "adapter_name_or_path": over and str(over)})
+    # lora_A (and a fresh score head) come from the global RNG: seed it, so the adapter does not depend on
+    # which tests ran before (merge-vs-unmerged rounding checks near 1e-5 flipped with the test order).
+    torch.manual_seed(seed)
     model = load_model(config.model, config.finetuning, is_trainable=True, head=head)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -53,12 +57,14 @@ def _save_perturbed_adapter(model_dir, out_dir, head="causal_lm", seed=1):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
     model.eval()
     model.save_pretrained(out_dir)
+    save_base_adapters(model, out_dir)
     return model
 
 
 @pytest.fixture
 def save_perturbed_adapter():
-    """`save_perturbed_adapter(model_dir, out_dir, head="causal_lm")` -> model with a non-zero LoRA adapter."""
+    """`save_perturbed_adapter(model_dir, out_dir, head="causal_lm", seed=1, over=None)` -> model with a non-zero
+    LoRA adapter (over the adapters `over` names, merged and recorded)."""
     return _save_perturbed_adapter
 
 

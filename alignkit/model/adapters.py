@@ -17,10 +17,11 @@ parameter's `requires_grad` on entry and restore it on exit (also when the body 
 trainable set is the same before and after a scoring pass, and the reward adapter stays frozen.
 
 A reward adapter applies its LoRA deltas to whatever base is in memory. Its rewards equal the rm run's own
-(`alignkit score`) when that base is the one the RM was trained on: the raw model for an RM trained
-without `adapter_name_or_path`; base + SFT for one trained from the SFT adapter. Nothing in an rm output
-dir records which, so `load_reward_adapter` warns when the base holds merged adapters; a reward model
-trained on a different base should be loaded on its own (`loader.load_reward_model`).
+(`alignkit score`) only when that base is the one the RM was trained on: the raw model for an RM trained
+without `adapter_name_or_path`; base + SFT for one trained from the SFT adapter. An rm output dir records
+which (`base_adapters.json`, `loader.read_base_adapters`), and `load_reward_adapter` refuses an adapter
+whose recorded chain differs from the adapters merged into the policy's base (`reward_base_mismatch`);
+such a reward model is loaded on its own instead (`loader.load_reward_model`, `alignkit.rewards.model`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from torch import nn
 
 from ..hparams import ConfigError
 from .heads import head_rewards
-from .loader import check_adapter_base, is_reward_adapter, merged_adapters, read_adapter_config
+from .loader import (check_adapter_base, is_reward_adapter, merged_adapters, read_adapter_config, read_base_adapters,
+                     same_adapters)
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +152,25 @@ def _split_head_weights(adapter_dir: str, weights: dict[str, torch.Tensor]) -> t
     return lora, head
 
 
+def reward_base_mismatch(model: nn.Module, adapter_dir: str | os.PathLike) -> str | None:
+    """Why the reward adapter in `adapter_dir` would score wrongly on `model`'s base, or None when it fits.
+
+    It fits when the adapters it was trained over (its `base_adapters.json`; none when absent) are the
+    adapters merged into `model`'s base (`loader.merged_adapters`), in the same order.
+    """
+    trained_on, policy_has = read_base_adapters(adapter_dir), merged_adapters(model)
+    if same_adapters(trained_on, policy_has):
+        return None
+
+    def describe(chain: tuple[str, ...]) -> str:
+        return "the base + " + " + ".join(chain) if chain else "the bare base"
+
+    return (f"{adapter_dir} was trained on {describe(trained_on)}, the policy's base is {describe(policy_has)} "
+            "(adapter_name_or_path)")
+
+
 def load_reward_adapter(
-    model: nn.Module, adapter_dir: str | os.PathLike, *, name: str = REWARD_ADAPTER
+    model: nn.Module, adapter_dir: str | os.PathLike, *, name: str = REWARD_ADAPTER, check_base: bool = True
 ) -> RewardAdapter:
     """Load an rm run's LoRA output as a frozen, unmerged adapter `name` beside the policy's adapter.
 
@@ -164,13 +183,16 @@ def load_reward_adapter(
         adapter_dir: what `alignkit train examples/rm_lora.yaml` wrote (adapter_config task_type SEQ_CLS,
             `score` in modules_to_save), or one of its checkpoint dirs.
         name: the adapter's name; must not be taken.
+        check_base: refuse an adapter trained over other merged adapters than the policy's base holds
+            (`reward_base_mismatch`): its scores would not be the reward model's. False where the weights are
+            only a starting point (PPO's trainable critic); the mismatch is then logged.
 
     Returns:
         The `RewardAdapter` (name, head, dir) to score with `reward_adapter_rewards`.
 
     Raises:
-        ConfigError: not a reward adapter, trained on another base, extra full modules besides the head,
-            or weights that do not fit the model.
+        ConfigError: not a reward adapter, trained on another base (another model, or other merged adapters
+            with `check_base`), extra full modules besides the head, or weights that do not fit the model.
     """
     from peft import PeftConfig
     from peft.utils import load_peft_weights, set_peft_model_state_dict
@@ -189,12 +211,12 @@ def load_reward_adapter(
         raise ConfigError(f"reward_model: {adapter_dir} also trains {extra} in full (additional_target); only "
                           "a reward adapter whose sole full module is its score head can share the policy's base. "
                           "Load it on its own (reward_model_type: full).")
-    merged = merged_adapters(peft_model)
-    if merged:
-        logger.warning(
-            "The reward adapter %s is applied to the base with %s merged into it (adapter_name_or_path). Its "
-            "rewards equal the rm run's own only if that run started from the same adapter(s); otherwise "
-            "load the reward model on its own (reward_model_type: full).", adapter_dir, ", ".join(merged))
+    mismatch = reward_base_mismatch(peft_model, adapter_dir)
+    if mismatch and check_base:
+        raise ConfigError(f"reward_model: {mismatch}; as an adapter on the policy's base it would not score as the "
+                          "reward model does. Load it on its own (reward_model_type: full or auto).")
+    if mismatch:
+        logger.info("Adapter %r starts from the reward model's weights, on another base: %s.", name, mismatch)
 
     config = PeftConfig.from_pretrained(adapter_dir)
     # On a causal LM the head lives outside the PEFT model, and the adapter is frozen: no dropout.
@@ -267,5 +289,6 @@ __all__ = [
     "use_adapter",
     "adapters_disabled",
     "load_reward_adapter",
+    "reward_base_mismatch",
     "reward_adapter_rewards",
 ]

@@ -8,7 +8,9 @@
 2. the adapters of `adapter_name_or_path`, merged into the base weights in memory (recorded on the
    model, see `merged_adapters`). A new stage then trains a fresh adapter on top, so "adapter
    disabled" is the earlier stage's model, which is the reference DPO, GRPO and PPO need: reference =
-   base + SFT adapter, policy = that + the fresh adapter;
+   base + SFT adapter, policy = that + the fresh adapter. The new adapter only means something on that
+   merged base, so a LoRA run writes the chain beside it (`base_adapters.json`, `save_base_adapters`)
+   and every later load puts it back first (`resolve_adapter_chain`): giving the last adapter is enough;
 3. what is trained (`finetuning_type`): a fresh LoRA adapter, every weight, or the last decoder layers.
 """
 
@@ -21,7 +23,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 from torch import nn
@@ -42,6 +44,8 @@ OUTPUT_HEADS = ("lm_head", "score", "classifier", VALUE_HEAD_NAME)
 REWARD_HEADS = ("score", "classifier")
 # Attribute on the loaded transformers model listing the adapter dirs merged into its weights.
 _MERGED_ATTR = "alignkit_merged_adapters"
+# Beside a LoRA run's adapter (and in its checkpoints): the adapters merged into the base under it, in order.
+BASE_ADAPTERS_FILE = "base_adapters.json"
 
 
 def resolve_model_path(model_args: ModelArguments) -> str:
@@ -167,7 +171,7 @@ def load_model(
     """
     if head not in ("causal_lm", "reward"):
         raise ValueError(f"head={head!r}: expected 'causal_lm' or 'reward'.")
-    adapters = split_adapters(model_args.adapter_name_or_path)
+    adapters = resolve_adapter_chain(split_adapters(model_args.adapter_name_or_path))
     head_comes_later = head == "reward" and (is_trainable or any(is_reward_adapter(a) for a in adapters))
     model = _load_base(model_args, head, head_comes_later)
     if adapters:
@@ -197,7 +201,8 @@ def load_model(
 
 
 def merged_adapters(model) -> tuple[str, ...]:
-    """The `adapter_name_or_path` dirs that `load_model` merged into `model`'s base weights, in order.
+    """The adapter dirs (absolute, with the chains their records add) that `load_model` merged into
+    `model`'s base weights, in order.
 
     They are part of the reference (adapters disabled) and of every adapter switched in on this base
     (`alignkit.model.adapters`). Empty for a model `load_model` did not build or that had none.
@@ -210,8 +215,9 @@ def merged_adapters(model) -> tuple[str, ...]:
 def reward_model_arguments(model_dir: str | os.PathLike, like: ModelArguments | None = None) -> ModelArguments:
     """`ModelArguments` that load the reward model an rm run wrote to `model_dir` (or an exported one).
 
-    A LoRA output dir names its base in `adapter_config.json` and becomes `adapter_name_or_path` over it;
-    any other dir is a full model. dtype, attention kernel, cache and remote-code settings come from
+    A LoRA output dir names its base in `adapter_config.json` and becomes `adapter_name_or_path` over it
+    (`load_model` then merges the adapters its `base_adapters.json` records first, e.g. the SFT adapter an
+    RM was trained from); any other dir is a full model. dtype, attention kernel, cache and remote-code settings come from
     `like` (the running stage's model arguments) when given.
 
     Raises:
@@ -237,8 +243,8 @@ def load_reward_model(model_dir: str | os.PathLike, like: ModelArguments | None 
     """A reward model on its own (`reward_model_type: full`, `alignkit score`): frozen, eval mode.
 
     `AutoModelForSequenceClassification` with one label, from a full rm output dir, an exported one, or a
-    LoRA rm output dir (its adapter and score head merged into the base it names). Score it with
-    `heads.sequence_rewards`.
+    LoRA rm output dir (its adapter and score head merged into the base it names, after the adapters its
+    `base_adapters.json` records, so it scores as in training). Score it with `heads.sequence_rewards`.
 
     Args:
         model_dir: the reward model's directory.
@@ -336,6 +342,130 @@ def _peft_wrapping():
 def split_adapters(adapter_name_or_path: str | None) -> list[str]:
     """`a,b` -> ["a", "b"]; None or "" -> []."""
     return [a.strip() for a in (adapter_name_or_path or "").split(",") if a.strip()]
+
+
+def _absolute(path: str | os.PathLike) -> str:
+    return os.path.realpath(Path(path).expanduser())
+
+
+def same_adapters(first: Sequence[str], second: Sequence[str]) -> bool:
+    """True when two adapter chains name the same directories in the same order (compared as real paths)."""
+    return [_absolute(a) for a in first] == [_absolute(b) for b in second]
+
+
+def _read_record(adapter_dir: str | os.PathLike) -> dict:
+    path = Path(adapter_dir) / BASE_ADAPTERS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        record = None
+    chain = record.get("base_adapters") if isinstance(record, dict) else None
+    digests = record.get("sha256", [None] * len(chain)) if isinstance(chain, list) else None
+    if (not isinstance(chain, list) or not all(isinstance(a, str) and a for a in chain)
+            or not isinstance(digests, list) or len(digests) != len(chain)):
+        raise ConfigError(f"{path}: expected {{\"base_adapters\": [adapter folders, in merge order], \"sha256\": "
+                          "[their weights' digests]}; fix the file (or delete it if the adapter was trained on the "
+                          "bare base).")
+    return {"base_adapters": chain, "sha256": digests}
+
+
+def read_base_adapters(adapter_dir: str | os.PathLike) -> tuple[str, ...]:
+    """The adapters a run merged into the base before training the adapter in `adapter_dir`, in order.
+
+    Read from `base_adapters.json` (`{"base_adapters": ["/abs/sft", ...], "sha256": [...]}`); () when the
+    folder has none, which is what an adapter trained on the bare base (or saved by plain peft) means.
+
+    Raises:
+        ConfigError: the file is not that JSON shape (the message names it).
+    """
+    return tuple(_read_record(adapter_dir).get("base_adapters", ()))
+
+
+def _weights_digest(adapter_dir: str | os.PathLike) -> str | None:
+    """sha256 of the adapter's weights file (a few MB for LoRA), or None when it has none we know."""
+    import hashlib
+
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        path = Path(adapter_dir) / name
+        if path.is_file():
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            return digest.hexdigest()
+    return None
+
+
+def _warn_if_changed(adapter_dir: str) -> None:
+    """Warn when an adapter recorded under `adapter_dir` now holds other weights than it was trained over
+    (e.g. the SFT run re-run into the same output_dir): the result is not the model that was trained."""
+    record = _read_record(adapter_dir)
+    for base_adapter, recorded in zip(record.get("base_adapters", ()), record.get("sha256", ())):
+        if recorded is not None and (Path(base_adapter) / "adapter_config.json").is_file() \
+                and _weights_digest(base_adapter) != recorded:
+            logger.warning("The adapter %s holds other weights than when %s was trained on top of it (the sha256 in %s "
+                           "differs): it was retrained or overwritten since, so %s no longer gives the model it was "
+                           "trained as. Retrain %s, or restore that adapter.", base_adapter, adapter_dir,
+                           Path(adapter_dir) / BASE_ADAPTERS_FILE, adapter_dir, adapter_dir)
+
+
+def save_base_adapters(model, output_dir: str | os.PathLike) -> Path | None:
+    """Write `base_adapters.json` beside the adapter saved in `output_dir` when `model` has merged adapters.
+
+    A LoRA adapter trained over merged adapters (an RM or DPO run started from an SFT adapter) is only right
+    on that merged base; plain peft knows only `base_model_name_or_path`, so the chain is recorded here and
+    `resolve_adapter_chain` puts it back. Paths are absolute; the sha256 of each one's weights file lets a
+    later load warn when one was retrained in place. A full or freeze run saves the merged weights
+    themselves (nothing to record); neither does a run that merged nothing.
+
+    Returns:
+        The file written, or None.
+    """
+    chain = merged_adapters(model)
+    if not chain or not (Path(output_dir) / "adapter_config.json").is_file():
+        return None
+    chain = [_absolute(a) for a in chain]
+    record = {"base_adapters": chain, "sha256": [_weights_digest(a) for a in chain]}
+    path = Path(output_dir) / BASE_ADAPTERS_FILE
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def resolve_adapter_chain(adapters: Sequence[str]) -> list[str]:
+    """The adapters to merge, in order, absolute: `adapters` with the chains their records name put first.
+
+    An adapter whose folder records base adapters (`base_adapters.json`) was trained on the base with those
+    merged. Given alone (`adapter_name_or_path=dpo`), its recorded chain is merged before it. Given after
+    others (`sft,dpo`, the explicit form), those are used; when they are not the recorded chain (a moved
+    folder, or a deliberate choice) a warning names both. A recorded adapter whose weights changed since
+    (its sha256) is warned about too.
+
+    Raises:
+        ConfigError: a recorded adapter folder no longer exists; the message names it, the record, and the fix.
+    """
+    chain: list[str] = []
+    for adapter in adapters:
+        recorded = read_base_adapters(adapter)
+        if recorded and not chain:
+            record = Path(adapter) / BASE_ADAPTERS_FILE
+            for base_adapter in recorded:
+                if not (Path(base_adapter) / "adapter_config.json").is_file():
+                    raise ConfigError(
+                        f"adapter_name_or_path: {adapter} was trained on top of the adapter {base_adapter} (recorded "
+                        f"in {record}), which is no longer there. Put it back, or give the chain explicitly: "
+                        f"adapter_name_or_path=<where it is now>,{adapter}."
+                    )
+            chain.extend(recorded)
+            _warn_if_changed(adapter)
+        elif recorded and not same_adapters(chain, recorded):
+            logger.warning("adapter_name_or_path: %s was trained on top of %s (its %s) but is given after %s; using "
+                           "the adapters given.", adapter, ", ".join(recorded), BASE_ADAPTERS_FILE, ", ".join(chain))
+        elif recorded:
+            _warn_if_changed(adapter)
+        chain.append(_absolute(adapter))
+    return [_absolute(a) for a in chain]
 
 
 def read_adapter_config(adapter_dir: str | os.PathLike) -> dict:

@@ -5,11 +5,14 @@ Two ways to hold one (`reward_model_type`):
 - `lora`: the rm run's LoRA adapter and score head loaded as a named, frozen second adapter on the
   policy's PeftModel (`alignkit.model.adapters.load_reward_adapter`) and switched in only while scoring
   (`reward_adapter_rewards`, which switches back and restores every `requires_grad`). No second copy of
-  the base is made. It needs the policy under LoRA and the RM trained on the same base.
-- `full`: the reward model loaded on its own (`alignkit.score.RewardScorer`, which is `alignkit score`):
-  a full or exported RM, an RM on another base, or a policy that is not a PeftModel.
+  the base is made. It needs the policy under LoRA and the RM trained on the same base: the same model,
+  and the same adapters merged into it (the RM's `base_adapters.json` against the policy's
+  `adapter_name_or_path`, `alignkit.model.adapters.reward_base_mismatch`).
+- `full`: the reward model loaded on its own (`alignkit.score.RewardScorer`, which is `alignkit score`,
+  with the adapters the RM was trained over merged first): a full or exported RM, an RM on another base,
+  or a policy that is not a PeftModel. It costs a second copy of the base in memory.
 - `auto` (default): `lora` when the directory holds a reward adapter and the policy is a PeftModel on a
-  base the adapter fits, else `full`.
+  base the adapter fits, else `full`, with a log line saying why and what it costs.
 
 Either way the text is rendered as `alignkit score` renders it (`alignkit.score.encode_scored`: the
 prompt, a user message when it is a string, then the completion as the assistant reply closed by the
@@ -147,19 +150,23 @@ def load_reward_function(spec: str, args, *, model=None, formatter: Optional[Cha
                               f"its base with {model_dir}; use reward_model_type: full (or auto).")
     if formatter is None:
         raise ValueError("a reward model needs the run's ChatFormatter (formatter=...) to render the scored text.")
+    why_alone = None
     if kind != "full" and is_adapter and model is not None and _is_peft_model(model):
-        from ..model.adapters import load_reward_adapter
+        from ..model.adapters import load_reward_adapter, reward_base_mismatch
 
-        try:
-            reward = load_reward_adapter(model, model_dir, name=_free_adapter_name(model))
-        except ConfigError as err:
-            if kind == "lora":
-                raise
-            logger.info("Reward model %s does not fit the policy's base as an adapter (%s); loading it on its own.",
-                        model_dir, err)
-        else:
-            logger.info("Reward model %s: LoRA adapter %r on the policy's base.", model_dir, reward.name)
-            return AdapterRewardModel(model, reward, formatter, name)
+        # A reward adapter on another base than the one it was trained on scores something else: load it with
+        # its own base then (explicit `lora` gets load_reward_adapter's error instead).
+        why_alone = reward_base_mismatch(model, model_dir) if kind == "auto" else None
+        if why_alone is None:
+            try:
+                reward = load_reward_adapter(model, model_dir, name=_free_adapter_name(model))
+            except ConfigError as err:
+                if kind == "lora":
+                    raise
+                why_alone = f"it does not fit the policy's base as an adapter ({err})"
+            else:
+                logger.info("Reward model %s: LoRA adapter %r on the policy's base.", model_dir, reward.name)
+                return AdapterRewardModel(model, reward, formatter, name)
 
     from ..score import RewardScorer
 
@@ -171,7 +178,14 @@ def load_reward_function(spec: str, args, *, model=None, formatter: Optional[Cha
         from ..model.loader import resolve_dtype
 
         scorer.model.to(resolve_dtype(model_args.infer_dtype))
-    logger.info("Reward model %s loaded on its own.", model_dir)
+    if why_alone is None:
+        logger.info("Reward model %s loaded on its own.", model_dir)
+    else:
+        size = sum(p.numel() * p.element_size() for p in scorer.model.parameters())
+        logger.warning("Reward model %s loaded on its own, not as an adapter on the policy's base: %s. That costs "
+                       "a second copy of the base model in memory (%.1f MB); an RM trained with the policy's "
+                       "adapter_name_or_path would share the policy's base instead.", model_dir, why_alone,
+                       size / 2**20)
     return FullRewardModel(scorer, name)
 
 

@@ -125,6 +125,17 @@ class StageTrainer(Trainer):
         logs.update(means if mode == "train" else {f"eval_{k}": v for k, v in means.items()})
         super().log(logs, start_time)
 
+    # ---- saving ----
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Save as the Trainer does (final model and every checkpoint), plus `base_adapters.json` beside a LoRA
+        adapter trained over merged adapters (`loader.save_base_adapters`), so that loading it puts them back."""
+        from ..model.loader import save_base_adapters
+
+        super().save_model(output_dir, _internal_call=_internal_call)
+        if self.args.should_save:
+            save_base_adapters(self.model, output_dir or self.args.output_dir)
+
     # ---- the reference ----
 
     @contextlib.contextmanager

@@ -4,7 +4,9 @@ The design is the original PPO-with-PEFT one (Ziegler et al. 2019's loop, as TRL
 old PPO ran it): the policy is a LoRA adapter; its reference is the same base with that adapter disabled
 (an SFT adapter given as `adapter_name_or_path` is merged into the base when the model loads, so it belongs
 to the reference); the reward model is the rm stage's LoRA output loaded as a second, frozen, named adapter
-with its score head and switched in only to score; the critic is a value head on the policy's hidden states
+with its score head and switched in only to score (when it was trained over the same merged adapters as the
+policy, as `examples/ppo_lora.yaml`'s RM from the SFT adapter is; otherwise it is loaded on its own with its own
+base, see `alignkit.rewards.model`); the critic is a value head on the policy's hidden states
 (or, `ppo_critic: adapter`, a third adapter with its own head). One copy of the base weights in memory serves
 every role.
 
@@ -984,7 +986,8 @@ def build_critic(model: nn.Module, ppo_args: PPOArguments, config_dir: Optional[
     if ppo_args.ppo_critic == "head":
         return attach_value_head(model)
     reward_dir = resolve_reward_model_dir(ppo_args.reward_model, config_dir)
-    critic = load_reward_adapter(model, reward_dir, name=CRITIC_ADAPTER)
+    # The critic only starts from the RM's weights and trains from there: another base is no error here.
+    critic = load_reward_adapter(model, reward_dir, name=CRITIC_ADAPTER, check_base=False)
     for name, param in model.named_parameters():
         if f".{CRITIC_ADAPTER}." in name:
             param.requires_grad_(True)

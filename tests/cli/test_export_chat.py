@@ -170,3 +170,32 @@ def test_env_info_names_versions_and_device():
         assert (info["device"], info["device_count"]) == ("cpu", 1)
     # One aligned `- key: value` line per entry, keys padded to the longest ("bf16_supported", 14 letters).
     assert format_env(info).splitlines() == [f"- {key:<14}: {value}" for key, value in info.items()]
+
+
+def test_export_and_chat_of_an_adapter_trained_over_sft_need_only_that_adapter(tiny_model_dir, tmp_path, batch,
+                                                                              save_perturbed_adapter):
+    """A DPO/GRPO/PPO-style adapter trained over the merged SFT adapter records it (`base_adapters.json`):
+    `--adapter dpo` exports and chats as the model it was trained as, the same as the explicit `sft,dpo`."""
+    from transformers import AutoModelForCausalLM
+
+    sft, dpo = tmp_path / "sft", tmp_path / "dpo"
+    save_perturbed_adapter(tiny_model_dir, sft, seed=3)
+    trained = save_perturbed_adapter(tiny_model_dir, dpo, seed=4, over=sft)
+    with torch.no_grad():
+        expected = trained(**batch).logits
+    replies = []
+    for given in (str(dpo), f"{sft},{dpo}"):
+        config = parse_config({"model_name_or_path": tiny_model_dir, "adapter_name_or_path": given,
+                               "max_new_tokens": 8, **SAMPLING})
+        out = export_model(config.model, str(tmp_path / f"export{len(replies)}"))
+        with torch.no_grad():
+            torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(**batch).logits, expected,
+                                       atol=1e-5, rtol=0)
+        torch.manual_seed(0)
+        replies.append(chat(config.model, config.generating, prompt="Name a colour.", stream=io.StringIO()))
+    assert replies[0].strip() and replies[0] == replies[1]
+    (dpo / "base_adapters.json").unlink()  # what loading `dpo` alone gave before the record: the bare base under it
+    config = parse_config({"model_name_or_path": tiny_model_dir, "adapter_name_or_path": str(dpo)})
+    bare = load_model(config.model, config.finetuning, is_trainable=False)
+    with torch.no_grad():
+        assert (bare(**batch).logits - expected).abs().max() > 1e-2

@@ -51,6 +51,18 @@ def sft_dir(tiny_model_dir, tmp_path, save_perturbed_adapter):
     return str(out)
 
 
+@pytest.fixture
+def reward_from_sft_dir(tiny_model_dir, tmp_path, save_perturbed_adapter, sft_dir):
+    """An rm run's LoRA output trained from the SFT adapter (as the README pipeline trains it): the adapter over
+    base + SFT, with `base_adapters.json` naming the SFT adapter."""
+    out = tmp_path / "rm_sft"
+    trained = save_perturbed_adapter(tiny_model_dir, out, head="reward", seed=5, over=sft_dir)
+    with torch.no_grad():
+        trained.base_model.model.score.modules_to_save["default"].weight.add_(0.5)
+    trained.save_pretrained(out)
+    return str(out)
+
+
 def _config(tiny_model_dir, prompts_file, out, **overrides):
     values = {
         "stage": "ppo", "do_train": True, "model_name_or_path": tiny_model_dir, "dataset": prompts_file,
@@ -100,22 +112,53 @@ def test_reward_read_in_ppo_equals_alignkit_score(reward_model_type, tiny_model_
     was switched back)."""
     trainer = build_ppo_trainer(_config(tiny_model_dir, prompts_file, tmp_path / "out", reward_model=reward_dir,
                                         reward_model_type=reward_model_type), [])
+    assert ("reward" in trainer.model.peft_config) == (reward_model_type == "lora")
+    _assert_rewards_are_alignkit_scores(trainer, reward_dir)
+
+
+@pytest.mark.parametrize("rm_from_sft", [True, False])
+def test_reward_with_an_sft_policy_equals_alignkit_score(rm_from_sft, tiny_model_dir, prompts_file, sft_dir,
+                                                          reward_dir, reward_from_sft_dir, tmp_path, caplog):
+    """Policy started from the SFT adapter. An RM trained from that SFT adapter shares the policy's base (the
+    adapter is switched in); an RM of the bare base is loaded on its own with its own base, with a warning (as
+    an adapter on base + SFT it would score something else). Either way the PPO reward is `alignkit score`'s."""
+    rm = reward_from_sft_dir if rm_from_sft else reward_dir
+    with caplog.at_level("WARNING", logger="alignkit.rewards.model"):
+        trainer = build_ppo_trainer(_config(tiny_model_dir, prompts_file, tmp_path / "out", reward_model=rm,
+                                            adapter_name_or_path=sft_dir), [])
+    assert ("reward" in trainer.model.peft_config) == rm_from_sft
+    assert ("loaded on its own, not as an adapter on the policy's base" in caplog.text) == (not rm_from_sft)
+    records = _assert_rewards_are_alignkit_scores(trainer, rm)
+    if not rm_from_sft:  # what sharing the base would have scored (the old behaviour): not the RM's scores
+        from alignkit.model.adapters import load_reward_adapter
+        from alignkit.rewards.model import AdapterRewardModel
+
+        wrong = AdapterRewardModel(trainer.model, load_reward_adapter(trainer.model, rm, name="shared",
+                                                                      check_base=False), trainer.formatter, "shared")
+        off = torch.tensor(wrong([r["prompt"] for r in records], [r["completion"] for r in records]))
+        assert (off - torch.tensor([r["reward"] for r in records])).abs().max() > 1e-2
+
+
+def _assert_rewards_are_alignkit_scores(trainer, reward_dir):
     model = trainer.model
-    assert ("reward" in model.peft_config) == (reward_model_type == "lora")
     assert model.active_adapter == POLICY_ADAPTER
     rollout, metrics, records = trainer.make_rollout(0)
     before = trainer.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.labels, grad=False)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     scorer = RewardScorer(reward_dir)
     expected = scorer.score([r["prompt"] for r in records], [r["completion"] for r in records])
+    # `alignkit score` merges the adapters into the weights (rounded in fp32), the switched-in adapter adds its
+    # delta to the activations: with these deliberately large random adapters that alone reaches ~1e-5 at a
+    # reward of 1, so the bound is 1e-5 absolute plus 1e-5 relative, as in test_named_adapters.
     torch.testing.assert_close(torch.tensor([r["reward"] for r in records]), torch.tensor(expected),
-                               rtol=0, atol=1e-5)
-    assert metrics["reward/mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
+                               rtol=1e-5, atol=1e-5)
+    assert metrics["reward/mean"] == pytest.approx(sum(expected) / len(expected), abs=2e-5)
     trainer.reward_functions(["Hi"], [[{"role": "assistant", "content": "Hello"}]], {})  # another scoring pass
     after = trainer.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.labels, grad=False)
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
     assert model.active_adapter == POLICY_ADAPTER
     assert flags == {n: p.requires_grad for n, p in model.named_parameters()}
+    return records
 
 
 def test_reference_equals_the_sft_model(tiny_model_dir, prompts_file, sft_dir, tmp_path):
@@ -139,11 +182,10 @@ def _snapshot(model):
 
 
 @pytest.mark.parametrize("critic", ["head", "adapter"])
-def test_only_policy_and_critic_change(critic, tiny_model_dir, prompts_file, reward_dir, sft_dir, tmp_path):
+def test_only_policy_and_critic_change(critic, tiny_model_dir, prompts_file, reward_from_sft_dir, sft_dir, tmp_path):
     """After two PPO steps: base (with the merged SFT adapter) and reward adapter bit-identical; the policy
-    adapter and the critic changed. With `adapter` the reward adapter is trained on the raw base, the policy's
-    base has the SFT adapter merged: a mismatch `load_reward_adapter` warns about, irrelevant here."""
-    config = _config(tiny_model_dir, prompts_file, tmp_path / "out", reward_model=reward_dir, ppo_critic=critic,
+    adapter and the critic changed."""
+    config = _config(tiny_model_dir, prompts_file, tmp_path / "out", reward_model=reward_from_sft_dir, ppo_critic=critic,
                      adapter_name_or_path=sft_dir, save_strategy="no")
     trainer = build_ppo_trainer(config, [])
     reward_function = trainer.reward_functions.functions[0].function
@@ -206,23 +248,29 @@ def test_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file, reward_di
 
 
 @pytest.mark.parametrize("critic", ["head", "adapter"])
-def test_end_to_end(critic, tiny_model_dir, prompts_file, reward_dir, tmp_path):
-    """`alignkit train` of stage ppo: the files every stage writes, the metrics, and an adapter plain peft loads."""
+def test_end_to_end(critic, tiny_model_dir, prompts_file, reward_from_sft_dir, sft_dir, tmp_path):
+    """`alignkit train` of stage ppo, as the README pipeline runs it (policy and RM from the SFT adapter): the
+    files every stage writes, the SFT adapter recorded under the policy, the metrics, and an adapter plain peft
+    loads."""
     from peft import PeftModel
 
+    from alignkit.model.loader import BASE_ADAPTERS_FILE
+
     out = tmp_path / "out"
-    run_train(_config(tiny_model_dir, prompts_file, out, reward_model=reward_dir, ppo_critic=critic,
-                      reward_funcs="format", reward_weights="0.5", log_completions=True, plot_loss=True))
+    run_train(_config(tiny_model_dir, prompts_file, out, reward_model=reward_from_sft_dir, ppo_critic=critic,
+                      adapter_name_or_path=sft_dir, reward_funcs="format", reward_weights="0.5",
+                      log_completions=True, plot_loss=True))
     for name in ("adapter_model.safetensors", "adapter_config.json", VALUE_HEAD_FILE, "trainer_state.json",
                  "train_results.json", "trainer_log.jsonl", COMPLETIONS_FILE, "training_loss.png"):
         assert (out / name).is_file(), name
+    assert json.loads((out / BASE_ADAPTERS_FILE).read_text())["base_adapters"] == [str(Path(sft_dir).resolve())]
     assert not (out / "reward").exists()  # the reward adapter is not part of the output
     assert (out / "critic").is_dir() == (critic == "adapter")
     record = [r for r in read_log(out) if "loss" in r][-1]
     for key in ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "objective/kl", "objective/kl_coef",
                 "objective/entropy", "reward/mean", "reward/std", "policy/clipfrac", "policy/approxkl",
                 "val/clipfrac", "val/mean", "response_length/mean", "time/generation", "time/training",
-                "rewards/rm/mean", "rewards/format/mean"):
+                "rewards/rm_sft/mean", "rewards/format/mean"):
         assert key in record and record[key] is not None, key
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 2
@@ -240,11 +288,12 @@ def test_end_to_end(critic, tiny_model_dir, prompts_file, reward_dir, tmp_path):
         AutoModelForCausalLM.from_pretrained(str(exported))
 
 
-def test_padded_and_padding_free_rollouts_agree(tiny_model_dir, prompts_file, reward_dir, sft_dir, tmp_path):
+def test_padded_and_padding_free_rollouts_agree(tiny_model_dir, prompts_file, reward_from_sft_dir, sft_dir,
+                                                tmp_path):
     """Prompts of different lengths: both layouts give each token its true position, so the same numbers."""
     rollouts = []
     for padding_free in (False, True):
-        config = _config(tiny_model_dir, prompts_file, tmp_path / f"out{padding_free}", reward_model=reward_dir,
+        config = _config(tiny_model_dir, prompts_file, tmp_path / f"out{padding_free}", reward_model=reward_from_sft_dir,
                          adapter_name_or_path=sft_dir, padding_free=padding_free)
         trainer = build_ppo_trainer(config, [])
         with torch.no_grad():  # a zero head would hide a layout error

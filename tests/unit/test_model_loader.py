@@ -283,3 +283,85 @@ def test_lora_wrapping_does_not_print_peft_deprecation_warning(tiny_model_dir):
         warnings.simplefilter("always")
         load_model(config.model, config.finetuning, is_trainable=False).is_gradient_checkpointing
     assert [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+
+
+def test_base_adapters_are_recorded_and_put_back_before_the_adapter(tiny_model_dir, tmp_path, batch,
+                                                                   save_perturbed_adapter, monkeypatch, caplog):
+    """An adapter trained over a merged SFT adapter records it (absolute path); loading the adapter alone merges
+    the SFT adapter first, so it gives the model it was trained as; the explicit `sft,dpo` form gives the same."""
+    from alignkit.model.loader import BASE_ADAPTERS_FILE, merged_adapters, read_base_adapters, save_base_adapters
+
+    monkeypatch.chdir(tmp_path)  # a relative adapter_name_or_path is recorded as an absolute path
+    save_perturbed_adapter(tiny_model_dir, tmp_path / "sft", seed=3)
+    trained = save_perturbed_adapter(tiny_model_dir, tmp_path / "dpo", seed=4, over="sft")
+    sft_abs = str((tmp_path / "sft").resolve())
+    record = json.loads((tmp_path / "dpo" / BASE_ADAPTERS_FILE).read_text())
+    assert record["base_adapters"] == [sft_abs] and len(record["sha256"]) == 1 and len(record["sha256"][0]) == 64
+    assert read_base_adapters(tmp_path / "dpo") == (sft_abs,)
+    with torch.no_grad():
+        expected = trained(**batch).logits
+
+    for given in ("dpo", "sft,dpo"):
+        caplog.clear()
+        config = _config(tiny_model_dir, adapter_name_or_path=given)
+        model = load_model(config.model, config.finetuning, is_trainable=False)
+        assert merged_adapters(model) == (sft_abs, str((tmp_path / "dpo").resolve()))
+        with torch.no_grad():
+            torch.testing.assert_close(model(**batch).logits, expected, atol=1e-5, rtol=0)
+        assert "trained on top of" not in caplog.text  # the explicit chain is the recorded one: no warning
+    with torch.no_grad():  # without the SFT adapter under it, the same adapter is another model
+        bare = load_model(_config(tiny_model_dir).model, config.finetuning, is_trainable=False)
+        assert (bare(**batch).logits - expected).abs().max() > 1e-2
+
+    # A run that merged nothing, or saved full weights, has nothing to record.
+    assert save_base_adapters(bare, tmp_path / "dpo") is None
+    assert save_base_adapters(model, tmp_path / "no_adapter_here") is None
+    # A chain three deep: an adapter over dpo records sft and dpo, and alone brings both back.
+    save_perturbed_adapter(tiny_model_dir, tmp_path / "third", seed=5, over="dpo")
+    assert read_base_adapters(tmp_path / "third") == (sft_abs, str((tmp_path / "dpo").resolve()))
+
+
+def test_a_moved_base_adapter_is_named_and_the_explicit_chain_still_loads(tiny_model_dir, tmp_path, batch,
+                                                                         save_perturbed_adapter, caplog):
+    save_perturbed_adapter(tiny_model_dir, tmp_path / "sft", seed=3)
+    trained = save_perturbed_adapter(tiny_model_dir, tmp_path / "dpo", seed=4, over=tmp_path / "sft")
+    with torch.no_grad():
+        expected = trained(**batch).logits
+    (tmp_path / "sft").rename(tmp_path / "sft_moved")
+
+    config = _config(tiny_model_dir, adapter_name_or_path=str(tmp_path / "dpo"))
+    with pytest.raises(ConfigError, match=r"trained on top of the adapter .*/sft \(recorded in .*/dpo/base_adapters"
+                                          r".json\), which is no longer there.*adapter_name_or_path=<where"):
+        load_model(config.model, config.finetuning, is_trainable=False)
+
+    config = _config(tiny_model_dir, adapter_name_or_path=f"{tmp_path / 'sft_moved'},{tmp_path / 'dpo'}")
+    model = load_model(config.model, config.finetuning, is_trainable=False)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, expected, atol=1e-5, rtol=0)
+    assert "was trained on top of" in caplog.text and "using the adapters given" in caplog.text
+
+
+def test_a_malformed_base_adapters_file_is_named(tiny_model_dir, tmp_path, save_perturbed_adapter):
+    from alignkit.model.loader import BASE_ADAPTERS_FILE
+
+    save_perturbed_adapter(tiny_model_dir, tmp_path / "dpo")
+    (tmp_path / "dpo" / BASE_ADAPTERS_FILE).write_text('{"base_adapters": "sft"}')
+    config = _config(tiny_model_dir, adapter_name_or_path=str(tmp_path / "dpo"))
+    with pytest.raises(ConfigError, match=r"dpo/base_adapters.json: expected \{\"base_adapters\""):
+        load_model(config.model, config.finetuning, is_trainable=False)
+
+
+def test_a_base_adapter_retrained_in_place_is_warned_about(tiny_model_dir, tmp_path, save_perturbed_adapter, caplog):
+    """The SFT run re-run into the same folder after the DPO run: the path still exists, but the weights under the
+    DPO adapter are not those it was trained on; the record's sha256 tells, and loading says so."""
+    save_perturbed_adapter(tiny_model_dir, tmp_path / "sft", seed=3)
+    save_perturbed_adapter(tiny_model_dir, tmp_path / "dpo", seed=4, over=tmp_path / "sft")
+    config = _config(tiny_model_dir, adapter_name_or_path=str(tmp_path / "dpo"))
+    load_model(config.model, config.finetuning, is_trainable=False)
+    assert "other weights" not in caplog.text
+    save_perturbed_adapter(tiny_model_dir, tmp_path / "sft", seed=9)
+    for given in (str(tmp_path / "dpo"), f"{tmp_path / 'sft'},{tmp_path / 'dpo'}"):
+        caplog.clear()
+        config = _config(tiny_model_dir, adapter_name_or_path=given)
+        load_model(config.model, config.finetuning, is_trainable=False)
+        assert f"The adapter {tmp_path / 'sft'} holds other weights than when {tmp_path / 'dpo'} was trained" in caplog.text

@@ -200,8 +200,12 @@ def test_adapters_disabled_is_base_plus_sft_and_keeps_flags(tiny_model_dir, tmp_
 
 
 def test_reward_adapter_trained_from_the_sft_adapter(tiny_model_dir, tmp_path, save_perturbed_adapter, caplog):
-    """An RM started from the SFT adapter, on a policy with the same SFT adapter merged: its rewards equal
-    the RM loaded the normal way (SFT adapter, then the RM adapter). A warning says the match needs this."""
+    """An RM started from the SFT adapter records it; on a policy with the same SFT adapter merged its rewards
+    equal the RM loaded on its own (which merges the recorded SFT adapter, then the RM adapter). Without the
+    record (an RM of the bare base) the same adapter is refused on that policy: it would score on the wrong
+    base. As a starting point only (PPO's critic, `check_base=False`) it loads, and the mismatch is logged."""
+    from alignkit.model.loader import BASE_ADAPTERS_FILE, save_base_adapters
+
     ids, mask = _pad(ROWS, "left")
     sft_dir, rm_dir = tmp_path / "sft", tmp_path / "rm_from_sft"
     save_perturbed_adapter(tiny_model_dir, sft_dir)
@@ -209,14 +213,23 @@ def test_reward_adapter_trained_from_the_sft_adapter(tiny_model_dir, tmp_path, s
     rm = load_model(config.model, config.finetuning, is_trainable=True, head="reward")
     _perturb(rm, seed=5)
     rm.save_pretrained(rm_dir)
-    expected = _reward_model_rewards(tiny_model_dir, f"{sft_dir},{rm_dir}", ids, mask)
+    assert save_base_adapters(rm, rm_dir) == rm_dir / BASE_ADAPTERS_FILE
+    expected = _reward_model_rewards(tiny_model_dir, str(rm_dir), ids, mask)
+    torch.testing.assert_close(_reward_model_rewards(tiny_model_dir, f"{sft_dir},{rm_dir}", ids, mask), expected,
+                               atol=0, rtol=0)
 
     policy = load_model(config.model, config.finetuning, is_trainable=True)
-    with caplog.at_level(logging.WARNING, logger="alignkit.model.adapters"):
-        reward = load_reward_adapter(policy, rm_dir)
-    assert "only if that run started from the same adapter" in caplog.text
+    reward = load_reward_adapter(policy, rm_dir)
     # Merged (expected) vs unmerged (got) LoRA rounding: the same bound as above.
     torch.testing.assert_close(reward_adapter_rewards(policy, reward, ids, mask), expected, atol=1e-5, rtol=1e-5)
+
+    (rm_dir / BASE_ADAPTERS_FILE).unlink()
+    with pytest.raises(ConfigError, match=r"rm_from_sft was trained on the bare base, the policy's base is the base "
+                                          r"\+ .*/sft \(adapter_name_or_path\).*Load it on its own"):
+        load_reward_adapter(policy, rm_dir, name="other")
+    with caplog.at_level(logging.INFO, logger="alignkit.model.adapters"):
+        load_reward_adapter(policy, rm_dir, name="critic", check_base=False)
+    assert "'critic' starts from the reward model's weights, on another base" in caplog.text
 
 
 def test_reward_adapter_refusals(tiny_model_dir, tmp_path, reward_dir, policy, save_perturbed_adapter):

@@ -3,6 +3,8 @@ base, the policy unchanged after scoring) and a reward model on its own, both eq
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -25,8 +27,9 @@ def rm_dir(reward_adapter_dir):
     return reward_adapter_dir
 
 
-def _policy(model_dir, finetuning_type="lora"):
-    config = parse_config({"model_name_or_path": str(model_dir), "finetuning_type": finetuning_type})
+def _policy(model_dir, finetuning_type="lora", over=None):
+    config = parse_config({"model_name_or_path": str(model_dir), "finetuning_type": finetuning_type,
+                           "adapter_name_or_path": over and str(over)})
     model = load_model(config.model, config.finetuning, is_trainable=True)
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():  # a non-zero policy adapter, so a wrong switch would show in the log-probs
@@ -122,3 +125,42 @@ def test_a_spec_that_is_no_directory_is_a_config_error(tiny_model_dir, tmp_path)
     with pytest.raises(ConfigError, match="not a built-in.*reward model directory.*stage: rm"):
         build_reward_functions(RewardFunctionArguments(reward_funcs=["runs/no_such_rm"]), model=policy,
                                formatter=formatter, config_dir=str(tmp_path))
+
+
+def test_a_reward_adapter_shares_the_base_only_when_trained_over_the_policys_adapters(
+        tiny_model_dir, tmp_path, rm_dir, save_perturbed_adapter, caplog):
+    """An RM trained from the SFT adapter the policy starts from is an adapter on the policy's base; an RM
+    trained on another chain (the bare base here, or from SFT for a policy without it) is loaded on its own with
+    its own base chain, with a warning saying why and what it costs, and explicit `lora` refuses it. Each reward
+    is `alignkit score`'s."""
+    sft = tmp_path / "sft"
+    save_perturbed_adapter(tiny_model_dir, sft, seed=3)
+    rm_sft = tmp_path / "rm_sft"
+    trained = save_perturbed_adapter(tiny_model_dir, rm_sft, head="reward", seed=4, over=sft)
+    with torch.no_grad():
+        trained.base_model.model.score.modules_to_save["default"].weight.add_(1.0)
+    trained.save_pretrained(rm_sft)
+    policy, formatter, model_args = _policy(tiny_model_dir, over=sft)
+
+    def build(spec, policy=policy, **keys):
+        return build_reward_functions(RewardFunctionArguments(reward_funcs=[str(spec)], **keys), model=policy,
+                                      formatter=formatter, model_args=model_args)
+
+    shared = build(rm_sft)
+    assert isinstance(shared.functions[0].function, AdapterRewardModel)
+    torch.testing.assert_close(shared(PROMPTS, COMPLETIONS, {})[:, 0], _expected_scores(rm_sft), atol=1e-5, rtol=1e-5)
+
+    caplog.set_level(logging.WARNING, logger="alignkit.rewards.model")
+    alone = build(rm_dir)
+    assert isinstance(alone.functions[0].function, FullRewardModel)
+    assert sorted(policy.peft_config) == ["default", "reward"]  # nothing more loaded onto the policy
+    assert f"trained on the bare base, the policy's base is the base + {sft.resolve()}" in caplog.text
+    assert "second copy of the base model in memory" in caplog.text and " MB)" in caplog.text
+    torch.testing.assert_close(alone(PROMPTS, COMPLETIONS, {})[:, 0], _expected_scores(rm_dir), atol=0, rtol=0)
+    with pytest.raises(ConfigError, match="trained on the bare base.*would not score as the reward model does"):
+        build(rm_dir, reward_model_type="lora")
+
+    bare_policy, _, _ = _policy(tiny_model_dir)
+    from_sft = build(rm_sft, policy=bare_policy)
+    assert isinstance(from_sft.functions[0].function, FullRewardModel)
+    torch.testing.assert_close(from_sft(PROMPTS, COMPLETIONS, {})[:, 0], _expected_scores(rm_sft), atol=0, rtol=0)

@@ -230,6 +230,21 @@ def test_merged_lora_merges_inside_and_leaves_disabled_adapter_alone(lora_model)
             assert not merged and not layer.merged
 
 
+def test_merged_lora_computes_each_delta_once(lora_model, monkeypatch):
+    """Plain LoRA: the delta B @ A of each layer is computed for the merge only; leaving the block drops the
+    merged copies without PEFT's unmerge, which would compute every delta a second time to subtract it."""
+    from peft.tuners.lora import LoraLayer
+
+    calls = []
+    layers = [m for m in lora_model.modules() if isinstance(m, LoraLayer)]
+    for cls in {type(layer) for layer in layers}:  # lora.Linear etc. override the base method
+        monkeypatch.setattr(cls, "get_delta_weight",
+                            lambda self, adapter, _original=cls.get_delta_weight: calls.append(self) or _original(self, adapter))
+    with torch.no_grad(), merged_lora(lora_model) as merged:
+        assert merged and len(calls) == len(layers)
+    assert len(calls) == len(layers) and not any(layer.merged for layer in layers)
+
+
 def test_merge_unmerge_round_trip_is_not_exact_in_fp32(lora_model):
     """Why `merged_lora` restores saved tensors instead of unmerging: (W + BA) - BA != W bit for bit."""
     before = _snapshot(lora_model)

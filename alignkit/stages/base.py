@@ -136,6 +136,19 @@ class StageTrainer(Trainer):
         if self.args.should_save:
             save_base_adapters(self.model, output_dir or self.args.output_dir)
 
+    # ---- prediction ----
+
+    def loss_and_outputs(self, model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, Any, dict[str, Any]]:
+        """For `prediction_step`: `compute_loss(..., return_outputs=True)` without gradients.
+
+        Returns:
+            (the detached loss, the outputs `compute_loss` returned, the inputs as prepared for the device).
+        """
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        return loss.detach(), outputs, inputs
+
     # ---- the reference ----
 
     @contextlib.contextmanager

@@ -479,10 +479,7 @@ class DPOTrainer(StageTrainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The loss; unless `prediction_loss_only`, each pair's implicit rewards as predictions ([B, 2])."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-        loss = loss.detach()
+        loss, outputs, inputs = self.loss_and_outputs(model, inputs)
         if prediction_loss_only:
             return loss, None, None
         rewards = torch.stack([outputs["chosen_rewards"], outputs["rejected_rewards"]], dim=-1).detach()

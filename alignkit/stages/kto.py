@@ -310,10 +310,7 @@ class KTOTrainer(StageTrainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The loss; unless `prediction_loss_only`, each example's implicit reward [B] and its flag [B]."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-        loss = loss.detach()
+        loss, outputs, inputs = self.loss_and_outputs(model, inputs)
         if prediction_loss_only:
             return loss, None, None
         return loss, outputs["rewards"], inputs["desirable"].long()

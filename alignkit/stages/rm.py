@@ -162,10 +162,7 @@ class RewardTrainer(StageTrainer):
         return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-        loss = loss.detach()
+        loss, outputs, inputs = self.loss_and_outputs(model, inputs)
         if prediction_loss_only:
             return loss, None, None
         # [B, 2]: column 0 chosen, column 1 rejected. Labels are a dummy so that Trainer calls compute_metrics.

@@ -368,6 +368,14 @@ class Config:
     source: Optional[str] = None  # the YAML path, for messages
 
 
+def launched_processes() -> int:
+    """How many processes the launcher started (torchrun's, accelerate's or DeepSpeed's `WORLD_SIZE`; 1 alone)."""
+    try:
+        return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
 def _has_accelerator() -> bool:
     import torch
 
@@ -624,6 +632,10 @@ def parse_config(
         per_class[TrainingArguments].setdefault(key, value)
     # Pinned memory only helps host-to-GPU copies; on a CPU-only machine torch warns about it each epoch.
     per_class[TrainingArguments].setdefault("dataloader_pin_memory", _has_accelerator())
+    if launched_processes() > 1 and not _has_accelerator():
+        # Under torchrun on a CPU-only machine accelerate sets up gloo data parallelism only with `use_cpu`;
+        # without it every worker silently trains alone on the whole data set (each one its own "rank 0").
+        per_class[TrainingArguments].setdefault("use_cpu", True)
     if per_class[DataArguments].get("group_by_length"):
         # LLaMA-Factory's key; transformers 5 names the same sampler `train_sampling_strategy`.
         per_class[TrainingArguments].setdefault("train_sampling_strategy", "group_by_length")

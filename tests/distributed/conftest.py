@@ -1,0 +1,261 @@
+"""The distributed tier: real `alignkit train` runs under torchrun on the CPU (gloo), tiny model, compared with
+one process.
+
+Every test in `tests/distributed/` is marked `distributed` here (no decorator needed); the tier runs by default
+(deselect it with `-m "not distributed"`).
+
+Harness API (fixture `dist`, a `DistHarness`):
+
+- `dist.config(stage, name=None, **keys) -> Path`: writes a YAML for `stage` on the tiny model (the session's
+  `tiny_model_dir`) and the repository's demo data (`dataset_dir: data/`), with small settings that make a run
+  take seconds: LoRA rank 4, `cutoff_len` 64, `max_steps` 4, `logging_steps` 1, `seed` 0, `learning_rate` 1e-3,
+  `report_to: none`, no tqdm, `overwrite_output_dir`, and `output_dir` = `<tmp>/<name>`. `keys` override or add
+  keys (e.g. `per_device_train_batch_size=2`, `dataset="demo_pref"`); a value of None drops the key.
+  The default dataset per stage: `demo_pt` (pt), `demo_sft` (sft), `demo_pref` (rm, dpo), `demo_math` (grpo, ppo).
+- `dist.train(config, *overrides, nproc=1, launcher=None, home=None, env=None, timeout=..., check=True)
+  -> DistRun`: runs `alignkit train CONFIG key=value ...` in fresh processes. `nproc > 1` (or
+  `launcher="torchrun"`) goes through `python -m torch.distributed.run --standalone --nproc_per_node N -m
+  alignkit train ...` (torchrun's own module, so the venv's python runs it); `nproc=1` is a plain `python -m
+  alignkit train` (the single-process equivalent). `launcher` may also be a list: the launcher's arguments
+  placed before `-m alignkit` (a simulated node of a multi-node run, say; see `dist.launch`). Each run gets
+  its own `ALIGNKIT_HOME` and data cache (`<tmp>/home-<n>`, so a run never reads another's cache) unless
+  `home` names one to share. The environment is offline (`HF_HUB_OFFLINE=1`, `HF_DATASETS_OFFLINE=1`), with
+  `OMP_NUM_THREADS=1` (each rank one thread: two ranks on two cores) and `PYTHONPATH` = this checkout, plus
+  `env`. With `check=True` a non-zero exit fails the test showing the command and the end of its output;
+  a run past `timeout` seconds is killed with its whole process group (torchrun's workers too) and fails.
+- `dist.launch(...)`: the same, but returns the `subprocess.Popen` at once (stdout and stderr merged, text)
+  for runs that must go concurrently (the nodes of a two-node run); `dist.wait(proc, out)` turns it into a
+  `DistRun` and applies the same checks.
+- `DistRun`: `.out` (the output_dir), `.returncode`, `.output` (stdout+stderr), `.command`,
+  `.log()` (the records of `trainer_log.jsonl`), `.losses(key="loss")` -> {step: value} of the training
+  records, `.weights()` -> the final saved weights as a {name: tensor} (`adapter_model.safetensors` under
+  LoRA, else `model.safetensors`), `.predictions()` -> the rows of `generated_predictions.jsonl`.
+- `dist.assert_same_losses(a, b, atol=1e-5, key="loss")` and `dist.assert_same_weights(a, b, atol=1e-5)`: per
+  step and per tensor, with a table of what differs in the failure message. `dist.loss_table(runs, key)`
+  formats the per-step values of several runs ({label: DistRun}) side by side (for reports).
+- `dist.free_port()`: a free localhost TCP port (for a rendezvous endpoint).
+(Test modules reach these through the fixture: pytest's importlib import mode cannot import a conftest.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA_DIR = ROOT / "data"
+# Generous: a run on the tiny model takes seconds alone, but the two CPU cores are shared with other jobs.
+DEFAULT_TIMEOUT = 600
+DEFAULT_DATASETS = {"pt": "demo_pt", "sft": "demo_sft", "rm": "demo_pref", "dpo": "demo_pref", "kto": "demo_kto",
+                    "grpo": "demo_math", "ppo": "demo_math"}
+# Variables a launcher sets for its workers: a test run from inside a torchrun job must not inherit them.
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "FORCE_TORCHRUN", "NPROC_PER_NODE",
+                       "NNODES", "NODE_RANK")
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.distributed)
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now (bound and released; the rendezvous binds it again at once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class DistRun:
+    """One finished `alignkit train` launch (all of its processes)."""
+
+    out: Path
+    returncode: int
+    output: str
+    command: list[str]
+
+    def log(self) -> list[dict[str, Any]]:
+        path = self.out / "trainer_log.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+    def losses(self, key: str = "loss") -> dict[int, float]:
+        """{step: value} of `key` in the per-step training records (each step must be logged once)."""
+        records = [r for r in self.log() if key in r and "train_runtime" not in r]
+        steps = [r["current_steps"] for r in records]
+        assert len(steps) == len(set(steps)), f"{self.out}: steps logged more than once: {steps}"
+        return {r["current_steps"]: r[key] for r in records}
+
+    def weights(self) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        for name in ("adapter_model.safetensors", "model.safetensors"):
+            if (self.out / name).exists():
+                return load_file(str(self.out / name))
+        raise AssertionError(f"{self.out} holds no adapter_model.safetensors or model.safetensors: "
+                             f"{sorted(p.name for p in self.out.iterdir())}")
+
+    def predictions(self) -> list[dict[str, Any]]:
+        path = self.out / "generated_predictions.jsonl"
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _tail(text: str, limit: int = 8000) -> str:
+    return text if len(text) <= limit else "...\n" + text[-limit:]
+
+
+class DistHarness:
+    """Writes configs and launches `alignkit train` runs (see the module docstring)."""
+
+    # The module-level helpers, reachable from tests (test modules cannot import a conftest under
+    # pytest's importlib mode).
+    free_port = staticmethod(lambda: free_port())
+    loss_table = staticmethod(lambda runs, key="loss": loss_table(runs, key))
+    assert_same_losses = staticmethod(lambda a, b, atol=1e-5, key="loss": assert_same_losses(a, b, atol, key))
+    assert_same_weights = staticmethod(lambda a, b, atol=1e-5: assert_same_weights(a, b, atol))
+
+    def __init__(self, tmp: Path, model_dir: str) -> None:
+        self.tmp = tmp
+        self.model_dir = model_dir
+        self._homes = 0
+
+    # ---- configs ----
+
+    def config(self, stage: str, name: Optional[str] = None, **keys: Any) -> Path:
+        name = name or stage
+        values: dict[str, Any] = {
+            "stage": stage, "do_train": True, "model_name_or_path": self.model_dir,
+            "finetuning_type": "lora", "lora_rank": 4, "lora_target": "all",
+            "dataset": DEFAULT_DATASETS.get(stage, "demo_sft"), "dataset_dir": str(DATA_DIR),
+            **({} if stage == "pt" else {"template": "chatml"}),
+            "cutoff_len": 64, "output_dir": str(self.tmp / name), "overwrite_output_dir": True,
+            "per_device_train_batch_size": 2, "max_steps": 4, "logging_steps": 1, "learning_rate": 1e-3,
+            "seed": 0, "report_to": "none", "disable_tqdm": True,
+        }
+        for key, value in keys.items():
+            if value is None:
+                values.pop(key, None)
+            else:
+                values[key] = value
+        path = self.tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(values, sort_keys=False), encoding="utf-8")
+        return path
+
+    # ---- launching ----
+
+    def environment(self, home: Optional[Path] = None, env: Optional[dict[str, str]] = None) -> tuple[dict, Path]:
+        """The environment of a run, and its ALIGNKIT_HOME (a fresh one unless `home` is given)."""
+        if home is None:
+            self._homes += 1
+            home = self.tmp / f"home-{self._homes}"
+        home = Path(home)
+        home.mkdir(parents=True, exist_ok=True)
+        base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+        base.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+                    ALIGNKIT_HOME=str(home), ALIGNKIT_DATA_CACHE=str(home / "data_cache"),
+                    HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                    OMP_NUM_THREADS="1", WANDB_DISABLED="true")
+        base.update(env or {})
+        return base, home
+
+    def command(self, config: Path, overrides: Sequence[str], nproc: int = 1,
+                launcher: Union[None, str, Sequence[str]] = None) -> list[str]:
+        if launcher is None:
+            launcher = "torchrun" if nproc > 1 else "python"
+        if launcher == "python":
+            if nproc != 1:
+                raise ValueError("launcher='python' runs one process; use launcher='torchrun' for nproc > 1")
+            prefix = [sys.executable]
+        elif launcher == "torchrun":
+            prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        else:
+            prefix = [sys.executable, "-m", "torch.distributed.run", *launcher]
+        return [*prefix, "-m", "alignkit", "train", str(config), *overrides]
+
+    def launch(self, config: Path, *overrides: str, nproc: int = 1, launcher=None, home: Optional[Path] = None,
+               env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+        run_env, _ = self.environment(home, env)
+        command = self.command(config, overrides, nproc, launcher)
+        proc = subprocess.Popen(command, env=run_env, cwd=self.tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        proc.args = command
+        return proc
+
+    def wait(self, proc: subprocess.Popen, out: Path, *, timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> DistRun:
+        try:
+            output = proc.communicate(timeout=timeout)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher's session: torchrun and its workers
+            output = proc.communicate()[0]
+            pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, proc.args))}\n{_tail(output)}")
+        run = DistRun(out=Path(out), returncode=proc.returncode, output=output, command=list(map(str, proc.args)))
+        if check and proc.returncode != 0:
+            pytest.fail(f"exit code {proc.returncode}: {' '.join(run.command)}\n{_tail(output)}")
+        return run
+
+    def train(self, config: Path, *overrides: str, nproc: int = 1, launcher=None, home: Optional[Path] = None,
+              env: Optional[dict[str, str]] = None, timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> DistRun:
+        proc = self.launch(config, *overrides, nproc=nproc, launcher=launcher, home=home, env=env)
+        return self.wait(proc, output_dir_of(config, overrides), timeout=timeout, check=check)
+
+
+def output_dir_of(config: Path, overrides: Iterable[str] = ()) -> Path:
+    """The output_dir a run of `config` with `overrides` writes to."""
+    out = yaml.safe_load(Path(config).read_text(encoding="utf-8")).get("output_dir")
+    for item in overrides:
+        if item.startswith("output_dir="):
+            out = item.split("=", 1)[1]
+    return Path(out)
+
+
+# ---- comparisons ----
+
+def loss_table(runs: dict[str, DistRun], key: str = "loss") -> str:
+    """Per-step values of `key` of each run side by side, plus the largest absolute difference to the first."""
+    series = {label: run.losses(key) for label, run in runs.items()}
+    steps = sorted(set().union(*(s.keys() for s in series.values())))
+    labels = list(series)
+    lines = ["step | " + " | ".join(labels) + " | max |diff|"]
+    for step in steps:
+        values = [series[label].get(step) for label in labels]
+        known = [v for v in values if v is not None]
+        diff = max(abs(v - known[0]) for v in known) if known else float("nan")
+        lines.append(f"{step} | " + " | ".join("-" if v is None else f"{v:.8f}" for v in values) + f" | {diff:.2e}")
+    return "\n".join(lines)
+
+
+def assert_same_losses(a: DistRun, b: DistRun, atol: float = 1e-5, key: str = "loss") -> None:
+    la, lb = a.losses(key), b.losses(key)
+    assert la, f"{a.out}: no `{key}` logged"
+    assert sorted(la) == sorted(lb), f"different steps logged: {sorted(la)} vs {sorted(lb)}"
+    bad = [s for s in la if abs(la[s] - lb[s]) > atol]
+    assert not bad, f"`{key}` differs by more than {atol} at steps {bad}:\n{loss_table({'a': a, 'b': b}, key)}"
+
+
+def assert_same_weights(a: DistRun, b: DistRun, atol: float = 1e-5) -> None:
+    wa, wb = a.weights(), b.weights()
+    assert sorted(wa) == sorted(wb), f"different tensors saved: {sorted(set(wa) ^ set(wb))}"
+    diffs = {name: (wa[name].float() - wb[name].float()).abs().max().item() for name in wa}
+    bad = {name: d for name, d in diffs.items() if d > atol}
+    assert not bad, f"{len(bad)} of {len(diffs)} tensors differ by more than {atol}: " + \
+        ", ".join(f"{n}: {d:.2e}" for n, d in sorted(bad.items(), key=lambda kv: -kv[1])[:8])
+
+
+@pytest.fixture(scope="module")
+def dist(tiny_model_dir, tmp_path_factory) -> DistHarness:
+    """The harness (module docstring); one per test module, so runs can be shared between its tests."""
+    return DistHarness(tmp_path_factory.mktemp("dist"), tiny_model_dir)

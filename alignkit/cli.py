@@ -1,6 +1,7 @@
 """The `alignkit` command: argument handling only; the work happens in the modules it calls.
 
     alignkit train CONFIG.yaml [key=value ...]   run the stage named by `stage:`
+    alignkit train --nproc N CONFIG.yaml          the same in N processes (through torchrun)
     alignkit chat [--model DIR] [--adapter DIR] [--prompt TEXT]
     alignkit export --model DIR [--adapter DIR] --export-dir DIR [--force]
     alignkit score --model DIR --input FILE.jsonl [--output FILE.jsonl]
@@ -39,7 +40,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     if not args.config:
         raise ConfigError("alignkit train needs a config file: alignkit train CONFIG.yaml [key=value ...]")
-    config = read_config(args.config, args.overrides)
+    config = read_config(args.config, args.overrides)  # checked here first: a bad key fails before any launch
+    from .launch import relaunch, torchrun_command
+
+    command = torchrun_command([args.config, *args.overrides], args.nproc, os.environ)
+    if command is not None:
+        return relaunch(command)
     from .train import run_train
 
     run_train(config)
@@ -138,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     p.add_argument("--help-keys", action="store_true", help="list every config key with its help")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="start N data-parallel processes on this machine through torchrun (FORCE_TORCHRUN=1 with "
+                   "NPROC_PER_NODE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT does the same)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("chat", help="chat with a model (interactive, streaming)")

@@ -12,6 +12,7 @@ to the cache atomically (and to `tokenized_path` when given).
 from __future__ import annotations
 
 import codecs
+import contextlib
 import csv
 import dataclasses
 import hashlib
@@ -26,7 +27,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from datasets import Dataset, DatasetDict, load_from_disk
 from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
@@ -684,16 +685,35 @@ def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
     }
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
     cached = cache_root() / key
-    if cached.is_dir() and not d.overwrite_cache:
-        logger.info("Loading tokenised data from cache %s.", cached)
+    # Under torchrun/accelerate the main process of each node tokenises and writes the cache while the
+    # others wait, then they read what it wrote (one tokenisation per node, never two writers racing;
+    # nodes sharing a file system each write the same bytes atomically). One process: no waiting.
+    with _main_process_first(config, "tokenisation") as is_main:
+        if cached.is_dir() and not (d.overwrite_cache and is_main):
+            logger.info("Loading tokenised data from cache %s.", cached)
+        else:
+            _save_atomically(_build(config, formatter, kind, train_attrs, eval_attrs, for_generation), cached)
+        # Every process, and a fresh run as a cached one, reads the cache: the same memory-mapped rows, so
+        # what is derived from the files (DPO's reference log-prob cache sits beside them) agrees everywhere.
         splits = load_from_disk(str(cached))
-    else:
-        splits = _build(config, formatter, kind, train_attrs, eval_attrs, for_generation)
-        _save_atomically(splits, cached)
-    if d.tokenized_path:
+    if d.tokenized_path and is_main:
         _save_atomically(splits, Path(d.tokenized_path))
         logger.info("Saved tokenised data to tokenized_path=%s.", d.tokenized_path)
     return _as_result(splits)
+
+
+@contextlib.contextmanager
+def _main_process_first(config, desc: str) -> Iterator[bool]:
+    """`TrainingArguments.main_process_first` (per node) for a run launched with several processes; yields
+    whether this process is the one that goes first."""
+    from ..hparams import launched_processes
+
+    args = config.training
+    if launched_processes() <= 1 or not hasattr(args, "main_process_first"):
+        yield True
+        return
+    with args.main_process_first(local=True, desc=desc):
+        yield args.local_process_index == 0
 
 
 def _build(config, formatter: ChatFormatter, kind: str, train_attrs: list[DatasetAttr],

@@ -43,6 +43,7 @@ from torch import nn
 
 from ..hparams import ConfigError
 from ..model.logprobs import forward_sequence_logps
+from ..model.distributed import full_weights
 from .base import StageTrainer, run_stage_trainer, save_pair_predictions
 
 if TYPE_CHECKING:
@@ -392,13 +393,19 @@ class DPOTrainer(StageTrainer):
                          keep_reference_copy=self.needs_reference and not self.precompute_ref_logps, **kwargs)
 
         if self.precompute_ref_logps:
-            # Before any update, so that a full fine-tuning policy can serve as its own reference here.
-            if self.train_dataset is not None:
-                self.train_dataset = self._with_reference_logps(self.train_dataset, "train")
-            if isinstance(self.eval_dataset, dict):
-                self.eval_dataset = {k: self._with_reference_logps(v, f"eval {k}") for k, v in self.eval_dataset.items()}
-            elif self.eval_dataset is not None:
-                self.eval_dataset = self._with_reference_logps(self.eval_dataset, "eval")
+            # Before any update, so that a full fine-tuning policy can serve as its own reference here. Under
+            # several processes the main one of each node computes and writes the cache, the others then read
+            # it; the weights are gathered once for the whole pass under ZeRO-3.
+            with self.args.main_process_first(local=True, desc="reference log-probs"), full_weights(self.ref_model or self.model):
+                self._precompute_reference_logps()
+
+    def _precompute_reference_logps(self) -> None:
+        if self.train_dataset is not None:
+            self.train_dataset = self._with_reference_logps(self.train_dataset, "train")
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {k: self._with_reference_logps(v, f"eval {k}") for k, v in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = self._with_reference_logps(self.eval_dataset, "eval")
 
     # ---- the reference ----
 

@@ -17,7 +17,9 @@ Harness API (fixture `dist`, a `DistHarness`):
   `launcher="torchrun"`) goes through `python -m torch.distributed.run --standalone --nproc_per_node N -m
   alignkit train ...` (torchrun's own module, so the venv's python runs it); `nproc=1` is a plain `python -m
   alignkit train` (the single-process equivalent). `launcher` may also be a list: the launcher's arguments
-  placed before `-m alignkit` (a simulated node of a multi-node run, say; see `dist.launch`). Each run gets
+  placed before `-m alignkit` (a simulated node of a multi-node run, say; see `dist.launch`). `launcher="nproc"`
+  runs `python -m alignkit train --nproc N ...` and `launcher="force_torchrun"` runs `python -m alignkit train
+  ...` with `FORCE_TORCHRUN=1 NPROC_PER_NODE=N` (alignkit's own re-launch through torchrun). Each run gets
   its own `ALIGNKIT_HOME` and data cache (`<tmp>/home-<n>`, so a run never reads another's cache) unless
   `home` names one to share. The environment is offline (`HF_HUB_OFFLINE=1`, `HF_DATASETS_OFFLINE=1`), with
   `OMP_NUM_THREADS=1` (each rank one thread: two ranks on two cores) and `PYTHONPATH` = this checkout, plus
@@ -26,7 +28,8 @@ Harness API (fixture `dist`, a `DistHarness`):
 - `dist.launch(...)`: the same, but returns the `subprocess.Popen` at once (stdout and stderr merged, text)
   for runs that must go concurrently (the nodes of a two-node run); `dist.wait(proc, out)` turns it into a
   `DistRun` and applies the same checks.
-- `DistRun`: `.out` (the output_dir), `.returncode`, `.output` (stdout+stderr), `.command`,
+- `DistRun`: `.out` (the output_dir), `.returncode`, `.output` (stdout+stderr), `.command`, `.home` (its
+  ALIGNKIT_HOME; the tokenised-data cache is `.home / "data_cache"`),
   `.log()` (the records of `trainer_log.jsonl`), `.losses(key="loss")` -> {step: value} of the training
   records, `.weights()` -> the final saved weights as a {name: tensor} (`adapter_model.safetensors` under
   LoRA, else `model.safetensors`), `.predictions()` -> the rows of `generated_predictions.jsonl`.
@@ -86,6 +89,7 @@ class DistRun:
     returncode: int
     output: str
     command: list[str]
+    home: Optional[Path] = None  # its ALIGNKIT_HOME (the data cache is `home / "data_cache"`)
 
     def log(self) -> list[dict[str, Any]]:
         path = self.out / "trainer_log.jsonl"
@@ -180,6 +184,10 @@ class DistHarness:
             if nproc != 1:
                 raise ValueError("launcher='python' runs one process; use launcher='torchrun' for nproc > 1")
             prefix = [sys.executable]
+        elif launcher == "nproc":  # alignkit's own re-launch through torchrun
+            return [sys.executable, "-m", "alignkit", "train", "--nproc", str(nproc), str(config), *overrides]
+        elif launcher == "force_torchrun":  # the same, asked for LLaMA-Factory's way (see `launch`)
+            return [sys.executable, "-m", "alignkit", "train", str(config), *overrides]
         elif launcher == "torchrun":
             prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
         else:
@@ -188,11 +196,14 @@ class DistHarness:
 
     def launch(self, config: Path, *overrides: str, nproc: int = 1, launcher=None, home: Optional[Path] = None,
                env: Optional[dict[str, str]] = None) -> subprocess.Popen:
-        run_env, _ = self.environment(home, env)
+        if launcher == "force_torchrun":
+            env = {**(env or {}), "FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(nproc)}
+        run_env, run_home = self.environment(home, env)
         command = self.command(config, overrides, nproc, launcher)
         proc = subprocess.Popen(command, env=run_env, cwd=self.tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         proc.args = command
+        proc.alignkit_home = run_home
         return proc
 
     def wait(self, proc: subprocess.Popen, out: Path, *, timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> DistRun:
@@ -202,7 +213,8 @@ class DistHarness:
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher's session: torchrun and its workers
             output = proc.communicate()[0]
             pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, proc.args))}\n{_tail(output)}")
-        run = DistRun(out=Path(out), returncode=proc.returncode, output=output, command=list(map(str, proc.args)))
+        run = DistRun(out=Path(out), returncode=proc.returncode, output=output, command=list(map(str, proc.args)),
+                      home=getattr(proc, "alignkit_home", None))
         if check and proc.returncode != 0:
             pytest.fail(f"exit code {proc.returncode}: {' '.join(run.command)}\n{_tail(output)}")
         return run

@@ -1,0 +1,99 @@
+"""Whole weights for the passes that run a sharded model outside the training step.
+
+Under DeepSpeed ZeRO-3 and FSDP each process holds a shard of every weight; a forward gathers each layer's
+weights from all processes just before the layer runs and frees them after. That is right for a training
+step, but the DPO reference precomputation runs many batches in a row, and generation (GRPO/PPO rollouts,
+SFT prediction) runs one forward per new token: gathered layer by layer, the whole model crosses the network
+once per token. `full_weights(model)` gathers the weights once for a block of work (one generation batch, one
+precomputation pass) and puts the shards back on exit.
+
+- ZeRO-3: the parameters DeepSpeed partitioned carry a `ds_id` attribute (set by `deepspeed.zero.Init`, which
+  transformers' `from_pretrained` uses when the `deepspeed` config has stage 3). They are gathered with
+  `deepspeed.zero.GatheredParameters(params, modifier_rank=None)` (read-only: nothing is written back).
+- FSDP2 (`fully_shard`, accelerate's `fsdp_version: 2`): every `FSDPModule` is unsharded with `unshard()`
+  and kept whole across forwards (`set_reshard_after_forward(False)`), then `reshard()`ed and given back its
+  reshard-after-forward setting on exit.
+- FSDP1 (`FullyShardedDataParallel` wrappers) offers `summon_full_params`, but no forward may run inside it,
+  so FSDP1 models are yielded as they are (gathered per forward: correct, slower).
+- Anything else (one process, DDP, ZeRO-0/1/2, which keep whole weights on every process): a no-op.
+
+Only the ZeRO-3 and no-op paths are exercised on the CPU here (ZeRO-3 with DeepSpeed stubbed; DeepSpeed
+needs an accelerator), see docs/ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from torch import nn
+
+
+def zero3_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `model` that DeepSpeed ZeRO-3 has partitioned (they carry `ds_id`); [] otherwise."""
+    return [p for p in model.parameters() if hasattr(p, "ds_id")]
+
+
+def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that FSDP2's `fully_shard` has sharded; [] otherwise (or without FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6: no FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def sharding_of(model: nn.Module) -> str:
+    """`"zero3"`, `"fsdp2"`, `"fsdp1"` or `"none"`: how `model`'s weights are split across processes."""
+    if zero3_parameters(model):
+        return "zero3"
+    if fsdp2_modules(model):
+        return "fsdp2"
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        return "fsdp1"
+    return "none"
+
+
+@contextlib.contextmanager
+def full_weights(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, `model` computes with whole weights gathered once (module docstring); yields it.
+
+    Use it around one generation batch or one reference pass, not around a training step (the optimizer
+    works on the shards). Gathering costs the memory of the whole model on each process for the block.
+
+    Example:
+        with full_weights(policy) as model:
+            generation = generate(model, tokenizer, ids, mask, stop_token_ids=stops)
+    """
+    kind = sharding_of(model)
+    if kind == "zero3":
+        import deepspeed  # imported only under ZeRO-3, which already runs on DeepSpeed
+
+        with deepspeed.zero.GatheredParameters(zero3_parameters(model), modifier_rank=None):
+            yield model
+    elif kind == "fsdp2":
+        modules = fsdp2_modules(model)
+        before = [_reshards_after_forward(m) for m in modules]
+        for module in modules:
+            module.set_reshard_after_forward(False, recurse=False)
+            module.unshard()
+        try:
+            yield model
+        finally:
+            for module, reshard in zip(modules, before):
+                module.reshard()
+                module.set_reshard_after_forward(reshard, recurse=False)
+    else:
+        yield model
+
+
+def _reshards_after_forward(module: nn.Module) -> bool:
+    """An FSDP2 module's reshard-after-forward setting (True, FSDP2's default, when it cannot be read)."""
+    state = module._get_fsdp_state()  # FSDPModule's accessor; the setting lives on its parameter groups
+    groups = getattr(state, "_fsdp_param_groups", None) or []
+    if not groups:
+        return True
+    return groups[0].post_forward_mesh_info is not None
+
+
+__all__ = ["full_weights", "sharding_of", "zero3_parameters", "fsdp2_modules"]

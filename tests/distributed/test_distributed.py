@@ -125,3 +125,23 @@ def test_two_node_run_resumes_the_two_process_run_and_writes_once(pairs, dist):
     dist.assert_same_weights(straight, resumed, atol=1e-5)
     assert sum("train_runtime" in r for r in resumed.log()) == 1  # the copied summary was cut at the resume
     assert (out / "checkpoint-4").is_dir() and (out / "adapter_model.safetensors").is_file()
+
+
+def test_full_weights_gathers_fsdp2_shards_once_per_generation(dist, tiny_model_dir):
+    """FSDP2 runs on the CPU with gloo (torch's `fully_shard`); accelerate does not enable it there (see README)."""
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("fsdp2_full_weights_worker.py")
+    env, _ = dist.environment()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(worker), tiny_model_dir], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    for report in reports:
+        assert report["sharding"] == "fsdp2" and report["same_tokens"]
+        # Once per FSDP module for the whole generation, instead of once per module per forward.
+        assert report["gathers_in_block"] == report["fsdp_modules"]
+        assert report["gathers_per_forward"] > report["gathers_in_block"]
+        assert report["local_rows_after"] * 2 == report["rows"]  # sharded again after the block

@@ -34,7 +34,9 @@ Harness API (fixture `dist`, a `DistHarness`):
   records, `.weights()` -> the final saved weights as a {name: tensor} (`adapter_model.safetensors` under
   LoRA, else `model.safetensors`), `.predictions()` -> the rows of `generated_predictions.jsonl`.
 - `dist.assert_same_losses(a, b, atol=1e-5, key="loss")` and `dist.assert_same_weights(a, b, atol=1e-5)`: per
-  step and per tensor, with a table of what differs in the failure message. `dist.loss_table(runs, key)`
+  step and per tensor, with a table of what differs in the failure message. `dist.assert_same_logs(a, b,
+  atol=1e-5)`: every value of every per-step training record but the wall-clock ones (stage metrics, token
+  counts, learning rate, epoch...). `dist.loss_table(runs, key)`
   formats the per-step values of several runs ({label: DistRun}) side by side (for reports).
 - `dist.free_port()`: a free localhost TCP port (for a rendezvous endpoint).
 (Test modules reach these through the fixture: pytest's importlib import mode cannot import a conftest.)
@@ -131,6 +133,7 @@ class DistHarness:
     loss_table = staticmethod(lambda runs, key="loss": loss_table(runs, key))
     assert_same_losses = staticmethod(lambda a, b, atol=1e-5, key="loss": assert_same_losses(a, b, atol, key))
     assert_same_weights = staticmethod(lambda a, b, atol=1e-5: assert_same_weights(a, b, atol))
+    assert_same_logs = staticmethod(lambda a, b, atol=1e-5: assert_same_logs(a, b, atol))
 
     def __init__(self, tmp: Path, model_dir: str) -> None:
         self.tmp = tmp
@@ -256,6 +259,31 @@ def assert_same_losses(a: DistRun, b: DistRun, atol: float = 1e-5, key: str = "l
     assert sorted(la) == sorted(lb), f"different steps logged: {sorted(la)} vs {sorted(lb)}"
     bad = [s for s in la if abs(la[s] - lb[s]) > atol]
     assert not bad, f"`{key}` differs by more than {atol} at steps {bad}:\n{loss_table({'a': a, 'b': b}, key)}"
+
+
+# Wall-clock figures differ from run to run; everything else a step logs must agree.
+TIMING_KEYS = frozenset({"elapsed_time", "remaining_time", "tokens_per_second"})
+
+
+def assert_same_logs(a: DistRun, b: DistRun, atol: float = 1e-5) -> None:
+    """Every per-step training record of `a` and `b` holds the same keys and values (`atol`), timing aside:
+    losses, gradient norms, learning rates, epochs, token counts and each stage's metrics (reward
+    accuracies, margins...), which under several processes are reduced over all of them."""
+    steps_a = {r["current_steps"]: r for r in a.log() if "loss" in r}
+    steps_b = {r["current_steps"]: r for r in b.log() if "loss" in r}
+    assert sorted(steps_a) == sorted(steps_b), f"different steps logged: {sorted(steps_a)} vs {sorted(steps_b)}"
+    problems = []
+    for step, record in steps_a.items():
+        other = steps_b[step]
+        keys = (set(record) | set(other)) - TIMING_KEYS
+        for key in sorted(keys):
+            x, y = record.get(key), other.get(key)
+            if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+                if abs(x - y) > atol:
+                    problems.append(f"step {step} {key}: {x} vs {y}")
+            elif x != y:
+                problems.append(f"step {step} {key}: {x!r} vs {y!r}")
+    assert not problems, "logged values differ:\n" + "\n".join(problems[:20])
 
 
 def assert_same_weights(a: DistRun, b: DistRun, atol: float = 1e-5) -> None:

@@ -28,7 +28,7 @@ EVAL_ROWS = 37  # max_samples also cuts the eval set: 37 prompts, not a multiple
 SFT_KEYS = {"gradient_accumulation_steps": 2, "max_samples": EVAL_ROWS, "save_steps": 2,
             "do_predict": True, "predict_with_generate": True, "eval_dataset": "demo_sft_eval",
             "per_device_eval_batch_size": 1, "max_new_tokens": 8, "do_sample": False}
-STAGE_KEYS = {"sft": SFT_KEYS, "pt": {}, "rm": {}, "dpo": {"precompute_ref_log_probs": True}}
+STAGE_KEYS = {"sft": SFT_KEYS, "pt": {}, "rm": {"plot_loss": True}, "dpo": {"precompute_ref_log_probs": True}}
 LAUNCHERS = {"sft": "torchrun", "pt": "force_torchrun", "rm": "nproc", "dpo": "torchrun"}
 
 
@@ -56,11 +56,13 @@ def test_two_processes_train_as_one_with_the_double_batch(pairs, dist, stage):
     single, double = pairs(stage)
     assert sorted(double.losses()) == [1, 2, 3, 4]
     dist.assert_same_losses(single, double, atol=1e-5)
-    dist.assert_same_losses(single, double, atol=1e-5, key="grad_norm")
+    dist.assert_same_logs(single, double, atol=1e-5)  # grad norms, token counts, reward metrics too
     dist.assert_same_weights(single, double, atol=1e-5)
     # Only the main process writes the log: every step once, one summary.
     assert [r["current_steps"] for r in double.log() if "loss" in r] == [1, 2, 3, 4]
     assert sum("train_runtime" in r for r in double.log()) == 1
+    if stage == "rm":
+        assert (double.out / "training_loss.png").is_file() and (double.out / "training_rewards_margins.png").is_file()
 
 
 def _cache_files(run) -> dict[str, bytes]:

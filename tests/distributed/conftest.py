@@ -19,10 +19,13 @@ Harness API (fixture `dist`, a `DistHarness`):
   alignkit train` (the single-process equivalent). `launcher` may also be a list: the launcher's arguments
   placed before `-m alignkit` (a simulated node of a multi-node run, say; see `dist.launch`). `launcher="nproc"`
   runs `python -m alignkit train --nproc N ...` and `launcher="force_torchrun"` runs `python -m alignkit train
-  ...` with `FORCE_TORCHRUN=1 NPROC_PER_NODE=N` (alignkit's own re-launch through torchrun). Each run gets
+  ...` with `FORCE_TORCHRUN=1 NPROC_PER_NODE=N` (alignkit's own re-launch through torchrun), and
+  `launcher="accelerate"` runs `accelerate launch --multi_gpu --num_processes N -m alignkit train ...`
+  (accelerate's multi-process launcher; on a CPU-only machine the processes train on the CPU with gloo). Each run gets
   its own `ALIGNKIT_HOME` and data cache (`<tmp>/home-<n>`, so a run never reads another's cache) unless
   `home` names one to share. The environment is offline (`HF_HUB_OFFLINE=1`, `HF_DATASETS_OFFLINE=1`), with
-  `OMP_NUM_THREADS=1` (each rank one thread: two ranks on two cores) and `PYTHONPATH` = this checkout, plus
+  `OMP_NUM_THREADS=1` (each rank one thread: two ranks on two cores), `HF_HOME` inside the run's home (no
+  user accelerate config is read) and `PYTHONPATH` = this checkout, plus
   `env`. With `check=True` a non-zero exit fails the test showing the command and the end of its output;
   a run past `timeout` seconds is killed with its whole process group (torchrun's workers too) and fails.
 - `dist.launch(...)`: the same, but returns the `subprocess.Popen` at once (stdout and stderr merged, text)
@@ -175,7 +178,9 @@ class DistHarness:
         base.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
                     ALIGNKIT_HOME=str(home), ALIGNKIT_DATA_CACHE=str(home / "data_cache"),
                     HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                    OMP_NUM_THREADS="1", WANDB_DISABLED="true")
+                    OMP_NUM_THREADS="1", WANDB_DISABLED="true",
+                    # accelerate reads a default config from here: none, so a developer's own cannot leak in
+                    HF_HOME=str(home / "hf_home"))
         base.update(env or {})
         return base, home
 
@@ -191,6 +196,8 @@ class DistHarness:
             return [sys.executable, "-m", "alignkit", "train", "--nproc", str(nproc), str(config), *overrides]
         elif launcher == "force_torchrun":  # the same, asked for LLaMA-Factory's way (see `launch`)
             return [sys.executable, "-m", "alignkit", "train", str(config), *overrides]
+        elif launcher == "accelerate":  # `accelerate launch --multi_gpu`: its torchrun-style launcher, CPU here
+            prefix = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc)]
         elif launcher == "torchrun":
             prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
         else:

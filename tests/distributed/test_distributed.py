@@ -4,8 +4,8 @@ Runs are shared between tests to keep the tier short (each launch costs its proc
 
 - per stage (sft, pt, rm, dpo) one single-process run at per-device batch 4 and one 2-process run at per-device
   batch 2, four steps each: the per-step losses and the final adapter must agree within 1e-5. The 2-process
-  runs go through the three ways of starting them: `torchrun` (sft, dpo), `alignkit train --nproc 2` (rm)
-  and `FORCE_TORCHRUN=1 NPROC_PER_NODE=2 alignkit train` (pt).
+  runs go through the four ways of starting them: `torchrun` (sft), `accelerate launch --multi_gpu` (pt),
+  `alignkit train --nproc 2` (rm) and `FORCE_TORCHRUN=1 NPROC_PER_NODE=2 alignkit train` (dpo).
 - the sft pair also accumulates gradients over 2 micro-batches (the token count of the loss spans ranks and
   micro-batches), predicts with generation on 37 held-out prompts (odd, so the 2-process evaluation pads
   its last batch with a repeated row that must not reach the file), and saves a checkpoint at step 2;
@@ -29,7 +29,7 @@ SFT_KEYS = {"gradient_accumulation_steps": 2, "max_samples": EVAL_ROWS, "save_st
             "do_predict": True, "predict_with_generate": True, "eval_dataset": "demo_sft_eval",
             "per_device_eval_batch_size": 1, "max_new_tokens": 8, "do_sample": False}
 STAGE_KEYS = {"sft": SFT_KEYS, "pt": {}, "rm": {"plot_loss": True}, "dpo": {"precompute_ref_log_probs": True}}
-LAUNCHERS = {"sft": "torchrun", "pt": "force_torchrun", "rm": "nproc", "dpo": "torchrun"}
+LAUNCHERS = {"sft": "torchrun", "pt": "accelerate", "rm": "nproc", "dpo": "force_torchrun"}
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ Runs are shared between tests to keep the tier short (each launch costs its proc
   batch 2, four steps each: the per-step losses and the final adapter must agree within 1e-5. The 2-process
   runs go through the four ways of starting them: `torchrun` (sft), `accelerate launch --multi_gpu` (pt),
   `alignkit train --nproc 2` (rm) and `FORCE_TORCHRUN=1 NPROC_PER_NODE=2 alignkit train` (dpo).
-- the dpo pair also evaluates 37 pairs at per-device batch 4 (the 2-process evaluation's last round repeats 3
+- the rm and dpo pairs also evaluate 37 pairs at per-device batch 4 (the 2-process evaluation's last round repeats 3
   pairs, which must not count in its loss and metrics);
 - the sft pair also accumulates gradients over 2 micro-batches (the token count of the loss spans ranks and
   micro-batches), predicts with generation on 37 held-out prompts (odd, so the 2-process evaluation pads
@@ -30,10 +30,11 @@ EVAL_ROWS = 37  # max_samples also cuts the eval set: 37 prompts, not a multiple
 SFT_KEYS = {"gradient_accumulation_steps": 2, "max_samples": EVAL_ROWS, "save_steps": 2,
             "do_predict": True, "predict_with_generate": True, "eval_dataset": "demo_sft_eval",
             "per_device_eval_batch_size": 1, "max_new_tokens": 8, "do_sample": False}
-# dpo also evaluates 37 pairs by 4 per process: the 2-process evaluation pads its last round with 3 repeats.
-DPO_KEYS = {"precompute_ref_log_probs": True, "do_eval": True, "eval_dataset": "demo_pref_eval",
-            "max_samples": EVAL_ROWS, "per_device_eval_batch_size": 4}
-STAGE_KEYS = {"sft": SFT_KEYS, "pt": {}, "rm": {"plot_loss": True}, "dpo": DPO_KEYS}
+# rm and dpo also evaluate 37 pairs by 4 per process: the 2-process evaluation pads its last round with 3 repeats.
+EVAL_KEYS = {"do_eval": True, "eval_dataset": "demo_pref_eval", "max_samples": EVAL_ROWS,
+             "per_device_eval_batch_size": 4}
+STAGE_KEYS = {"sft": SFT_KEYS, "pt": {}, "rm": {"plot_loss": True, **EVAL_KEYS},
+              "dpo": {"precompute_ref_log_probs": True, **EVAL_KEYS}}
 LAUNCHERS = {"sft": "torchrun", "pt": "accelerate", "rm": "nproc", "dpo": "force_torchrun"}
 
 
@@ -70,8 +71,9 @@ def test_two_processes_train_as_one_with_the_double_batch(pairs, dist, stage):
         assert (double.out / "training_loss.png").is_file() and (double.out / "training_rewards_margins.png").is_file()
 
 
-def test_two_processes_evaluate_as_one_without_the_repeated_rows(pairs):
-    single, double = pairs("dpo")
+@pytest.mark.parametrize("stage", ["rm", "dpo"])
+def test_two_processes_evaluate_as_one_without_the_repeated_rows(pairs, stage):
+    single, double = pairs(stage)
     results = [json.loads((run.out / "eval_results.json").read_text()) for run in (single, double)]
     timing = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
     keys = sorted(set(results[0]) - set(timing))

@@ -11,36 +11,38 @@ Harness API (fixture `dist`, a `DistHarness`):
   take seconds: LoRA rank 4, `cutoff_len` 64, `max_steps` 4, `logging_steps` 1, `seed` 0, `learning_rate` 1e-3,
   `report_to: none`, no tqdm, `overwrite_output_dir`, and `output_dir` = `<tmp>/<name>`. `keys` override or add
   keys (e.g. `per_device_train_batch_size=2`, `dataset="demo_pref"`); a value of None drops the key.
-  The default dataset per stage: `demo_pt` (pt), `demo_sft` (sft), `demo_pref` (rm, dpo), `demo_math` (grpo, ppo).
+  Default datasets: `demo_pt` (pt), `demo_sft` (sft), `demo_pref` (rm, dpo), `demo_kto` (kto), `demo_math`
+  (grpo, ppo).
 - `dist.train(config, *overrides, nproc=1, launcher=None, home=None, env=None, timeout=..., check=True)
-  -> DistRun`: runs `alignkit train CONFIG key=value ...` in fresh processes. `nproc > 1` (or
-  `launcher="torchrun"`) goes through `python -m torch.distributed.run --standalone --nproc_per_node N -m
-  alignkit train ...` (torchrun's own module, so the venv's python runs it); `nproc=1` is a plain `python -m
-  alignkit train` (the single-process equivalent). `launcher` may also be a list: the launcher's arguments
-  placed before `-m alignkit` (a simulated node of a multi-node run, say; see `dist.launch`). `launcher="nproc"`
-  runs `python -m alignkit train --nproc N ...` and `launcher="force_torchrun"` runs `python -m alignkit train
-  ...` with `FORCE_TORCHRUN=1 NPROC_PER_NODE=N` (alignkit's own re-launch through torchrun), and
-  `launcher="accelerate"` runs `accelerate launch --multi_gpu --num_processes N -m alignkit train ...`
-  (accelerate's multi-process launcher; on a CPU-only machine the processes train on the CPU with gloo). Each run gets
-  its own `ALIGNKIT_HOME` and data cache (`<tmp>/home-<n>`, so a run never reads another's cache) unless
-  `home` names one to share. The environment is offline (`HF_HUB_OFFLINE=1`, `HF_DATASETS_OFFLINE=1`), with
-  `OMP_NUM_THREADS=1` (each rank one thread: two ranks on two cores), `HF_HOME` inside the run's home (no
-  user accelerate config is read) and `PYTHONPATH` = this checkout, plus
-  `env`. With `check=True` a non-zero exit fails the test showing the command and the end of its output;
-  a run past `timeout` seconds is killed with its whole process group (torchrun's workers too) and fails.
+  -> DistRun`: runs `alignkit train CONFIG key=value ...` in fresh processes. `launcher`:
+  - None: `"torchrun"` when `nproc > 1`, else `"python"`;
+  - `"python"`: `python -m alignkit train ...`, one process (the single-process equivalent);
+  - `"torchrun"`: `python -m torch.distributed.run --standalone --nproc_per_node N -m alignkit train ...`
+    (torchrun's own module, so the venv's python runs it);
+  - `"nproc"`: `python -m alignkit train --nproc N ...` (alignkit re-launches itself through torchrun);
+  - `"force_torchrun"`: `python -m alignkit train ...` with `FORCE_TORCHRUN=1 NPROC_PER_NODE=N`;
+  - `"accelerate"`: `python -m accelerate.commands.launch --multi_gpu --num_processes N -m alignkit train ...`
+    (accelerate's multi-process launcher; on a CPU-only machine the processes train on the CPU with gloo);
+  - a list: torchrun with these arguments before `-m alignkit` (one node of a multi-node run, say).
+  Each run gets its own `ALIGNKIT_HOME` and data cache (`<tmp>/home-<n>`, so a run never reads another's
+  cache) unless `home` names one to share. The environment (`dist.environment(home=None, env=None) -> (env,
+  home)`) is offline (`HF_HUB_OFFLINE=1`, `HF_DATASETS_OFFLINE=1`), with `OMP_NUM_THREADS=1` (one thread per
+  rank: two ranks on two cores), `HF_HOME` inside the run's home (no user accelerate config is read),
+  `PYTHONPATH` = this checkout and no launcher variables inherited, plus `env`. With `check=True` a non-zero
+  exit fails the test showing the command and the end of its output; a run past `timeout` seconds is killed
+  with its whole process group (torchrun's workers too) and fails.
 - `dist.launch(...)`: the same, but returns the `subprocess.Popen` at once (stdout and stderr merged, text)
   for runs that must go concurrently (the nodes of a two-node run); `dist.wait(proc, out)` turns it into a
   `DistRun` and applies the same checks.
 - `DistRun`: `.out` (the output_dir), `.returncode`, `.output` (stdout+stderr), `.command`, `.home` (its
-  ALIGNKIT_HOME; the tokenised-data cache is `.home / "data_cache"`),
-  `.log()` (the records of `trainer_log.jsonl`), `.losses(key="loss")` -> {step: value} of the training
-  records, `.weights()` -> the final saved weights as a {name: tensor} (`adapter_model.safetensors` under
+  ALIGNKIT_HOME; the tokenised-data cache is `.home / "data_cache"`), `.log()` (the records of
+  `trainer_log.jsonl`), `.losses(key="loss")` -> {step: value} of the training records, `.weights()` -> the final saved weights as a {name: tensor} (`adapter_model.safetensors` under
   LoRA, else `model.safetensors`), `.predictions()` -> the rows of `generated_predictions.jsonl`.
 - `dist.assert_same_losses(a, b, atol=1e-5, key="loss")` and `dist.assert_same_weights(a, b, atol=1e-5)`: per
   step and per tensor, with a table of what differs in the failure message. `dist.assert_same_logs(a, b,
   atol=1e-5)`: every value of every per-step training record but the wall-clock ones (stage metrics, token
-  counts, learning rate, epoch...). `dist.loss_table(runs, key)`
-  formats the per-step values of several runs ({label: DistRun}) side by side (for reports).
+  counts, learning rate, epoch...). `dist.loss_table(runs, key)` formats the per-step values of several runs
+  ({label: DistRun}) side by side (for reports).
 - `dist.free_port()`: a free localhost TCP port (for a rendezvous endpoint).
 (Test modules reach these through the fixture: pytest's importlib import mode cannot import a conftest.)
 """

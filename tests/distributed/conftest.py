@@ -36,8 +36,9 @@ Harness API (fixture `dist`, a `DistHarness`):
   `DistRun` and applies the same checks.
 - `DistRun`: `.out` (the output_dir), `.returncode`, `.output` (stdout+stderr), `.command`, `.home` (its
   ALIGNKIT_HOME; the tokenised-data cache is `.home / "data_cache"`), `.log()` (the records of
-  `trainer_log.jsonl`), `.losses(key="loss")` -> {step: value} of the training records, `.weights()` -> the final saved weights as a {name: tensor} (`adapter_model.safetensors` under
-  LoRA, else `model.safetensors`), `.predictions()` -> the rows of `generated_predictions.jsonl`.
+  `trainer_log.jsonl`), `.losses(key="loss")` -> {step: value} of the training records, `.weights()` ->
+  the final saved weights as a {name: tensor} (`adapter_model.safetensors` under LoRA, else
+  `model.safetensors`), `.predictions()` -> the rows of `generated_predictions.jsonl`.
 - `dist.assert_same_losses(a, b, atol=1e-5, key="loss")` and `dist.assert_same_weights(a, b, atol=1e-5)`: per
   step and per tensor, with a table of what differs in the failure message. `dist.assert_same_logs(a, b,
   atol=1e-5)`: every value of every per-step training record but the wall-clock ones (stage metrics, token

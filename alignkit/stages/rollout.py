@@ -362,6 +362,7 @@ def score_completions(
     return per_function, combine_rewards(per_function, reward_functions.weights)
 
 
-__all__ = ["rollout_seed", "row_seeds", "RowSeededSampler", "sample_completions", "generation_from_token_lists", "vllm_weight_items",
+__all__ = ["rollout_seed", "row_seeds", "RowSeededSampler", "sample_completions", "generation_from_token_lists",
+           "vllm_weight_items",
            "VLLMColocateSampler", "token_entropy", "completion_logps", "trl_prompts",
            "trl_completions", "score_completions"]

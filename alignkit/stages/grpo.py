@@ -25,14 +25,28 @@ How the work is laid out, and why:
   each micro-batch, so it depends on how the batch is cut, as in TRL.
 - On-policy with `beta = 0` the loss is about 0 by construction: the ratio is 1, and the advantages of a
   group sum to 0. Its gradient is not 0. Watch `reward` (and `rewards/<name>/mean`), not `loss`.
-- Resume. Sampling is seeded per generation round (`rollout_seed`), and the buffered generation batch is
-  saved in each checkpoint, so a run stopped at any checkpoint, also in the middle of a generation batch,
-  continues with the completions, rewards and losses of the uninterrupted run.
+- Resume. Sampling is seeded per generation round (`rollout_seed`) and per row (`rollout.row_seeds`), and
+  the buffered generation batch is saved in each checkpoint (one file per process), so a run stopped at any
+  checkpoint, also in the middle of a generation batch, continues with the completions, rewards and losses
+  of the uninterrupted run.
+- Several processes (`torchrun`, `accelerate launch`), as TRL 1.16 lays them out. The generation batch is
+  global: `per_device_train_batch_size x processes x steps_per_generation` completions, and process r
+  generates rows `r x L .. (r + 1) x L - 1` of it (L = its per-device share). A prompt's group is not kept
+  on one process: its completions may lie on two. Each process scores its own rows; the `[N, F]` reward
+  matrices are then gathered from all processes, advantages are computed over the whole batch (so every
+  group is normalised as a whole), and each process keeps its own slice. Each row is sampled under a seed
+  of its own, from the round and its place in the global batch (`rollout.RowSeededSampler`), so the
+  completions, and with them the run, are the same for any number of processes given `seed` and the
+  global batch. The token counts of `dapo` (the generation batch) and `bnpo` (the micro-batch) are summed
+  over processes, so N processes x batch b train exactly as one process x batch N x b; the rollout
+  metrics are those of the whole batch; `completions.jsonl` is written by the main process with every
+  process's rows, in global order. (TRL normalises `bnpo` by each process's own tokens; here it is the
+  micro-batch's tokens over all processes, so the update does not depend on the number of processes.)
+- ZeRO-3 / FSDP: the sharded weights are gathered once per generation batch around `generate`
+  (`alignkit.model.distributed.full_weights`), not once per token. Not run here: there is no GPU.
 - `use_vllm: true` samples with vLLM in this process (`rollout.VLLMColocateSampler`, GPU only, weights
   pushed in after each update). It is written against vLLM's documented API and has not run: no GPU was
   available to this project.
-- One process only for now: the group of a prompt must be scored in one place; a multi-process run is
-  refused with a message rather than computing per-process advantages.
 - Where a step's time goes on a 2-core CPU (bundled SmolLM2-135M, `examples/grpo_lora.yaml`: 8 completions
   of up to 64 tokens, LoRA r16, fp32; measured 2026-11-30 with other programs keeping the 1-minute load
   average at 4-6): with torch's default 2 threads a step took 104-155 s, of which `model.generate` 72-117 s,
@@ -65,9 +79,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Sequence
 
 import torch
+from accelerate.utils import gather_object
 from torch.utils.data import Sampler
 
 from ..hparams import ConfigError, check_sampling_knobs
+from ..model.distributed import full_weights
 from ..rewards import RewardFunctionArguments
 from .base import StageTrainer, is_peft_model, run_stage_trainer
 from .rollout import (
@@ -210,9 +226,6 @@ def check_config(config: "Config") -> None:
         raise ConfigError("stage grpo trains only: remove do_eval/do_predict, and measure a reward on held-out "
                           "prompts with `alignkit eval` (greedy) before and after training.")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        raise ConfigError(f"stage grpo runs in one process (WORLD_SIZE={world_size}): a prompt's group must be "
-                          "scored in one place. Run it without torchrun/accelerate launch.")
     g.steps_per_generation, g.generation_batch_size = resolve_generation_batch(
         t.per_device_train_batch_size, world_size, g.num_generations, g.steps_per_generation,
         g.generation_batch_size, t.gradient_accumulation_steps)
@@ -314,20 +327,26 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
 def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, *,
                    accumulation_steps: int = 1, steps_per_generation: int = 1,
                    generation_tokens: Optional[float] = None,
-                   max_completion_length: Optional[int] = None) -> torch.Tensor:
+                   max_completion_length: Optional[int] = None,
+                   micro_batch_tokens: Optional[float] = None) -> torch.Tensor:
     """One micro-batch's share of the step's loss, already divided for gradient accumulation (TRL 1.16).
 
     With `S = sum(per_token_loss * mask)` over the micro-batch of B rows and `k = accumulation_steps`:
     - `grpo`: mean over rows of (row sum / row tokens), divided by k;
-    - `bnpo`: S / tokens of the micro-batch, divided by k;
+    - `bnpo`: S / tokens of the micro-batch (`micro_batch_tokens` when given), divided by k;
     - `dr_grpo`: S / (B x max_completion_length), divided by k;
     - `dapo`: S / (generation_tokens x k / steps_per_generation), the tokens of one accumulation window's
       share of the generation batch.
     Summed over the k micro-batches of a step, grpo, dr_grpo and dapo give the same number as one micro-batch
     holding all the rows, so changing k alone leaves the update as it was.
 
+    With N processes, each computes its own rows' share and data parallelism averages the N gradients, so
+    the token counts passed are the counts over all processes divided by N (`generation_tokens`,
+    `micro_batch_tokens`): the average of the N shares is then the one-process loss of all the rows.
+
     Example: losses [[1, 2], [3, 0]], mask [[1, 1], [1, 0]], k = 2: grpo ((1.5 + 3) / 2) / 2 = 1.125;
-    bnpo (6 / 3) / 2 = 1.0; dr_grpo with length 4: (6 / 8) / 2 = 0.375; dapo with 6 generation tokens and
+    bnpo (6 / 3) / 2 = 1.0, or with micro_batch_tokens 4 (another process holds 5 tokens: (3 + 5) / 2)
+    (6 / 4) / 2 = 0.75; dr_grpo with length 4: (6 / 8) / 2 = 0.375; dapo with 6 generation tokens and
     steps_per_generation 2: 6 / (6 x 2 / 2) = 1.0.
 
     Args:
@@ -338,13 +357,15 @@ def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: 
         steps_per_generation: micro-batches the generation batch was cut into (dapo).
         generation_tokens: tokens that count in the whole generation batch (dapo).
         max_completion_length: dr_grpo's constant.
+        micro_batch_tokens: tokens that count in the micro-batch (bnpo; default: those of `mask`).
     """
     mask = mask.to(per_token_loss.dtype)
     masked = per_token_loss * mask
     if loss_type == "grpo":
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation_steps
     if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0) / accumulation_steps
+        tokens = mask.sum() if micro_batch_tokens is None else torch.as_tensor(float(micro_batch_tokens))
+        return masked.sum() / tokens.clamp(min=1.0) / accumulation_steps
     if loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ValueError("loss_type=dr_grpo needs max_completion_length.")
@@ -440,14 +461,13 @@ class GRPOTrainer(StageTrainer):
                  **kwargs) -> None:
         kwargs.setdefault("data_collator", collate_prompt_rows)
         super().__init__(*args, keep_reference_copy=grpo_args.beta != 0, **kwargs)
-        if self.accelerator.num_processes > 1:
-            raise ConfigError("stage grpo runs in one process: a prompt's group must be scored in one place.")
         self.grpo_args = grpo_args
         self.reward_functions = reward_functions
         self.stop_token_ids = list(stop_token_ids)
         self.num_generations = grpo_args.num_generations
         self.steps_per_generation, self.generation_batch_size = resolve_generation_batch(
-            self.args.per_device_train_batch_size, 1, grpo_args.num_generations, grpo_args.steps_per_generation,
+            self.args.per_device_train_batch_size, self.accelerator.num_processes, grpo_args.num_generations,
+            grpo_args.steps_per_generation,
             grpo_args.generation_batch_size, self.args.gradient_accumulation_steps)
         self.num_iterations = grpo_args.num_iterations
         self.generate_every = self.steps_per_generation * self.num_iterations
@@ -478,7 +498,11 @@ class GRPOTrainer(StageTrainer):
                                       seed=self.args.seed)
 
     def get_train_dataloader(self):
-        """Batches of one generation batch (`per_device_train_batch_size x steps_per_generation` rows)."""
+        """Each process's share of one generation batch (`per_device_train_batch_size x steps_per_generation` rows).
+
+        The sampler yields the global generation batch; the accelerator hands process r the r-th of every N
+        consecutive dataloader batches, that is rows `r x L .. (r + 1) x L - 1` of each generation batch.
+        """
         if self.train_dataset is None:
             raise ValueError("GRPOTrainer: training needs a train_dataset of prompts.")
         rows_needed = self.generation_batch_size // self.num_generations
@@ -533,18 +557,25 @@ class GRPOTrainer(StageTrainer):
     # ---- generation and scoring ----
 
     def _generate_and_score(self, rows: list[dict[str, Any]], round_index: int) -> list[dict[str, torch.Tensor]]:
-        """Generate for the whole generation batch, score it, and cut it into `steps_per_generation` slices."""
+        """Generate for this process's share of the generation batch, score it, compute advantages over the
+        whole batch (all processes), and cut the share into `steps_per_generation` slices."""
         start = time.perf_counter()
         prompt_ids = [row["input_ids"] for row in rows]
         seed = rollout_seed(self.args.seed, round_index)
+        # This process holds rows first_row .. first_row + len(rows) - 1 of the global generation batch.
+        first_row = self.accelerator.process_index * len(rows)
         if self.grpo_args.use_vllm:
             generation = self._vllm_sampler().sample(self.processing_class, prompt_ids,
                                                      stop_token_ids=self.stop_token_ids,
-                                                     generation_kwargs=self.generation_kwargs, seed=seed)
+                                                     generation_kwargs=self.generation_kwargs, seed=seed,
+                                                     first_row=first_row)
         else:
-            generation = sample_completions(self.model, self.processing_class, prompt_ids,
-                                            stop_token_ids=self.stop_token_ids,
-                                            generation_kwargs=self.generation_kwargs, seed=seed)
+            # Under ZeRO-3/FSDP: the sharded weights gathered once for the whole generation batch.
+            with full_weights(self.model) as model:
+                generation = sample_completions(model, self.processing_class, prompt_ids,
+                                                stop_token_ids=self.stop_token_ids,
+                                                generation_kwargs=self.generation_kwargs, seed=seed,
+                                                first_row=first_row)
         generation_time = time.perf_counter() - start
         self._step_generation_time += generation_time
 
@@ -564,8 +595,12 @@ class GRPOTrainer(StageTrainer):
         completion_id_lists = [ids[:n].tolist() for ids, n in zip(generation.completion_ids, lengths.tolist())]
         per_function, rewards = score_completions(self.reward_functions, prompts, completions, columns,
                                                   completion_id_lists, truncated.tolist())
-        per_function, rewards = per_function.to(device), rewards.to(device)
-        advantages, std_is_zero = group_advantages(rewards, self.num_generations, self.grpo_args.scale_rewards)
+        # Groups may straddle processes: normalise over the gathered batch, then keep this process's slice.
+        gather = self.accelerator.gather
+        all_per_function, all_rewards = gather(per_function.to(device)), gather(rewards.to(device))
+        all_advantages, std_is_zero = group_advantages(all_rewards, self.num_generations,
+                                                       self.grpo_args.scale_rewards)
+        advantages = all_advantages[first_row:first_row + len(rows)]
 
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                  "completion_mask": completion_mask, "advantages": advantages}
@@ -580,15 +615,22 @@ class GRPOTrainer(StageTrainer):
                         reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
                         temperature=self.grpo_args.temperature, batch_size=self.args.per_device_train_batch_size)
 
-        self.state.num_input_tokens_seen += int(prompt_mask.sum().item() + lengths.sum().item())
-        self._record_rollout_metrics(per_function, rewards, std_is_zero, lengths, truncated)
-        if self.grpo_args.log_completions and self.is_world_process_zero():
-            self._append_completions(round_index, prompts, completions, per_function, rewards, advantages)
+        all_lengths, all_truncated = gather(lengths), gather(truncated.long()).bool()
+        token_counts = self.accelerator.reduce(
+            torch.stack([prompt_mask.sum() + lengths.sum(), completion_mask.sum()]).long(), reduction="sum")
+        self.state.num_input_tokens_seen += int(token_counts[0].item())
+        self._record_rollout_metrics(all_per_function, all_rewards, std_is_zero, all_lengths, all_truncated)
+        if self.grpo_args.log_completions:
+            all_prompts, all_completions = gather_object(prompts), gather_object(completions)
+            if self.is_world_process_zero():
+                self._append_completions(round_index, all_prompts, all_completions, all_per_function, all_rewards,
+                                         all_advantages)
 
         # Shuffle (seeded per round) so each slice mixes groups, then cut into equal slices.
         generator = torch.Generator().manual_seed(rollout_seed(self.args.seed, round_index) + 1)
         order = torch.randperm(len(rows), generator=generator).to(device)
-        generation_tokens = completion_mask.sum().float()
+        # dapo's count: the generation batch's tokens over all processes, each process's share of them.
+        generation_tokens = token_counts[1].float() / self.accelerator.num_processes
         slices = []
         for part in order.chunk(self.steps_per_generation):
             piece = {key: value[part] for key, value in batch.items()}
@@ -664,11 +706,17 @@ class GRPOTrainer(StageTrainer):
                 per_token_kl = per_token_kl * ratio
             per_token_loss = per_token_loss + g.beta * per_token_kl
             metrics["kl"] = masked_mean(per_token_kl.detach(), mask)
+        micro_batch_tokens = None
+        if g.loss_type == "bnpo" and self.accelerator.num_processes > 1:
+            # The micro-batch over all processes, each process's share (see `aggregate_loss`).
+            micro_batch_tokens = self.accelerator.reduce(mask.sum().detach().float(), reduction="sum").item() \
+                / self.accelerator.num_processes
         loss = aggregate_loss(per_token_loss, mask, g.loss_type,
                               accumulation_steps=self.current_gradient_accumulation_steps,
                               steps_per_generation=self.steps_per_generation,
                               generation_tokens=inputs["generation_tokens"],
-                              max_completion_length=g.max_completion_length)
+                              max_completion_length=g.max_completion_length,
+                              micro_batch_tokens=micro_batch_tokens)
 
         ratio = ratio.detach()
         adv = advantages.unsqueeze(1)
@@ -684,8 +732,15 @@ class GRPOTrainer(StageTrainer):
             "clip_ratio/high_mean": masked_mean(high, mask),
             "clip_ratio/region_mean": masked_mean(torch.maximum(low, high), mask),
         })
-        if counted.any():
-            metrics.update({"clip_ratio/low_min": low_rows.min(), "clip_ratio/high_max": high_rows.max()})
+        low_min = low_rows.min() if counted.any() else torch.tensor(math.inf, device=mask.device)
+        high_max = high_rows.max() if counted.any() else torch.tensor(-math.inf, device=mask.device)
+        if self.accelerator.num_processes > 1:
+            # Over the micro-batch of every process, as TRL takes them (the min of the gathered values).
+            low_min, high_max = low_min.detach().clone(), high_max.detach().clone()
+            torch.distributed.all_reduce(low_min, op=torch.distributed.ReduceOp.MIN)
+            torch.distributed.all_reduce(high_max, op=torch.distributed.ReduceOp.MAX)
+        if math.isfinite(low_min.item()):
+            metrics.update({"clip_ratio/low_min": low_min, "clip_ratio/high_max": high_max})
         self.record_metrics(metrics, 1)
         return loss
 
@@ -694,12 +749,21 @@ class GRPOTrainer(StageTrainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Beside the optimizer: the buffered generation batch, so a resume mid-batch trains on the same slices."""
         super()._save_optimizer_and_scheduler(output_dir)
-        if self._buffer is not None and self.args.should_save:
-            path = Path(output_dir) / ROLLOUT_BUFFER_FILE
+        if self._buffer is not None:
+            # Every process buffers its own share of the generation batch.
+            path = Path(output_dir) / self._rollout_buffer_name()
+            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             torch.save({"round": self._buffer_round, "slices": [{k: v.cpu() for k, v in s.items()}
                                                                 for s in self._buffer]}, tmp)
             os.replace(tmp, path)
+
+    def _rollout_buffer_name(self) -> str:
+        """`grpo_rollout_buffer.pt` in one process; `grpo_rollout_buffer_<rank>.pt` with several (like the
+        Trainer's `rng_state_<rank>.pth`)."""
+        if self.accelerator.num_processes == 1:
+            return ROLLOUT_BUFFER_FILE
+        return ROLLOUT_BUFFER_FILE.replace(".pt", f"_{self.accelerator.process_index}.pt")
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -707,7 +771,7 @@ class GRPOTrainer(StageTrainer):
         self._buffer = self._buffer_round = None
         if checkpoint is None:
             return
-        path = Path(checkpoint) / ROLLOUT_BUFFER_FILE
+        path = Path(checkpoint) / self._rollout_buffer_name()
         if path.is_file():
             saved = torch.load(path, weights_only=True)
             self._buffer = [{k: v.to(self.args.device) for k, v in s.items()} for s in saved["slices"]]

@@ -37,7 +37,20 @@ What this simplifies, and why:
 - The policy's log-probs and the critic's values come from one decoder pass (`logps_from_hidden`); the
   sequences are laid out contiguously (`pack_right`) so each token has its true position in the padded and the
   padding-free forward alike.
-- Tested on one process (CPU); the loop does not wrap the model for DDP/DeepSpeed.
+- Several processes (`torchrun`, `accelerate launch`): data parallel without a DDP wrapper. A rollout is
+  global (`per_device_train_batch_size x gradient_accumulation_steps x ppo_buffer_size x processes` prompts);
+  process r takes the r-th equal share of it and samples each row under the seed of its place in the global
+  rollout (`rollout.RowSeededSampler`). Everything that is a statistic of the rollout is taken over all
+  processes: the score normalisation moments (`ppo_score_norm`) from the gathered scores, the mean KL fed
+  to the adaptive KL controller, the whitening of rewards and advantages (masked sums reduced across
+  processes), the metrics. So every process keeps the same `kl_coef` and score moments, and
+  `ppo_state.json` (written once, by the main process) holds what all of them hold. An update batch is
+  the global one (the rows of the global permutation that a process holds, so the shares may be unequal);
+  each process backpropagates its rows with token weights over the whole batch, and the gradients of
+  every trainable tensor (policy adapter, value head, critic adapter) are summed over processes before
+  clipping and the optimizer step. A value head outside a DDP-wrapped model would get no all-reduce;
+  here no tensor depends on a wrapper. N processes x batch b therefore update as one process x batch N x b.
+  DeepSpeed and FSDP are refused: this loop does not shard the model.
 """
 
 from __future__ import annotations
@@ -49,10 +62,11 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import numpy as np
 import torch
+from accelerate.utils import gather_object
 from torch import nn
 
 from ..constants import IGNORE_INDEX
@@ -179,6 +193,9 @@ def check_config(config: "Config") -> None:
             raise ConfigError("ppo_critic=adapter initialises the critic from a LoRA reward model: it needs "
                               "finetuning_type lora, `reward_model` set to an rm run's LoRA output and "
                               "reward_model_type lora or auto. Use ppo_critic: head otherwise.")
+    if t.deepspeed or t.fsdp:
+        raise ConfigError("stage ppo runs its own loop, which does not shard the model: remove `deepspeed`/`fsdp` "
+                          "(plain data parallelism with torchrun or accelerate launch works), or use stage grpo.")
     if t.do_eval or t.do_predict:
         raise ConfigError("stage ppo trains only: set do_eval and do_predict to false (score the trained policy "
                           "with `alignkit score`).")
@@ -213,19 +230,33 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return variance
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """Standardise `values` over the masked positions: `(x - mean) / sqrt(var + 1e-8)`, 0 where masked out.
 
     Args:
         values: [N, T] float.
         mask: [N, T], 1 on response tokens.
         shift_mean: False adds the mean back (scale only), as TRL 0.x whitened rewards.
+        reduce_sum: sums a tensor over all processes (each holding some rows of the batch), so mean and
+            variance are those of the whole batch; None: this batch alone.
 
     Returns:
         [N, T]. Example: values [2, 4, 6 | 99 masked]: mean 4, unbiased var 4 (std 2) -> [-1, 0, 1, 0];
-        with shift_mean=False -> [3, 4, 5, 0].
+        with shift_mean=False -> [3, 4, 5, 0]. Split over two processes as [2, 4] and [6]: sums 6 + 6 = 12
+        over 2 + 1 = 3 tokens, mean 4; squared deviations 4 + 0 and 4, var 8 / 2 = 4: the same result.
     """
-    mean, variance = masked_mean(values, mask), masked_var(values, mask)
+    if reduce_sum is None:
+        mean, variance = masked_mean(values, mask), masked_var(values, mask)
+    else:
+        mask_f = mask.to(values.dtype)
+        total, count = reduce_sum(torch.stack([(values * mask_f).sum(), mask_f.sum()])).unbind()
+        mean = total / count.clamp(min=1.0)
+        variance = reduce_sum(((values - mean) ** 2 * mask_f).sum()) / count.clamp(min=1.0)
+        if count < 2:
+            raise ValueError("whitening needs at least two response tokens in the rollout; raise the batch or "
+                             "the response lengths.")
+        variance = variance * count / (count - 1)
     whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
@@ -612,6 +643,12 @@ class PPOTrainer(StageTrainer):
         # A full/freeze policy needs a frozen copy as its reference (under LoRA the adapter is disabled instead).
         kwargs.setdefault("keep_reference_copy", True)
         super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            from ..hparams import ConfigError
+
+            raise ConfigError("stage ppo runs its own loop, which does not shard the model: launch it without a "
+                              "DeepSpeed/FSDP config (plain data parallelism with torchrun or accelerate launch "
+                              "works).")
         self.ppo_args = ppo_args
         self.reward_functions = reward_functions
         self.formatter = formatter
@@ -623,22 +660,65 @@ class PPOTrainer(StageTrainer):
                        if ppo_args.adap_kl_ctrl else FixedKLController(ppo_args.init_kl_coef))
         self.score_moments = RunningMoments()
         t = self.args
+        self.num_processes, self.process_index = self.accelerator.num_processes, self.accelerator.process_index
+        # This process's share of an update batch and of a rollout, and the global sizes (all processes).
         self.backward_batch_size = t.per_device_train_batch_size * t.gradient_accumulation_steps
         self.rollout_size = self.backward_batch_size * ppo_args.ppo_buffer_size
+        self.global_backward_batch_size = self.backward_batch_size * self.num_processes
+        self.global_rollout_size = self.rollout_size * self.num_processes
+        # This process holds rows first_row .. first_row + rollout_size - 1 of each global rollout.
+        self.first_row = self.process_index * self.rollout_size
         self.mini_batch_size = ppo_args.mini_batch_size or t.per_device_train_batch_size
+
+    # ---- across processes ----
+
+    def _sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over all processes (itself in one process)."""
+        if self.num_processes == 1:
+            return tensor
+        return self.accelerator.reduce(tensor, reduction="sum")
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The rows of every process's `tensor`, in process order (the global rollout's order)."""
+        return self.accelerator.gather(tensor) if self.num_processes > 1 else tensor
+
+    def _sum_gradients(self) -> None:
+        """Sum every trainable tensor's gradient over processes (the update batch is global; each process
+        backpropagated its own rows with token weights over the whole batch). A tensor that got no gradient
+        on any process keeps none, as in one process, so the optimizer skips it there as well."""
+        if self.num_processes == 1:
+            return
+        # The optimizer's tensors: the same list, in the same order, on every process (which tensors have
+        # requires_grad set at a given moment is not: the critic adapter's flag follows adapter switches).
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        has_grad = self._sum(torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
+                                          device=self.args.device))
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for param, count in zip(params, has_grad.tolist()):
+            if count > 0:
+                by_dtype.setdefault(param.dtype, []).append(param)
+        for group in by_dtype.values():
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
+            flat = self._sum(flat)
+            offset = 0
+            for param in group:
+                param.grad = flat[offset:offset + param.numel()].view_as(param).clone()
+                offset += param.numel()
 
     # ---- data ----
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.train_dataset) // self.rollout_size
+        return len(self.train_dataset) // self.global_rollout_size
 
     def rollout_rows(self, step: int) -> dict[str, list]:
-        """The prompt rows of PPO step `step`: slice `step` of its epoch's permutation, seeded by (seed, epoch)."""
+        """This process's prompt rows of PPO step `step`: its share of slice `step` of the epoch's permutation,
+        seeded by (seed, epoch)."""
         epoch, index = divmod(step, self.steps_per_epoch)
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         order = np.random.default_rng([seed, epoch]).permutation(len(self.train_dataset))
-        chosen = order[index * self.rollout_size:(index + 1) * self.rollout_size]
+        chosen = order[index * self.global_rollout_size:(index + 1) * self.global_rollout_size]
+        chosen = chosen[self.first_row:self.first_row + self.rollout_size]
         return self.train_dataset.select(chosen.tolist()).to_dict()
 
     # ---- forward passes ----
@@ -691,12 +771,14 @@ class PPOTrainer(StageTrainer):
             # The policy's own distribution: the log-probs, ratios and KL below are those of what was sampled.
             generation_kwargs={"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
                                "max_new_tokens": self.max_response_tokens},
-            seed=rollout_seed(self.args.seed, step))
+            seed=rollout_seed(self.args.seed, step), first_row=self.first_row)
         response_mask = generation.completion_mask
         if self.ppo_args.response_length_range is not None:
             low, high = self.ppo_args.response_length_range
-            lengths = sample_response_lengths(low, high, response_mask.shape[0], self.args.seed, step)
-            response_mask = truncate_to_lengths(response_mask, lengths)
+            # Drawn for the whole rollout, so a row's length does not depend on the number of processes.
+            lengths = sample_response_lengths(low, high, self.global_rollout_size, self.args.seed, step)
+            own = lengths[self.first_row:self.first_row + self.rollout_size]
+            response_mask = truncate_to_lengths(response_mask, own)
         generation_time = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -710,10 +792,14 @@ class PPOTrainer(StageTrainer):
         per_function, raw_scores = score_completions(self.reward_functions, prompts,
                                                      trl_completions(texts, conversational), columns,
                                                      completion_ids=response_ids, truncated=truncated)
-        if torch.isnan(raw_scores).any():
-            bad = int(torch.isnan(raw_scores).nonzero()[0])
-            raise ValueError(f"PPO step {step + 1}: every reward function returned None for completion {bad} "
-                             f"({texts[bad][:80]!r}); PPO needs a score for every response.")
+        # The whole rollout's scores (all processes), for the check below, the score moments and the metrics.
+        all_scores = self._gather(raw_scores.to(self.args.device))
+        if torch.isnan(all_scores).any():
+            bad = int(torch.isnan(all_scores).nonzero()[0])
+            local = bad - self.first_row
+            text = f" ({texts[local][:80]!r})" if 0 <= local < len(texts) else ""
+            raise ValueError(f"PPO step {step + 1}: every reward function returned None for completion {bad}"
+                             f"{text}; PPO needs a score for every response.")
 
         device = self.args.device
         input_ids, attention_mask, labels = pack_right(
@@ -734,36 +820,41 @@ class PPOTrainer(StageTrainer):
 
         scores = raw_scores.to(device)
         if self.ppo_args.ppo_score_norm:
-            self.score_moments.update(scores)
+            self.score_moments.update(all_scores)  # the same moments on every process
             scores = self.score_moments.normalize(scores).float()
         kl_coef = self.kl_ctl.value
         rewards, kl = kl_penalty_rewards(logps, ref_logps, scores, mask, kl_coef)
+        reduce_sum = self._sum if self.num_processes > 1 else None
         if self.ppo_args.ppo_whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False)
+            rewards = masked_whiten(rewards, mask, shift_mean=False, reduce_sum=reduce_sum)
         advantages, returns = gae_advantages(rewards, values * mask, mask, self.ppo_args.gamma, self.ppo_args.lam)
         if self.ppo_args.whiten_advantages:
-            advantages = masked_whiten(advantages, mask)
+            advantages = masked_whiten(advantages, mask, reduce_sum=reduce_sum)
         rollout = Rollout(input_ids, attention_mask, labels, mask, logps, ref_logps, values * mask, advantages,
                           returns, scores)
-        lengths = mask.sum(dim=1)
+        # Metrics of the whole rollout: per-response sums and lengths gathered from every process.
+        all_kl, all_entropy = self._gather(kl.sum(dim=1)), self._gather((-logps * mask).sum(dim=1))
+        lengths = self._gather(mask.sum(dim=1))
+        all_per_function = self._gather(per_function.to(device))
+        all_scores = all_scores.float()
         metrics = {
-            "objective/kl": kl.sum(dim=1).mean().item(),
+            "objective/kl": all_kl.mean().item(),
             "objective/kl_coef": kl_coef,
             # TRL 0.x's estimate: the sampled tokens' negative log-probs summed over each response.
-            "objective/entropy": (-logps * mask).sum(dim=1).mean().item(),
-            "reward/mean": raw_scores.mean().item(),
-            "reward/std": raw_scores.std().item() if raw_scores.numel() > 1 else 0.0,
+            "objective/entropy": all_entropy.mean().item(),
+            "reward/mean": all_scores.mean().item(),
+            "reward/std": all_scores.std().item() if all_scores.numel() > 1 else 0.0,
             "response_length/mean": lengths.mean().item(),
             "response_length/min": lengths.min().item(),
             "response_length/max": lengths.max().item(),
             "time/generation": generation_time,
         }
-        for name, column in zip(self.reward_functions.names, per_function.T):
+        for name, column in zip(self.reward_functions.names, all_per_function.T):
             metrics[f"rewards/{name}/mean"] = torch.nanmean(column).item()
         records = [{"step": step + 1, "prompt": prompt, "completion": text, "reward": raw.item(),
                     **{name: (None if math.isnan(v) else v) for name, v in zip(self.reward_functions.names, row)}}
                    for prompt, text, raw, row in zip(prompts, texts, raw_scores, per_function.tolist())]
-        self.state.num_input_tokens_seen += int(attention_mask.sum().item())
+        self.state.num_input_tokens_seen += int(self._sum(attention_mask.sum().to(device)).item())
         # Scoring plus the rollout's policy, critic and reference passes.
         metrics["time/scoring"] = time.perf_counter() - start
         return rollout, metrics, records
@@ -777,12 +868,18 @@ class PPOTrainer(StageTrainer):
         self.model.train()
         size = rollout.input_ids.shape[0]
         for epoch in range(a.ppo_epochs):
-            order = torch.as_tensor(np.random.default_rng([self.args.seed, step, epoch]).permutation(size))
-            for start in range(0, size, self.backward_batch_size):
-                batch_index = order[start:start + self.backward_batch_size]
-                # Token-weighted: each micro-batch's token mean counts by its share of the backward batch's tokens,
-                # so the update is the token mean over the backward batch whatever mini_batch_size is.
-                batch_tokens = rollout.mask[batch_index].sum().clamp(min=1)
+            # One permutation of the global rollout; an update batch is a slice of it, and each process trains the
+            # rows of that slice it holds (its rows are global rows first_row .. first_row + size - 1).
+            order = torch.as_tensor(np.random.default_rng([self.args.seed, step, epoch]).permutation(
+                self.global_rollout_size))
+            for start in range(0, self.global_rollout_size, self.global_backward_batch_size):
+                global_index = order[start:start + self.global_backward_batch_size]
+                held = (global_index >= self.first_row) & (global_index < self.first_row + size)
+                batch_index = global_index[held] - self.first_row
+                # Token-weighted: each micro-batch's token mean counts by its share of the backward batch's tokens
+                # (over all processes), so the update is the token mean over the backward batch whatever
+                # mini_batch_size is and however the batch is spread over processes.
+                batch_tokens = self._sum(rollout.mask[batch_index].sum()).clamp(min=1)
                 stats = {k: 0.0 for k in ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "policy/clipfrac",
                                           "policy/approxkl", "val/clipfrac", "val/mean")}
                 for micro_start in range(0, len(batch_index), self.mini_batch_size):
@@ -800,6 +897,12 @@ class PPOTrainer(StageTrainer):
                                        ("policy/approxkl", approxkl), ("val/clipfrac", value_clipfrac),
                                        ("val/mean", masked_mean(values.detach(), micro.mask))):
                         stats[key] += value.detach().item() * share.item()
+                self._sum_gradients()
+                if self.num_processes > 1:
+                    keys = list(stats)
+                    totals = self._sum(torch.tensor([stats[k] for k in keys], dtype=torch.float64,
+                                                    device=self.args.device))
+                    stats = dict(zip(keys, totals.tolist()))
                 if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
                     grad_norm = self.accelerator.clip_grad_norm_(
                         [p for p in self.model.parameters() if p.requires_grad], self.args.max_grad_norm)
@@ -830,12 +933,12 @@ class PPOTrainer(StageTrainer):
             resume_from_checkpoint = get_last_checkpoint(args.output_dir)
         if self.steps_per_epoch < 1:
             raise ConfigError(f"the training set has {len(self.train_dataset)} prompts, fewer than one rollout of "
-                              f"{self.rollout_size} (per_device_train_batch_size x gradient_accumulation_steps x "
-                              "ppo_buffer_size); lower those or give more prompts.")
+                              f"{self.global_rollout_size} (per_device_train_batch_size x gradient_accumulation_steps "
+                              "x ppo_buffer_size x processes); lower those or give more prompts.")
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * self.steps_per_epoch)
         self.state = TrainerState(stateful_callbacks=[
             cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)])
-        self.state.train_batch_size = self.rollout_size
+        self.state.train_batch_size = self.global_rollout_size
         self.state.compute_steps(args, max_steps)
         self.create_optimizer()
         self.model_wrapped = self.model
@@ -856,12 +959,16 @@ class PPOTrainer(StageTrainer):
             start = time.perf_counter()
             stats = self.ppo_update(rollout, step)
             metrics["time/training"] = time.perf_counter() - start
-            self.kl_ctl.update(metrics["objective/kl"], self.rollout_size)
+            # The global mean KL and rollout size: every process updates kl_coef alike.
+            self.kl_ctl.update(metrics["objective/kl"], self.global_rollout_size)
             self.lr_scheduler.step()
-            if self.ppo_args.log_completions and self.is_world_process_zero():
-                _append_jsonl(Path(args.output_dir) / COMPLETIONS_FILE, records)
+            if self.ppo_args.log_completions:
+                records = gather_object(records) if self.num_processes > 1 else records
+                if self.is_world_process_zero():
+                    _append_jsonl(Path(args.output_dir) / COMPLETIONS_FILE, records)
             grad_norm = stats.pop("grad_norm", None)
-            self.record_metrics({**metrics, **stats}, self.rollout_size)
+            # Global values on every process: the cross-process mean in `log()` leaves them as they are.
+            self.record_metrics({**metrics, **stats}, self.global_rollout_size)
             total_loss += stats["ppo/loss/total"]
             loss_since_log += stats["ppo/loss/total"]
             steps_since_log += 1
@@ -881,7 +988,7 @@ class PPOTrainer(StageTrainer):
                 break
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         done = self.state.global_step - first_step
-        metrics = speed_metrics("train", start_time, num_samples=done * self.rollout_size, num_steps=done)
+        metrics = speed_metrics("train", start_time, num_samples=done * self.global_rollout_size, num_steps=done)
         metrics["train_loss"] = total_loss / max(done, 1)
         metrics["total_flos"] = self.state.total_flos
         self.is_in_train = False

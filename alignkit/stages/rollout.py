@@ -4,9 +4,11 @@ Each function takes a model, tensors or lists and returns tensors; none reads a 
 GRPO and PPO share them as they are.
 
 - `sample_completions`: one batch of prompts (token ids) → a `Generation` (left-padded prompts, completion
-  ids, `completion_mask` up to and including each row's stop token, `truncated`), sampled under a seed of
-  its own (`rollout_seed`), so the same round gives the same completions in a resumed run, and with the
-  LoRA adapter merged while decoding (`alignkit.model.generation.merged_lora`).
+  ids, `completion_mask` up to and including each row's stop token, `truncated`), each row sampled under a
+  seed of its own (`row_seeds`: the round's `rollout_seed` and the row's place in the round's global batch,
+  drawn by `RowSeededSampler`), so the same round gives the same completions in a resumed run and with
+  any number of processes, and with the LoRA adapter merged while decoding
+  (`alignkit.model.generation.merged_lora`).
 - `completion_logps`: per-token log-probs (and, for metrics, entropies) of the completion tokens under a
   model, logits divided by the sampling temperature, as the policy gradient needs them.
 - `trl_prompts` / `trl_completions`: prompts and completions in the shapes TRL's reward functions take.
@@ -20,6 +22,9 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, \
+    TopPLogitsWarper
 
 from ..data.collator import _pad_id
 from ..model.generation import Generation, generate, pad_prompts
@@ -39,6 +44,62 @@ def rollout_seed(seed: int, round_index: int) -> int:
     return (seed * 1_000_003 + round_index) % (2**63 - 1)
 
 
+def row_seeds(seed: int, first_row: int, count: int) -> list[int]:
+    """Sampling seeds of rows `first_row .. first_row + count - 1` of a round whose seed is `seed`.
+
+    A row's seed depends on the round and on the row's place in the round's whole batch (over all
+    processes), not on which process holds it. Example: seed 7, rows 2 and 3 → `rollout_seed(7, 2)` =
+    7_000_023 and `rollout_seed(7, 3)` = 7_000_024.
+    """
+    return [rollout_seed(seed, first_row + i) for i in range(count)]
+
+
+class RowSeededSampler(LogitsProcessor):
+    """Sampling in which each row draws from a random stream of its own (the Gumbel-max trick).
+
+    `model.generate` samples a whole batch from one random stream, so a row's tokens depend on the other
+    rows in its batch: the same prompts split over two processes would sample differently from one
+    process holding them all. Here every row has its own generator (`row_seeds`), and the next token is
+    `argmax(z + g)` with `z` the warped logits (temperature, then top-k, then top-p, the order of
+    `transformers`' sampling) and `g` standard Gumbel noise from the row's generator, `g = -log(E)`,
+    `E ~ Exp(1)`. That argmax is distributed as `softmax(z)` (Gumbel 1954; Maddison et al. 2014), so this
+    is ordinary sampling; run it with `do_sample=False` (the argmax is then `generate`'s greedy step).
+    Processors `generate` adds itself (the repetition penalty) run before it.
+
+    Example: z = [0, ln 3], so p = [1/4, 3/4]; with E = [0.5, 2.0] the scores are [0 + 0.693, 1.099 - 0.693]
+    = [0.693, 0.405] and token 0 is picked.
+
+    Args:
+        seeds: one seed per row of the batch, in row order.
+        temperature, top_k, top_p: as `generate` takes them (1.0, 0 and 1.0 mean off).
+        device: where the noise is drawn (the model's device).
+    """
+
+    def __init__(self, seeds: Sequence[int], *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 device: torch.device | str = "cpu") -> None:
+        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        self.device = torch.device(device)
+        warpers = []
+        if temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            warpers.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p))
+        self.warpers = LogitsProcessorList(warpers)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.size(0) != len(self.generators):
+            raise ValueError(f"RowSeededSampler has {len(self.generators)} row seeds but the batch has "
+                             f"{scores.size(0)} rows (num_return_sequences > 1 is not supported with it).")
+        scores = self.warpers(input_ids, scores.float())
+        exponential = torch.stack([
+            torch.empty(scores.size(-1), dtype=torch.float32, device=self.device).exponential_(generator=g)
+            for g in self.generators]).to(scores.device)
+        # E = 0 (probability about 2^-24 per draw) would give an infinite score; take the tiniest E instead.
+        return scores - exponential.clamp(min=torch.finfo(torch.float32).tiny).log()
+
+
 def sample_completions(
     model,
     tokenizer,
@@ -47,28 +108,43 @@ def sample_completions(
     stop_token_ids: Sequence[int],
     generation_kwargs: dict[str, Any],
     seed: int,
+    first_row: int = 0,
     merge_lora: bool = True,
 ) -> Generation:
-    """Sample one completion per prompt row with its own seed, leaving the global RNG as it was.
+    """Sample one completion per prompt row, each row under its own seed, leaving the global RNG as it was.
+
+    With `do_sample` the rows are drawn by `RowSeededSampler` with `row_seeds(seed, first_row, N)`: a row's
+    completion depends on the weights, its prompt, the round's seed and its place in the round's batch,
+    not on the other rows beside it, so a batch split over several processes (each passing the global
+    index of its first row) samples what one process would.
 
     Args:
         model: the policy (plain or a `PeftModel`); put in eval mode while decoding, restored after.
         tokenizer: gives the pad id and decodes the completions.
         prompt_ids: token ids per row (a prompt repeated k times gives k rows, each sampled on its own).
         stop_token_ids: ids that end a row (the template's end of turn, `ChatFormatter.stop_token_ids()`).
-        generation_kwargs: for `model.generate` (`max_new_tokens`, `do_sample`, `temperature`, ...).
-        seed: sampling seed (`rollout_seed`).
+        generation_kwargs: for `model.generate` (`max_new_tokens`, `do_sample`, `temperature`, `top_k`,
+            `top_p`, `repetition_penalty`, ...).
+        seed: the round's sampling seed (`rollout_seed`).
+        first_row: the index of `prompt_ids[0]` in the round's whole batch (over all processes).
         merge_lora: decode with the LoRA adapter merged into the base weights (restored exactly after).
 
     Returns:
         A `Generation` (see `alignkit.model.generation`).
     """
     input_ids, attention_mask = pad_prompts(prompt_ids, _pad_id(tokenizer))
+    kwargs = dict(generation_kwargs)
+    if kwargs.pop("do_sample", False):
+        sampler = RowSeededSampler(row_seeds(seed, first_row, len(prompt_ids)),
+                                   temperature=kwargs.pop("temperature", 1.0), top_k=kwargs.pop("top_k", 0) or 0,
+                                   top_p=kwargs.pop("top_p", 1.0), device=next(model.parameters()).device)
+        kwargs["logits_processor"] = LogitsProcessorList([*kwargs.get("logits_processor", []), sampler])
+    kwargs["do_sample"] = False
     devices = [torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         return generate(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_token_ids,
-                        generation_kwargs=generation_kwargs, merge_lora=merge_lora)
+                        generation_kwargs=kwargs, merge_lora=merge_lora)
 
 
 def generation_from_token_lists(tokenizer, prompt_ids: Sequence[Sequence[int]],
@@ -152,17 +228,18 @@ class VLLMColocateSampler:
         self.llm.reset_prefix_cache()
 
     def sample(self, tokenizer, prompt_ids: Sequence[Sequence[int]], *, stop_token_ids: Sequence[int],
-               generation_kwargs: dict[str, Any], seed: int) -> Generation:
-        """One completion per row; row i is sampled with seed `seed + i` (a shared seed would give every copy of
-        a prompt the same completion)."""
+               generation_kwargs: dict[str, Any], seed: int, first_row: int = 0) -> Generation:
+        """One completion per row, each under its own seed (`row_seeds(seed, first_row, N)`: a shared seed would
+        give every copy of a prompt the same completion, and the global row index keeps a process's rows
+        apart from another's)."""
         from vllm import SamplingParams
 
         params = [SamplingParams(
             n=1, temperature=generation_kwargs.get("temperature", 1.0), top_p=generation_kwargs.get("top_p", 1.0),
             top_k=generation_kwargs.get("top_k") or -1,
             repetition_penalty=generation_kwargs.get("repetition_penalty", 1.0),
-            max_tokens=generation_kwargs["max_new_tokens"], stop_token_ids=list(stop_token_ids), seed=seed + i,
-        ) for i in range(len(prompt_ids))]
+            max_tokens=generation_kwargs["max_new_tokens"], stop_token_ids=list(stop_token_ids), seed=row_seed,
+        ) for row_seed in row_seeds(seed, first_row, len(prompt_ids))]
         outputs = self.llm.generate([{"prompt_token_ids": list(map(int, ids))} for ids in prompt_ids],
                                     sampling_params=params, use_tqdm=False)
         completions = [list(output.outputs[0].token_ids) for output in outputs]
@@ -285,6 +362,7 @@ def score_completions(
     return per_function, combine_rewards(per_function, reward_functions.weights)
 
 
-__all__ = ["rollout_seed", "sample_completions", "generation_from_token_lists", "vllm_weight_items",
+__all__ = ["rollout_seed", "row_seeds", "RowSeededSampler", "sample_completions", "generation_from_token_lists",
+           "vllm_weight_items",
            "VLLMColocateSampler", "token_entropy", "completion_logps", "trl_prompts",
            "trl_completions", "score_completions"]

@@ -3,6 +3,7 @@ accumulation alone does not change the update, and a resumed run equals the unin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -47,16 +48,27 @@ def _config(tiny_model_dir, tmp_path, out, num_prompts=4, **overrides):
 
 @pytest.fixture
 def count_generations(monkeypatch):
-    """Counts calls of the rollout sampler (one per generation batch)."""
-    calls = []
-    original = grpo_module.sample_completions
+    """Counts calls of the rollout sampler (one per generation batch), and checks that each runs inside one
+    `full_weights` block of its own (under ZeRO-3/FSDP: the shards gathered once per generation batch)."""
+    calls, blocks = [], []
+    original, original_full_weights = grpo_module.sample_completions, grpo_module.full_weights
+
+    @contextlib.contextmanager
+    def recording_full_weights(model):
+        blocks.append("open")
+        with original_full_weights(model) as whole:
+            yield whole
+        blocks[-1] = "closed"
 
     def counting(model, tokenizer, prompt_ids, **kwargs):
+        assert blocks and blocks[-1] == "open", "generation ran outside full_weights"
         calls.append(len(prompt_ids))
         return original(model, tokenizer, prompt_ids, **kwargs)
 
     monkeypatch.setattr(grpo_module, "sample_completions", counting)
-    return calls
+    monkeypatch.setattr(grpo_module, "full_weights", recording_full_weights)
+    yield calls
+    assert blocks == ["closed"] * len(calls)
 
 
 def _losses(out: Path) -> dict[int, float]:

@@ -316,8 +316,11 @@ def test_gradient_accumulation_does_not_change_the_update(tiny_model_dir, prompt
                           per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
                           mini_batch_size=None, max_steps=1, max_grad_norm=0))
         adapters.append(load_file(out / "adapter_model.safetensors"))
+    # Mini-batches of 4 and of 2 sum in different orders (gradients agree to about 5e-8: the same runs with SGD
+    # at lr 1), and Adam's first steps divide each gradient by its own size, so weights move by lr x sign(g) and
+    # an entry whose gradient is near 0 carries that float noise up to about 1e-6 of the weights.
     for key in adapters[0]:
-        torch.testing.assert_close(adapters[1][key], adapters[0][key], rtol=0, atol=1e-6, msg=key)
+        torch.testing.assert_close(adapters[1][key], adapters[0][key], rtol=0, atol=1e-5, msg=key)
     assert any(t.abs().sum() > 0 for k, t in adapters[0].items() if "lora_B" in k)
 
 

@@ -18,8 +18,11 @@ from alignkit.stages.grpo import (
     resolve_generation_batch,
 )
 from alignkit.stages.rollout import (
+    RowSeededSampler,
     generation_from_token_lists,
     rollout_seed,
+    row_seeds,
+    sample_completions,
     token_entropy,
     trl_completions,
     trl_prompts,
@@ -93,6 +96,8 @@ MASK = torch.tensor([[1, 1], [1, 0]])
 @pytest.mark.parametrize("loss_type, kwargs, expected", [
     ("grpo", {}, ((1.5 + 3.0) / 2) / 2),             # row means 1.5 and 3, their mean, / k
     ("bnpo", {}, (6 / 3) / 2),                       # 6 over the 3 counted tokens, / k
+    # bnpo with 2 processes, this one 3 tokens and the other 5: each divides by (3 + 5) / 2 = 4.
+    ("bnpo", {"micro_batch_tokens": 4}, (6 / 4) / 2),
     ("dr_grpo", {"max_completion_length": 4}, (6 / (2 * 4)) / 2),
     ("dapo", {"generation_tokens": 6, "steps_per_generation": 2}, 6 / (6 * 2 / 2)),
 ])
@@ -113,6 +118,21 @@ def test_aggregation_does_not_depend_on_accumulation(loss_type):
     halves = sum(aggregate_loss(losses[i:i + 2], mask[i:i + 2], loss_type, accumulation_steps=2,
                                 steps_per_generation=2, **kwargs) for i in (0, 2))
     assert halves.item() == pytest.approx(whole.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_two_processes_average_to_one(loss_type):
+    """Data parallelism averages the processes' gradients: the mean of two halves' losses, each given the
+    counts over both divided by 2, equals one process's loss of all four rows (what equal runs need)."""
+    generator = torch.Generator().manual_seed(1)
+    losses = torch.randn(4, 5, generator=generator)
+    mask = (torch.rand(4, 5, generator=generator) > 0.3).long()
+    mask[:, 0] = 1
+    tokens = mask.sum().float()
+    whole = aggregate_loss(losses, mask, loss_type, max_completion_length=5, generation_tokens=tokens)
+    halves = [aggregate_loss(losses[i:i + 2], mask[i:i + 2], loss_type, max_completion_length=5,
+                             generation_tokens=tokens / 2, micro_batch_tokens=tokens / 2) for i in (0, 2)]
+    assert (sum(halves) / 2).item() == pytest.approx(whole.item(), abs=1e-6)
 
 
 def test_aggregate_loss_rejects_unknown_type():
@@ -185,6 +205,41 @@ def test_rollout_seed_and_trl_shapes():
     messages = [[{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]] * 2
     assert trl_prompts(messages, [True, False]) == [messages[0], "q"]
     assert trl_completions(["a", "b"], [True, False]) == [[{"role": "assistant", "content": "a"}], "b"]
+
+
+def test_row_seeds_by_hand():
+    """rollout_seed(7, r) = 7 * 1_000_003 + r: rows 2 and 3 → 7_000_023, 7_000_024."""
+    assert row_seeds(7, 2, 2) == [7_000_023, 7_000_024]
+
+
+def test_row_seeded_sampler_draws_from_the_softmax():
+    """Gumbel-max: over 4000 rows with logits [0, ln 3] (p = 1/4, 3/4) about a quarter pick token 0; with
+    temperature 2 the logits halve (p0 = 1 / (1 + sqrt 3) = 0.366); top_k 1 always picks token 1."""
+    logits = torch.tensor([[0.0, math.log(3.0)]]).repeat(4000, 1)
+    picks = RowSeededSampler(row_seeds(0, 0, 4000))(None, logits).argmax(-1)
+    assert (picks == 0).float().mean().item() == pytest.approx(0.25, abs=0.03)
+    picks = RowSeededSampler(row_seeds(1, 0, 4000), temperature=2.0)(None, logits).argmax(-1)
+    assert (picks == 0).float().mean().item() == pytest.approx(1 / (1 + math.sqrt(3)), abs=0.03)
+    picks = RowSeededSampler(row_seeds(2, 0, 4000), top_k=1)(None, logits).argmax(-1)
+    assert (picks == 1).all()
+
+
+def test_row_seeded_sampling_does_not_depend_on_the_batch(tiny_model_dir, tiny_tokenizer):
+    """Four prompts sampled together, or as two halves each told where its first row lies in the whole
+    batch (two processes), give the same completions; a different round seed gives others."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    prompts = [tiny_tokenizer("What is 1 plus 2?")["input_ids"], tiny_tokenizer("Hi")["input_ids"]] * 2
+    kwargs = {"stop_token_ids": [], "generation_kwargs": {"do_sample": True, "max_new_tokens": 5,
+                                                           "temperature": 1.0, "top_k": 0, "top_p": 1.0}}
+    whole = sample_completions(model, tiny_tokenizer, prompts, seed=5, **kwargs).completion_ids
+    halves = [sample_completions(model, tiny_tokenizer, prompts[i:i + 2], seed=5, first_row=i, **kwargs).completion_ids
+              for i in (0, 2)]
+    assert torch.equal(torch.cat(halves), whole)
+    assert not torch.equal(whole[0], whole[2])  # the same prompt, two rows: two draws
+    other = sample_completions(model, tiny_tokenizer, prompts, seed=6, **kwargs).completion_ids
+    assert not torch.equal(other, whole)
 
 
 def test_generation_from_token_lists_cuts_at_the_stop_token(tiny_tokenizer):

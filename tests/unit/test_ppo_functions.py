@@ -40,6 +40,23 @@ def test_masked_whiten():
     torch.testing.assert_close(masked_whiten(values, mask, shift_mean=False), torch.tensor([[3.0, 4.0], [5.0, 0.0]]))
 
 
+def test_masked_whiten_over_processes():
+    """Rows [2, 4] here and [6 | 99 masked] on another process: sums 6 + 6 over 2 + 1 tokens, mean 4;
+    squared deviations 4 + 0 here and 4 there, unbiased var 8 / 2 = 4: this process's rows get [-1, 0]."""
+    here, there = torch.tensor([[2.0, 4.0]]), torch.tensor([[6.0, 99.0]])
+    here_mask, there_mask = torch.tensor([[1, 1]]), torch.tensor([[1, 0]])
+    calls = []
+
+    def reduce_sum(tensor):  # stands in for the all-reduce: adds the other process's matching sum
+        other = [torch.stack([(there * there_mask).sum(), there_mask.sum().float()]),
+                 ((there - 4.0) ** 2 * there_mask).sum()][len(calls)]
+        calls.append(tensor)
+        return tensor + other
+
+    torch.testing.assert_close(masked_whiten(here, here_mask, reduce_sum=reduce_sum), torch.tensor([[-1.0, 0.0]]))
+    assert len(calls) == 2
+
+
 def test_kl_penalty_rewards_adds_score_at_last_token():
     """Row 1: kl = [-1 - -1.5, -2 - -1] = [0.5, -1]; rewards = -0.1 * kl + [0, 3] = [-0.05, 3.1], position 2
     masked. Row 2 ends at position 0: kl [0.25], reward -0.025 + (-1) = -1.025."""

@@ -1,0 +1,112 @@
+"""GRPO and PPO under torchrun on the CPU (gloo): 2 processes x batch b must equal 1 process x batch 2b.
+
+Generation samples (temperature 1), but each completion is drawn under a seed of its own, from the round and
+its place in the global batch (`alignkit.stages.rollout.RowSeededSampler`), so the same completions come out
+however the batch is spread over processes; the comparison is exact up to float summation order. The
+reward is a function of the token ids, so it differs between the completions of a random tiny model (an
+accuracy reward would be 0 everywhere and every advantage 0).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+REWARD_SOURCE = "def token_sum_reward(completions, completion_ids, **kwargs):\n" \
+                "    return [float(sum(ids) % 5) for ids in completion_ids]\n"
+
+
+@pytest.fixture(scope="module")
+def reward(dist) -> str:
+    path = dist.tmp / "token_reward.py"
+    path.write_text(REWARD_SOURCE, encoding="utf-8")
+    return f"{path}:token_sum_reward"
+
+
+def _harness(dist, name):
+    """A comparison helper of the harness (`tests/distributed/conftest.py`): a method of `dist` or a function
+    of its module."""
+    return getattr(dist, name, None) or getattr(sys.modules[type(dist).__module__], name)
+
+
+def _compare(dist, single, double, keys=("loss",)):
+    print(_harness(dist, "loss_table")({"1 proc x 4": single, "2 procs x 2": double}))
+    for key in keys:
+        _harness(dist, "assert_same_losses")(single, double, key=key)
+    _harness(dist, "assert_same_weights")(single, double)
+
+
+def _completions(run) -> list[dict]:
+    lines = (run.out / "completions.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _grpo(dist, reward, name, batch, **keys):
+    # G = 4 with 2 rows per process: every group straddles the two processes, so its rewards must be gathered.
+    return dist.config("grpo", name, per_device_train_batch_size=batch, num_generations=4,
+                       max_completion_length=6, max_steps=3, learning_rate=2e-2, beta=0.05,
+                       reward_funcs=[reward], log_completions=True, **keys)
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(dist, reward):
+    single = dist.train(_grpo(dist, reward, "grpo_1p", 4))
+    double = dist.train(_grpo(dist, reward, "grpo_2p", 2, save_steps=2), nproc=2)
+    return single, double
+
+
+def test_grpo_two_processes_equal_one(dist, grpo_runs):
+    single, double = grpo_runs
+    _compare(dist, single, double, keys=("loss", "reward"))
+    # The main process writes every process's completions, once, in the global order of the one-process run.
+    one, two = _completions(single), _completions(double)
+    assert len(one) == len(two) == 3 * 4
+    for a, b in zip(one, two):
+        assert (a["prompt"], a["completion"], a["reward"]) == (b["prompt"], b["completion"], b["reward"])
+        assert a["advantage"] == pytest.approx(b["advantage"], abs=1e-5)
+    assert len({json.dumps(r["completion"]) for r in one}) > 1  # sampled, not one greedy answer per prompt
+
+
+def test_grpo_two_process_resume_equals_the_straight_run(dist, reward, grpo_runs):
+    _, straight = grpo_runs
+    checkpoint = straight.out / "checkpoint-2"
+    assert {p.name for p in checkpoint.glob("grpo_rollout_buffer*.pt")} == \
+        {"grpo_rollout_buffer_0.pt", "grpo_rollout_buffer_1.pt"}
+    resumed = dist.train(_grpo(dist, reward, "grpo_2p_resumed", 2), f"resume_from_checkpoint={checkpoint}",
+                         nproc=2)
+    losses = resumed.losses()
+    assert sorted(losses) == [3]  # only the step after the checkpoint ran
+    assert losses[3] == pytest.approx(straight.losses()[3], abs=1e-5)
+    _harness(dist, "assert_same_weights")(straight, resumed)
+
+
+def _ppo(dist, reward, name, batch, **keys):
+    # Two update batches per rollout (ppo_buffer_size 2), so an update batch is a slice of the global
+    # permutation and the processes' shares of it differ; score normalisation and reward whitening on.
+    return dist.config("ppo", name, per_device_train_batch_size=batch, ppo_buffer_size=2, ppo_epochs=2,
+                       max_new_tokens=6, max_steps=3, learning_rate=5e-3, reward_funcs=[reward],
+                       ppo_score_norm=True, ppo_whiten_rewards=True, init_kl_coef=0.2, ppo_target=0.01,
+                       horizon=100, save_steps=2, log_completions=True, **keys)
+
+
+def test_ppo_two_processes_equal_one(dist, reward):
+    single = dist.train(_ppo(dist, reward, "ppo_1p", 4))
+    double = dist.train(_ppo(dist, reward, "ppo_2p", 2), nproc=2)
+    _compare(dist, single, double, keys=("loss", "objective/kl"))
+    # The value head trains on every process's rows: its gradients are summed across processes too.
+    from safetensors.torch import load_file
+
+    heads = [load_file(str(run.out / "value_head.safetensors")) for run in (single, double)]
+    for name in heads[0]:
+        assert (heads[0][name] - heads[1][name]).abs().max().item() < 1e-5, name
+    # The adaptive KL coefficient moved, and the same way (one ppo_state.json, written by the main process).
+    states = [json.loads((run.out / "checkpoint-2" / "ppo_state.json").read_text()) for run in (single, double)]
+    assert states[0]["kl_ctl"]["value"] != 0.2
+    assert states[0]["kl_ctl"]["value"] == pytest.approx(states[1]["kl_ctl"]["value"], rel=1e-6)
+    assert states[0]["score_moments"]["count"] == states[1]["score_moments"]["count"] == 2 * 8
+    assert states[0]["score_moments"]["mean"] == pytest.approx(states[1]["score_moments"]["mean"], abs=1e-6)
+    one, two = _completions(single), _completions(double)
+    assert len(one) == len(two) == 3 * 8
+    assert [(r["prompt"], r["completion"]) for r in one] == [(r["prompt"], r["completion"]) for r in two]

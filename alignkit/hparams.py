@@ -368,6 +368,14 @@ class Config:
     source: Optional[str] = None  # the YAML path, for messages
 
 
+def _asks_for_fsdp(train_kwargs: dict[str, Any]) -> bool:
+    """Whether the `fsdp` key asks for FSDP (`true`, or transformers' strings such as `full_shard auto_wrap`)."""
+    value = train_kwargs.get("fsdp")
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "false", "no", "none")
+    return bool(value)
+
+
 def launched_processes() -> int:
     """How many processes the launcher started (torchrun's, accelerate's or DeepSpeed's `WORLD_SIZE`; 1 alone)."""
     try:
@@ -632,6 +640,15 @@ def parse_config(
         per_class[TrainingArguments].setdefault(key, value)
     # Pinned memory only helps host-to-GPU copies; on a CPU-only machine torch warns about it each epoch.
     per_class[TrainingArguments].setdefault("dataloader_pin_memory", _has_accelerator())
+    fsdp_asked = _asks_for_fsdp(per_class[TrainingArguments]) or \
+        os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    if fsdp_asked and not _has_accelerator():
+        # accelerate (1.15) switches to FSDP only on GPU-like devices; on a CPU the run silently falls back to
+        # plain data parallelism with a whole model per process, which is not what was asked for.
+        raise ConfigError(f"FSDP (the `fsdp` key or an `accelerate launch` FSDP config){where} needs GPUs: on this "
+                          "CPU-only machine accelerate would train plain data parallel (DDP) with the whole model in "
+                          "every process. Remove `fsdp`/`fsdp_config` (or launch with torchrun or a non-FSDP "
+                          "accelerate config) to train data parallel on the CPU.")
     if launched_processes() > 1 and not _has_accelerator():
         # Under torchrun on a CPU-only machine accelerate sets up gloo data parallelism only with `use_cpu`;
         # without it every worker silently trains alone on the whole data set (each one its own "rank 0").

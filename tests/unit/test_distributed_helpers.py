@@ -1,0 +1,179 @@
+"""The single-process logic of the distributed helpers: the torchrun re-launch command, the FSDP refusal on a CPU,
+and `full_weights` under ZeRO-3 with DeepSpeed stubbed (DeepSpeed needs an accelerator; the FSDP2 path runs for
+real in tests/distributed)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from alignkit.hparams import ConfigError, launched_processes, parse_config
+from alignkit.launch import torchrun_command
+from alignkit.model import distributed
+from alignkit.model.distributed import full_weights, sharding_of
+
+_ORIGINAL_GATHER = distributed._zero3_gathered
+
+PY = "python"
+RUN = [PY, "-m", "torch.distributed.run"]
+TRAIN = ["-m", "alignkit", "train", "c.yaml", "max_steps=3"]
+
+
+@pytest.mark.parametrize("nproc, env, expected", [
+    (2, {}, RUN + ["--standalone", "--nproc_per_node", "2"] + TRAIN),
+    (None, {}, None),  # no --nproc, no FORCE_TORCHRUN: this process trains
+    (1, {}, None),
+    (2, {"WORLD_SIZE": "2"}, None),  # already a launched worker: never launch again
+    (None, {"LOCAL_RANK": "0", "FORCE_TORCHRUN": "1"}, None),
+    (None, {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "3"}, RUN + ["--standalone", "--nproc_per_node", "3"] + TRAIN),
+    (None, {"FORCE_TORCHRUN": "true"}, RUN + ["--standalone", "--nproc_per_node", "1"] + TRAIN),  # no GPU: 1
+    (None, {"FORCE_TORCHRUN": "0", "NPROC_PER_NODE": "3"}, None),
+    (None, {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "29555"},
+     RUN + ["--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--master_port", "29555",
+            "--nproc_per_node", "2"] + TRAIN),
+    (2, {"NNODES": "2"},  # LLaMA-Factory's defaults for the rest
+     RUN + ["--nnodes", "2", "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", "29500",
+            "--nproc_per_node", "2"] + TRAIN),
+])
+def test_torchrun_command(nproc, env, expected, monkeypatch):
+    monkeypatch.setattr("alignkit.launch._device_count", lambda: 1)
+    assert torchrun_command(["c.yaml", "max_steps=3"], nproc, env, python=PY) == expected
+
+
+@pytest.mark.parametrize("nproc, env, message", [
+    (0, {}, "--nproc 0"),
+    (None, {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "two"}, "NPROC_PER_NODE='two' must be a whole number"),
+    (2, {"NNODES": "0"}, "NNODES='0' must be at least 1"),
+    (2, {"NNODES": "2", "NODE_RANK": "-1"}, "NODE_RANK='-1' must be >= 0"),
+])
+def test_torchrun_command_refuses_bad_numbers(nproc, env, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        torchrun_command(["c.yaml"], nproc, env)
+
+
+def test_launched_processes_reads_world_size(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert launched_processes() == 1
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert launched_processes() == 4
+
+
+@pytest.mark.parametrize("keys, env", [({"fsdp": "full_shard auto_wrap"}, {}), ({"fsdp": True}, {}),
+                                       ({}, {"ACCELERATE_USE_FSDP": "true"})])
+def test_fsdp_on_a_cpu_is_refused_instead_of_silently_running_ddp(keys, env, monkeypatch, tmp_path):
+    monkeypatch.setattr("alignkit.hparams._has_accelerator", lambda: False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match="FSDP .* needs GPUs.*plain data parallel"):
+        parse_config({"output_dir": str(tmp_path), **keys})
+
+
+# ---- full_weights under ZeRO-3, DeepSpeed stubbed ----
+
+class _FakeZero:
+    """`deepspeed.zero.GatheredParameters` as documented: a context manager over a parameter list; records its use."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, object]] = []
+        self.active = False
+
+    @contextlib.contextmanager
+    def GatheredParameters(self, params, modifier_rank=None):  # noqa: N802 (DeepSpeed's name)
+        self.calls.append((len(list(params)), modifier_rank))
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+
+@pytest.fixture
+def fake_deepspeed(monkeypatch):
+    """A stand-in `deepspeed` module (only `zero.GatheredParameters`), seen by alignkit's ZeRO-3 gather alone: in
+    `sys.modules` accelerate would take it for an installed DeepSpeed."""
+    zero = _FakeZero()
+    module = types.SimpleNamespace(zero=zero)
+    real_import = __import__
+
+    def gathered(params):
+        def importing(name, *args, **kwargs):
+            return module if name == "deepspeed" else real_import(name, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("builtins.__import__", importing)
+            return _ORIGINAL_GATHER(params)  # alignkit's own call, `import deepspeed` answered by the stand-in
+
+    monkeypatch.setattr(distributed, "_zero3_gathered", gathered)
+    return zero
+
+
+def _mark_partitioned(model: torch.nn.Module) -> int:
+    """Give every parameter the `ds_id` that `deepspeed.zero.Init` sets on a partitioned one; returns their count."""
+    params = list(model.parameters())
+    for i, param in enumerate(params):
+        param.ds_id = i
+    return len(params)
+
+
+def test_full_weights_is_a_no_op_without_sharding(tiny_model_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # importing it would fail: it must not be imported
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert sharding_of(model) == "none"
+    with full_weights(model) as inside:
+        assert inside is model
+
+
+def test_full_weights_gathers_zero3_parameters_once_around_a_whole_generation(tiny_model_dir, fake_deepspeed):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    count = _mark_partitioned(model)
+    assert sharding_of(model) == "zero3"
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(fake_deepspeed.active))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with full_weights(model) as inside:
+        out = inside.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == 9
+    assert len(forwards) == 5 and all(forwards)  # every forward of the generation ran inside the one gather
+    assert fake_deepspeed.calls == [(count, None)]  # one gather of every partitioned weight, read-only
+    assert not fake_deepspeed.active
+
+
+def test_dpo_reference_precomputation_gathers_once_for_the_whole_pass(tiny_model_dir, tiny_tokenizer, fake_deepspeed,
+                                                                      tmp_path):
+    from datasets import Dataset
+
+    from alignkit.data.collator import PairwiseCollator
+    from alignkit.model.loader import load_model
+    from alignkit.stages.dpo import DPOTrainer
+
+    config = parse_config({"stage": "dpo", "model_name_or_path": tiny_model_dir, "output_dir": str(tmp_path / "out"),
+                           "precompute_ref_log_probs": True, "per_device_eval_batch_size": 2, "lora_rank": 4,
+                           "use_cpu": True})
+    model = load_model(config.model, config.finetuning, is_trainable=True)
+    _mark_partitioned(model)
+    rows = []
+    for i in range(5):  # 3 batches of the reference pass
+        prompt = tiny_tokenizer(f"question {i}", add_special_tokens=False)["input_ids"]
+        for side, reply in (("chosen", f" good {i}"), ("rejected", f" bad {i}")):
+            ids = prompt + tiny_tokenizer(reply, add_special_tokens=False)["input_ids"]
+            rows.append((side, ids, [-100] * len(prompt) + ids[len(prompt):]))
+    columns: dict[str, list] = {}
+    for side, ids, labels in rows:
+        columns.setdefault(f"{side}_input_ids", []).append(ids)
+        columns.setdefault(f"{side}_attention_mask", []).append([1] * len(ids))
+        columns.setdefault(f"{side}_labels", []).append(labels)
+    dataset = Dataset.from_dict(columns)
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(fake_deepspeed.active))
+    trainer = DPOTrainer(model=model, args=config.training, dpo_args=config.method,
+                         data_collator=PairwiseCollator(tiny_tokenizer), train_dataset=dataset,
+                         eval_dataset=dataset.select(range(3)))
+    assert len(fake_deepspeed.calls) == 1  # train and eval sets: one gather for the whole precomputation
+    assert len(forwards) == 3 + 2 and all(forwards)  # train: 5 pairs, eval: 3, by 2; all inside it
+    assert "ref_chosen_logps" in trainer.train_dataset.column_names

@@ -205,3 +205,54 @@ def test_bench_grpo_end_to_end_on_tiny_model(tmp_path):
         "completions_per_s alignkit/trl_default >= 2.0", "peak_rss_mb alignkit/trl_default <= 1.0"}
     markdown = (out_dir / "grpo.md").read_text()
     assert "| run | step time (s) | completions/s | generation (s/step)" in markdown
+
+
+def test_summarise_ppo_step_split():
+    """Steps of 10, 10 and 14 s (warm-up 1), PPO logging time/generation 4, 4, 6 s, time/scoring 1, 1, 1 s and
+    time/training 5, 4, 6 s, 8 prompts per step: measured steps 2-3 take 24 s → 16 / 24 = 0.667 responses/s;
+    generation (4 + 6) / 2 = 5 s/step, scoring 1, training (4 + 6) / 2 = 5; response length (10 + 20) / 2 = 15."""
+    from bench.worker import summarise_ppo
+
+    recorder = StepRecorder()
+    recorder.train_begin, recorder.step_ends = 0.0, [10.0, 20.0, 34.0]
+    recorder.batch_tokens = [None, None, None]
+    history = [{"loss": 0.5, "time/generation": g, "time/scoring": 1.0, "time/training": t,
+                "response_length/mean": n, "ppo/loss/total": loss}
+               for g, t, n, loss in ((4.0, 5.0, 30.0, 0.5), (4.0, 4.0, 10.0, 0.4), (6.0, 6.0, 20.0, 0.3))]
+    out = summarise_ppo(recorder, history + [{"train_runtime": 34.0}], warmup=1, prompts_per_step=8)
+    assert out["measured_steps"] == 2 and out["step_time_s"] == pytest.approx(12.0)
+    assert out["responses_per_s"] == pytest.approx(16 / 24)
+    assert (out["generation_s"], out["scoring_s"], out["training_s"]) == pytest.approx((5.0, 1.0, 5.0))
+    assert out["response_length_mean"] == pytest.approx(15.0) and out["final_loss"] == pytest.approx(0.3)
+    with pytest.raises(RuntimeError, match="one per step"):
+        summarise_ppo(recorder, history[:2], warmup=1, prompts_per_step=8)
+
+
+def test_bench_ppo_end_to_end_on_tiny_model(tmp_path):
+    """PPO, alignkit alone (no TRL runs are planned), 2 steps (1 timed): step time, its split, peak memory."""
+    out_dir = tmp_path / "results"
+    cmd = [sys.executable, "-m", "bench", "--model", "tiny", "--stage", "ppo", "--reps", "1", "--steps", "2",
+           "--warmup", "1", "--batch", "2", "--max-completion-length", "8", "--matmul-size", "256",
+           "--matmul-seconds", "0.2", "--output-dir", str(out_dir), "--name", "ppo", "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out_dir / "ppo.json").read_text())
+    data = report["stages"]["ppo"]
+    (run,) = data["runs"]  # TRL's variants are not planned for ppo
+    assert run["ok"], run.get("error")
+    assert run["variant_key"] == "alignkit" and run["steps"] == 2 and run["measured_steps"] == 1
+    assert run["step_time_s"] == pytest.approx(run["step_times_s"][1], abs=1e-4)
+    assert run["responses_per_s"] == pytest.approx(2 / run["step_time_s"])
+    for part in ("generation_s", "scoring_s", "training_s"):
+        assert 0 < run[part] < run["step_time_s"], part
+    # The three parts are the step but for bookkeeping (logging, the KL controller, the scheduler).
+    assert run["generation_s"] + run["scoring_s"] + run["training_s"] <= run["step_time_s"] + 1e-6
+    assert 1 <= run["response_length_mean"] <= 8 and run["peak_rss_mb"] > 0 and math.isfinite(run["final_loss"])
+    assert run["settings"]["reward_model_type"] == "lora" and run["settings"]["max_new_tokens"] == 8
+    summary = data["summary"]["alignkit"]
+    for figure in ("step_time_s", "generation_s", "scoring_s", "training_s", "peak_rss_mb", "responses_per_s"):
+        assert summary[figure]["median"] == run[figure], figure
+    markdown = (out_dir / "ppo.md").read_text()
+    assert "| run | step time (s) | responses/s | generation (s/step) | scoring (s/step) | training (s/step)" in markdown
+    assert "| alignkit |" in markdown and "No peer ran" in markdown
+    assert markdown in proc.stdout

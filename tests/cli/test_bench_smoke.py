@@ -256,3 +256,35 @@ def test_bench_ppo_end_to_end_on_tiny_model(tmp_path):
     assert "| run | step time (s) | responses/s | generation (s/step) | scoring (s/step) | training (s/step)" in markdown
     assert "| alignkit |" in markdown and "No peer ran" in markdown
     assert markdown in proc.stdout
+
+
+def test_ppo_memory_sft_twin_trains_on_the_rollouts(tmp_path):
+    """Two PPO completion records (one with message prompts, one with a string prompt) become two SFT rows with
+    the same prompt and response; the SFT config keeps the PPO config's model, adapter, batch and cutoff."""
+    import yaml
+
+    from bench import ppo_memory
+
+    ppo_dir = tmp_path / "ppo"
+    ppo_dir.mkdir()
+    records = [{"step": 1, "prompt": [{"role": "user", "content": "Capital of Italy?"}], "completion": "Rome.",
+                "reward": 0.5},
+               {"step": 1, "prompt": "Say hi.", "completion": "Hi!", "reward": -0.1}]
+    (ppo_dir / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    ppo_config = {"model_name_or_path": "m", "adapter_name_or_path": "saves/sft", "stage": "ppo", "lora_rank": 8,
+                  "cutoff_len": 256, "per_device_train_batch_size": 8, "reward_model": "rm", "max_new_tokens": 48}
+    (tmp_path / "ppo.yaml").write_text(yaml.safe_dump(ppo_config), encoding="utf-8")
+    assert ppo_memory.main([str(ppo_dir), str(tmp_path / "out"), "--ppo-config", str(tmp_path / "ppo.yaml"),
+                            "--steps", "3"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "ppo_rollouts.jsonl").read_text().splitlines()]
+    assert rows == [{"messages": [{"role": "user", "content": "Capital of Italy?"},
+                                  {"role": "assistant", "content": "Rome."}]},
+                    {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]}]
+    config = yaml.safe_load((tmp_path / "out" / "sft_like_ppo.yaml").read_text())
+    assert config["stage"] == "sft" and config["max_steps"] == 3
+    for key in ("model_name_or_path", "adapter_name_or_path", "lora_rank", "cutoff_len", "per_device_train_batch_size"):
+        assert config[key] == ppo_config[key], key
+    assert "reward_model" not in config and "max_new_tokens" not in config
+    (ppo_dir / "completions.jsonl").write_text("", encoding="utf-8")
+    with pytest.raises(ValueError, match="log_completions"):
+        ppo_memory.rollout_rows(ppo_dir / "completions.jsonl")

@@ -158,14 +158,16 @@ def _trainable(model) -> list:
     return [p for _, p in _named_trainable(model)]
 
 
-def truncate_log(output_dir: str | os.PathLike, step: int) -> None:
+def truncate_log(output_dir: str | os.PathLike, step: int, file_name: str = LOG_FILE,
+                 step_key: str = "current_steps") -> None:
     """Keep the records of `trainer_log.jsonl` up to `step` (all of them at `step`, evaluations too).
 
     A fresh run (`step == 0`) starts a fresh log. A run resumed from `checkpoint-N` trains steps N+1...
     again, so the records a killed run wrote past N are dropped. The file is replaced atomically, and a
-    line cut short by the kill is dropped too.
+    line cut short by the kill is dropped too. `file_name` and `step_key` name another per-step jsonl file
+    of the run and its step field (PPO's `completions.jsonl`, `step`).
     """
-    path = Path(output_dir) / LOG_FILE
+    path = Path(output_dir) / file_name
     if not path.exists():
         return
     if step == 0:
@@ -177,9 +179,9 @@ def truncate_log(output_dir: str | os.PathLike, step: int) -> None:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("current_steps"), int) and record["current_steps"] <= step:
+        if isinstance(record, dict) and isinstance(record.get(step_key), int) and record[step_key] <= step:
             kept.append(line + "\n")
-    partial = path.with_name(LOG_FILE + ".partial")
+    partial = path.with_name(file_name + ".partial")
     partial.write_text("".join(kept), encoding="utf-8")
     os.replace(partial, path)
 

@@ -112,7 +112,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             config_overrides.append(f"{key}={value}")
     config_overrides.append(f"dataset_dir={args.dataset_dir or default_dataset_dir(args.dataset)}")
     config = _model_args(args.model, args.adapter, config_overrides)
-    result = evaluate_rewards(config, reward_args, batch_size=args.batch_size, output=args.output)
+    result = evaluate_rewards(config, reward_args, batch_size=args.batch_size, output=args.output,
+                              kl_reference=args.kl_reference)
     adapter = f" + {args.adapter}" if args.adapter else ""
     print(f"eval: {result.num_rows} prompts of {args.dataset}, model {config.model.model_name_or_path or 'bundled'}"
           f"{adapter}, greedy, max_new_tokens {config.generating.max_new_tokens}")
@@ -191,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cutoff-len", type=int, help="most prompt tokens (default: cutoff_len's default)")
     p.add_argument("--template", help="chat template (default: the tokenizer's own)")
     p.add_argument("--output", help="write one jsonl line per prompt: completion, columns, rewards")
+    p.add_argument("--kl-reference", help="also report the KL of the model to this reference on its answers: "
+                   "adapter directory (e.g. the SFT adapter a PPO run started from), or `base`")
     p.add_argument("overrides", nargs="*", help="more settings as key=value, e.g. format_reward_pattern=... "
                    "length_reward_window=64")
     p.set_defaults(func=_cmd_eval)

@@ -11,6 +11,12 @@ Prompts go through the data layer as GRPO's do (`convert_dataset` to prompt exam
 the template's rendering, left-truncated to `cutoff_len`), so every other column of a row (`answer`)
 reaches the reward functions; completions come from `model.generation.generate`, stopping at the
 template's end of turn, and the `length` reward gets their token ids and truncation flags.
+
+With a reference (`kl_reference`, `alignkit eval --kl-reference DIR|base`) it also reports how far the model
+moved from it on those answers: the KL divergence of the model's next-token distribution from the
+reference's, over the whole vocabulary, summed over each answer's tokens (nats per answer). For a PPO or
+GRPO adapter the reference is the model the run started from (the SFT adapter, or `base`), so the figure
+sits beside the run's `objective/kl` (the same divergence, estimated from sampled tokens).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 
 from .data.collator import _pad_id
 from .data.loader import convert_dataset, resolve_datasets
+from .constants import IGNORE_INDEX
 from .data.processors import encode_prompt
 from .data.template import ChatFormatter
 from .hparams import Config, FinetuningArguments
@@ -44,7 +51,10 @@ class RewardEvaluation:
         scored: name -> how many rows it scored.
         reward_mean: mean of the weighted sum (`combine_rewards`) over rows at least one function scored.
         num_rows: prompts evaluated.
-        rows: per row: prompt, completion, its other columns, each reward, `truncated`, `completion_tokens`.
+        rows: per row: prompt, completion, its other columns, each reward, `truncated`, `completion_tokens`
+            (and `kl` with a reference).
+        kl_mean: with a reference, the mean over answers of the KL to it (`answer_kl`), nats per answer.
+        kl_reference: the reference it was measured against (adapter directories, or "base").
     """
 
     names: list[str]
@@ -53,6 +63,8 @@ class RewardEvaluation:
     reward_mean: float
     num_rows: int
     rows: list[dict[str, Any]] = field(default_factory=list)
+    kl_mean: Optional[float] = None
+    kl_reference: Optional[str] = None
 
     def summary(self) -> str:
         """Lines for the terminal: one per function, then the weighted sum when there are several."""
@@ -60,6 +72,9 @@ class RewardEvaluation:
                  for name in self.names]
         if len(self.names) > 1:
             lines.append(f"reward (weighted sum): {self.reward_mean:.4f}")
+        if self.kl_mean is not None:
+            lines.append(f"KL to the reference ({self.kl_reference}): {self.kl_mean:.4f} nats per answer "
+                         f"(mean over {self.num_rows} answers; full vocabulary, summed over answer tokens)")
         return "\n".join(lines)
 
 
@@ -89,6 +104,56 @@ def reward_arguments(reward_funcs: list[str], overrides: dict[str, Any]) -> Rewa
     return RewardFunctionArguments(reward_funcs=reward_funcs, **values)
 
 
+def answer_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || p_ref) of next-token distributions over the whole vocabulary, position by position.
+
+    Args:
+        logits: [..., V] the evaluated model's logits.
+        ref_logits: [..., V] the reference's logits at the same positions.
+
+    Returns:
+        [...] float32: sum_v p(v) (log p(v) - log p_ref(v)).
+
+    Example: logits log([0.5, 0.5]) vs ref log([0.25, 0.75]):
+    0.5 ln(0.5 / 0.25) + 0.5 ln(0.5 / 0.75) = 0.5 (0.693147 - 0.405465) = 0.143841; equal logits give 0.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
+    return (logp.exp() * (logp - ref_logp)).sum(dim=-1)
+
+
+def _answer_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   selected: torch.Tensor) -> torch.Tensor:
+    """[S, V] logits of the positions `selected` ([N, L - 1], True where column t predicts an answer token): only
+    they go through the output layer, so no [N, L, V] tensor is made."""
+    from .model.heads import last_hidden_states, unwrap_model
+
+    hidden, _ = last_hidden_states(model, input_ids, attention_mask)
+    return unwrap_model(model).get_output_embeddings()(hidden[:, :-1][selected])
+
+
+def answers_kl(model, reference, generation, pad_id: int) -> torch.Tensor:
+    """[N] KL of `model` to `reference` summed over each generated answer's tokens (`answer_kl`).
+
+    Args:
+        model, reference: causal LMs on the same tokenizer and device.
+        generation: `alignkit.model.generation.Generation` of one batch; each prompt + answer is laid out as PPO
+            lays out its rollouts (`alignkit.stages.ppo.pack_right`), so both models see the same positions.
+        pad_id: the tokenizer's padding id.
+    """
+    from .stages.ppo import pack_right
+
+    device = next(model.parameters()).device
+    input_ids, attention_mask, labels = pack_right(
+        generation.prompt_ids.to(device), generation.prompt_mask.to(device), generation.completion_ids.to(device),
+        generation.completion_mask.to(device), pad_id)
+    selected = labels[:, 1:] != IGNORE_INDEX
+    with torch.no_grad():
+        per_position = answer_kl(_answer_logits(model, input_ids, attention_mask, selected),
+                                 _answer_logits(reference, input_ids, attention_mask, selected))
+    return torch.zeros(selected.shape, device=device).masked_scatter(selected, per_position).sum(dim=1).cpu()
+
+
 def _nan_to_none(value: float) -> Optional[float]:
     return None if math.isnan(value) else value
 
@@ -100,6 +165,7 @@ def evaluate_rewards(
     batch_size: int = 8,
     output: Optional[str] = None,
     config_dir: Optional[str] = None,
+    kl_reference: Optional[str] = None,
 ) -> RewardEvaluation:
     """Generate greedily for every prompt of `config.data.dataset` and score the completions.
 
@@ -112,6 +178,9 @@ def evaluate_rewards(
         batch_size: prompts generated together.
         output: a .jsonl path to write one line per row (prompt, completion, columns, rewards).
         config_dir: where relative `file.py:function` and reward model paths are looked up first.
+        kl_reference: also measure the KL of the model to this reference on its answers (`answers_kl`): adapter
+            directories (comma-separated) on `model_name_or_path`, e.g. the SFT adapter a PPO run started from,
+            or "base" for the model without adapters. It is loaded beside the model (a second copy in memory).
 
     Raises:
         ConfigError, DataError: bad settings or data, before the model loads.
@@ -138,8 +207,15 @@ def evaluate_rewards(
     encoded = [encode_prompt(formatter, example, d.cutoff_len) for example in examples]
 
     model = load_model(config.model, FinetuningArguments(), is_trainable=False)
+    reference = None
+    if kl_reference:
+        reference_adapters = None if kl_reference == "base" else kl_reference
+        reference = load_model(replace(config.model, adapter_name_or_path=reference_adapters), FinetuningArguments(),
+                               is_trainable=False)
     if torch.cuda.is_available():
         model.to("cuda")
+        if reference is not None:
+            reference.to("cuda")
     max_new_tokens = config.generating.max_new_tokens
     rewards = build_reward_functions(reward_args, model=model, formatter=formatter, model_args=config.model,
                                      config_dir=config_dir, max_completion_length=max_new_tokens)
@@ -147,7 +223,7 @@ def evaluate_rewards(
     stop_ids = formatter.stop_token_ids()
     pad_id = _pad_id(tokenizer)
 
-    per_function, rows = [], []
+    per_function, rows, kls = [], [], []
     for start in range(0, len(examples), batch_size):
         batch = examples[start:start + batch_size]
         features = encoded[start:start + batch_size]
@@ -163,10 +239,13 @@ def evaluate_rewards(
         scores = rewards(prompts, completions, columns, completion_ids=completion_ids,
                          truncated=out.truncated.tolist())
         per_function.append(scores)
+        if reference is not None:
+            kls.append(answers_kl(model, reference, out, pad_id))
         for i, text in enumerate(out.texts):
             rows.append({"prompt": prompts[i], "completion": text, **{k: columns[k][i] for k in extra_keys},
                          "rewards": {name: _nan_to_none(float(scores[i, j])) for j, name in enumerate(rewards.names)},
-                         "truncated": bool(out.truncated[i]), "completion_tokens": len(completion_ids[i])})
+                         "truncated": bool(out.truncated[i]), "completion_tokens": len(completion_ids[i]),
+                         **({"kl": float(kls[-1][i])} if reference is not None else {})})
         logger.info("eval: %d of %d prompts", min(start + batch_size, len(examples)), len(examples))
 
     scores = torch.cat(per_function) if per_function else torch.empty(0, len(rewards))
@@ -182,7 +261,10 @@ def evaluate_rewards(
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
         logger.info("Wrote %d rows to %s", len(rows), path)
-    return RewardEvaluation(rewards.names, means, scored, reward_mean, len(rows), rows)
+    kl_mean = float(torch.cat(kls).mean()) if kls else None
+    return RewardEvaluation(rewards.names, means, scored, reward_mean, len(rows), rows, kl_mean,
+                            kl_reference if reference is not None else None)
 
 
-__all__ = ["RewardEvaluation", "default_dataset_dir", "evaluate_rewards", "reward_arguments"]
+__all__ = ["RewardEvaluation", "answer_kl", "answers_kl", "default_dataset_dir", "evaluate_rewards",
+           "reward_arguments"]

@@ -39,12 +39,16 @@ if __package__ in (None, ""):  # `python bench/run.py`: make the repository root
 from bench import workloads  # noqa: E402
 from bench.worker import TRL_BEST  # noqa: E402
 
-STAGES = ("sft", "rm", "dpo", "grpo")
+STAGES = ("sft", "rm", "dpo", "grpo", "ppo")
+# Stages only alignkit runs here: TRL 1.x has no PPO trainer (`python -m bench --peer llamafactory` tries
+# LLaMA-Factory's, whose PPO needs trl<=0.9.6 while its other imports need trl>=0.18).
+ALIGNKIT_ONLY = ("ppo",)
 VARIANTS = ("alignkit", "trl_default", "trl_best")
 BUNDLED = "smollm2-135m-instruct"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FIGURES = ("step_time_s", "tokens_per_s", "peak_rss_mb", "peak_gpu_mb", "final_loss", "mfu", "completions_per_s",
-           "generation_s", "training_s", "generated_tokens_per_s")
+           "generation_s", "training_s", "generated_tokens_per_s", "scoring_s", "responses_per_s",
+           "response_length_mean")
 RATIO_FIGURES = ("step_time_s", "tokens_per_s", "peak_rss_mb", "peak_gpu_mb", "mfu", "completions_per_s",
                  "generation_s", "training_s")
 
@@ -68,7 +72,7 @@ TARGETS = [
 
 def data_kind(stage: str) -> str:
     """The generated data a stage trains on: `sft`, `pref` (rm, dpo) or `prompt` (grpo)."""
-    return {"sft": "sft", "grpo": "prompt"}.get(stage, "pref")
+    return {"sft": "sft", "grpo": "prompt", "ppo": "ppo_prompt"}.get(stage, "pref")
 
 
 def alignkit_has_stage(stage: str) -> bool:
@@ -104,6 +108,9 @@ def prepare_data(model_dir: str, stages: list[str], n_rows: int, cutoff: int, wo
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     out: dict[str, Any] = {}
     for kind in sorted({data_kind(s) for s in stages}):
+        if kind == "ppo_prompt":
+            out[kind] = ppo_prompt_data(tokenizer, n_rows, work_dir)
+            continue
         rows = workloads.canonical_rows(kind, n_rows if kind != "prompt" else max(1, n_rows // num_generations))
         if kind == "prompt":  # prompts only: their own templated length is what is reported
             lengths = [len(tokenizer.apply_chat_template(
@@ -119,6 +126,20 @@ def prepare_data(model_dir: str, stages: list[str], n_rows: int, cutoff: int, wo
                                 "total": sum(lengths)}
         out[kind] = paths
     return out
+
+
+def ppo_prompt_data(tokenizer, n_rows: int, work_dir: Path) -> dict[str, Any]:
+    """PPO's prompts: `n_rows` = steps x batch (one response per prompt, so one epoch is exactly the run), the
+    generated prompt rows GRPO uses, unfitted; returns paths and the prompts' templated lengths."""
+    rows = workloads.canonical_rows("prompt", n_rows)
+    lengths = [len(tokenizer.apply_chat_template(
+        [{"role": "system", "content": r["system"]}, {"role": "user", "content": r["prompt"]}],
+        add_generation_prompt=True, tokenize=True)["input_ids"]) for r in rows]
+    paths = workloads.write_datasets(rows, work_dir / "data", "bench_ppo_prompt")
+    paths["rows"] = len(rows)
+    paths["chat_tokens"] = {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths),
+                            "total": sum(lengths)}
+    return paths
 
 
 def run_worker(args: list[str], threads: int, timeout: float, log_path: Path) -> dict[str, Any]:
@@ -297,8 +318,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for stage, data in report["stages"].items():
-        if stage == "grpo":
-            continue  # its own table below: completions, not training tokens, are what a step produces
+        if stage in ("grpo", "ppo"):
+            continue  # tables of their own below: completions, not training tokens, are what a step produces
         for variant in VARIANTS:
             row = data["summary"].get(variant)
             if row is None:
@@ -317,6 +338,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"| {_fmt(ratio[mem], 2)}x | | | {_fmt(ratio['mfu'], 2)}x | |")
     if "grpo" in report["stages"]:
         lines += _grpo_table(report, mem, mem_label)
+    if "ppo" in report["stages"]:
+        lines += _ppo_table(report, mem, mem_label)
     lines += ["", "| stage | target | figures | met |", "|---|---|---|---|"]
     for t in report["targets"]:
         verdict = {True: "met", False: "not met", None: "not measured"}[t["met"]]
@@ -351,6 +374,29 @@ def _grpo_table(report: dict[str, Any], mem: str, mem_label: str) -> list[str]:
     return lines
 
 
+def _ppo_table(report: dict[str, Any], mem: str, mem_label: str) -> list[str]:
+    """PPO rows: step time and its split into generation, scoring and training; which peers ran and why not."""
+    s, data = report["settings"], report["stages"]["ppo"]
+    lines = ["", f"PPO (LoRA, `stage: ppo` defaults: 4 passes per rollout, value head on the policy): {s['batch']} "
+             f"prompts per step, one response each of at most {s['max_completion_length']} new tokens (temperature "
+             "1.0), the reward model a LoRA reward adapter switched in on the same base. Generation is the sampling "
+             "call, scoring the reward model plus the rollout's policy, critic and reference passes, training the 4 "
+             "passes (backward and optimizer steps).", "",
+             f"| run | step time (s) | responses/s | generation (s/step) | scoring (s/step) | training (s/step) "
+             f"| response tokens (mean) | {mem_label} | final loss |", "|---|---|---|---|---|---|---|---|---|"]
+    for variant, row in data["summary"].items():
+        lines.append(f"| {variant} | {_cell(row['step_time_s'])} | {_cell(row['responses_per_s'])} "
+                     f"| {_cell(row['generation_s'])} | {_cell(row['scoring_s'])} | {_cell(row['training_s'])} "
+                     f"| {_cell(row['response_length_mean'])} | {_cell(row[mem], 4)} | {_cell(row['final_loss'], 4)} |")
+    for run in data["runs"]:
+        if not run.get("ok"):
+            lines.append(f"| {run.get('variant_key')} | failed: {run.get('error', '?')[:80]} | | | | | | | |")
+    if not any(k != "alignkit" for k in data["summary"]):
+        lines += ["", "No peer ran: TRL 1.16 has no PPO trainer, and LLaMA-Factory 0.9.5's PPO needs trl<=0.9.6 "
+                  "while its other imports need trl>=0.18 (ENVIRONMENT.md), so it cannot run in one environment."]
+    return lines
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description="alignkit vs TRL 1.16, side by side.")
     p.add_argument("--stage", nargs="+", choices=STAGES, action="extend", default=None,
@@ -366,7 +412,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every process.")
     p.add_argument("--num-generations", type=int, default=4,
                    help="GRPO: completions per prompt (--batch completions per step, so batch/this prompts).")
-    p.add_argument("--max-completion-length", type=int, default=32, help="GRPO: most new tokens per completion.")
+    p.add_argument("--max-completion-length", type=int, default=32,
+                   help="GRPO: most new tokens per completion; PPO: per response.")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: bf16 autocast (bf16=True) in both tools, bf16 matmul probe.")
     p.add_argument("--variants", default=",".join(VARIANTS),
@@ -397,6 +444,8 @@ def plan_runs(opts: argparse.Namespace, stages: list[str], available: dict[str, 
         for rep in range(opts.reps):
             for variant in opts.variants:
                 if variant == "alignkit" and not available[stage]:
+                    continue
+                if stage in ALIGNKIT_ONLY and variant in ("trl_default", "trl_best"):
                     continue
                 plan.append((stage, rep, variant))
     return plan
@@ -448,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--model-dir", model_dir, "--steps", str(opts.steps), "--warmup", str(opts.warmup),
                 "--batch", str(opts.batch), "--cutoff", str(opts.cutoff), "--lr", str(opts.lr),
                 "--threads", str(opts.threads), "--device", opts.device]
+        if stage == "ppo":
+            args += ["--max-completion-length", str(opts.max_completion_length)]
         if stage == "grpo":
             args += ["--num-generations", str(opts.num_generations),
                      "--max-completion-length", str(opts.max_completion_length)]
@@ -461,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(variant_key=variant, rep=rep, stage=stage,
                       reference_forward=stage == "dpo" and variant != "trl_best")
         rate = (f"{result['completions_per_s']:.2f} completions/s" if stage == "grpo"
+                else f"{result['responses_per_s']:.2f} responses/s" if stage == "ppo"
                 else f"{result.get('tokens_per_s') or 0:.0f} tok/s") if result.get("ok") else ""
         status = (f"{result['step_time_s']:.2f} s/step, {rate}, {result['peak_rss_mb']:.0f} MB"
                   if result.get("ok") else f"FAILED: {result.get('error')}")

@@ -12,7 +12,11 @@ Both tools are `transformers.Trainer` subclasses, so the same callback measures 
 - GRPO: each generation call is timed (alignkit's `sample_completions`, TRL's `_generate_single_turn`) with
   the tokens it generated; a GRPO batch is raw prompt rows, so tokens/s is not counted, completions/s is
   (`--batch` completions per step, one generation batch per step);
-- losses: the Trainer's own `log_history` (logging every step).
+- losses: the Trainer's own `log_history` (logging every step);
+- PPO (alignkit only): a step is one rollout and its `ppo_epochs` passes; its split into generation, scoring
+  (reward model and the rollout's policy, critic and reference passes) and training is the stage's own
+  `time/generation`, `time/scoring`, `time/training` log entries; the reward model is a LoRA reward adapter
+  (fresh adapter, seeded score head) on the same base, as `examples/ppo_lora.yaml` uses one (`ppo_reward_model`).
 
 `--matmul` instead times a large square `torch.mm` at the same thread count: the machine's limit.
 
@@ -203,6 +207,8 @@ def run_alignkit(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any
                       max_completion_length=opts.max_completion_length)
         grpo.sample_completions = callback.recorder.timed_generation(
             grpo.sample_completions, lambda generation: generation.completion_mask.sum())
+    if opts.stage == "ppo":
+        values.update(ppo_settings(opts))
     if opts.device == "cuda":
         # Same as the TRL side: fp32 master weights under bf16 autocast.
         values.update(bf16=True, infer_dtype="float32")
@@ -288,6 +294,86 @@ def run_trl(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any]], d
                                              "effective": effective}
 
 
+def ppo_reward_model(model_dir: str, out_dir: str) -> str:
+    """Save a reward model for the PPO benchmark: an rm-run-shaped LoRA adapter (task SEQ_CLS, the score head in
+    modules_to_save) on `model_dir`, untrained but with a seeded score head, so scores differ between responses.
+    PPO loads it as a second adapter on the policy's base, as with a trained RM; the cost does not depend on
+    the weights. Returns its directory."""
+    import torch
+
+    from alignkit.hparams import parse_config
+    from alignkit.model.loader import load_model, save_base_adapters
+
+    config = parse_config({"model_name_or_path": model_dir, "finetuning_type": "lora", "lora_rank": 8,
+                           "lora_target": "all"})
+    torch.manual_seed(0)
+    model = load_model(config.model, config.finetuning, is_trainable=True, head="reward")
+    model.save_pretrained(out_dir)
+    save_base_adapters(model, out_dir)
+    del model
+    return out_dir
+
+
+def ppo_settings(opts: argparse.Namespace) -> dict[str, Any]:
+    """alignkit's PPO keys for a benchmark run: one response per prompt, `batch` prompts per step, at most
+    `--max-completion-length` new tokens, the stage's defaults otherwise (4 passes per rollout, adaptive KL)."""
+    reward_dir = ppo_reward_model(opts.model_dir, str(Path(opts.output_dir).parent / "ppo_reward_model"))
+    return {"reward_model": reward_dir, "reward_model_type": "lora", "max_new_tokens": opts.max_completion_length,
+            "lr_scheduler_type": "constant"}
+
+
+def make_ppo_callback(recorder: StepRecorder):
+    """The TrainerCallback of a PPO run: step-end timestamps only (PPO's loop has no training dataloader, so
+    training tokens are not counted; its rollouts are timed by the stage itself)."""
+    import torch
+    from transformers import TrainerCallback
+
+    class _Callback(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            recorder.threads_at_begin = torch.get_num_threads()
+            recorder.train_begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if args.device.type == "cuda":
+                torch.cuda.synchronize()
+            recorder.step_ends.append(time.perf_counter())
+            recorder.batch_tokens.append(None)
+
+    callback = _Callback()
+    callback.recorder = recorder
+    return callback
+
+
+def summarise_ppo(recorder: StepRecorder, log_history: list[dict[str, Any]], warmup: int,
+                  prompts_per_step: int) -> dict[str, Any]:
+    """PPO figures: step time as for every stage, and the step's split from the stage's own log entries
+    (logging every step, so entry k is step k).
+
+    Example: measured steps of 10 s and 14 s, logged time/generation 4 and 6 s, time/scoring 1 and 1 s,
+    time/training 4 and 6 s, 8 prompts per step: 16 responses / 24 s = 0.667 responses/s; generation 5 s/step,
+    scoring 1, training 5.
+    """
+    out = summarise(recorder, log_history, warmup)
+    steps = [h for h in log_history if "time/generation" in h]
+    if len(steps) < out["steps"]:
+        raise RuntimeError(f"{len(steps)} PPO log entries with time/generation for {out['steps']} steps: expected "
+                           "one per step (logging_steps 1).")
+    measured = range(out["steps"] - out["measured_steps"], out["steps"])
+    time_measured = out["step_time_s"] * out["measured_steps"]
+    split = {key: sum(steps[i][f"time/{key}"] for i in measured) / len(measured)
+             for key in ("generation", "scoring", "training")}
+    out.update({
+        "generation_s_per_step": [round(h["time/generation"], 4) for h in steps],
+        "generation_s": split["generation"],
+        "scoring_s": split["scoring"],
+        "training_s": split["training"],
+        "responses_per_s": prompts_per_step * len(measured) / time_measured if time_measured > 0 else None,
+        "response_length_mean": sum(steps[i]["response_length/mean"] for i in measured) / len(measured),
+        "final_loss": steps[-1].get("ppo/loss/total", out["final_loss"]),
+    })
+    return out
+
+
 def _parse_extra(items: list[str]) -> dict[str, Any]:
     import yaml
 
@@ -338,7 +424,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool", choices=["alignkit", "trl"])
     p.add_argument("--variant", choices=["default", "best"], default="default",
                    help="TRL only: its defaults, or its faster settings (bench.worker.TRL_BEST).")
-    p.add_argument("--stage", choices=["sft", "rm", "dpo", "grpo"])
+    p.add_argument("--stage", choices=["sft", "rm", "dpo", "grpo", "ppo"])
     p.add_argument("--model-dir")
     p.add_argument("--alignkit-dataset")
     p.add_argument("--alignkit-dataset-dir")
@@ -349,7 +435,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cutoff", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--num-generations", type=int, default=4, help="GRPO: completions per prompt.")
-    p.add_argument("--max-completion-length", type=int, default=32, help="GRPO: most new tokens per completion.")
+    p.add_argument("--max-completion-length", type=int, default=32,
+                   help="GRPO: most new tokens per completion; PPO: per response (max_new_tokens).")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--output-dir", default=None, help="Trainer output_dir (default: a temporary directory).")
@@ -398,11 +485,14 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ["ALIGNKIT_DATA_CACHE"] = str(Path(tmp) / "alignkit_data")
                 opts.output_dir = opts.output_dir or str(Path(tmp) / "out")
                 recorder = StepRecorder()
-                callback = make_callback(recorder)
+                callback = (make_ppo_callback if opts.stage == "ppo" else make_callback)(recorder)
                 runner = run_alignkit if opts.tool == "alignkit" else run_trl
                 history, settings = runner(opts, callback)
-                result.update(summarise(recorder, history, opts.warmup,
-                                        completions_per_step=opts.batch if opts.stage == "grpo" else None))
+                if opts.stage == "ppo":
+                    result.update(summarise_ppo(recorder, history, opts.warmup, prompts_per_step=opts.batch))
+                else:
+                    result.update(summarise(recorder, history, opts.warmup,
+                                            completions_per_step=opts.batch if opts.stage == "grpo" else None))
                 result.update(ok=True, settings=settings, threads=torch.get_num_threads(),
                               threads_at_train_begin=recorder.threads_at_begin,
                               setup_s=recorder.train_begin - started if recorder.train_begin else None)

@@ -947,6 +947,11 @@ class PPOTrainer(StageTrainer):
             self._resume(resume_from_checkpoint)
         self.state.init_training_references(self, max_steps, math.ceil(max_steps / self.steps_per_epoch), trial)
         self.state.max_steps = max_steps
+        if self.is_world_process_zero():
+            from ..callbacks import truncate_log
+
+            # Steps past the checkpoint (or every step, starting afresh) run again: drop what a killed run logged.
+            truncate_log(args.output_dir, self.state.global_step, COMPLETIONS_FILE, "step")
         self._initial_num_input_tokens_seen = self.state.num_input_tokens_seen
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, first_step = time.time(), self.state.global_step

@@ -205,3 +205,86 @@ def test_bench_grpo_end_to_end_on_tiny_model(tmp_path):
         "completions_per_s alignkit/trl_default >= 2.0", "peak_rss_mb alignkit/trl_default <= 1.0"}
     markdown = (out_dir / "grpo.md").read_text()
     assert "| run | step time (s) | completions/s | generation (s/step)" in markdown
+
+
+def test_summarise_ppo_step_split():
+    """Steps of 10, 10 and 14 s (warm-up 1), PPO logging time/generation 4, 4, 6 s, time/scoring 1, 1, 1 s and
+    time/training 5, 4, 6 s, 8 prompts per step: measured steps 2-3 take 24 s → 16 / 24 = 0.667 responses/s;
+    generation (4 + 6) / 2 = 5 s/step, scoring 1, training (4 + 6) / 2 = 5; response length (10 + 20) / 2 = 15."""
+    from bench.worker import summarise_ppo
+
+    recorder = StepRecorder()
+    recorder.train_begin, recorder.step_ends = 0.0, [10.0, 20.0, 34.0]
+    recorder.batch_tokens = [None, None, None]
+    history = [{"loss": 0.5, "time/generation": g, "time/scoring": 1.0, "time/training": t,
+                "response_length/mean": n, "ppo/loss/total": loss}
+               for g, t, n, loss in ((4.0, 5.0, 30.0, 0.5), (4.0, 4.0, 10.0, 0.4), (6.0, 6.0, 20.0, 0.3))]
+    out = summarise_ppo(recorder, history + [{"train_runtime": 34.0}], warmup=1, prompts_per_step=8)
+    assert out["measured_steps"] == 2 and out["step_time_s"] == pytest.approx(12.0)
+    assert out["responses_per_s"] == pytest.approx(16 / 24)
+    assert (out["generation_s"], out["scoring_s"], out["training_s"]) == pytest.approx((5.0, 1.0, 5.0))
+    assert out["response_length_mean"] == pytest.approx(15.0) and out["final_loss"] == pytest.approx(0.3)
+    with pytest.raises(RuntimeError, match="one per step"):
+        summarise_ppo(recorder, history[:2], warmup=1, prompts_per_step=8)
+
+
+def test_bench_ppo_end_to_end_on_tiny_model(tmp_path):
+    """PPO, alignkit alone (no TRL runs are planned), 2 steps (1 timed): step time, its split, peak memory."""
+    out_dir = tmp_path / "results"
+    cmd = [sys.executable, "-m", "bench", "--model", "tiny", "--stage", "ppo", "--reps", "1", "--steps", "2",
+           "--warmup", "1", "--batch", "2", "--max-completion-length", "8", "--matmul-size", "256",
+           "--matmul-seconds", "0.2", "--output-dir", str(out_dir), "--name", "ppo", "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out_dir / "ppo.json").read_text())
+    data = report["stages"]["ppo"]
+    (run,) = data["runs"]  # TRL's variants are not planned for ppo
+    assert run["ok"], run.get("error")
+    assert run["variant_key"] == "alignkit" and run["steps"] == 2 and run["measured_steps"] == 1
+    assert run["step_time_s"] == pytest.approx(run["step_times_s"][1], abs=1e-4)
+    assert run["responses_per_s"] == pytest.approx(2 / run["step_time_s"])
+    for part in ("generation_s", "scoring_s", "training_s"):
+        assert 0 < run[part] < run["step_time_s"], part
+    # The three parts are the step but for bookkeeping (logging, the KL controller, the scheduler).
+    assert run["generation_s"] + run["scoring_s"] + run["training_s"] <= run["step_time_s"] + 1e-6
+    assert 1 <= run["response_length_mean"] <= 8 and run["peak_rss_mb"] > 0 and math.isfinite(run["final_loss"])
+    assert run["settings"]["reward_model_type"] == "lora" and run["settings"]["max_new_tokens"] == 8
+    summary = data["summary"]["alignkit"]
+    for figure in ("step_time_s", "generation_s", "scoring_s", "training_s", "peak_rss_mb", "responses_per_s"):
+        assert summary[figure]["median"] == run[figure], figure
+    markdown = (out_dir / "ppo.md").read_text()
+    assert "| run | step time (s) | responses/s | generation (s/step) | scoring (s/step) | training (s/step)" in markdown
+    assert "| alignkit |" in markdown and "No peer ran" in markdown
+    assert markdown in proc.stdout
+
+
+def test_ppo_memory_sft_twin_trains_on_the_rollouts(tmp_path):
+    """Two PPO completion records (one with message prompts, one with a string prompt) become two SFT rows with
+    the same prompt and response; the SFT config keeps the PPO config's model, adapter, batch and cutoff."""
+    import yaml
+
+    from bench import ppo_memory
+
+    ppo_dir = tmp_path / "ppo"
+    ppo_dir.mkdir()
+    records = [{"step": 1, "prompt": [{"role": "user", "content": "Capital of Italy?"}], "completion": "Rome.",
+                "reward": 0.5},
+               {"step": 1, "prompt": "Say hi.", "completion": "Hi!", "reward": -0.1}]
+    (ppo_dir / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    ppo_config = {"model_name_or_path": "m", "adapter_name_or_path": "saves/sft", "stage": "ppo", "lora_rank": 8,
+                  "cutoff_len": 256, "per_device_train_batch_size": 8, "reward_model": "rm", "max_new_tokens": 48}
+    (tmp_path / "ppo.yaml").write_text(yaml.safe_dump(ppo_config), encoding="utf-8")
+    assert ppo_memory.main([str(ppo_dir), str(tmp_path / "out"), "--ppo-config", str(tmp_path / "ppo.yaml"),
+                            "--steps", "3"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "ppo_rollouts.jsonl").read_text().splitlines()]
+    assert rows == [{"messages": [{"role": "user", "content": "Capital of Italy?"},
+                                  {"role": "assistant", "content": "Rome."}]},
+                    {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]}]
+    config = yaml.safe_load((tmp_path / "out" / "sft_like_ppo.yaml").read_text())
+    assert config["stage"] == "sft" and config["max_steps"] == 3
+    for key in ("model_name_or_path", "adapter_name_or_path", "lora_rank", "cutoff_len", "per_device_train_batch_size"):
+        assert config[key] == ppo_config[key], key
+    assert "reward_model" not in config and "max_new_tokens" not in config
+    (ppo_dir / "completions.jsonl").write_text("", encoding="utf-8")
+    with pytest.raises(ValueError, match="log_completions"):
+        ppo_memory.rollout_rows(ppo_dir / "completions.jsonl")

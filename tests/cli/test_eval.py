@@ -100,3 +100,76 @@ def test_reward_settings_as_key_value(workspace, tiny_model_dir, capsys):
         main(["eval", "--dataset", "x"])  # --reward is required
     assert _eval(workspace, tiny_model_dir, "--reward", "format", "length_reward_window=0") == 2
     assert "length_reward_window=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_answer_kl_against_hand_computed_numbers():
+    """KL(p || p_ref) over the vocabulary, position by position.
+
+    p = [0.5, 0.5], p_ref = [0.25, 0.75]: 0.5 ln(0.5 / 0.25) + 0.5 ln(0.5 / 0.75) = 0.5 (0.693147 - 0.405465)
+    = 0.143841. Equal distributions give 0; adding a constant to the logits changes nothing.
+    """
+    import math
+
+    import torch
+
+    from alignkit.evaluate import answer_kl
+
+    logits = torch.log(torch.tensor([[0.5, 0.5], [0.2, 0.8]]))
+    ref_logits = torch.log(torch.tensor([[0.25, 0.75], [0.2, 0.8]])) + 3.0
+    kl = answer_kl(logits, ref_logits)
+    assert kl.shape == (2,)
+    assert kl[0].item() == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3), abs=1e-6)
+    assert kl[0].item() == pytest.approx(0.143841, abs=1e-6)
+    assert kl[1].item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_answers_kl_equals_a_forward_of_each_answer_alone(tiny_model_dir, tmp_path, save_perturbed_adapter):
+    """The batched, left-padded answers give the KL that each prompt + answer run alone through both models gives."""
+    import torch
+
+    from alignkit.evaluate import answer_kl, answers_kl
+    from alignkit.hparams import parse_config
+    from alignkit.model.generation import generate, pad_prompts
+    from alignkit.model.loader import load_model, load_tokenizer
+
+    save_perturbed_adapter(tiny_model_dir, tmp_path / "adapter")
+    config = parse_config({"model_name_or_path": tiny_model_dir, "adapter_name_or_path": str(tmp_path / "adapter")})
+    model = load_model(config.model, config.finetuning, is_trainable=False)
+    reference = load_model(parse_config({"model_name_or_path": tiny_model_dir}).model, config.finetuning,
+                           is_trainable=False)
+    tokenizer = load_tokenizer(config.model)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]  # unequal lengths: left padding in the batch
+    input_ids, attention_mask = pad_prompts(prompts, tokenizer.pad_token_id)
+    out = generate(model, tokenizer, input_ids, attention_mask, stop_token_ids=[tokenizer.eos_token_id],
+                   generation_kwargs={"do_sample": False, "max_new_tokens": 5})
+    kl = answers_kl(model, reference, out, tokenizer.pad_token_id)
+    assert kl.shape == (3,) and (kl > 0).all()
+    for i, prompt in enumerate(prompts):
+        answer = out.completion_ids[i][out.completion_mask[i].bool()].tolist()
+        ids = torch.tensor([prompt + answer])
+        with torch.no_grad():
+            # Positions len(prompt) - 1 ... predict the answer's tokens.
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]
+            ref_logits = reference(input_ids=ids).logits[0, len(prompt) - 1:-1]
+        assert kl[i].item() == pytest.approx(answer_kl(logits, ref_logits).sum().item(), rel=1e-4, abs=1e-6)
+    assert answers_kl(reference, reference, out, tokenizer.pad_token_id).abs().max().item() < 1e-6
+
+
+def test_eval_reports_the_kl_to_a_reference(workspace, tiny_model_dir, tmp_path, save_perturbed_adapter, capsys):
+    adapter = tmp_path / "adapter"
+    save_perturbed_adapter(tiny_model_dir, adapter)
+    out_file = workspace / "kl.jsonl"
+    assert _eval(workspace, tiny_model_dir, "--reward", "length", "--adapter", str(adapter), "--kl-reference", "base",
+                 "--output", str(out_file)) == 0
+    printed = capsys.readouterr().out
+    kls = [json.loads(line)["kl"] for line in out_file.read_text(encoding="utf-8").splitlines()]
+    assert len(kls) == 4 and all(k > 0 for k in kls)
+    assert f"KL to the reference (base): {sum(kls) / 4:.4f} nats per answer (mean over 4 answers" in printed
+    # The adapter against itself: nothing moved.
+    assert _eval(workspace, tiny_model_dir, "--reward", "length", "--adapter", str(adapter), "--kl-reference",
+                 str(adapter)) == 0
+    assert "KL to the reference" in (printed := capsys.readouterr().out) and ": 0.0000 nats per answer" in printed
+    # Without a reference the line and the column are absent.
+    assert _eval(workspace, tiny_model_dir, "--reward", "length", "--output", str(out_file)) == 0
+    assert "KL to the reference" not in capsys.readouterr().out
+    assert all("kl" not in json.loads(line) for line in out_file.read_text(encoding="utf-8").splitlines())

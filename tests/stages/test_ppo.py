@@ -213,8 +213,9 @@ def _logged(out):
 
 
 def test_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file, reward_dir, tmp_path, crash_before_step):
-    """4 steps straight vs. stopped after checkpoint-2 and resumed: the same completions, rewards, losses, KL
-    coefficient, adapter and value head."""
+    """4 steps straight vs. killed before step 4 (after step 3 logged its completions; the last checkpoint is
+    checkpoint-2) and resumed: the same completions (step 3's once), rewards, losses, KL coefficient, adapter and
+    value head."""
     def config(out):
         return _config(tiny_model_dir, prompts_file, out, reward_model=reward_dir, max_steps=4, save_steps=2,
                        log_completions=True, warmup_steps=1, lr_scheduler_type="linear", response_length_range="2,6")
@@ -222,7 +223,8 @@ def test_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file, reward_di
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train(config(straight))
     with pytest.raises(Exception, match="killed before step"):
-        run_train(config(resumed), callbacks=[crash_before_step(3)])
+        run_train(config(resumed), callbacks=[crash_before_step(4)])
+    assert {json.loads(line)["step"] for line in (resumed / COMPLETIONS_FILE).read_text().splitlines()} == {1, 2, 3}
     assert sorted(p.name for p in resumed.glob("checkpoint-*")) == ["checkpoint-2"]
     assert (resumed / "checkpoint-2" / VALUE_HEAD_FILE).is_file()
     assert (resumed / "checkpoint-2" / "ppo_state.json").is_file()

@@ -3,8 +3,9 @@
 Two axes, for sft and dpo, alignkit against TRL (by default TRL's best settings, `bench.worker.TRL_BEST`,
 the stronger peer; `--variants` adds `trl_default`):
 
-- length: every sequence exactly L tokens, L = 128 ... 2048, at a fixed number of tokens per step
-  (`--sweep-tokens`, 4096 by default: SFT batch 4096 / L, DPO 4096 / (2 L) pairs, both sides counted);
+- length: every sequence exactly L tokens, L = 128 ... 2048, at a fixed number of sequences x length per step
+  (`--sweep-tokens`, 2048 by default: SFT batch 2048 / L, and as many DPO pairs, so a DPO step holds twice
+  the tokens, chosen and rejected);
 - batch: a fixed length (`--sweep-batch-length`, 128) and batch 1 ... 32 (so tokens per step grow with it).
 
 Every point is one fresh process per tool (`bench.worker`, as in `python -m bench`), trained for `--steps`
@@ -18,8 +19,9 @@ against batch on the right; log scales). Points already in `sweep.json` with the
 and skipped, so a sweep longer than one sitting runs in pieces: `--sweep-budget-s` stops starting new
 points after that many seconds, and the next call goes on where it stopped (`--fresh` starts over).
 
-Cost on the 2-core development CPU with the defaults (2 steps, 1 timed; alignkit and TRL best; 2 threads):
-about 12 minutes for sft and 20 for dpo on the length axis, and 8 for the batch axis; about 40 minutes in all.
+Cost on the 2-core development CPU with the defaults (2 steps, 1 timed; alignkit and TRL best): about 35
+minutes in all at 2 threads on a quiet machine (the length axis about 6 minutes for sft and 12 for dpo, the
+batch axis the rest, most of it batch 32); run it in pieces of `--sweep-budget-s 660` under the heavy-job lock.
 `--quick` uses the tiny model and a small grid (a smoke test, a minute or two).
 """
 
@@ -40,7 +42,7 @@ from bench import workloads
 SWEEP_STAGES = ("sft", "dpo")
 LENGTHS = (128, 256, 512, 1024, 2048)
 BATCHES = (1, 4, 16, 32)
-QUICK = {"lengths": (128, 256), "batches": (1, 2, 4), "tokens": 512, "batch_length": 128}
+QUICK = {"lengths": (128, 256), "batches": (1, 2, 4), "tokens": 256, "batch_length": 128}
 # Words appended one at a time to bring an answer up to the exact length; the first one that adds exactly the
 # missing token is kept (most byte-level BPE vocabularies have " a" as one token, small ones may not).
 _FILLERS = (" a", " the", " and", " of", " to", ".", "!", "a")
@@ -48,17 +50,16 @@ _FILLERS = (" a", " the", " and", " of", " to", ".", "!", "a")
 
 def points(lengths: tuple[int, ...], batches: tuple[int, ...], tokens: int, batch_length: int,
            stages: list[str]) -> list[dict[str, Any]]:
-    """The grid: one entry per (stage, length, batch), the length axis first; a batch-axis point that is also a
-    length-axis point is listed once with both axes.
+    """The grid: one entry per (stage, length, batch); a batch-axis point that is also a length-axis point is
+    listed once with both axes. On the length axis the batch (SFT rows, DPO pairs) is `tokens // length`.
 
-    Example: lengths (128, 256), batches (1, 32), tokens 4096, batch length 128: sft gets (128, 32) on both
-    axes, (256, 16) on the length axis, (128, 1) on the batch axis; dpo (128, 16), (256, 8), (128, 1), (128, 32).
+    Example: lengths (128, 256), batches (1, 32), tokens 4096, batch length 128: sft and dpo each get (128, 32)
+    on both axes, (256, 16) on the length axis and (128, 1) on the batch axis.
     """
     out: dict[tuple[str, int, int], dict[str, Any]] = {}
     for stage in stages:
-        per_sequence = 2 if stage == "dpo" else 1  # a DPO example is a pair: chosen and rejected, both of length L
         for length in lengths:
-            batch = max(1, tokens // (per_sequence * length))
+            batch = max(1, tokens // length)
             out.setdefault((stage, length, batch), {"stage": stage, "length": length, "batch": batch,
                                                     "axes": []})["axes"].append("length")
         for batch in batches:
@@ -119,7 +120,8 @@ def add_sweep_arguments(parser) -> None:
     group.add_argument("--quick", action="store_true", help="--sweep on the tiny model with a small grid (smoke test).")
     group.add_argument("--sweep-lengths", type=int, nargs="+", default=None, help=f"Default {LENGTHS}.")
     group.add_argument("--sweep-batches", type=int, nargs="+", default=None, help=f"Default {BATCHES}.")
-    group.add_argument("--sweep-tokens", type=int, default=None, help="Tokens per step on the length axis (4096).")
+    group.add_argument("--sweep-tokens", type=int, default=None,
+                       help="Batch x length on the length axis (2048): SFT tokens per step; DPO has twice as many.")
     group.add_argument("--sweep-batch-length", type=int, default=None, help="Length of the batch axis (128).")
     group.add_argument("--sweep-budget-s", type=float, default=None,
                        help="Start no new point after this many seconds (rerun to go on).")
@@ -143,7 +145,7 @@ def finish_sweep_arguments(opts, parser, argv: list[str]) -> None:
         opts.model = "tiny"
     opts.sweep_lengths = tuple(opts.sweep_lengths or quick.get("lengths", LENGTHS))
     opts.sweep_batches = tuple(opts.sweep_batches or quick.get("batches", BATCHES))
-    opts.sweep_tokens = opts.sweep_tokens or quick.get("tokens", 4096)
+    opts.sweep_tokens = opts.sweep_tokens or quick.get("tokens", 2048)
     opts.sweep_batch_length = opts.sweep_batch_length or quick.get("batch_length", 128)
 
 
@@ -203,8 +205,11 @@ def run_sweep(opts, argv: list[str] | None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     started, failed, stopped = time.time(), False, False
-    todo = [(p, v) for p in grid for v in opts.variants if _point_key(p["stage"], p["length"], p["batch"], v)
-            not in report["runs"] and not (v == "alignkit" and p["stage"] not in SWEEP_STAGES)]
+    # The length axis of both stages first, shortest first, so a sweep cut short by its budget has both curves.
+    order = sorted(grid, key=lambda p: ("length" not in p["axes"], p["length"] if "length" in p["axes"] else 0,
+                                        p["batch"], p["stage"]))
+    todo = [(p, v) for p in order for v in opts.variants
+            if _point_key(p["stage"], p["length"], p["batch"], v) not in report["runs"]]
     print(f"[sweep] {len(todo)} runs to do ({len(report['runs'])} kept from {json_path})", file=sys.stderr)
     for i, (point, variant) in enumerate(todo, 1):
         if opts.sweep_budget_s and time.time() - started > opts.sweep_budget_s:
@@ -271,10 +276,8 @@ def memory_fits(report: dict[str, Any]) -> dict[str, Any]:
         batch_axis = [r for r in runs if r["length"] == settings["batch_length"] and r["batch"] in settings["batches"]]
         tokens = [r["batch"] * r["length"] * (2 if stage == "dpo" else 1) / 1000 for r in batch_axis]
         fit = linear_fit(tokens, [r["peak_rss_mb"] for r in batch_axis])
-        per_sequence = 2 if stage == "dpo" else 1
         length_axis = [r["peak_rss_mb"] for r in runs
-                       if r["length"] in settings["lengths"]
-                       and r["batch"] == max(1, settings["tokens"] // (per_sequence * r["length"]))]
+                       if r["length"] in settings["lengths"] and r["batch"] == max(1, settings["tokens"] // r["length"])]
         fits[name] = {"batch_axis_fit_mb_per_1k_tokens": fit,
                       "length_axis_rss_mb": {"min": min(length_axis), "max": max(length_axis)} if length_axis else None}
     return fits
@@ -292,8 +295,8 @@ def render_sweep(report: dict[str, Any]) -> str:
         f"{v['transformers']}, torch {v['torch']}.  ",
         f"Model: {s['model']}; LoRA r=8 alpha=16 on every linear layer but the head; fp32; {s['steps']} steps per "
         f"run, the first {s['warmup']} not timed; every run a fresh process. Every sequence is exactly L tokens "
-        f"(DPO: chosen and rejected both L). Length axis: {s['tokens']} tokens per step (SFT batch = "
-        f"{s['tokens']}/L, DPO pairs = {s['tokens']}/(2L)); batch axis: L = {s['batch_length']}.  ",
+        f"(DPO: chosen and rejected both L). Length axis: batch x L = {s['tokens']} (SFT batch and DPO pairs = "
+        f"{s['tokens']}/L, so a DPO step holds {2 * s['tokens']} tokens); batch axis: L = {s['batch_length']}.  ",
         "Peak RSS is the whole process (model weights, libraries and the step's activations). "
         + ("TRL runs use its best settings (`TRL_BEST`)." if others == ["trl_best"] else ""),
         "",
@@ -356,18 +359,17 @@ def plot_sweep(report: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
         for stage in SWEEP_STAGES:
             for variant in s["variants"]:
                 mine = [r for r in runs if r["stage"] == stage and r["variant"] == variant]
-                per_sequence = 2 if stage == "dpo" else 1
                 style = {"marker": "o" if stage == "sft" else "s",
                          "linestyle": "-" if variant == "alignkit" else "--"}
                 length_axis = sorted((r["length"], r[figure]) for r in mine if r["length"] in s["lengths"]
-                                     and r["batch"] == max(1, s["tokens"] // (per_sequence * r["length"])))
+                                     and r["batch"] == max(1, s["tokens"] // r["length"]))
                 batch_axis = sorted((r["batch"], r[figure]) for r in mine
                                     if r["length"] == s["batch_length"] and r["batch"] in s["batches"])
                 if length_axis:
                     left.plot(*zip(*length_axis), label=f"{stage} {variant}", **style)
                 if batch_axis:
                     right.plot(*zip(*batch_axis), label=f"{stage} {variant}", **style)
-        left.set(xscale="log", yscale="log", xlabel=f"sequence length L ({s['tokens']} tokens per step)", ylabel=label)
+        left.set(xscale="log", yscale="log", xlabel=f"sequence length L (batch x L = {s['tokens']})", ylabel=label)
         right.set(xscale="log", yscale="log", xlabel=f"batch (L = {s['batch_length']})", ylabel=label)
         for axis, ticks in ((left, s["lengths"]), (right, s["batches"])):
             axis.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])

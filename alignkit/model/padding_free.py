@@ -434,7 +434,11 @@ def uses_per_sequence_attention(model: torch.nn.Module) -> bool:
         return False
     inner = getattr(model, "module", model)
     base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    return not getattr(base, "is_gradient_checkpointing", False)
+    # transformers 5 names it is_activation_checkpointing (is_gradient_checkpointing is its deprecated alias).
+    checkpointing = getattr(base, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(base, "is_gradient_checkpointing", False)
+    return not checkpointing
 
 
 @contextlib.contextmanager

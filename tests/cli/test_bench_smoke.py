@@ -214,9 +214,8 @@ def test_sweep_grid_and_linear_fit():
 
     grid = {(p["stage"], p["length"], p["batch"]): p["axes"] for p in sweep.points((128, 256), (1, 32), 4096, 128,
                                                                                    ["sft", "dpo"])}
-    assert grid == {("sft", 128, 32): ["length", "batch"], ("sft", 256, 16): ["length"], ("sft", 128, 1): ["batch"],
-                    ("dpo", 128, 16): ["length"], ("dpo", 256, 8): ["length"], ("dpo", 128, 1): ["batch"],
-                    ("dpo", 128, 32): ["batch"]}
+    assert grid == {(stage, *point): axes for stage in ("sft", "dpo") for point, axes in
+                    [((128, 32), ["length", "batch"]), ((256, 16), ["length"]), ((128, 1), ["batch"])]}
     fit = sweep.linear_fit([1, 2, 3], [3, 5, 7])
     assert fit["slope"] == pytest.approx(2) and fit["intercept"] == pytest.approx(1)
     assert fit["max_relative_residual"] == pytest.approx(0, abs=1e-12)
@@ -234,7 +233,8 @@ def test_exact_length_rows_hit_the_length(tiny_tokenizer, kind, keys):
 
 
 def test_sweep_quick_end_to_end(tmp_path):
-    """`--sweep --quick` for dpo on two lengths and batches 1 and 2 (3 points: L 128 at 2 pairs is on both axes, alignkit and TRL best): every run counts
+    """`--sweep --quick` for dpo on two lengths and batches 1 and 2 (batch x L = 256: 3 points, L 128 at 2 pairs on
+    both axes; alignkit and TRL best): every run counts
     exactly batch x 2 x L tokens per step, the table, the fits and both plots are written; a second call with
     the same settings reruns nothing."""
     out_dir = tmp_path / "results"
@@ -257,5 +257,6 @@ def test_sweep_quick_end_to_end(tmp_path):
         assert (out_dir / name).stat().st_size > 0
     table = (out_dir / "sweep.md").read_text()
     assert "| dpo | length+batch | 128 | 2 | 512 |" in table and "| dpo | length | 256 | 1 | 512 |" in table
+    assert report["settings"]["tokens"] == 256
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "0 runs to do (6 kept" in again.stderr

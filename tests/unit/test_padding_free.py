@@ -120,7 +120,7 @@ def test_row_token_bound_keeps_one_row_for_flash_and_per_sequence_attention():
     for attention, checkpointing, bound in [("sdpa", False, None), ("sdpa", True, 0), ("eager", False, 0),
                                             ("flash_attention_2", False, None), ("flash_attention_3", False, None)]:
         model.config = SimpleNamespace(_attn_implementation=attention)
-        model.is_gradient_checkpointing = checkpointing
+        model.is_activation_checkpointing = checkpointing
         assert row_token_bound(model) == bound, attention
         assert row_token_bound(SimpleNamespace(module=model)) == bound, attention
 

@@ -14,7 +14,8 @@ unfused layers do.
 
 `fuse_lora_linears` installs it on every plain LoRA linear layer of a PEFT model. The fused path runs only in the
 plain case: adapters enabled and not merged, one active adapter without a variant (DoRA, ...), no dropout in
-effect, an `nn.Linear` base layer with matching dtypes, no LoRA bias, no per-call adapter names; anything else
+effect, an `nn.Linear` base layer with matching dtypes, no autocast (bf16 mixed precision), no LoRA bias, no
+per-call adapter names; anything else
 calls PEFT's own forward, unchanged.
 """
 
@@ -94,6 +95,8 @@ def _plain_adapter(layer: nn.Module, x: torch.Tensor) -> str | None:
         return None
     if not (x.dtype == base.weight.dtype == lora_a.weight.dtype == lora_b.weight.dtype):
         return None
+    if torch.is_autocast_enabled(x.device.type):
+        return None  # autocast casts each matmul's inputs; the in-place addmm_ would mix its dtypes
     return name
 
 

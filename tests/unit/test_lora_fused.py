@@ -104,3 +104,18 @@ def test_dropout_in_training_takes_peft_path(tiny_model_dir, monkeypatch):
     model.eval()  # dropout off: the fused path computes exactly what PEFT does
     model(input_ids=ids)
     assert len(calls) == 14
+
+
+def test_autocast_takes_peft_path(tiny_model_dir, monkeypatch):
+    """bf16 autocast (the `bf16: true` training path) casts each matmul's inputs, so the fused node stays out of it:
+    PEFT's forward runs and the loss is finite."""
+    model = _peft(tiny_model_dir)
+    fuse_lora_linears(model)
+    calls = []
+    original = lora_linear.__globals__["_LoraLinear"].apply
+    monkeypatch.setattr(lora_linear.__globals__["_LoraLinear"], "apply", lambda *a: calls.append(1) or original(*a))
+    ids = torch.randint(3, 300, (1, 6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert calls == [] and torch.isfinite(loss)

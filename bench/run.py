@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # `python bench/run.py`: make the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import workloads  # noqa: E402
+from bench.sweep import add_sweep_arguments, finish_sweep_arguments  # noqa: E402
 from bench.worker import TRL_BEST  # noqa: E402
 
 STAGES = ("sft", "rm", "dpo", "grpo", "ppo")
@@ -425,6 +426,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default="latest", help="Base name of the output files.")
     p.add_argument("--work-dir", default=None, help="Data, logs, tiny model (default: a temporary directory).")
     p.add_argument("--dry-run", action="store_true", help="Print the plan (runs, settings) and exit.")
+    add_sweep_arguments(p)
     opts = p.parse_args(argv)
     opts.variants = [v.strip() for v in opts.variants.split(",") if v.strip()]
     unknown = set(opts.variants) - set(VARIANTS)
@@ -434,6 +436,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--warmup {opts.warmup} must be smaller than --steps {opts.steps}: no step would be timed.")
     if opts.matmul_size is None:
         opts.matmul_size = 8192 if opts.device == "cuda" else 2048
+    if opts.sweep:
+        finish_sweep_arguments(opts, p, sys.argv[1:] if argv is None else argv)
     return opts
 
 
@@ -453,6 +457,10 @@ def plan_runs(opts: argparse.Namespace, stages: list[str], available: dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
+    if opts.sweep:
+        from bench.sweep import run_sweep
+
+        return run_sweep(opts, argv)
     command = "python -m bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     available = {s: alignkit_has_stage(s) for s in STAGES}
     stages = list(dict.fromkeys(opts.stage)) if opts.stage else [s for s in STAGES if available[s]]

@@ -32,6 +32,7 @@ from .padding_free import (
     attention_slot_cost,
     flatten_padded,
     last_token_per_sequence,
+    packed_attention,
     row_token_bound,
     unflatten_to_padded,
 )
@@ -128,7 +129,8 @@ def last_hidden_states(
         return out.last_hidden_state, None
     flat = flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(decoder),
                           slot_cost=attention_slot_cost(decoder))
-    out = decoder(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False)
+    with packed_attention(decoder, flat):
+        out = decoder(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False)
     return flat.from_rows(out.last_hidden_state).unsqueeze(0), flat
 
 
@@ -181,7 +183,8 @@ def sequence_rewards(
         else:
             # The model's own pad-id pooling result is ignored (with several rows it needs
             # `config.pad_token_id`, which the loader sets); the hook reads every position's score.
-            model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False)
+            with packed_attention(model, flat):
+                model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False)
     finally:
         handle.remove()
     expected = input_ids.shape if flat is None else flat.input_ids.shape

@@ -7,6 +7,12 @@ tensor of a training step. Here the log-probability is `logit[label] - logsumexp
 row chunks, and the backward pass writes `onehot - softmax` chunk by chunk into the one gradient buffer
 the output layer needs anyway. The logits themselves are kept by reference, not copied.
 
+The padding-free forward goes one step further when the output layer is a plain linear layer of a model
+family that does nothing to the logits after it (`_fusable_head`): the model returns the hidden states of
+the scored positions and `head_log_softmax` multiplies them by the head's weight one chunk of rows at a time,
+so no `[K, V]` logits (K scored tokens) and no `[K, V]` gradient exist at all (at 4096 scored tokens and
+SmolLM2's vocabulary those two were 1.6 GB of fp32).
+
 Conventions: `labels` are the input ids with `-100` (ignore) on positions that carry no loss (prompt,
 padding), aligned with `input_ids`, as the data collators return them; the shift by one
 (logits at position t predict the token at t + 1) happens here and nowhere else.
@@ -20,7 +26,7 @@ neither padding nor prompt costs a vocabulary projection.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +37,7 @@ from .padding_free import (
     attention_slot_cost,
     flatten_padded,
     next_token_targets,
+    packed_attention,
     row_token_bound,
     segment_sum,
     unflatten_to_padded,
@@ -85,6 +92,90 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             if not in_place:
                 grad_rows[start:end] = chunk
         return grad_rows.view(logits.shape), None
+
+
+class _HeadLogSoftmax(torch.autograd.Function):
+    """`log_softmax(hidden @ weight.T + bias)[k, index[k]]` computed chunk by chunk: the `[K, V]` logits never exist.
+
+    Frozen output layer (LoRA, or any head without gradients): the gradient of each log-prob with respect to its
+    own hidden state, `weight[y] - softmax(z) @ weight` (`[K, H]`), is computed in the forward from the chunk's
+    probabilities, while they are at hand, and backward only scales it by the incoming gradient. That is the
+    same two `K x H x V` products the unfused forward and backward do, without the `[K, V]` logits, their
+    `[K, V]` gradient, or a second pass over the vocabulary. A trainable output layer instead keeps the hidden
+    states and recomputes each chunk's logits in backward for the weight gradient (one more product).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, index):
+        rows, vocab = hidden.size(0), weight.size(0)
+        out = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        trainable_head = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+        unit_grad = (torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+                     if ctx.needs_input_grad[0] and not trainable_head else None)
+        step = _rows_per_chunk(vocab)
+        for start in range(0, rows, step):
+            end = start + step
+            logits = F.linear(hidden[start:end], weight, bias).float()
+            chunk_lse = torch.logsumexp(logits, dim=-1)
+            lse[start:end] = chunk_lse
+            out[start:end] = logits.gather(-1, index[start:end, None]).squeeze(-1) - chunk_lse
+            if unit_grad is not None:
+                # d/dh [z_y - logsumexp(z)] with z = W h + b: W[y] - softmax(z) @ W.
+                probs = logits.sub_(chunk_lse[:, None]).exp_().to(weight.dtype)
+                unit_grad[start:end] = (weight[index[start:end]] - probs @ weight).float()
+        ctx.trainable_head, ctx.hidden_dtype = trainable_head, hidden.dtype
+        if unit_grad is not None:
+            ctx.save_for_backward(unit_grad)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, index, lse)
+        ctx.mark_non_differentiable(index)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if not ctx.trainable_head:
+            (unit_grad,) = ctx.saved_tensors
+            return (grad_out.float()[:, None] * unit_grad).to(ctx.hidden_dtype), None, None, None
+        hidden, weight, bias, index, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        step = _rows_per_chunk(weight.size(0))
+        for start in range(0, hidden.size(0), step):
+            end = start + step
+            # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z), times the incoming gradient.
+            grad_logits = F.linear(hidden[start:end], weight, bias).float().sub_(lse[start:end, None]).exp_()
+            scale = grad_out[start:end, None].float()
+            grad_logits.mul_(-scale).scatter_add_(-1, index[start:end, None], scale)
+            grad_logits = grad_logits.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight += grad_logits.T @ hidden[start:end]
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+        return grad_hidden, grad_weight, grad_bias, None
+
+
+def head_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     index: torch.Tensor) -> torch.Tensor:
+    """Log-probability of `index` under the output layer `hidden @ weight.T + bias`, never holding `[K, V]` logits.
+
+    Equal to `selective_log_softmax(F.linear(hidden, weight, bias), index)`, with at most one chunk of
+    `_CHUNK_ELEMENTS` logits alive at a time, in the forward and in the backward (`_HeadLogSoftmax`).
+
+    Args:
+        hidden: `[K, H]` hidden states entering the output layer.
+        weight: `[V, H]` the output layer's weight; `bias`: `[V]` or None.
+        index: `[K]` token ids in `[0, V)`.
+
+    Returns:
+        `[K]` float32 log-probabilities; differentiable in `hidden` (and `weight`, `bias` when they require grad).
+    """
+    if hidden.dim() != 2 or index.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be [K, H] and index {tuple(index.shape)} [K].")
+    return _HeadLogSoftmax.apply(hidden, weight, bias, index)
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -158,6 +249,36 @@ def _padded_forward_token_logps(
     return logps, mask
 
 
+# Model families whose logits are exactly `lm_head(hidden)`: no soft-capping (Gemma 2/3), logit scale (Cohere) or
+# division (Granite) after the head, which the fused log-probs (`head_log_softmax`) would leave out.
+_PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
+                                     "smollm3", "olmo2"})
+
+
+def _fusable_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
+    """The output layer when log-probs can be computed from its weight directly (`head_log_softmax`), else None.
+
+    That needs a plain `nn.Linear` head (not LoRA-wrapped, not quantized) of a model family whose forward does
+    nothing to the logits after it (`_PLAIN_HEAD_MODEL_TYPES`).
+    """
+    inner = getattr(model, "module", model)
+    config = getattr(inner, "config", None)
+    head = inner.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
+        return None
+    return head
+
+
+@contextlib.contextmanager
+def _hidden_instead_of_logits(head: torch.nn.Linear) -> Iterator[None]:
+    """Within the block, the output layer passes its input through: the model returns hidden states as `logits`."""
+    head.forward = lambda hidden: hidden  # an instance attribute shadows Linear.forward; hooks still run
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 @contextlib.contextmanager
 def _output_layer_on(model: torch.nn.Module, slots: torch.Tensor) -> Iterator[None]:
     """Within the block, the model's output layer sees only the hidden states at `slots`.
@@ -204,9 +325,14 @@ def _flat_forward_logps(
                           slot_cost=attention_slot_cost(model))
     targets = next_token_targets(flat.from_rows(flat.labels), flat.sequence_index)
     positions = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
-    with _output_layer_on(model, flat.slots[positions]):
-        logits = model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False).logits
-    logps = selective_log_softmax(logits[0], targets[positions])
+    head = _fusable_head(model)
+    with (_output_layer_on(model, flat.slots[positions]), packed_attention(model, flat),
+          _hidden_instead_of_logits(head) if head is not None else contextlib.nullcontext()):
+        outputs = model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False).logits
+    if head is not None:  # `outputs` are the selected hidden states: no [K, V] logits, in forward or backward
+        logps = head_log_softmax(outputs[0], head.weight, head.bias, targets[positions])
+    else:
+        logps = selective_log_softmax(outputs[0], targets[positions])
     return logps, positions, targets, flat
 
 
@@ -274,6 +400,7 @@ def forward_sequence_logps(
 __all__ = [
     "IGNORE_INDEX",
     "selective_log_softmax",
+    "head_log_softmax",
     "token_logps",
     "sequence_logps",
     "forward_token_logps",

@@ -52,10 +52,18 @@ padding, one row and wider rows in every mixed case, except 8 short chats on the
 row (all 1034 tokens fit) was 4% faster, within this machine's noise. "Each sequence alone" (one row, one causal sdpa call
 per sequence per layer, what a variable-length kernel does) does the least attention work and wins with
 one thread, but its many small kernel calls lost at two threads on the loaded machine, and it needs a
-custom attention function registered with transformers and swapped into the model; it is left as a
-follow-up. `cutoff_len` as the bound (LLaMA-Factory's 2048) would be among the slowest choices here.
+custom attention function registered with transformers and swapped into the model. `cutoff_len` as the
+bound (LLaMA-Factory's 2048) would be among the slowest choices here.
 
-The bound the trainers use is chosen per batch by a cost model (`cheapest_row_capacity`): a layout of R
+Each sequence attended on its own is now what the trainers do under sdpa (issue 15): `packed_attention`
+switches the model to `per_sequence_sdpa` for the packed forward, one causal sdpa call per sequence and layer
+over one row of all T tokens, so the row carries no padding and attention costs sum(l_i^2) instead of a
+masked row's W^2. On SmolLM2-135M (the benchmark's SFT step, 8 chats in one row of 708 tokens) the masked
+one-row attention was 18% of the step; see README's Performance section for the step after the change. The
+rows-of-bounded-width layout below remains for eager attention and for gradient checkpointing, whose
+backward reruns a layer outside `packed_attention`.
+
+With eager attention, or under gradient checkpointing, the bound is chosen per batch by a cost model (`cheapest_row_capacity`): a layout of R
 rows of width W costs `R * W * (slot_cost + W)`, where `slot_cost = attention_slot_cost(model)` is how many
 attention score pairs cost as much as one token slot in the layer's weight matrices (3072 for SmolLM2-135M).
 One row of all T tokens holds no padding, so it has the fewest slots and the least activation memory; rows
@@ -84,8 +92,10 @@ sequences sharing a row: set `padding_free: false`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -368,8 +378,98 @@ def unflatten_to_padded(values: torch.Tensor, real: torch.Tensor, fill: float = 
     return out.index_put((real,), values)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Attention of each sequence on its own (issue 15)
+# ---------------------------------------------------------------------------------------------------
+
+PER_SEQUENCE_ATTENTION = "alignkit_per_sequence_sdpa"
+# (start, end) of each sequence in the single packed row, for the attention calls of one forward.
+_SEQUENCE_BOUNDS: contextvars.ContextVar[Optional[list[tuple[int, int]]]] = contextvars.ContextVar(
+    "alignkit_sequence_bounds", default=None)
+
+
+def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Causal sdpa over each sequence of the one packed row on its own: the work of a variable-length kernel.
+
+    Registered with transformers' `AttentionInterface` under `PER_SEQUENCE_ATTENTION` and switched on by
+    `packed_attention` for one forward. The CPU sdpa kernel scores every pair of a masked row, so one row of T
+    tokens holding sequences of lengths l_i costs T^2 with the block-diagonal mask, sum(l_i^2) here (8 chats of
+    about 90 tokens: 8 * 90^2 = 65k pairs instead of 708^2 = 501k). Each call is plain causal attention with no
+    mask, so it runs sdpa's flash kernel, and the sequences never see each other.
+
+    Args:
+        module, query, key, value, dropout, scaling: as transformers passes them to `sdpa_attention_forward`;
+            query/key/value are `[1, heads, T, head_dim]`.
+        attention_mask: None (the implementation has no mask function, so transformers builds none).
+
+    Returns:
+        `([1, T, heads, head_dim], None)`, as `sdpa_attention_forward` returns.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    bounds = _SEQUENCE_BOUNDS.get()
+    if bounds is None or query.size(0) != 1 or attention_mask is not None:
+        raise RuntimeError(f"{PER_SEQUENCE_ATTENTION} runs only inside `packed_attention` on one packed row; the "
+                           "model was called outside it (gradient checkpointing recomputes outside it: set "
+                           "padding_free: false, or turn gradient checkpointing off).")
+    outputs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
+                                      dropout=dropout, scaling=scaling, is_causal=True)[0] for a, b in bounds]
+    return torch.cat(outputs, 1) if len(outputs) > 1 else outputs[0], None
+
+
+def _config_of(model: torch.nn.Module):
+    return getattr(getattr(model, "module", model), "config", None)
+
+
+def uses_per_sequence_attention(model: torch.nn.Module) -> bool:
+    """True when a packed forward of `model` should attend each sequence on its own (`per_sequence_sdpa`).
+
+    That is under the sdpa implementation (transformers' default on CPU) with gradient checkpointing off: a
+    checkpointed layer reruns its forward during backward, outside `packed_attention`, where no mask would
+    separate the sequences. Eager attention keeps the block-diagonal mask (its users asked for eager);
+    flash attention has its own variable-length kernel (`row_token_bound`).
+    """
+    config = _config_of(model)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    inner = getattr(model, "module", model)
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    # transformers 5 names it is_activation_checkpointing (is_gradient_checkpointing is its deprecated alias).
+    checkpointing = getattr(base, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(base, "is_gradient_checkpointing", False)
+    return not checkpointing
+
+
+@contextlib.contextmanager
+def packed_attention(model: torch.nn.Module, flat: "FlatBatch") -> Iterator[None]:
+    """Within the block, `model` attends each sequence of `flat` on its own when `uses_per_sequence_attention`.
+
+    `flat` must then be one row (`row_token_bound` gives None for such a model). Otherwise nothing changes:
+    transformers builds the block-diagonal mask from the position resets.
+    """
+    config = _config_of(model)
+    if not uses_per_sequence_attention(model) or flat.input_ids.size(0) != 1:
+        yield
+        return
+    from transformers import AttentionInterface
+
+    if PER_SEQUENCE_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(PER_SEQUENCE_ATTENTION, per_sequence_sdpa)
+    # Sequences sit in the row in packing order, not flat order: read where each starts from the position resets.
+    starts = (flat.position_ids[0] == 0).nonzero().squeeze(-1).tolist() + [flat.position_ids.size(1)]
+    token = _SEQUENCE_BOUNDS.set(list(zip(starts[:-1], starts[1:])))
+    config._attn_implementation = PER_SEQUENCE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+        _SEQUENCE_BOUNDS.reset(token)
+
+
 def row_token_bound(model: torch.nn.Module) -> Optional[int]:
-    """The `max_row_tokens` to pack a batch with for `model`: None (one row) under flash attention, else 0.
+    """The `max_row_tokens` to pack a batch with for `model`: None (one row) under flash attention or per-sequence
+    attention (`uses_per_sequence_attention`), else 0.
 
     0 bounds each row by the batch's longest sequence, which measured fastest with sdpa on this CPU
     (module docstring); eager builds the same per-row mask. transformers' flash-attention path instead
@@ -382,9 +482,11 @@ def row_token_bound(model: torch.nn.Module) -> Optional[int]:
     """
     from transformers.utils.generic import is_flash_attention_requested
 
-    config = getattr(getattr(model, "module", model), "config", None)
+    config = _config_of(model)
     if config is not None and is_flash_attention_requested(config=config):
         return None
+    if uses_per_sequence_attention(model):
+        return None  # no row padding at all; each sequence's attention is its own (`per_sequence_sdpa`)
     return 0
 
 
@@ -416,6 +518,10 @@ def attention_slot_cost(model: torch.nn.Module) -> Optional[float]:
 
 __all__ = [
     "FlatBatch",
+    "PER_SEQUENCE_ATTENTION",
+    "packed_attention",
+    "per_sequence_sdpa",
+    "uses_per_sequence_attention",
     "attention_slot_cost",
     "MULTI_ROW_MAX_COST_SHARE",
     "cheapest_row_capacity",

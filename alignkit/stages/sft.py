@@ -22,6 +22,7 @@ module adds to `transformers.Trainer`:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from ..model.padding_free import (
     attention_slot_cost,
     first_token_unlabelled,
     flatten_padded,
+    packed_attention,
     row_token_bound,
     unflatten_to_padded,
 )
@@ -129,7 +131,8 @@ class SFTTrainer(StageTrainer):
             inputs.update(input_ids=flat.input_ids, position_ids=flat.position_ids)
             labels = first_token_unlabelled(flat.labels, flat.to_rows(flat.sequence_index, fill=-1))
         # No KV cache in a training forward: it is useless there and disables the packed-sequence mask.
-        outputs = model(**inputs, use_cache=False)
+        with packed_attention(model, flat) if flat is not None else contextlib.nullcontext():
+            outputs = model(**inputs, use_cache=False)
         loss = sft_loss(outputs.logits, labels, num_items_in_batch)
         if flat is not None and return_outputs:
             # Evaluation compares the logits with the padded labels: give them back in that layout.

@@ -288,3 +288,58 @@ def test_ppo_memory_sft_twin_trains_on_the_rollouts(tmp_path):
     (ppo_dir / "completions.jsonl").write_text("", encoding="utf-8")
     with pytest.raises(ValueError, match="log_completions"):
         ppo_memory.rollout_rows(ppo_dir / "completions.jsonl")
+
+
+def test_sweep_grid_and_linear_fit():
+    """Lengths (128, 256), batches (1, 32), 4096 tokens, batch length 128 (the `points` docstring example);
+    fit of [1, 2, 3] -> [3, 5, 7]: slope 2, intercept 1, no residual."""
+    from bench import sweep
+
+    grid = {(p["stage"], p["length"], p["batch"]): p["axes"] for p in sweep.points((128, 256), (1, 32), 4096, 128,
+                                                                                   ["sft", "dpo"])}
+    assert grid == {(stage, *point): axes for stage in ("sft", "dpo") for point, axes in
+                    [((128, 32), ["length", "batch"]), ((256, 16), ["length"]), ((128, 1), ["batch"])]}
+    fit = sweep.linear_fit([1, 2, 3], [3, 5, 7])
+    assert fit["slope"] == pytest.approx(2) and fit["intercept"] == pytest.approx(1)
+    assert fit["max_relative_residual"] == pytest.approx(0, abs=1e-12)
+    assert sweep.linear_fit([1, 1], [2, 3]) is None
+
+
+@pytest.mark.parametrize("kind,keys", [("sft", ["response"]), ("pref", ["chosen", "rejected"])])
+def test_exact_length_rows_hit_the_length(tiny_tokenizer, kind, keys):
+    from bench import sweep
+
+    for length in (128, 200):
+        rows = sweep.exact_length_rows(tiny_tokenizer, kind, 5, length)
+        assert len(rows) == 5
+        assert {workloads.chat_length(tiny_tokenizer, r, k) for r in rows for k in keys} == {length}
+
+
+def test_sweep_quick_end_to_end(tmp_path):
+    """`--sweep --quick` for dpo on two lengths and batches 1 and 2 (batch x L = 256: 3 points, L 128 at 2 pairs on
+    both axes; alignkit and TRL best): every run counts
+    exactly batch x 2 x L tokens per step, the table, the fits and both plots are written; a second call with
+    the same settings reruns nothing."""
+    out_dir = tmp_path / "results"
+    cmd = [sys.executable, "-m", "bench", "--sweep", "--quick", "--stage", "dpo", "--sweep-lengths", "128", "256",
+           "--sweep-batches", "1", "2", "--output-dir", str(out_dir), "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out_dir / "sweep.json").read_text())
+    assert report["complete"] and report["settings"]["variants"] == ["alignkit", "trl_best"]
+    assert {(p["length"], p["batch"]) for p in report["grid"]} == {(128, 2), (256, 1), (128, 1)}
+    assert len(report["runs"]) == 6
+    for run in report["runs"].values():
+        assert run["ok"], run.get("error")
+        assert run["tokens_per_step"] == [run["batch"] * 2 * run["length"]] * 2
+        assert run["step_time_s"] > 0 and run["peak_rss_mb"] > 0
+    fits = report["memory_fits"]
+    assert set(fits) == {"dpo alignkit", "dpo trl_best"}
+    assert fits["dpo alignkit"]["batch_axis_fit_mb_per_1k_tokens"]["slope"] is not None
+    for name in ("sweep.md", "sweep_time.png", "sweep_memory.png"):
+        assert (out_dir / name).stat().st_size > 0
+    table = (out_dir / "sweep.md").read_text()
+    assert "| dpo | length+batch | 128 | 2 | 512 |" in table and "| dpo | length | 256 | 1 | 512 |" in table
+    assert report["settings"]["tokens"] == 256
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "0 runs to do (6 kept" in again.stderr

@@ -9,7 +9,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from alignkit.model import logprobs
-from alignkit.model.logprobs import forward_token_logps, selective_log_softmax, sequence_logps, token_logps
+from alignkit.model.logprobs import (
+    forward_sequence_logps,
+    forward_token_logps,
+    head_log_softmax,
+    selective_log_softmax,
+    sequence_logps,
+    token_logps,
+)
 
 
 def test_selective_log_softmax_hand_computed():
@@ -178,3 +185,65 @@ def test_forward_token_logps_skips_prompt_logits_but_matches_full_forward(tiny_m
     assert logps.shape == (2, 8)
     assert torch.equal(mask, expected_mask)
     assert torch.allclose(logps, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 7 * 10])  # one chunk; chunks of 7 rows of a 10-word vocabulary
+def test_head_log_softmax_equals_linear_then_selective_log_softmax(monkeypatch, chunk_elements, trainable):
+    """The fused output layer gives the log-probs and gradients (hidden; weight and bias when trainable) of
+    `selective_log_softmax(F.linear(hidden, weight, bias), index)`, over 23 rows (several chunks, a short last one)."""
+    import alignkit.model.logprobs as logprobs
+
+    monkeypatch.setattr(logprobs, "_CHUNK_ELEMENTS", chunk_elements)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 6, generator=generator, requires_grad=True)
+    weight = torch.randn(10, 6, generator=generator, requires_grad=trainable)
+    bias = torch.randn(10, generator=generator, requires_grad=trainable)
+    index = torch.randint(0, 10, (23,), generator=generator)
+    upstream = torch.randn(23, generator=generator)
+    ours = logprobs.head_log_softmax(hidden, weight, bias, index)
+    grads = torch.autograd.grad((ours * upstream).sum(), [t for t in (hidden, weight, bias) if t.requires_grad])
+    expected = torch.nn.functional.linear(hidden, weight, bias).log_softmax(-1).gather(-1, index[:, None])[:, 0]
+    reference = torch.autograd.grad((expected * upstream).sum(), [t for t in (hidden, weight, bias) if t.requires_grad])
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"\[K, H\]"):
+        logprobs.head_log_softmax(hidden[None], weight, bias, index)
+
+
+def test_head_log_softmax_hand_computed():
+    """H = 1, weight [[1], [0]], no bias, hidden [[ln 3]]: logits (ln 3, 0), softmax (3/4, 1/4).
+    log p(0) = ln 3 - ln 4 = ln 0.75; d/dh = W[0] - (3/4 * 1 + 1/4 * 0) = 1/4."""
+    hidden = torch.tensor([[math.log(3.0)]], requires_grad=True)
+    out = head_log_softmax(hidden, torch.tensor([[1.0], [0.0]]), None, torch.tensor([0]))
+    out.sum().backward()
+    assert out.item() == pytest.approx(math.log(0.75), abs=1e-6)
+    assert hidden.grad.item() == pytest.approx(0.25, abs=1e-6)
+
+
+def test_padding_free_log_probs_use_the_fused_head_without_vocabulary_logits(tiny_model_dir, monkeypatch):
+    """On a llama model the padding-free forward never calls the output layer's own forward (no [K, V] logits),
+    and its log-probs and hidden-state gradients equal the padded forward's (full logits)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    calls = []
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: calls.append(self.out_features)
+                        or torch.nn.functional.linear(x, self.weight, self.bias))
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, 300, (3, 9), generator=generator)
+    attention_mask = torch.tensor([[1] * 9, [1] * 7 + [0, 0], [1] * 4 + [0] * 5])
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :3] = -100
+    results = []
+    for padding_free in (False, True):
+        model.zero_grad()
+        calls.clear()
+        sums, _ = forward_sequence_logps(model, input_ids, attention_mask, labels, padding_free=padding_free)
+        sums.sum().backward()
+        results.append((sums.detach(), model.model.layers[0].mlp.down_proj.weight.grad.clone(), list(calls)))
+    vocab = model.config.vocab_size
+    assert vocab in results[0][2] and vocab not in results[1][2]
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(results[1][1], results[0][1], atol=1e-5, rtol=1e-4)

@@ -109,14 +109,18 @@ def test_packed_rows_hand_computed():
         flat.from_rows(torch.zeros(1, 14))
 
 
-def test_row_token_bound_keeps_one_row_for_flash_attention():
-    """sdpa / eager: 0 (rows bounded by the longest sequence); a flash-attention kernel: None (one row, whose
-    position resets transformers turns into cu_seqlens only at batch size 1); a DDP-style `.module` unwrapped."""
+def test_row_token_bound_keeps_one_row_for_flash_and_per_sequence_attention():
+    """eager, and sdpa under gradient checkpointing: 0 (rows bounded by the longest sequence, block-diagonal mask);
+    a flash-attention kernel: None (one row, whose position resets transformers turns into cu_seqlens only at
+    batch size 1); sdpa without checkpointing: None (one row, each sequence attended alone by
+    `per_sequence_sdpa`); a DDP-style `.module` unwrapped."""
     from types import SimpleNamespace
 
     model = torch.nn.Linear(1, 1)
-    for attention, bound in [("sdpa", 0), ("eager", 0), ("flash_attention_2", None), ("flash_attention_3", None)]:
+    for attention, checkpointing, bound in [("sdpa", False, None), ("sdpa", True, 0), ("eager", False, 0),
+                                            ("flash_attention_2", False, None), ("flash_attention_3", False, None)]:
         model.config = SimpleNamespace(_attn_implementation=attention)
+        model.is_activation_checkpointing = checkpointing
         assert row_token_bound(model) == bound, attention
         assert row_token_bound(SimpleNamespace(module=model)) == bound, attention
 
@@ -422,6 +426,57 @@ def test_mixed_batch_logps_and_gradients_equal_the_padded_forward(causal_lm, tin
     # Sums of ~60 log-probs of about -6 each: float32 summation order alone moves them by ~1e-4 (2e-7 relative).
     torch.testing.assert_close(flat[2], padded[2], atol=1e-5, rtol=1e-6)
     assert flat[3].tolist() == padded[3].tolist()
+    for name, grad in padded[4].items():
+        torch.testing.assert_close(flat[4][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _count_sdpa_calls(monkeypatch) -> list[int]:
+    """Patch transformers' sdpa function to record the query length of every call."""
+    from transformers import AttentionInterface
+    import transformers.integrations.sdpa_attention as sdpa_module
+
+    calls: list[int] = []
+    original = sdpa_module.sdpa_attention_forward
+
+    def counting(module, query, *args, **kwargs):
+        calls.append(query.size(2))
+        return original(module, query, *args, **kwargs)
+
+    # per_sequence_sdpa looks the function up in its module; the model's attention layers in the registry.
+    monkeypatch.setattr(sdpa_module, "sdpa_attention_forward", counting)
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", counting)
+    return calls
+
+
+def test_per_sequence_attention_attends_each_sequence_alone(causal_lm, monkeypatch):
+    """sdpa, no checkpointing: the batch-32 mix runs as one row and each of the 2 layers makes one sdpa call per
+    sequence (in packing order), of that sequence's length (never the whole row); the model is back on sdpa afterwards."""
+    from alignkit.model.padding_free import PER_SEQUENCE_ATTENTION, per_sequence_sdpa
+
+    calls = _count_sdpa_calls(monkeypatch)
+    batch = mixed_batch("right")
+    forward_sequence_logps(causal_lm, **batch, padding_free=True)
+    layers = causal_lm.config.num_hidden_layers
+    assert len(calls) == len(MIXED_LENGTHS) * layers and sorted(calls) == sorted(list(MIXED_LENGTHS) * layers)
+    assert causal_lm.config._attn_implementation == "sdpa" != PER_SEQUENCE_ATTENTION
+    with pytest.raises(RuntimeError, match="packed_attention"):
+        per_sequence_sdpa(None, torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), None)
+
+
+def test_gradient_checkpointing_keeps_the_masked_rows_and_equal_gradients(causal_lm, monkeypatch):
+    """With gradient checkpointing a layer reruns its forward in backward, outside `packed_attention`, so the
+    packed forward keeps rows bounded by the longest sequence with transformers' block-diagonal mask (sdpa calls
+    as wide as a row), and log-probs and gradients still equal the padded forward's."""
+    model = copy.deepcopy(causal_lm)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    batch = mixed_batch("right")
+    padded = _logps_and_gradients(model, batch, False)
+    calls = _count_sdpa_calls(monkeypatch)
+    flat = _logps_and_gradients(model, batch, True)
+    assert calls and set(calls) == {max(MIXED_LENGTHS)}
+    torch.testing.assert_close(flat[0], padded[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(flat[2], padded[2], atol=1e-5, rtol=1e-6)
     for name, grad in padded[4].items():
         torch.testing.assert_close(flat[4][name], grad, atol=1e-5, rtol=1e-4, msg=name)
 

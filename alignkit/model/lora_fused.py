@@ -1,0 +1,129 @@
+"""LoRA linear layers in one autograd node: the adapter's update added inside the base matmul's output buffer.
+
+PEFT's `lora.Linear` computes `base(x) + lora_B(lora_A(dropout(x))) * scaling` as separate operations, so every
+adapted layer makes three more `[tokens, out_features]` tensors in the forward (the adapter's output, its scaled
+copy, the sum) and as many element-wise passes in the backward. With LoRA on every linear layer of a 30-layer
+model that is about 400 such passes per step over tensors as large as the layer's output, memory-bound work that
+model-FLOPs utilisation does not count. `_LoraLinear` does the same arithmetic with `addmm`'s scale-and-add:
+
+    forward:  out = x W^T + b;  down = x A^T;  out += scaling * down B^T          (in place, no temporaries)
+    backward: g_down = g B;  dx = g W + scaling * g_down A;  dA = scaling * g_down^T x;  dB = scaling * g^T down
+
+(plus dW = g^T x and db = sum(g) for a trainable base layer). It saves `x` and `down` for backward, as the
+unfused layers do.
+
+`fuse_lora_linears` installs it on every plain LoRA linear layer of a PEFT model. The fused path runs only in the
+plain case: adapters enabled and not merged, one active adapter without a variant (DoRA, ...), no dropout in
+effect, an `nn.Linear` base layer with matching dtypes, no autocast (bf16 mixed precision), no LoRA bias, no
+per-call adapter names; anything else
+calls PEFT's own forward, unchanged.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _LoraLinear(torch.autograd.Function):
+    """`F.linear(x, weight, bias) + scaling * (x @ lora_a.T) @ lora_b.T` as one node (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
+        rows = x.reshape(-1, x.size(-1))
+        out = F.linear(rows, weight, bias)
+        down = rows @ lora_a.T
+        out.addmm_(down, lora_b.T, alpha=scaling)
+        ctx.save_for_backward(rows, weight, lora_a, lora_b, down)
+        ctx.scaling, ctx.input_shape, ctx.has_bias = scaling, x.shape, bias is not None
+        return out.view(*x.shape[:-1], out.size(-1))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, weight, lora_a, lora_b, down = ctx.saved_tensors
+        scaling = ctx.scaling
+        g = grad_out.reshape(-1, grad_out.size(-1))
+        g_down = g @ lora_b  # [tokens, r]
+        grad_x = grad_weight = grad_bias = grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight).addmm_(g_down, lora_a, alpha=scaling).view(ctx.input_shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = g.T @ rows
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = g.sum(0)
+        if ctx.needs_input_grad[3]:
+            grad_a = torch.mm(g_down.T, rows).mul_(scaling)
+        if ctx.needs_input_grad[4]:
+            grad_b = torch.mm(g.T, down).mul_(scaling)
+        return grad_x, grad_weight, grad_bias, grad_a, grad_b, None
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A LoRA-adapted linear layer in one autograd node.
+
+    Args:
+        x: `[..., in]` input.
+        weight: `[out, in]` base weight; bias: `[out]` or None.
+        lora_a: `[r, in]`; lora_b: `[out, r]`; scaling: `lora_alpha / r` (or PEFT's rsLoRA scaling).
+
+    Returns:
+        `[..., out]`: `x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T`.
+    """
+    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, scaling)
+
+
+def _plain_adapter(layer: nn.Module, x: torch.Tensor) -> str | None:
+    """The one active adapter of `layer` when the fused path computes exactly what PEFT would, else None."""
+    if layer.disable_adapters or layer.merged:
+        return None
+    active = layer.active_adapters
+    if len(active) != 1:
+        return None
+    name = active[0]
+    if name not in layer.lora_A or name in getattr(layer, "lora_variant", {}):
+        return None
+    dropout = layer.lora_dropout[name]
+    if not isinstance(dropout, nn.Identity) and (dropout.training and getattr(dropout, "p", 0.0) > 0):
+        return None
+    base, lora_a, lora_b = layer.get_base_layer(), layer.lora_A[name], layer.lora_B[name]
+    if type(base) is not nn.Linear or lora_b.bias is not None or lora_a.bias is not None:
+        return None
+    if not (x.dtype == base.weight.dtype == lora_a.weight.dtype == lora_b.weight.dtype):
+        return None
+    if torch.is_autocast_enabled(x.device.type):
+        return None  # autocast casts each matmul's inputs; the in-place addmm_ would mix its dtypes
+    return name
+
+
+def _fused_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Installed as a bound method of each PEFT `lora.Linear` (so `copy.deepcopy` rebinds it to the copy)."""
+    name = None if args or kwargs else _plain_adapter(self, x)
+    if name is None:
+        return type(self).forward(self, x, *args, **kwargs)  # PEFT's own forward
+    base = self.get_base_layer()
+    return lora_linear(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
+                       self.scaling[name])
+
+
+def fuse_lora_linears(model: nn.Module) -> int:
+    """Route every PEFT `lora.Linear` of `model` through `lora_linear` when its case is plain (module docstring).
+
+    Returns:
+        How many layers now take the fused path when it applies.
+    """
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    count = 0
+    for module in model.modules():
+        if type(module) is LoraLinear and "forward" not in vars(module):
+            module.forward = types.MethodType(_fused_forward, module)
+            count += 1
+    return count
+
+
+__all__ = ["lora_linear", "fuse_lora_linears"]

@@ -1,0 +1,121 @@
+"""The fused LoRA linear layer computes what PEFT's computes: values and every gradient, and falls back when not plain."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from alignkit.model.lora_fused import fuse_lora_linears, lora_linear
+
+
+def test_lora_linear_hand_computed():
+    """x = [[1, 2]], W = I, b = [1, 0], A = [[1, 1]], B = [[1], [2]], scaling 0.5:
+    x W^T + b = [2, 2]; down = x A^T = 3; + 0.5 * 3 * [1, 2] = [3.5, 5].
+    Upstream gradient [1, 1]: g_down = g B = 3; dx = g W + 0.5 * 3 * A = [2.5, 2.5];
+    dA = 0.5 * 3 * x = [[1.5, 3]]; dB = 0.5 * g^T down = [[1.5], [1.5]]."""
+    x = torch.tensor([[1.0, 2.0]], requires_grad=True)
+    a = torch.tensor([[1.0, 1.0]], requires_grad=True)
+    b = torch.tensor([[1.0], [2.0]], requires_grad=True)
+    out = lora_linear(x, torch.eye(2), torch.tensor([1.0, 0.0]), a, b, 0.5)
+    assert out.tolist() == [[3.5, 5.0]]
+    out.sum().backward()
+    assert x.grad.tolist() == [[2.5, 2.5]] and a.grad.tolist() == [[1.5, 3.0]] and b.grad.tolist() == [[1.5], [1.5]]
+
+
+def test_lora_linear_matches_unfused_with_trainable_base():
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=generator, requires_grad=True)
+               for shape in [(2, 5, 6), (7, 6), (7,), (3, 6), (7, 3)]]
+    x, w, bias, a, b = tensors
+    upstream = torch.randn(2, 5, 7, generator=generator)
+    ours = torch.autograd.grad((lora_linear(x, w, bias, a, b, 2.0) * upstream).sum(), tensors)
+    reference = torch.nn.functional.linear(x, w, bias) + (x @ a.T @ b.T) * 2.0
+    expected = torch.autograd.grad((reference * upstream).sum(), tensors)
+    torch.testing.assert_close(lora_linear(x, w, bias, a, b, 2.0), reference)
+    for got, want in zip(ours, expected):
+        torch.testing.assert_close(got, want)
+
+
+def _peft(tiny_model_dir, dropout=0.0):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                                                  target_modules="all-linear", init_lora_weights=False))
+    return peft_model
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_fused_peft_model_equals_peft(tiny_model_dir, monkeypatch):
+    """Every LoRA linear of the tiny model is fused; loss and every LoRA gradient equal PEFT's own forward;
+    a deep copy computes with its own weights; disabled adapters (the reference model) take PEFT's path."""
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    plain = _peft(tiny_model_dir)
+    fused = copy.deepcopy(plain)
+    assert fuse_lora_linears(fused) == 14  # 7 linear layers x 2 decoder layers
+    assert fuse_lora_linears(fused) == 0  # installed once
+    loss_p, grads_p = _loss_and_grads(plain, ids)
+    calls = []
+    original = lora_linear.__globals__["_LoraLinear"].apply
+    monkeypatch.setattr(lora_linear.__globals__["_LoraLinear"], "apply",
+                        lambda *a: calls.append(1) or original(*a))
+    loss_f, grads_f = _loss_and_grads(fused, ids)
+    assert len(calls) == 14
+    torch.testing.assert_close(loss_f, loss_p, atol=1e-6, rtol=1e-6)
+    assert grads_f.keys() == grads_p.keys() and any("lora_A" in n for n in grads_f)
+    for name, grad in grads_p.items():
+        torch.testing.assert_close(grads_f[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    copied = copy.deepcopy(fused)
+    with torch.no_grad():
+        for name, param in copied.named_parameters():
+            if "lora_B" in name:
+                param.zero_()
+    with torch.no_grad():
+        base_logits = copied.get_base_model()(input_ids=ids).logits  # lora_B = 0: the copy is the base model
+        copied_logits = copied(input_ids=ids).logits
+        fused_logits = fused(input_ids=ids).logits
+    torch.testing.assert_close(copied_logits, base_logits)
+    assert not torch.allclose(fused_logits, copied_logits)
+    calls.clear()
+    with fused.disable_adapter(), torch.no_grad():
+        torch.testing.assert_close(fused(input_ids=ids).logits, base_logits)
+    assert calls == []
+
+
+def test_dropout_in_training_takes_peft_path(tiny_model_dir, monkeypatch):
+    model = _peft(tiny_model_dir, dropout=0.5)
+    fuse_lora_linears(model)
+    calls = []
+    original = lora_linear.__globals__["_LoraLinear"].apply
+    monkeypatch.setattr(lora_linear.__globals__["_LoraLinear"], "apply", lambda *a: calls.append(1) or original(*a))
+    ids = torch.randint(3, 300, (1, 6))
+    model.train()
+    model(input_ids=ids)
+    assert calls == []
+    model.eval()  # dropout off: the fused path computes exactly what PEFT does
+    model(input_ids=ids)
+    assert len(calls) == 14
+
+
+def test_autocast_takes_peft_path(tiny_model_dir, monkeypatch):
+    """bf16 autocast (the `bf16: true` training path) casts each matmul's inputs, so the fused node stays out of it:
+    PEFT's forward runs and the loss is finite."""
+    model = _peft(tiny_model_dir)
+    fuse_lora_linears(model)
+    calls = []
+    original = lora_linear.__globals__["_LoraLinear"].apply
+    monkeypatch.setattr(lora_linear.__globals__["_LoraLinear"], "apply", lambda *a: calls.append(1) or original(*a))
+    ids = torch.randint(3, 300, (1, 6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert calls == [] and torch.isfinite(loss)

@@ -256,13 +256,16 @@ def build_app(board: Board):
     with gr.Blocks(title="alignkit board") as app:
         gr.Markdown(f"# alignkit board\nRuns under `{board.root}` · runs start from `{board.workdir}`")
         timer = gr.Timer(REFRESH_SECONDS)
-        known = gr.State([])
+        # Every tab is rendered from the start (render_children): a tab first opened after the timer has updated its
+        # components would otherwise mount with their initial choices and miss those updates.
+        # Dropdowns start empty (value=None): Gradio would otherwise preselect the first choice, and choosing
+        # it again would not count as a change.
         with gr.Tabs():
-            with gr.Tab("Runs", id="runs"):
+            with gr.Tab("Runs", id="runs", render_children=True):
                 runs_table = gr.Dataframe(value=board.runs_table(board.summaries()), interactive=False,
                                           elem_id="runs-table", label="Runs (refreshed every few seconds)")
-            with gr.Tab("Run", id="run"):
-                run_pick = gr.Dropdown(choices=names(), label="Run", elem_id="run-pick")
+            with gr.Tab("Run", id="run", render_children=True):
+                run_pick = gr.Dropdown(choices=names(), value=None, label="Run", elem_id="run-pick")
                 run_status = gr.Markdown(elem_id="run-status")
                 with gr.Row():
                     stop_button = gr.Button("Stop (checkpoint, resumable)", elem_id="stop-button", variant="stop")
@@ -284,25 +287,25 @@ def build_app(board: Board):
                 with gr.Accordion("Console (runs started from the board)", open=False):
                     console_view = gr.Textbox(lines=10, max_lines=20, interactive=False, show_label=False,
                                               elem_id="run-console")
-            with gr.Tab("Compare", id="compare"):
-                compare_pick = gr.Dropdown(choices=names(), multiselect=True, label="Runs", elem_id="compare-pick")
+            with gr.Tab("Compare", id="compare", render_children=True):
+                compare_pick = gr.Dropdown(choices=names(), value=[], multiselect=True, label="Runs", elem_id="compare-pick")
                 metric_pick = gr.Dropdown(choices=["loss"], value="loss", label="Metric", allow_custom_value=True,
                                           elem_id="metric-pick")
                 compare_plot = gr.LinePlot(x="step", y="value", color="run", title="Compared", elem_id="compare-plot",
                                            height=320)
                 compare_table = gr.Dataframe(label="Final metrics side by side", interactive=False,
                                              elem_id="compare-table")
-            with gr.Tab("Launch", id="launch"):
-                example_pick = gr.Dropdown(choices=list(board.examples), label="Example config", elem_id="example-pick")
-                yaml_box = gr.Code(language="yaml", interactive=True, label="Config (YAML)", elem_id="yaml-box")
+            with gr.Tab("Launch", id="launch", render_children=True):
+                example_pick = gr.Dropdown(choices=list(board.examples), value=None, label="Example config", elem_id="example-pick")
+                yaml_box = gr.Textbox(label="Config (YAML, editable)", lines=16, max_lines=40, elem_id="yaml-box")
                 overrides_box = gr.Textbox(label="Overrides: key=value, one per line or space-separated", lines=2,
                                            elem_id="overrides-box")
                 with gr.Row():
                     check_button = gr.Button("Check", elem_id="check-button")
                     start_button = gr.Button("Start", variant="primary", elem_id="start-button")
                 launch_message = gr.Markdown(elem_id="launch-message")
-            with gr.Tab("Chat", id="chat"):
-                chat_pick = gr.Dropdown(choices=names(), label="Run (its adapter on its base, beside that base)",
+            with gr.Tab("Chat", id="chat", render_children=True):
+                chat_pick = gr.Dropdown(choices=names(), value=None, label="Run (its adapter on its base, beside that base)",
                                         elem_id="chat-pick")
                 max_new_tokens = gr.Slider(8, 512, value=64, step=8, label="max_new_tokens")
                 with gr.Row():
@@ -315,7 +318,7 @@ def build_app(board: Board):
                 chat_message = gr.Markdown(elem_id="chat-error")
 
         run_outputs = [run_status, loss_plot, lr_plot, stage_plot, metrics_table, table_title, predictions,
-                       config_view, console_view]
+                       config_view, console_view, stop_button, resume_button]
 
         def show_run(name):
             if not name:
@@ -324,8 +327,10 @@ def build_app(board: Board):
                 view = board.run_view(name)
             except reading.BoardError as err:
                 return [_message(err)] + [gr.skip()] * (len(run_outputs) - 1)
+            status = view["summary"].status
             return [view["status"], view["loss"], view["lr"], view["stage"], view["metrics"], view["table_name"],
-                    view["table"], view["config"], view["console"]]
+                    gr.update(value=view["table"], visible=not view["table"].empty), view["config"], view["console"],
+                    gr.update(interactive=status == "running"), gr.update(interactive=status in ("stopped", "failed"))]
 
         def show_compare(selected, metric):
             try:
@@ -335,15 +340,16 @@ def build_app(board: Board):
             choices = sorted(set(available) | {metric or "loss"})
             return plot, table, gr.update(choices=choices)
 
-        def refresh(previous, run_name, selected, metric):
+        def refresh(run_name, selected, metric):
             summaries = board.summaries()
-            current = [s.name for s in summaries]
-            choices = gr.update(choices=current) if current != previous else gr.skip()
+            # The choices are sent on every tick, not only when they change: the page drops an update that
+            # reaches a dropdown while its list is open, and a run that appeared then would never be offered.
+            choices = gr.update(choices=[s.name for s in summaries])
             compare = show_compare(selected, metric) if selected else (gr.skip(), gr.skip(), gr.skip())
-            return [board.runs_table(summaries), current, choices, choices, choices, *show_run(run_name), *compare]
+            return [board.runs_table(summaries), choices, choices, choices, *show_run(run_name), *compare]
 
-        timer.tick(refresh, inputs=[known, run_pick, compare_pick, metric_pick],
-                   outputs=[runs_table, known, run_pick, compare_pick, chat_pick, *run_outputs, compare_plot,
+        timer.tick(refresh, inputs=[run_pick, compare_pick, metric_pick],
+                   outputs=[runs_table, run_pick, compare_pick, chat_pick, *run_outputs, compare_plot,
                             compare_table, metric_pick], show_progress="hidden")
         run_pick.change(show_run, inputs=run_pick, outputs=run_outputs, show_progress="hidden")
         compare_pick.change(show_compare, inputs=[compare_pick, metric_pick],
@@ -383,13 +389,16 @@ def build_app(board: Board):
                 messages = [{"role": m["role"], "content": _text(m["content"])} for m in history]
                 messages.append({"role": "user", "content": text})
                 history += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+                reply = ""
                 try:
                     for piece in board.reply(key, messages, tokens):
-                        history[-1]["content"] += piece
+                        reply += piece
+                        history[-1]["content"] = _shown(reply)
                         yield run_history, base_history, "", ""
                 except Exception as err:  # a model that fails to load or generate: say so on the page
                     logger.exception("chat with %s failed", key)
-                    history[-1]["content"] = f"(error: {type(err).__name__}: {err})"
+                    reply = f"(error: {type(err).__name__}: {err})"
+                history[-1]["content"] = _shown(reply)
                 yield run_history, base_history, "", ""
 
         send_button.click(respond, inputs=[chat_pick, message_box, run_bot, base_bot, max_new_tokens],
@@ -398,6 +407,16 @@ def build_app(board: Board):
                            outputs=[run_bot, base_bot, message_box, chat_message])
         clear_button.click(lambda: ([], [], ""), outputs=[run_bot, base_bot, chat_message])
     return app
+
+
+def _shown(reply: str) -> str:
+    """A reply as the chat shows it: one of only whitespace (or nothing) would be an empty bubble, so say so.
+
+    Example: "\\n\\n" -> "(the model replied with whitespace only: 2 characters)".
+    """
+    if reply.strip():
+        return reply
+    return f"(the model replied with whitespace only: {len(reply)} characters)" if reply else "(no reply yet)"
 
 
 def _text(content: Any) -> str:

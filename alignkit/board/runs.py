@@ -42,8 +42,8 @@ STAGE_METRICS = {
     "rm": ["rewards/accuracies", "rewards/margins", "eval_accuracy"],
     "grpo": ["reward", "reward_std", "kl"],
     "ppo": ["reward/mean", "objective/kl", "objective/kl_coef"],
-    "sft": ["tokens_per_second", "grad_norm"],
-    "pt": ["tokens_per_second", "grad_norm"],
+    "sft": ["grad_norm"],
+    "pt": ["grad_norm"],
 }
 LAST_REWARD_KEYS = ("reward", "reward/mean", "rewards/margins")
 LAST_ACCURACY_KEYS = ("rewards/accuracies", "accuracy", "eval_rewards/accuracies", "eval_accuracy")

@@ -144,8 +144,27 @@ class Board:
         keys = sorted({k for values in columns.values() for k in values})
         table = pd.DataFrame([[k] + [_cell(columns[n].get(k)) for n in columns] for k in keys],
                              columns=["metric"] + list(columns))
-        plot = pd.DataFrame(frames) if frames else pd.DataFrame({"step": [], "value": [], "run": []})
+        plot = pd.DataFrame(frames) if frames else _empty_plot("run")
         return plot, table, sorted(available)
+
+    def signature(self, names: list[str]) -> tuple:
+        """What changes when any of these runs writes something (its status and its files' times and sizes)."""
+        parts = []
+        for name in names:
+            try:
+                path = self.run_dir(name)
+            except reading.BoardError:
+                parts.append((name, None))
+                continue
+            stats = []
+            for file in sorted(path.iterdir()):
+                try:
+                    info = file.stat()
+                except OSError:
+                    continue
+                stats.append((file.name, info.st_mtime_ns, info.st_size))
+            parts.append((name, reading.run_status(path), tuple(stats)))
+        return tuple(parts)
 
     # ----- launch / stop / resume ----------------------------------------------------------------------
 
@@ -225,7 +244,21 @@ def _frame(series: dict[str, list[tuple[int, float]]], keys: list[str]):
     import pandas as pd
 
     rows = [{"step": step, "value": value, "series": key} for key in keys for step, value in series.get(key, [])]
-    return pd.DataFrame(rows) if rows else pd.DataFrame({"step": [], "value": [], "series": []})
+    return pd.DataFrame(rows) if rows else _empty_plot("series")
+
+
+def _plot(gr, frame, color: str, title: str, elem_id: str, height: int = 260):
+    """A line plot of `frame` (columns step, value and `color`), one line per value of `color`."""
+    return gr.LinePlot(value=frame, x="step", y="value", color=color, title=title, elem_id=elem_id, height=height)
+
+
+def _empty_plot(color: str):
+    """A plot's data with no points but the right column types: the page keeps the types of the first data
+    it got, and an empty float `series` column makes the legend a number scale (drawn as -Infinity, no lines)."""
+    import pandas as pd
+
+    return pd.DataFrame({"step": pd.Series(dtype="int64"), "value": pd.Series(dtype="float64"),
+                         color: pd.Series(dtype="object")})
 
 
 def _cell(value: Any) -> str:
@@ -256,6 +289,11 @@ def build_app(board: Board):
     with gr.Blocks(title="alignkit board") as app:
         gr.Markdown(f"# alignkit board\nRuns under `{board.root}` · runs start from `{board.workdir}`")
         timer = gr.Timer(REFRESH_SECONDS)
+        # The plots are drawn anew (gr.render) whenever what they show changes: a line plot keeps the series it
+        # was first drawn with (Gradio 6 fixes its colour domain then), so a curve or a run added by a later
+        # update would not be drawn. These states name what is drawn; the timer changes them.
+        run_plot_key = gr.State(None)
+        compare_plot_key = gr.State(None)
         # Every tab is rendered from the start (render_children): a tab first opened after the timer has updated its
         # components would otherwise mount with their initial choices and miss those updates.
         # Dropdowns start empty (value=None): Gradio would otherwise preselect the first choice, and choosing
@@ -271,13 +309,21 @@ def build_app(board: Board):
                     stop_button = gr.Button("Stop (checkpoint, resumable)", elem_id="stop-button", variant="stop")
                     resume_button = gr.Button("Resume", elem_id="resume-button")
                 run_action = gr.Markdown(elem_id="run-action")
-                with gr.Row():
-                    loss_plot = gr.LinePlot(x="step", y="value", color="series", title="Loss", elem_id="loss-plot",
-                                            height=260)
-                    lr_plot = gr.LinePlot(x="step", y="value", color="series", title="Learning rate",
-                                          elem_id="lr-plot", height=260)
-                stage_plot = gr.LinePlot(x="step", y="value", color="series", title="Stage metrics",
-                                         elem_id="stage-plot", height=260)
+
+                @gr.render(inputs=run_plot_key, triggers=[run_plot_key.change])
+                def draw_run(key):
+                    if not key:
+                        return
+                    try:
+                        view = board.run_view(key[0])
+                    except reading.BoardError as err:
+                        gr.Markdown(_message(err))
+                        return
+                    with gr.Row():
+                        _plot(gr, view["loss"], "series", "Loss", "loss-plot")
+                        _plot(gr, view["lr"], "series", "Learning rate", "lr-plot")
+                    _plot(gr, view["stage"], "series", f"Stage metrics ({view['summary'].stage})", "stage-plot")
+
                 metrics_table = gr.Dataframe(label="Final metrics", interactive=False, elem_id="final-metrics")
                 table_title = gr.Markdown(elem_id="table-title")
                 predictions = gr.Dataframe(label="Predictions / completions", interactive=False,
@@ -291,8 +337,18 @@ def build_app(board: Board):
                 compare_pick = gr.Dropdown(choices=names(), value=[], multiselect=True, label="Runs", elem_id="compare-pick")
                 metric_pick = gr.Dropdown(choices=["loss"], value="loss", label="Metric", allow_custom_value=True,
                                           elem_id="metric-pick")
-                compare_plot = gr.LinePlot(x="step", y="value", color="run", title="Compared", elem_id="compare-plot",
-                                           height=320)
+
+                @gr.render(inputs=compare_plot_key, triggers=[compare_plot_key.change])
+                def draw_compare(key):
+                    if not key or not key[0]:
+                        return
+                    try:
+                        plot, _, _ = board.compare_view(list(key[0]), key[1])
+                    except reading.BoardError as err:
+                        gr.Markdown(_message(err))
+                        return
+                    _plot(gr, plot, "run", f"{key[1]} of {', '.join(key[0])}", "compare-plot", height=320)
+
                 compare_table = gr.Dataframe(label="Final metrics side by side", interactive=False,
                                              elem_id="compare-table")
             with gr.Tab("Launch", id="launch", render_children=True):
@@ -317,8 +373,8 @@ def build_app(board: Board):
                     clear_button = gr.Button("Clear", elem_id="chat-clear")
                 chat_message = gr.Markdown(elem_id="chat-error")
 
-        run_outputs = [run_status, loss_plot, lr_plot, stage_plot, metrics_table, table_title, predictions,
-                       config_view, console_view, stop_button, resume_button]
+        run_outputs = [run_status, metrics_table, table_title, predictions, config_view, console_view, stop_button,
+                       resume_button, run_plot_key]
 
         def show_run(name):
             if not name:
@@ -328,34 +384,45 @@ def build_app(board: Board):
             except reading.BoardError as err:
                 return [_message(err)] + [gr.skip()] * (len(run_outputs) - 1)
             status = view["summary"].status
-            return [view["status"], view["loss"], view["lr"], view["stage"], view["metrics"], view["table_name"],
+            return [view["status"], view["metrics"], view["table_name"],
                     gr.update(value=view["table"], visible=not view["table"].empty), view["config"], view["console"],
-                    gr.update(interactive=status == "running"), gr.update(interactive=status in ("stopped", "failed"))]
+                    gr.update(interactive=status == "running"), gr.update(interactive=status in ("stopped", "failed")),
+                    (name, board.signature([name]))]
 
         def show_compare(selected, metric):
             try:
-                plot, table, available = board.compare_view(selected or [], metric)
-            except reading.BoardError as err:
+                _, table, available = board.compare_view(selected or [], metric)
+            except reading.BoardError:
                 return gr.skip(), gr.skip(), gr.skip()
             choices = sorted(set(available) | {metric or "loss"})
-            return plot, table, gr.update(choices=choices)
+            key = (tuple(selected or []), metric or "loss", board.signature(selected or []))
+            return key, table, gr.update(choices=choices)
 
-        def refresh(run_name, selected, metric):
+        def refresh(run_name, selected, metric, shown):
+            # Only what changed is sent: every update re-lays the page out, and each plot redraws itself on a
+            # layout change, so updates on every tick would keep the plots blank half of the time.
             summaries = board.summaries()
-            # The choices are sent on every tick, not only when they change: the page drops an update that
-            # reaches a dropdown while its list is open, and a run that appeared then would never be offered.
-            choices = gr.update(choices=[s.name for s in summaries])
-            compare = show_compare(selected, metric) if selected else (gr.skip(), gr.skip(), gr.skip())
-            return [board.runs_table(summaries), choices, choices, choices, *show_run(run_name), *compare]
+            names = [s.name for s in summaries]
+            table = board.runs_table(summaries)
+            table_sig = tuple(map(tuple, table.drop(columns=["updated"]).values.tolist()))
+            run_sig = board.signature([run_name] if run_name else [])
+            compare_sig = (board.signature(selected or []), metric)
+            choices = gr.update(choices=names) if names != shown[0] else gr.skip()
+            run_part = show_run(run_name) if run_sig != shown[1] else [gr.skip()] * len(run_outputs)
+            compare = (show_compare(selected, metric) if selected and compare_sig != shown[2]
+                       else (gr.skip(), gr.skip(), gr.skip()))
+            return [table if table_sig != shown[3] else gr.skip(), choices, choices, choices, *run_part, *compare,
+                    (names, run_sig, compare_sig, table_sig)]
 
-        timer.tick(refresh, inputs=[run_pick, compare_pick, metric_pick],
-                   outputs=[runs_table, run_pick, compare_pick, chat_pick, *run_outputs, compare_plot,
-                            compare_table, metric_pick], show_progress="hidden")
+        shown = gr.State((None, None, None, None))
+        timer.tick(refresh, inputs=[run_pick, compare_pick, metric_pick, shown],
+                   outputs=[runs_table, run_pick, compare_pick, chat_pick, *run_outputs, compare_plot_key,
+                            compare_table, metric_pick, shown], show_progress="hidden")
         run_pick.change(show_run, inputs=run_pick, outputs=run_outputs, show_progress="hidden")
         compare_pick.change(show_compare, inputs=[compare_pick, metric_pick],
-                            outputs=[compare_plot, compare_table, metric_pick], show_progress="hidden")
+                            outputs=[compare_plot_key, compare_table, metric_pick], show_progress="hidden")
         metric_pick.change(show_compare, inputs=[compare_pick, metric_pick],
-                           outputs=[compare_plot, compare_table, metric_pick], show_progress="hidden")
+                           outputs=[compare_plot_key, compare_table, metric_pick], show_progress="hidden")
 
         def act(action, *args):
             try:

@@ -29,7 +29,11 @@ CHROMIUM = Path("/usr/bin/chromium")
 # What Chromium needs in a container without a display, a GPU or a network (and a fresh profile each run).
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
-WAIT_MS = 120_000  # the longest wait for one thing to appear (a run on a busy 2-core machine)
+WAIT_MS = 120_000
+# A plot shows n curves: line marks whose paths go through at least two points (an empty plot has the mark
+# element with an empty path).
+LINES_DRAWN = """([id, n]) => [...document.querySelectorAll(id + ' svg .mark-line path')]
+    .filter(p => (p.getAttribute('d') || '').split('L').length >= 2).length >= n"""  # the longest wait for one thing to appear (a run on a busy 2-core machine)
 
 
 def free_port() -> int:
@@ -128,7 +132,9 @@ def test_board_in_a_browser(board_url, board_workdir, tmp_path):
         try:
             context = p.chromium.launch_persistent_context(
                 str(tmp_path / "chromium-profile"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
-                viewport={"width": 1280, "height": 900})
+                # Tall enough for every page: a full-page screenshot of a longer page resizes the viewport, and the
+                # plots, redrawn for the new size, would be caught blank.
+                viewport={"width": 1280, "height": 1600})
         except Exception as err:
             pytest.fail(f"the browser test cannot run: Chromium ({CHROMIUM}) did not start: {err}")
         page = context.new_page()
@@ -143,12 +149,11 @@ def test_board_in_a_browser(board_url, board_workdir, tmp_path):
         page.get_by_role("tab", name="Launch", exact=True).click()
         pick(page, "example-pick", "tiny_sft.yaml")
         expect(page.locator("#yaml-box textarea")).to_have_value(re.compile("output_dir: runs/sft_a"))
-        page.locator("#overrides-box textarea").fill("learnig_rate=1e-3")
-        page.locator("#check-button").click()
-        expect(page.locator("#launch-message")).to_contain_text("Did you mean learning_rate?")
-        page.locator("#overrides-box textarea").fill("output_dir=/tmp/elsewhere")
-        page.locator("#check-button").click()
-        expect(page.locator("#launch-message")).to_contain_text("outside the runs folder")
+        for overrides, refusal in (("learnig_rate=1e-3", "Did you mean learning_rate?"),
+                                   ("output_dir=/tmp/elsewhere", "outside the runs folder")):
+            page.locator("#overrides-box textarea").fill(overrides)
+            page.locator("#check-button").click()
+            expect(page.locator("#launch-message")).to_contain_text(refusal)
         page.screenshot(path=str(shots / "launch.png"), full_page=True)
         page.locator("#overrides-box textarea").fill("")
         page.locator("#start-button").click()
@@ -165,10 +170,14 @@ def test_board_in_a_browser(board_url, board_workdir, tmp_path):
         _wait_for_option(page, "run-pick", "sft_a")
         status = page.locator("#run-status")
         expect(status).to_contain_text(re.compile(r"step \d+ of 8"))
-        expect(page.locator("#loss-plot svg .mark-line path, #loss-plot svg .mark-symbol path").first).to_be_attached()
+        page.wait_for_function(LINES_DRAWN, arg=["#loss-plot", 1])  # the curve appears while the run trains
         expect(status).to_contain_text("finished")
         expect(status).to_contain_text("step 8 of 8")
         expect(page.locator("#final-metrics")).to_contain_text("train_loss")
+        # Selecting a run draws its plots, and the next refresh may draw them once more: screenshot after that.
+        page.wait_for_timeout(3000)
+        page.wait_for_function(LINES_DRAWN, arg=["#loss-plot", 1])
+        page.wait_for_function(LINES_DRAWN, arg=["#lr-plot", 1])
         page.screenshot(path=str(shots / "run.png"), full_page=True)
 
         # Stop the second run from its page: it ends at a step boundary with a checkpoint.
@@ -195,7 +204,9 @@ def test_board_in_a_browser(board_url, board_workdir, tmp_path):
         _wait_for_option(page, "compare-pick", "sft_b", multiselect=True)
         expect(page.locator("#compare-table")).to_contain_text("train_loss")
         expect(page.locator("#compare-table")).to_contain_text("sft_b")
-        expect(page.locator("#compare-plot svg .mark-line path").first).to_be_attached()
+        expect(page.locator("#compare-plot")).to_contain_text("sft_b")  # the legend names both runs
+        expect(page.locator("#compare-plot")).to_contain_text("sft_a")
+        page.wait_for_function(LINES_DRAWN, arg=["#compare-plot", 2])
         page.screenshot(path=str(shots / "compare.png"), full_page=True)
 
         # Chat with the finished run's model beside its base, streaming.
@@ -230,18 +241,23 @@ def test_board_in_a_browser(board_url, board_workdir, tmp_path):
 def _wait_for_option(page, dropdown_id: str, option: str, multiselect: bool = False) -> None:
     """Choose `option` once the refreshing list offers it (runs appear as they start)."""
     deadline = time.time() + WAIT_MS / 1000
+    box = page.locator(f"#{dropdown_id} input")
     while True:
-        page.locator(f"#{dropdown_id} input").click()
+        box.click()
+        if not multiselect:
+            box.fill(option)  # the list shows the choices matching what the box holds
         found = page.get_by_role("option", name=option, exact=True)
         if found.count():
             found.first.click()
             if multiselect:  # the list stays open for more choices
                 page.keyboard.press("Escape")
-            page.locator(f"#{dropdown_id} input").blur()
-            return
-        page.keyboard.press("Escape")
-        # The list opens when the input gains focus: let it go, so the next click opens it again.
-        page.locator(f"#{dropdown_id} input").blur()
+            box.blur()
+            if multiselect or box.input_value() == option:
+                return
+        else:
+            page.keyboard.press("Escape")
+            # The list opens when the input gains focus: let it go, so the next click opens it again.
+            box.blur()
         if time.time() > deadline:
             page.screenshot(path=str(Path(os.environ.get("ALIGNKIT_BOARD_SCREENSHOTS", "/tmp")) / "failed.png"),
                             full_page=True)

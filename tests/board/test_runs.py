@@ -226,3 +226,11 @@ def test_stop_request_ends_the_step_with_a_checkpoint_and_a_rerun_resumes(tiny_m
     run_train(parse_config(values))  # the same config again: the stale request is dropped, step 3 resumed
     assert [r["current_steps"] for r in read_log(out) if "loss" in r] == [1, 2, 3, 4, 5, 6]
     assert runs.run_status(out) == "finished" and not (out / STOP_FILE).exists()
+
+
+def test_a_whitespace_reply_is_shown_as_such():
+    from alignkit.board.app import _shown
+
+    assert _shown("Paris.") == "Paris."
+    assert _shown("\n\n") == "(the model replied with whitespace only: 2 characters)"
+    assert _shown("") == "(no reply yet)"

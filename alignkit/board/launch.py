@@ -88,19 +88,21 @@ def check_launch(runs_root: str | os.PathLike, yaml_text: str, overrides: list[s
     cwd = os.getcwd()
     try:
         os.chdir(workdir)  # read_config resolves nothing itself, but the stage checks may look at files
-        config = read_config(path, overrides)
-    except ConfigError:
-        path.unlink(missing_ok=True)
+        try:
+            config = read_config(path, overrides)
+        finally:
+            os.chdir(cwd)
+        output_dir = resolve_inside(runs_root, config.training.output_dir, base=workdir)
+        if not config.training.do_train:
+            raise BoardError("the board starts training runs (do_train: true); run evaluation or prediction with "
+                             "`alignkit train` on the command line.")
+        check_output_dir(output_dir)
+        if output_dir.is_dir() and run_status(output_dir) == "running":
+            raise BoardError(f"{output_dir} is in use by a running run; stop it first or choose another "
+                             "output_dir.")
+    except (ConfigError, BoardError):
+        path.unlink(missing_ok=True)  # a refused config is not kept among the files runs were started from
         raise
-    finally:
-        os.chdir(cwd)
-    output_dir = resolve_inside(runs_root, config.training.output_dir, base=workdir)
-    if not config.training.do_train:
-        raise BoardError("the board starts training runs (do_train: true); run evaluation or prediction with "
-                         "`alignkit train` on the command line.")
-    check_output_dir(output_dir)
-    if output_dir.is_dir() and run_status(output_dir) == "running":
-        raise BoardError(f"{output_dir} is in use by a running run; stop it first or choose another output_dir.")
     return path, output_dir
 
 

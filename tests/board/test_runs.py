@@ -189,6 +189,7 @@ def test_launch_check_gives_the_command_lines_errors_and_keeps_output_dir_inside
         launch.check_launch(root, good, [f"output_dir={tmp_path}/elsewhere"], work)
     with pytest.raises(runs.BoardError, match="outside the runs folder"):
         launch.check_launch(root, good, ["output_dir=../../x"], work)
+    assert not list((root / launch.LAUNCH_DIR).glob("*.yaml"))  # refused configs are not kept
     config_file, output_dir = launch.check_launch(root, good, ["max_steps=3"], work)
     assert output_dir == (root / "one").resolve() and config_file.read_text() == good
     assert launch.split_overrides("max_steps=3 learning_rate=1e-3\n# a comment\nlogging_steps=1") == [

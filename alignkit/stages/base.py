@@ -343,6 +343,14 @@ def run_stage_trainer(
             from ..callbacks import plot_loss
 
             plot_loss(t.output_dir)
+        from ..callbacks import stop_requested
+
+        if stop_requested(t.output_dir) and trainer.state.global_step < trainer.state.max_steps:
+            # Stopped on request (`StopOnRequest`): the user wants the process gone; evaluating or predicting
+            # a half-trained model is for the resumed run's end.
+            logger.warning("Stopped at step %d of %d on request; evaluation and prediction skipped. Run the "
+                           "same command again to resume.", trainer.state.global_step, trainer.state.max_steps)
+            return
     if t.do_eval:
         metrics = final_step_eval_metrics(trainer) if t.do_train else None
         if metrics is None:

@@ -47,13 +47,18 @@ LF_STAGES = ("sft", "rm", "dpo", "ppo")
 
 # What the LLaMA-Factory runs do differently from alignkit's, and why (reported with the results).
 SETTINGS_THAT_DIFFER = {
-    "rm": "reward head: LLaMA-Factory trains a value head (trl's ValueHead, hidden -> 1) on top of the full causal "
-          "LM and reads the value at each sequence's last real token; alignkit and TRL use a sequence-"
-          "classification score head. Both are trained in full beside the LoRA adapter.",
+    "rm": "reward head: LLaMA-Factory wraps the causal LM in trl's AutoModelForCausalLMWithValueHead (a hidden -> 1 "
+          "value head, trained in full beside the adapter) and reads the value at each sequence's last real token; "
+          "that wrapper also computes the LM head's vocabulary logits for every token, which the loss never uses. "
+          "alignkit (and TRL) use a sequence-classification score head and no LM head. MFU is computed with the "
+          "same N (the reward model's) for both, so LLaMA-Factory's unused LM-head work is not counted.",
     "dpo": "reference model: both run the reference forward inside the step with the adapter disabled "
            "(LLaMA-Factory's default for LoRA without ref_model); beta 0.1, sigmoid loss in both.",
-    "ppo": "not run: LLaMA-Factory 0.9.5's PPO needs trl<=0.9.6 (the old PPOTrainer API) while its other stages "
-           "need trl>=0.18 (upstream issue hiyouga/LLaMA-Factory#10757); one environment cannot hold both.",
+    "ppo": "cannot run: LLaMA-Factory 0.9.5's CustomPPOTrainer calls require_version('trl>=0.8.6,<=0.9.6') "
+           "unconditionally (DISABLE_VERSION_CHECK=1, which its message suggests, does not reach it) and then builds "
+           "trl 0.9's PPOConfig (model_name=, ppo_epochs=, ...), which trl 0.24 rejects (TypeError: unexpected "
+           "keyword argument 'model_name'); its other stages need trl>=0.18, so one environment cannot hold both "
+           "(upstream issue hiyouga/LLaMA-Factory#10757). The attempt is run and its error recorded.",
     "all": "gradient checkpointing is on by default in LLaMA-Factory; it is turned off "
            "(disable_gradient_checkpointing: true) because alignkit does not use it. LLaMA-Factory tokenises "
            "with its own `smollm2` template (the same ChatML text as the model's chat template).",

@@ -208,11 +208,12 @@ def check_targets(stages: dict[str, Any], device: str = "cpu",
                   variants: list[str] | None = None) -> list[dict[str, Any]]:
     """Each target with its figures and met / not met (None when a run it needs is missing or failed).
 
-    Targets against LLaMA-Factory are left out unless `variants` (the runs planned) includes it, so a TRL-only
-    report is not filled with rows nobody asked to measure."""
+    With `variants` (the runs planned), targets against a peer none of whose runs was planned are left out,
+    so a TRL-only report has no LLaMA-Factory rows and the other way round; without it every target is listed."""
     out = []
+    planned_tools = None if variants is None else {tool_of(v) for v in variants}
     for stage, figure, other, bound, sense in TARGETS:
-        if other == "llamafactory" and "llamafactory" not in (variants or []):
+        if other is not None and planned_tools is not None and tool_of(other) not in planned_tools:
             continue
         if figure == "peak_rss_mb" and device == "cuda":
             figure = "peak_gpu_mb"
@@ -336,7 +337,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 continue
             lines.append(
                 f"| {stage} | {variant} | {_cell(row['step_time_s'])} | {_cell(row['tokens_per_s'])} "
-                f"| {row['tokens_per_step_mean']:.0f} | {_cell(row[mem], 4)} | {_cell(row['first_loss'], 4)} "
+                f"| {_fmt(row['tokens_per_step_mean'], 4)} | {_cell(row[mem], 4)} | {_cell(row['first_loss'], 4)} "
                 f"| {_cell(row['final_loss'], 4)} | {_cell(row['mfu'], 2)} | {_cell(row['setup_s'])} |")
         for name, ratio in data["ratios"].items():
             lines.append(

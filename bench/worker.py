@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,8 @@ def make_callback(recorder: StepRecorder):
 
             def counting_collate(examples):
                 batch = collate(examples)
-                recorder.batch_tokens.append(count_real_tokens(batch) if isinstance(batch, dict) else None)
+                # A Mapping, not only a dict: LLaMA-Factory's collators return transformers' BatchEncoding.
+                recorder.batch_tokens.append(count_real_tokens(batch) if isinstance(batch, Mapping) else None)
                 return batch
 
             loader.collate_fn = counting_collate

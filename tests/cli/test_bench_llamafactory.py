@@ -149,4 +149,37 @@ def test_llamafactory_targets_only_when_it_runs():
     assert with_lf["peak_rss_mb alignkit/llamafactory <= 1.0"] is False
     without = [t["target"] for t in bench_run.check_targets(stages, variants=["alignkit", "trl_default"])]
     assert not any("llamafactory" in t for t in without)
+    lf_only = [t["target"] for t in bench_run.check_targets(stages, variants=["alignkit", "llamafactory"])]
+    assert not any("trl" in t for t in lf_only)
     assert {t[0] for t in bench_run.TARGETS if t[2] == "llamafactory"} == {"sft", "rm", "dpo", "ppo"}
+
+
+@pytest.mark.slow
+def test_llamafactory_end_to_end_on_tiny_model_when_installed(tmp_path):
+    """Only where `python -m bench --peer llamafactory` has already built the environment (never installs):
+    on the same data and seed, LLaMA-Factory consumes the same tokens per step as alignkit and starts from
+    the same loss; its PPO attempt fails with the recorded trl version error."""
+    venv = lf.default_venv_dir()
+    stamp = lf.read_stamp(venv)
+    if not stamp or stamp.get("recipe") != lf.recipe_hash():
+        pytest.skip(f"no LLaMA-Factory environment at {venv}; `python -m bench --peer llamafactory` creates it.")
+    out_dir = tmp_path / "results"
+    cmd = [sys.executable, "-m", "bench", "--model", "tiny", "--peer", "llamafactory", "--stage", "sft", "rm", "dpo",
+           "ppo", "--reps", "1", "--steps", "2", "--warmup", "1", "--batch", "2", "--cutoff", "96", "--matmul-size",
+           "256", "--matmul-seconds", "0.2", "--output-dir", str(out_dir), "--name", "lf", "--work-dir",
+           str(tmp_path / "work")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # 1: the PPO attempt failed, everything else ran
+    report = json.loads((out_dir / "lf.json").read_text())
+    assert report["llamafactory"]["versions"]["llamafactory"] == lf.LF_VERSION
+    for stage in ("sft", "rm", "dpo"):
+        runs = {r["variant_key"]: r for r in report["stages"][stage]["runs"]}
+        assert runs["alignkit"]["ok"] and runs["llamafactory"]["ok"], runs["llamafactory"].get("error")
+        assert runs["llamafactory"]["tokens_per_step"] == runs["alignkit"]["tokens_per_step"], stage
+        effective = runs["llamafactory"]["settings"]["effective"]
+        assert effective["gradient_checkpointing"] is False and effective["per_device_train_batch_size"] == 2
+        if stage != "rm":  # rm: value head vs score head, different random heads
+            assert runs["llamafactory"]["first_loss"] == pytest.approx(runs["alignkit"]["first_loss"], rel=1e-3)
+    (ppo,) = report["stages"]["ppo"]["runs"]
+    assert not ppo["ok"] and "trl>=0.8.6,<=0.9.6" in ppo["error"]
+    assert "| ppo | llamafactory | failed:" in (out_dir / "lf.md").read_text()

@@ -1,4 +1,5 @@
-"""alignkit against TRL 1.16, side by side: `python -m bench [--stage sft rm dpo grpo] [--model tiny] [--reps 2]`.
+"""alignkit against TRL 1.16 (and, with `--peer llamafactory`, LLaMA-Factory 0.9.5 in its own environment, see
+`bench.llamafactory`), side by side: `python -m bench [--stage sft rm dpo grpo] [--model tiny] [--reps 2]`.
 
 For each stage both tools train the same LoRA adapter (r=8, alpha=16, dropout 0, every linear layer but the
 head) on the same model, the same generated data (see `bench.workloads`), the same batch, learning rate,
@@ -393,7 +394,7 @@ def _grpo_table(report: dict[str, Any], mem: str, mem_label: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench", description="alignkit vs TRL 1.16, side by side.")
+    p = argparse.ArgumentParser(prog="python -m bench", description="alignkit vs TRL 1.16 and LLaMA-Factory 0.9.5, side by side.")
     p.add_argument("--stage", nargs="+", choices=STAGES, action="extend", default=None,
                    help="Stages to run (repeatable; default: every stage alignkit has).")
     p.add_argument("--model", default=BUNDLED,

@@ -309,9 +309,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{s['steps']} steps (the first {s['warmup']} not timed); cutoff {s['cutoff']}; lr {s['lr']}; "
         f"{s['precision']}; {s['reps']} repetition(s), alternating; every run a fresh process.  ",
         f"Data: {report['data_note']}  ",
-        f"TRL default = TRL {v['trl']} config defaults except {s['trl_default_overrides']}; TRL best adds "
-        + "; ".join(f"{st}: {', '.join(f'{k}={val}' for k, val in kv.items())}" for st, kv in TRL_BEST.items())
-        + ".  ",
+        *([f"TRL default = TRL {v['trl']} config defaults except {s['trl_default_overrides']}; TRL best adds "
+           + "; ".join(f"{st}: {', '.join(f'{k}={val}' for k, val in kv.items())}" for st, kv in TRL_BEST.items())
+           + ".  "] if any(tool_of(x) == "trl" for x in s.get("variants", VARIANTS)) else []),
         *_llamafactory_lines(report),
         f"Machine limit: {report['matmul']['size']}x{report['matmul']['size']} {report['matmul']['dtype']} "
         f"matmul, {_fmt(report['matmul']['gflops'])} GFLOP/s (probes: "

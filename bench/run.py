@@ -1,4 +1,5 @@
-"""alignkit against TRL 1.16, side by side: `python -m bench [--stage sft rm dpo grpo] [--model tiny] [--reps 2]`.
+"""alignkit against TRL 1.16 (and, with `--peer llamafactory`, LLaMA-Factory 0.9.5 in its own environment, see
+`bench.llamafactory`), side by side: `python -m bench [--stage sft rm dpo grpo] [--model tiny] [--reps 2]`.
 
 For each stage both tools train the same LoRA adapter (r=8, alpha=16, dropout 0, every linear layer but the
 head) on the same model, the same generated data (see `bench.workloads`), the same batch, learning rate,
@@ -36,15 +37,18 @@ from typing import Any
 if __package__ in (None, ""):  # `python bench/run.py`: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import workloads  # noqa: E402
+from bench import llamafactory, workloads  # noqa: E402
 from bench.sweep import add_sweep_arguments, finish_sweep_arguments  # noqa: E402
 from bench.worker import TRL_BEST  # noqa: E402
 
 STAGES = ("sft", "rm", "dpo", "grpo", "ppo")
-# Stages only alignkit runs here: TRL 1.x has no PPO trainer (`python -m bench --peer llamafactory` tries
-# LLaMA-Factory's, whose PPO needs trl<=0.9.6 while its other imports need trl>=0.18).
-ALIGNKIT_ONLY = ("ppo",)
-VARIANTS = ("alignkit", "trl_default", "trl_best")
+VARIANTS = ("alignkit", "trl_default", "trl_best", "llamafactory")
+# The peers `--peer` chooses from, and the variants each one adds beside alignkit.
+PEERS = {"trl": ("trl_default", "trl_best"), "llamafactory": ("llamafactory",)}
+# Stages each tool's runner in bench/worker.py has. TRL 1.x has no PPO trainer; LLaMA-Factory has no GRPO, and its
+# PPO is attempted and fails (see bench.llamafactory.SETTINGS_THAT_DIFFER).
+TOOL_STAGES = {"alignkit": ("sft", "rm", "dpo", "grpo", "ppo"), "trl": ("sft", "rm", "dpo", "grpo"),
+               "llamafactory": llamafactory.LF_STAGES}
 BUNDLED = "smollm2-135m-instruct"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FIGURES = ("step_time_s", "tokens_per_s", "peak_rss_mb", "peak_gpu_mb", "final_loss", "mfu", "completions_per_s",
@@ -68,19 +72,26 @@ TARGETS = [
     ("grpo", "completions_per_s", "trl_default", 2.0, "min"),
     ("grpo", "completions_per_s", "trl_best", 1.0, "min"),
     ("grpo", "peak_rss_mb", "trl_default", 1.0, "max"),
+    *[(stage, figure, "llamafactory", bound, sense) for stage in llamafactory.LF_STAGES
+      for figure, bound, sense in (("tokens_per_s", 1.5, "min"), ("peak_rss_mb", 1.0, "max"))],
 ]
 
 
 def data_kind(stage: str) -> str:
-    """The generated data a stage trains on: `sft`, `pref` (rm, dpo) or `prompt` (grpo)."""
+    """The generated data a stage trains on: `sft`, `pref` (rm, dpo), `prompt` (grpo) or `ppo_prompt` (ppo,
+    for alignkit and for LLaMA-Factory's attempt)."""
     return {"sft": "sft", "grpo": "prompt", "ppo": "ppo_prompt"}.get(stage, "pref")
 
 
+def tool_of(variant: str) -> str:
+    return "trl" if variant.startswith("trl") else variant
+
+
 def alignkit_has_stage(stage: str) -> bool:
-    """True when alignkit's stage registry (`alignkit.stages.STAGES`) has the stage."""
+    """True when alignkit's stage registry (`alignkit.stages.STAGES`) has the stage and the benchmark runs it."""
     from alignkit.stages import STAGES
 
-    return stage in STAGES
+    return stage in STAGES and stage in TOOL_STAGES["alignkit"]
 
 
 def resolve_model(model: str, work_dir: Path) -> tuple[str, str]:
@@ -143,12 +154,19 @@ def ppo_prompt_data(tokenizer, n_rows: int, work_dir: Path) -> dict[str, Any]:
     return paths
 
 
-def run_worker(args: list[str], threads: int, timeout: float, log_path: Path) -> dict[str, Any]:
-    """Run `python -m bench.worker ARGS` in a fresh process; returns its JSON line (or a failure record)."""
+def run_worker(args: list[str], threads: int, timeout: float, log_path: Path,
+               python: str | None = None) -> dict[str, Any]:
+    """Run `python -m bench.worker ARGS` in a fresh process; returns its JSON line (or a failure record).
+
+    `python` is another environment's interpreter (LLaMA-Factory's); the repository root is then its only
+    addition to the import path, so nothing from this environment leaks in."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1")
-    command = [sys.executable, "-m", "bench.worker", *args]
     root = Path(__file__).resolve().parents[1]
+    if python:
+        env["PYTHONPATH"] = str(root)
+        env.pop("VIRTUAL_ENV", None)
+    command = [python or sys.executable, "-m", "bench.worker", *args]
     with open(log_path, "w", encoding="utf-8") as log:
         try:
             proc = subprocess.run(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
@@ -194,7 +212,7 @@ def summarise_stage(runs: list[dict[str, Any]], n_params: int, peak_gflops: floa
             n_params, lora=True, reference_forward=ok[0]["reference_forward"])[1]
     ratios: dict[str, Any] = {}
     if "alignkit" in summary:
-        for other in ("trl_default", "trl_best"):
+        for other in VARIANTS[1:]:
             if other not in summary:
                 continue
             ratios[f"alignkit/{other}"] = {
@@ -206,10 +224,17 @@ def summarise_stage(runs: list[dict[str, Any]], n_params: int, peak_gflops: floa
     return {"summary": summary, "ratios": ratios}
 
 
-def check_targets(stages: dict[str, Any], device: str = "cpu") -> list[dict[str, Any]]:
-    """Each target with its figures and met / not met (None when a run it needs is missing or failed)."""
+def check_targets(stages: dict[str, Any], device: str = "cpu",
+                  variants: list[str] | None = None) -> list[dict[str, Any]]:
+    """Each target with its figures and met / not met (None when a run it needs is missing or failed).
+
+    With `variants` (the runs planned), targets against a peer none of whose runs was planned are left out,
+    so a TRL-only report has no LLaMA-Factory rows and the other way round; without it every target is listed."""
     out = []
+    planned_tools = None if variants is None else {tool_of(v) for v in variants}
     for stage, figure, other, bound, sense in TARGETS:
+        if other is not None and planned_tools is not None and tool_of(other) not in planned_tools:
+            continue
         if figure == "peak_rss_mb" and device == "cuda":
             figure = "peak_gpu_mb"
         if stage not in stages:
@@ -303,9 +328,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{s['steps']} steps (the first {s['warmup']} not timed); cutoff {s['cutoff']}; lr {s['lr']}; "
         f"{s['precision']}; {s['reps']} repetition(s), alternating; every run a fresh process.  ",
         f"Data: {report['data_note']}  ",
-        f"TRL default = TRL {v['trl']} config defaults except {s['trl_default_overrides']}; TRL best adds "
-        + "; ".join(f"{st}: {', '.join(f'{k}={val}' for k, val in kv.items())}" for st, kv in TRL_BEST.items())
-        + ".  ",
+        *([f"TRL default = TRL {v['trl']} config defaults except {s['trl_default_overrides']}; TRL best adds "
+           + "; ".join(f"{st}: {', '.join(f'{k}={val}' for k, val in kv.items())}" for st, kv in TRL_BEST.items())
+           + ".  "] if any(tool_of(x) == "trl" for x in s.get("variants", VARIANTS)) else []),
+        *_llamafactory_lines(report),
         f"Machine limit: {report['matmul']['size']}x{report['matmul']['size']} {report['matmul']['dtype']} "
         f"matmul, {_fmt(report['matmul']['gflops'])} GFLOP/s (probes: "
         f"{', '.join(_fmt(g) for g in report['matmul']['probes_gflops'])}).  ",
@@ -331,7 +357,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 continue
             lines.append(
                 f"| {stage} | {variant} | {_cell(row['step_time_s'])} | {_cell(row['tokens_per_s'])} "
-                f"| {row['tokens_per_step_mean']:.0f} | {_cell(row[mem], 4)} | {_cell(row['first_loss'], 4)} "
+                f"| {_fmt(row['tokens_per_step_mean'], 4)} | {_cell(row[mem], 4)} | {_cell(row['first_loss'], 4)} "
                 f"| {_cell(row['final_loss'], 4)} | {_cell(row['mfu'], 2)} | {_cell(row['setup_s'])} |")
         for name, ratio in data["ratios"].items():
             lines.append(
@@ -346,6 +372,19 @@ def render_markdown(report: dict[str, Any]) -> str:
         verdict = {True: "met", False: "not met", None: "not measured"}[t["met"]]
         lines.append(f"| {t['stage']} | {t['target']} | {t['figures']} | {verdict} |")
     return "\n".join(lines) + "\n"
+
+
+def _llamafactory_lines(report: dict[str, Any]) -> list[str]:
+    """The LLaMA-Factory peer's versions and the settings that differ from alignkit's runs (when it ran)."""
+    lf = report.get("llamafactory")
+    if not lf:
+        return []
+    v = lf["versions"]
+    return [f"LLaMA-Factory = llamafactory {v.get('llamafactory')} in its own environment (transformers "
+            f"{v.get('transformers')}, peft {v.get('peft')}, trl {v.get('trl')}, torch {v.get('torch')}, accelerate "
+            f"{v.get('accelerate')}, datasets {v.get('datasets')}), the same model directory, dataset registry, LoRA, "
+            "batch, lr, steps, cutoff, seed and precision (bench/llamafactory.py `lf_config`). Differences: "
+            + " ".join(f"{stage}: {text}" for stage, text in lf["settings_that_differ"].items()) + "  "]
 
 
 def _grpo_table(report: dict[str, Any], mem: str, mem_label: str) -> list[str]:
@@ -399,7 +438,7 @@ def _ppo_table(report: dict[str, Any], mem: str, mem_label: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench", description="alignkit vs TRL 1.16, side by side.")
+    p = argparse.ArgumentParser(prog="python -m bench", description="alignkit vs TRL 1.16 and LLaMA-Factory 0.9.5, side by side.")
     p.add_argument("--stage", nargs="+", choices=STAGES, action="extend", default=None,
                    help="Stages to run (repeatable; default: every stage alignkit has).")
     p.add_argument("--model", default=BUNDLED,
@@ -417,8 +456,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GRPO: most new tokens per completion; PPO: per response.")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: bf16 autocast (bf16=True) in both tools, bf16 matmul probe.")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"Comma-separated subset of {', '.join(VARIANTS)}.")
+    p.add_argument("--peer", nargs="+", choices=sorted(PEERS), action="extend", default=None,
+                   help="Peers to compare alignkit with (repeatable; default: trl). `llamafactory` creates "
+                        "LLaMA-Factory's own environment the first time (bench/llamafactory.py).")
+    p.add_argument("--variants", default=None,
+                   help=f"Comma-separated subset of {', '.join(VARIANTS)} (default: alignkit and the --peer runs).")
     p.add_argument("--matmul-size", type=int, default=None, help="Probe matrix size (default 2048; 8192 on cuda).")
     p.add_argument("--matmul-seconds", type=float, default=4.0, help="Seconds per matmul probe.")
     p.add_argument("--run-timeout", type=float, default=900.0, help="Seconds before a run is abandoned.")
@@ -428,7 +470,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="Print the plan (runs, settings) and exit.")
     add_sweep_arguments(p)
     opts = p.parse_args(argv)
-    opts.variants = [v.strip() for v in opts.variants.split(",") if v.strip()]
+    opts.peer = list(dict.fromkeys(opts.peer or ["trl"]))
+    if opts.variants is None:
+        opts.variants = ["alignkit", *[v for peer in opts.peer for v in PEERS[peer]]]
+    else:
+        opts.variants = [v.strip() for v in opts.variants.split(",") if v.strip()]
     unknown = set(opts.variants) - set(VARIANTS)
     if unknown:
         p.error(f"--variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}.")
@@ -442,14 +488,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def plan_runs(opts: argparse.Namespace, stages: list[str], available: dict[str, bool]) -> list[tuple[str, int, str]]:
-    """(stage, rep, variant) in execution order: per stage, the variants alternate within each repetition."""
+    """(stage, rep, variant) in execution order: per stage, the variants alternate within each repetition.
+
+    A variant whose tool has no runner for the stage (`TOOL_STAGES`; alignkit: `available`) is left out."""
     plan = []
     for stage in stages:
         for rep in range(opts.reps):
             for variant in opts.variants:
                 if variant == "alignkit" and not available[stage]:
                     continue
-                if stage in ALIGNKIT_ONLY and variant in ("trl_default", "trl_best"):
+                if variant != "alignkit" and stage not in TOOL_STAGES[tool_of(variant)]:
                     continue
                 plan.append((stage, rep, variant))
     return plan
@@ -463,7 +511,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_sweep(opts, argv)
     command = "python -m bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     available = {s: alignkit_has_stage(s) for s in STAGES}
-    stages = list(dict.fromkeys(opts.stage)) if opts.stage else [s for s in STAGES if available[s]]
+    # Default stages: those a chosen peer runs (TRL: sft rm dpo grpo; LLaMA-Factory: sft rm dpo and its ppo
+    # attempt), or alignkit's when it runs alone.
+    peer_stages = {s for v in opts.variants if v != "alignkit" for s in TOOL_STAGES[tool_of(v)]}
+    stages = (list(dict.fromkeys(opts.stage)) if opts.stage
+              else [s for s in STAGES if s in peer_stages] if peer_stages else [s for s in STAGES if available[s]])
+    lf_wanted = "llamafactory" in opts.variants
     if not stages:
         raise SystemExit("no alignkit stage is available yet; name stages with --stage to benchmark TRL alone.")
     if "grpo" in stages and opts.batch % opts.num_generations:
@@ -471,14 +524,28 @@ def main(argv: list[str] | None = None) -> int:
                          "step trains on whole groups of completions.")
     plan = plan_runs(opts, stages, available)
     if opts.dry_run:
-        print(json.dumps({"stages": stages, "alignkit_available": available, "device": opts.device,
-                          "bf16": opts.device == "cuda", "runs": plan}, indent=1))
+        dry: dict[str, Any] = {"stages": stages, "alignkit_available": available, "device": opts.device,
+                               "bf16": opts.device == "cuda", "peers": opts.peer, "runs": plan}
+        if lf_wanted:
+            venv = llamafactory.default_venv_dir()
+            dry["llamafactory"] = {
+                "venv": str(venv), "installed": llamafactory.read_stamp(venv) is not None,
+                "configs": {stage: llamafactory.lf_config(
+                    stage, model_dir="<model dir>", dataset=f"bench_{data_kind(stage)}",
+                    dataset_dir="<work dir>/data", output_dir="<run dir>/out", batch=opts.batch, steps=opts.steps,
+                    lr=opts.lr, cutoff=opts.cutoff, device=opts.device)
+                    for stage in stages if stage in llamafactory.LF_STAGES},
+                "settings_that_differ": llamafactory.SETTINGS_THAT_DIFFER}
+        print(json.dumps(dry, indent=1))
         return 0
 
     work_dir = Path(opts.work_dir or tempfile.mkdtemp(prefix="alignkit-bench-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / "logs").mkdir(exist_ok=True)
     started = time.time()
+    lf_env = None
+    if lf_wanted:  # before any measurement: the first time this installs LLaMA-Factory's environment
+        lf_env = llamafactory.ensure_venv(log=lambda line: print(line, file=sys.stderr, flush=True))
     model_name, model_dir = resolve_model(opts.model, work_dir)
     n_rows = opts.steps * opts.batch  # one epoch is exactly the run, so a precomputation covers only used rows
     data = prepare_data(model_dir, stages, n_rows, opts.cutoff, work_dir, opts.num_generations)
@@ -500,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     for i, (stage, rep, variant) in enumerate(plan, 1):
         kind = data_kind(stage)
-        tool = "alignkit" if variant == "alignkit" else "trl"
+        tool = tool_of(variant)
         args = ["--tool", tool, "--variant", "best" if variant == "trl_best" else "default", "--stage", stage,
                 "--model-dir", model_dir, "--steps", str(opts.steps), "--warmup", str(opts.warmup),
                 "--batch", str(opts.batch), "--cutoff", str(opts.cutoff), "--lr", str(opts.lr),
@@ -510,13 +577,14 @@ def main(argv: list[str] | None = None) -> int:
         if stage == "grpo":
             args += ["--num-generations", str(opts.num_generations),
                      "--max-completion-length", str(opts.max_completion_length)]
-        if tool == "alignkit":
+        if tool in ("alignkit", "llamafactory"):  # both read the same dataset_info.json registry
             args += ["--alignkit-dataset", data[kind]["alignkit_dataset"],
                      "--alignkit-dataset-dir", data[kind]["alignkit_dataset_dir"]]
         else:
             args += ["--trl-file", data[kind]["trl_file"]]
         print(f"[bench] {i}/{len(plan)} {stage} rep {rep + 1} {variant} ...", file=sys.stderr, flush=True)
-        result = run_worker(args, opts.threads, opts.run_timeout, work_dir / "logs" / f"{stage}_{variant}_{rep}.log")
+        result = run_worker(args, opts.threads, opts.run_timeout, work_dir / "logs" / f"{stage}_{variant}_{rep}.log",
+                            python=lf_env["python"] if tool == "llamafactory" else None)
         result.update(variant_key=variant, rep=rep, stage=stage,
                       reference_forward=stage == "dpo" and variant != "trl_best")
         rate = (f"{result['completions_per_s']:.2f} completions/s" if stage == "grpo"
@@ -566,7 +634,11 @@ def main(argv: list[str] | None = None) -> int:
                     "(linear layers + LM or score head, not the embedding lookup)"),
         "stages": stage_reports,
     }
-    report["targets"] = check_targets(stage_reports, opts.device)
+    if lf_env:
+        report["llamafactory"] = {"versions": lf_env["versions"], "venv": str(Path(lf_env["python"]).parents[1]),
+                                  "install_steps": lf_env["steps"], "install_s": lf_env["install_s"],
+                                  "settings_that_differ": llamafactory.SETTINGS_THAT_DIFFER}
+    report["targets"] = check_targets(stage_reports, opts.device, opts.variants)
     out_dir = Path(opts.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     markdown = render_markdown(report)

@@ -1,6 +1,8 @@
-"""One benchmark run in a fresh process: `python -m bench.worker --tool alignkit|trl ...` prints one JSON line.
+"""One benchmark run in a fresh process: `python -m bench.worker --tool alignkit|trl|llamafactory ...` prints one
+JSON line. LLaMA-Factory runs use its own environment's python (`bench.llamafactory`); this module imports only
+the standard library at the top so that it loads there too.
 
-Both tools are `transformers.Trainer` subclasses, so the same callback measures both:
+All three tools train with `transformers.Trainer` subclasses, so the same callback measures each of them:
 - step time: `on_step_end` timestamps; step k lasted t[k] - t[k-1] (t[-1] = `on_train_begin`); the first
   `--warmup` steps (allocator growth, lazy initialisation) are left out;
 - real tokens: the training dataloader's collate function is wrapped at `on_train_begin`, and each batch's
@@ -33,6 +35,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +106,8 @@ def make_callback(recorder: StepRecorder):
 
             def counting_collate(examples):
                 batch = collate(examples)
-                recorder.batch_tokens.append(count_real_tokens(batch) if isinstance(batch, dict) else None)
+                # A Mapping, not only a dict: LLaMA-Factory's collators return transformers' BatchEncoding.
+                recorder.batch_tokens.append(count_real_tokens(batch) if isinstance(batch, Mapping) else None)
                 return batch
 
             loader.collate_fn = counting_collate
@@ -374,6 +378,44 @@ def summarise_ppo(recorder: StepRecorder, log_history: list[dict[str, Any]], war
     return out
 
 
+def run_llamafactory(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Train with LLaMA-Factory's `run_exp` (inside its own environment); returns (log_history, settings).
+
+    The arguments come from `bench.llamafactory.lf_config`, the same dataset registry alignkit reads, and the
+    same `StepRecorder` callback, which `run_exp` adds to LLaMA-Factory's own Trainer."""
+    from llamafactory.train.tuner import run_exp
+    from transformers import TrainerCallback
+
+    from bench.llamafactory import lf_config
+
+    config = lf_config(opts.stage, model_dir=opts.model_dir, dataset=opts.alignkit_dataset,
+                       dataset_dir=opts.alignkit_dataset_dir, output_dir=opts.output_dir, batch=opts.batch,
+                       steps=opts.steps, lr=opts.lr, cutoff=opts.cutoff, device=opts.device,
+                       seed=COMMON_TRAINING["seed"])
+    config.update(_parse_extra(opts.extra))
+    histories: list[list[dict[str, Any]]] = []
+    effective: dict[str, Any] = {}
+
+    class _History(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            # What LLaMA-Factory's Trainer actually runs with, to check the translation took effect.
+            effective.update({k: _jsonable(getattr(args, k, None)) for k in
+                              ("gradient_checkpointing", "bf16", "learning_rate", "lr_scheduler_type",
+                               "per_device_train_batch_size", "gradient_accumulation_steps", "warmup_steps",
+                               "dataloader_num_workers", "seed", "max_steps")})
+            if model is not None:
+                effective["model_class"] = type(model).__name__
+                effective["model_gradient_checkpointing"] = bool(getattr(model, "is_gradient_checkpointing", False))
+                effective["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            histories.append(list(state.log_history))
+
+    run_exp(args=config, callbacks=[callback, _History()])
+    return (histories[-1] if histories else []), {"passed": {k: _jsonable(v) for k, v in config.items()},
+                                                  "effective": effective}
+
+
 def _parse_extra(items: list[str]) -> dict[str, Any]:
     import yaml
 
@@ -421,12 +463,13 @@ def measure_matmul(size: int, device: str, seconds: float) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.worker", description=__doc__.splitlines()[0])
-    p.add_argument("--tool", choices=["alignkit", "trl"])
+    p.add_argument("--tool", choices=["alignkit", "trl", "llamafactory"],
+                   help="llamafactory: run with the LLaMA-Factory environment's python (bench.llamafactory).")
     p.add_argument("--variant", choices=["default", "best"], default="default",
                    help="TRL only: its defaults, or its faster settings (bench.worker.TRL_BEST).")
     p.add_argument("--stage", choices=["sft", "rm", "dpo", "grpo", "ppo"])
     p.add_argument("--model-dir")
-    p.add_argument("--alignkit-dataset")
+    p.add_argument("--alignkit-dataset", help="Name in dataset_info.json (alignkit and LLaMA-Factory read it).")
     p.add_argument("--alignkit-dataset-dir")
     p.add_argument("--trl-file")
     p.add_argument("--steps", type=int, default=6)
@@ -447,7 +490,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opts = p.parse_args(argv)
     if not opts.matmul:
         missing = [name for name in ("tool", "stage", "model_dir") if getattr(opts, name) is None]
-        if opts.tool == "alignkit" and not opts.alignkit_dataset:
+        if opts.tool in ("alignkit", "llamafactory") and not opts.alignkit_dataset:
             missing.append("alignkit_dataset")
         if opts.tool == "trl" and not opts.trl_file:
             missing.append("trl_file")
@@ -486,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                 opts.output_dir = opts.output_dir or str(Path(tmp) / "out")
                 recorder = StepRecorder()
                 callback = (make_ppo_callback if opts.stage == "ppo" else make_callback)(recorder)
-                runner = run_alignkit if opts.tool == "alignkit" else run_trl
+                runner = {"alignkit": run_alignkit, "trl": run_trl, "llamafactory": run_llamafactory}[opts.tool]
                 history, settings = runner(opts, callback)
                 if opts.stage == "ppo":
                     result.update(summarise_ppo(recorder, history, opts.warmup, prompts_per_step=opts.batch))

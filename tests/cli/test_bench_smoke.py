@@ -153,7 +153,9 @@ def test_bench_end_to_end_on_tiny_model(tmp_path):
     # (templates may differ by a trailing newline token per sequence).
     sft = report["stages"]["sft"]["summary"]
     assert abs(sft["alignkit"]["tokens_per_step_mean"] - sft["trl_default"]["tokens_per_step_mean"]) <= 2 * 2
-    assert len(report["targets"]) == len([t for t in bench_run.TARGETS if t[0] in report["stages"]])
+    # Every target of the stages run, except those against LLaMA-Factory, which this run did not plan.
+    assert len(report["targets"]) == len([t for t in bench_run.TARGETS
+                                          if t[0] in report["stages"] and t[2] != "llamafactory"])
     markdown = (out_dir / "smoke.md").read_text()
     for text in ("| stage | run | step time (s)", "alignkit/trl_default", "GFLOP/s", "4N", "not measured",
                  report["machine"]["cpu"]):

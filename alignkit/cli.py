@@ -49,8 +49,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return relaunch(command)
     from .train import run_train
 
-    run_train(config)
+    try:
+        run_train(config)
+    finally:
+        _close_process_group()
     return 0
+
+
+def _close_process_group() -> None:
+    """End a multi-process run's process group before the interpreter exits.
+
+    Left to interpreter shutdown, the gloo backend's threads are destroyed while still joinable, and a process
+    that has finished its work can abort ("terminate called without an active exception", SIGABRT), which
+    torchrun reports as a failed run.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _model_args(model: str | None, adapter: str | None, extra: list[str] | None = None):

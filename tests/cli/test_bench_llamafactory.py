@@ -113,8 +113,8 @@ def test_default_peer_is_trl_and_peer_llamafactory_adds_its_runs():
 
 
 def test_dry_run_lists_llamafactory_runs_without_installing(tmp_path, monkeypatch, capsys):
-    """sft and dpo alternate alignkit / LLaMA-Factory per repetition; ppo has only LLaMA-Factory's attempt here
-    (alignkit's PPO runs are not in this runner); grpo has no LLaMA-Factory run."""
+    """sft, dpo and ppo alternate alignkit / LLaMA-Factory per repetition (ppo: LLaMA-Factory's attempt); grpo has
+    no LLaMA-Factory run."""
     venv = tmp_path / "lf-venv"
     monkeypatch.setenv("ALIGNKIT_LF_VENV", str(venv))
     assert bench_run.main(["--peer", "llamafactory", "--stage", "sft", "dpo", "ppo", "grpo", "--reps", "2",
@@ -123,7 +123,8 @@ def test_dry_run_lists_llamafactory_runs_without_installing(tmp_path, monkeypatc
     runs = [tuple(r) for r in plan["runs"]]
     assert runs[:4] == [("sft", 0, "alignkit"), ("sft", 0, "llamafactory"), ("sft", 1, "alignkit"),
                         ("sft", 1, "llamafactory")]
-    assert [r for r in runs if r[0] == "ppo"] == [("ppo", 0, "llamafactory"), ("ppo", 1, "llamafactory")]
+    assert [r for r in runs if r[0] == "ppo"] == [("ppo", 0, "alignkit"), ("ppo", 0, "llamafactory"),
+                                                  ("ppo", 1, "alignkit"), ("ppo", 1, "llamafactory")]
     assert {r[2] for r in runs if r[0] == "grpo"} == {"alignkit"}
     info = plan["llamafactory"]
     assert info["venv"] == str(venv) and info["installed"] is False and not venv.exists()
@@ -180,6 +181,7 @@ def test_llamafactory_end_to_end_on_tiny_model_when_installed(tmp_path):
         assert effective["gradient_checkpointing"] is False and effective["per_device_train_batch_size"] == 2
         if stage != "rm":  # rm: value head vs score head, different random heads
             assert runs["llamafactory"]["first_loss"] == pytest.approx(runs["alignkit"]["first_loss"], rel=1e-3)
-    (ppo,) = report["stages"]["ppo"]["runs"]
-    assert not ppo["ok"] and "trl>=0.8.6,<=0.9.6" in ppo["error"]
-    assert "| ppo | llamafactory | failed:" in (out_dir / "lf.md").read_text()
+    ppo = {r["variant_key"]: r for r in report["stages"]["ppo"]["runs"]}
+    assert ppo["alignkit"]["ok"], ppo["alignkit"].get("error")
+    assert not ppo["llamafactory"]["ok"] and "trl>=0.8.6,<=0.9.6" in ppo["llamafactory"]["error"]
+    assert "| llamafactory | failed:" in (out_dir / "lf.md").read_text()

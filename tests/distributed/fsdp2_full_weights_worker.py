@@ -2,7 +2,7 @@
 
 Shards the tiny model with FSDP2 (`fully_shard` on each decoder layer and the root), greedily generates the same
 tokens with and without `alignkit.model.distributed.full_weights`, counts FSDP2's all-gathers in each case, and
-prints one JSON line per rank.
+has rank 0 print one JSON line per rank (gathered, so the lines of two processes cannot interleave).
 """
 
 import json
@@ -51,12 +51,18 @@ def main(model_dir: str) -> None:
             gathered = model.generate(ids, **kwargs)
         with_block = gathers[0]
     weight = sharded.model.layers[0].self_attn.q_proj.weight
-    print(json.dumps({
+    report = {
         "rank": dist.get_rank(), "sharding": sharding_of(sharded), "fsdp_modules": 1 + len(sharded.model.layers),
         "gathers_per_forward": without, "gathers_in_block": with_block,
         "same_tokens": gathered.tolist() == expected.tolist() == per_forward.tolist(),
         "local_rows_after": weight.to_local().shape[0], "rows": weight.shape[0],
-    }), flush=True)
+    }
+    # Gathered and printed by rank 0 alone: two processes printing at once can interleave on one line.
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    if dist.get_rank() == 0:
+        for line in reports:
+            print(json.dumps(line), flush=True)
     dist.destroy_process_group()
 
 

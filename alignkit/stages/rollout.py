@@ -4,9 +4,10 @@ Each function takes a model, tensors or lists and returns tensors; none reads a 
 GRPO and PPO share them as they are.
 
 - `sample_completions`: one batch of prompts (token ids) → a `Generation` (left-padded prompts, completion
-  ids, `completion_mask` up to and including each row's stop token, `truncated`), sampled under a seed of
-  its own (`rollout_seed`), so the same round gives the same completions in a resumed run, and with the
-  LoRA adapter merged while decoding (`alignkit.model.generation.merged_lora`).
+  ids, `completion_mask` up to and including each row's stop token, `truncated`), sampled by the lean decode
+  loop (`alignkit.model.generation.decode`: each distinct prompt prefilled once, no `model.generate`
+  machinery per token) from a generator seeded for the round (`rollout_seed`), so the same round gives the
+  same completions in a resumed run, and with the LoRA adapter merged while decoding (`merged_lora`).
 - `completion_logps`: per-token log-probs (and, for metrics, entropies) of the completion tokens under a
   model, logits divided by the sampling temperature, as the policy gradient needs them.
 - `trl_prompts` / `trl_completions`: prompts and completions in the shapes TRL's reward functions take.
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.collator import _pad_id
-from ..model.generation import Generation, generate, pad_prompts
+from ..model.generation import Generation, generate_with_decode, pad_prompts
 from ..model.logprobs import selective_log_softmax
 
 # Rows of logits per entropy chunk: bounds the softmax temporary to about this many elements.
@@ -56,7 +57,8 @@ def sample_completions(
         tokenizer: gives the pad id and decodes the completions.
         prompt_ids: token ids per row (a prompt repeated k times gives k rows, each sampled on its own).
         stop_token_ids: ids that end a row (the template's end of turn, `ChatFormatter.stop_token_ids()`).
-        generation_kwargs: for `model.generate` (`max_new_tokens`, `do_sample`, `temperature`, ...).
+        generation_kwargs: `max_new_tokens`, `do_sample`, `temperature`, `top_p`, `top_k`, `repetition_penalty`
+            (`alignkit.model.generation.DECODE_KEYS`), with `model.generate`'s meaning.
         seed: sampling seed (`rollout_seed`).
         merge_lora: decode with the LoRA adapter merged into the base weights (restored exactly after).
 
@@ -64,11 +66,10 @@ def sample_completions(
         A `Generation` (see `alignkit.model.generation`).
     """
     input_ids, attention_mask = pad_prompts(prompt_ids, _pad_id(tokenizer))
-    devices = [torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        return generate(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_token_ids,
-                        generation_kwargs=generation_kwargs, merge_lora=merge_lora)
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return generate_with_decode(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_token_ids,
+                                generation_kwargs=generation_kwargs, generator=generator, merge_lora=merge_lora)
 
 
 def generation_from_token_lists(tokenizer, prompt_ids: Sequence[Sequence[int]],
@@ -201,6 +202,7 @@ def completion_logps(
     temperature: float = 1.0,
     batch_size: Optional[int] = None,
     with_entropy: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probs of the completion tokens, `log softmax(logits / temperature)[token]`.
 
@@ -209,36 +211,91 @@ def completion_logps(
     completion token j. Dividing by the sampling temperature scores the tokens under the distribution
     they were sampled from, as TRL does.
 
+    Rows that share a prompt (a GRPO group) share its forward pass (`share_prompts`, see
+    `_shared_prompt_logits`): the same numbers up to float rounding, with and without gradients, for the
+    prompt's share of the compute paid once per distinct prompt.
+
     Args:
-        model: a causal LM accepting `logits_to_keep` (a `PeftModel` forwards it).
+        model: a causal LM accepting `logits_to_keep` and `cache` (a `PeftModel` forwards them).
         prompt_ids, prompt_mask: `[N, P]` left-padded prompts and their mask.
         completion_ids, completion_mask: `[N, C]` completions and their mask (0 after the stop token).
         temperature: sampling temperature (> 0).
         batch_size: rows per forward pass (default: all at once); bounds activation memory without grad.
         with_entropy: also return each position's entropy (no gradient; for the `entropy` metric).
+        share_prompts: run each distinct prompt once per forward pass (off under gradient checkpointing,
+            where transformers turns the cache off).
 
     Returns:
         `(logps [N, C] float32, entropy [N, C] float32 or None)`; values at masked positions are computed
         but meaningless, so callers mask them.
     """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     length = completion_ids.size(1)
-    step = batch_size or input_ids.size(0)
+    step = batch_size or prompt_ids.size(0)
+    # Checkpointed layers drop the cache while gradients are on (transformers turns `use_cache` off there).
+    share_prompts = share_prompts and not (torch.is_grad_enabled() and model.training
+                                           and getattr(model, "is_activation_checkpointing", False))
     all_logps, all_entropy = [], []
-    for start in range(0, input_ids.size(0), step):
-        end = start + step
-        logits = model(input_ids=input_ids[start:end], attention_mask=attention_mask[start:end], use_cache=False,
-                       logits_to_keep=length + 1).logits
-        if temperature != 1.0:
-            logits = logits / temperature
-        # The last kept position predicts past the completion: give it a dummy index and drop it.
-        index = F.pad(completion_ids[start:end], (0, 1), value=0)
-        all_logps.append(selective_log_softmax(logits, index)[:, :-1])
+    for start in range(0, prompt_ids.size(0), step):
+        rows = slice(start, start + step)
+        shared = _shared_prompt_logits(model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows],
+                                       completion_mask[rows]) if share_prompts else None
+        if shared is None:
+            input_ids = torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1)
+            attention_mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                           logits_to_keep=length + 1).logits
+            # The last kept position predicts past the completion: give it a dummy index and drop it.
+            parts = [(logits, F.pad(completion_ids[rows], (0, 1), value=0), slice(None, -1))]
+        else:
+            # Position P - 1 (the prompt's last, shared) predicts token 0; completion positions predict 1 .. C - 1.
+            first, rest = shared
+            parts = [(first, completion_ids[rows, :1], slice(None))]
+            if rest is not None:
+                parts.append((rest, completion_ids[rows, 1:], slice(None)))
+        logps, entropy = [], []
+        for logits, index, keep in parts:
+            if temperature != 1.0:
+                logits = logits / temperature
+            logps.append(selective_log_softmax(logits, index)[:, keep])
+            if with_entropy:
+                entropy.append(token_entropy(logits)[:, keep])
+        all_logps.append(torch.cat(logps, dim=1))
         if with_entropy:
-            all_entropy.append(token_entropy(logits)[:, :-1])
-    logps = torch.cat(all_logps)
-    return logps, (torch.cat(all_entropy) if with_entropy else None)
+            all_entropy.append(torch.cat(entropy, dim=1))
+    return torch.cat(all_logps), (torch.cat(all_entropy) if with_entropy else None)
+
+
+def _shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                          completion_mask: torch.Tensor) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """The logits `completion_logps` needs, with each distinct prompt run once; None when no two rows share one.
+
+    The distinct prompts run first with the KV cache on (and with gradients when enabled: the cache keeps the
+    graph), their cache rows are copied to every row of their group (indexing, so in backward each copy's
+    gradient is summed into the one prompt pass), then the completions run on that cache. Positions and masks
+    are those of the one-pass forward (positions 0 .. P + C - 1 by column, the mask `[prompt_mask;
+    completion_mask]`), so the logits equal it up to float rounding. The last completion token is not fed: its
+    logits would predict past the completion.
+
+    Returns:
+        `(first [N, 1, V], rest [N, C - 1, V] or None when C == 1)`: the logits at the prompt's last position
+        and at completion positions 0 .. C - 2.
+    """
+    from transformers import DynamicCache
+
+    distinct, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
+    if distinct.size(0) == prompt_ids.size(0):
+        return None
+    prompt_len = prompt_ids.size(1)
+    cache = DynamicCache(config=getattr(model, "config", None))
+    first = model(input_ids=distinct[:, :prompt_len], attention_mask=distinct[:, prompt_len:], cache=cache,
+                  use_cache=True, logits_to_keep=1).logits[inverse]
+    if completion_ids.size(1) == 1:
+        return first, None
+    cache.batch_select_indices(inverse)
+    attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)
+    rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask, cache=cache, use_cache=True,
+                 logits_to_keep=0).logits
+    return first, rest
 
 
 def trl_prompts(messages: Sequence[list[dict[str, str]]], conversational: Sequence[bool]) -> list[Any]:

@@ -1,4 +1,4 @@
-"""Token-level generation shared by chat, the demo, SFT prediction and (next) GRPO/PPO rollouts.
+"""Token-level generation shared by chat, the demo, SFT prediction, `alignkit eval` and the GRPO/PPO rollouts.
 
 One path from prompts to completions:
 
@@ -30,6 +30,13 @@ One path from prompts to completions:
    6.8 CPU-minutes in 26.6 minutes), so its absolute times are inflated several-fold; both arms ran
    alternately under the same load, and merging was faster on both models (12% and 24%).
    So `generate` merges by default (`merge_lora=True`).
+5. Rollouts (`generate_with_decode`, `decode`): the same contract with a decode loop of our own instead of
+   `model.generate`, for the knobs of `DECODE_KEYS`. Greedy output equals `generate`'s token for token;
+   sampling uses `generate`'s logits processors (`sampling_processors`) and a caller-seeded generator. It
+   prefills each distinct prompt once (a GRPO group repeats one prompt `num_generations` times) and draws
+   each token with one uniform number per row instead of `torch.multinomial`'s one exponential per
+   vocabulary entry. A decode step at batch 8 is otherwise the model's matrix multiplies (see README's
+   Performance section for the profile).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ How the work is laid out, and why:
 - Generation batches. The dataloader yields `per_device_train_batch_size x steps_per_generation` rows, each
   prompt repeated `num_generations` times, and yields each such batch `steps_per_generation x
   num_iterations` times in a row. The first time, `_prepare_inputs` generates and scores the whole batch at
-  once (one batched `generate`, the expensive part), shuffles it and cuts it into `steps_per_generation`
+  once (one batched decode loop, `rollout.sample_completions`), shuffles it and cuts it into `steps_per_generation`
   micro-batches, which it buffers; later calls take the next slice of the buffer. Trainer's own loop,
   gradient accumulation, scheduler and checkpointing run unchanged around that (the layout of TRL 1.16 and
   of the transformers guide on subclassing `Trainer`).

@@ -34,8 +34,8 @@ How the work is laid out, and why:
 - One process only for now: the group of a prompt must be scored in one place; a multi-process run is
   refused with a message rather than computing per-process advantages.
 - Where a step's time goes on a 2-core CPU (bundled SmolLM2-135M, `examples/grpo_lora.yaml`: 8 completions
-  of up to 64 tokens, LoRA r16, fp32; measured 2026-11-30 with other programs keeping the 1-minute load
-  average at 4-6): with torch's default 2 threads a step took 104-155 s, of which `model.generate` 72-117 s,
+  of up to 64 tokens, LoRA r16, fp32; measured 2026-11-30, before rollouts used `generation.decode`, with
+  other programs keeping the 1-minute load average at 4-6; README's Performance section has the later split): with torch's default 2 threads a step took 104-155 s, of which `model.generate` 72-117 s,
   the training forward 14-19 s, backward 9-17 s, the optimizer about 2.4 s, LoRA merge + restore 1.6-8 s,
   entropy 0.2-0.5 s, rewards under 0.01 s. The cause is not the code path but oversubscription: two threads
   that must meet at every operator while other processes hold the cores wait on each other. Alternating in

@@ -1,4 +1,4 @@
-"""Token-level generation shared by chat, the demo, SFT prediction and (next) GRPO/PPO rollouts.
+"""Token-level generation shared by chat, the demo, SFT prediction, `alignkit eval` and the GRPO/PPO rollouts.
 
 One path from prompts to completions:
 
@@ -30,13 +30,20 @@ One path from prompts to completions:
    6.8 CPU-minutes in 26.6 minutes), so its absolute times are inflated several-fold; both arms ran
    alternately under the same load, and merging was faster on both models (12% and 24%).
    So `generate` merges by default (`merge_lora=True`).
+5. Rollouts (`generate_with_decode`, `decode`): the same contract with a decode loop of our own instead of
+   `model.generate`, for the knobs of `DECODE_KEYS`. Greedy output equals `generate`'s token for token;
+   sampling uses `generate`'s logits processors (`sampling_processors`) and a caller-seeded generator. It
+   prefills each distinct prompt once (a GRPO group repeats one prompt `num_generations` times) and draws
+   each token with one uniform number per row instead of `torch.multinomial`'s one exponential per
+   vocabulary entry. A decode step at batch 8 is otherwise the model's matrix multiplies (see README's
+   Performance section for the profile).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -240,7 +247,14 @@ def generate(
             )
     finally:
         model.train(was_training)
-    completion_ids = output[:, prompt_ids.shape[1]:].contiguous()
+    return _generation(tokenizer, prompt_ids.to(device), prompt_mask.to(device),
+                       output[:, prompt_ids.shape[1]:].contiguous(), stop_token_ids)
+
+
+def _generation(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                stop_token_ids: Sequence[int]) -> Generation:
+    """A `Generation` from left-padded prompts and the new tokens (k rows per prompt when there are k times as
+    many completions: the prompts are repeated to match)."""
     repeats = completion_ids.shape[0] // prompt_ids.shape[0]
     if repeats > 1:
         prompt_ids = prompt_ids.repeat_interleave(repeats, dim=0)
@@ -248,7 +262,204 @@ def generate(
     mask, truncated = completion_mask(completion_ids, stop_token_ids)
     texts = tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(completion_ids, mask)],
                                    skip_special_tokens=True)
-    return Generation(prompt_ids.to(device), prompt_mask.to(device), completion_ids, mask, truncated, texts)
+    return Generation(prompt_ids, prompt_mask, completion_ids, mask, truncated, texts)
+
+
+def generate_with_decode(
+    model,
+    tokenizer,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    stop_token_ids: Sequence[int],
+    generation_kwargs: dict[str, Any],
+    generator: Generators = None,
+    merge_lora: bool = True,
+) -> Generation:
+    """`generate`'s contract with the lean loop `decode` in place of `model.generate` (the online stages' rollouts).
+
+    Args:
+        model, tokenizer, input_ids, attention_mask, stop_token_ids, merge_lora: as in `generate`.
+        generation_kwargs: only the keys of `DECODE_KEYS` (`max_new_tokens` required).
+        generator: random stream for sampling, or one per row (see `sample_from_probs`).
+
+    Raises:
+        ValueError: a key `decode` does not implement (beams, streamers, extra processors belong to `generate`).
+    """
+    unknown = sorted(set(generation_kwargs) - set(DECODE_KEYS))
+    if unknown:
+        raise ValueError(f"generation keys {unknown} are not supported by the rollout decoder (it takes "
+                         f"{', '.join(DECODE_KEYS)}); use alignkit.model.generation.generate for them.")
+    pad_token_id = _pad_id(tokenizer)
+    stop_token_ids = list(stop_token_ids)
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = (t.to(device) for t in left_pad(input_ids, attention_mask, pad_token_id))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), (merged_lora(model) if merge_lora else nullcontext()):
+            completion_ids = decode(model, prompt_ids, prompt_mask, stop_token_ids=stop_token_ids,
+                                    pad_token_id=pad_token_id, generator=generator, **generation_kwargs)
+    finally:
+        model.train(was_training)
+    return _generation(tokenizer, prompt_ids, prompt_mask, completion_ids, stop_token_ids)
+
+
+# The knobs `decode` implements; other `model.generate` keys (beams, streamers, extra processors) go through `generate`.
+DECODE_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def sampling_processors(prompt_mask: torch.Tensor, *, do_sample: bool, temperature: float = 1.0, top_p: float = 1.0,
+                        top_k: int = 0, repetition_penalty: float = 1.0):
+    """The logits processors `model.generate` builds for these knobs, in its order: the repetition penalty
+    (over the prompt and the new tokens, left padding excluded), then, when sampling, temperature, top-k,
+    top-p. A knob at its neutral value adds nothing, as in `generate`. transformers' own processor classes
+    are used, so the distribution sampled from is `generate`'s by construction.
+
+    Args:
+        prompt_mask: (batch, prompt_len) 1 on real prompt tokens of the left-padded prompts.
+        do_sample: False: greedy, only the repetition penalty applies.
+
+    Returns:
+        A `transformers.LogitsProcessorList` called as `processors(input_ids, scores)`.
+    """
+    from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                              TopKLogitsWarper, TopPLogitsWarper)
+
+    processors = LogitsProcessorList()
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        padding = (prompt_mask != 0).int().argmax(dim=1)  # columns of left padding per row
+        processors.append(RepetitionPenaltyLogitsProcessor(float(repetition_penalty), prompt_ignore_length=padding))
+    if do_sample:
+        if temperature is not None and temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(float(temperature)))
+        if top_k:
+            processors.append(TopKLogitsWarper(top_k=int(top_k), min_tokens_to_keep=1))
+        if top_p is not None and top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=float(top_p), min_tokens_to_keep=1))
+    return processors
+
+
+Generators = Union[torch.Generator, Sequence[torch.Generator], None]
+
+
+def sample_from_probs(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
+    """One token per row drawn from `probs` by inverting its cumulative distribution.
+
+    One uniform number per row, where `torch.multinomial` draws one exponential per vocabulary entry (about
+    400k per step at batch 8 and SmolLM2's 49k vocabulary, a measurable part of a decode step on a CPU). The
+    cumulative sum is taken in float64, so a token's share of [0, total) is its probability to within about
+    1e-16. Tokens of probability 0 (cut by top-k/top-p) are never drawn: the first index whose cumulative sum
+    exceeds the draw always has a positive probability. Example: probs [0.2, 0, 0.8], draw u = 0.5 → cumulative
+    [0.2, 0.2, 1.0], first entry above 0.5 is index 2.
+
+    Args:
+        probs: (batch, vocab) non-negative rows (need not sum to exactly 1).
+        generator: the random stream (seeded by the caller for reproducible sampling), or one stream per row:
+            row i then draws from `generator[i]` alone, so its token does not depend on the rows beside it
+            (the online stages' per-row seeds, `alignkit.stages.rollout.row_seeds`).
+
+    Returns:
+        (batch,) long token ids.
+    """
+    cumulative = probs.double().cumsum(-1)
+    if generator is None or isinstance(generator, torch.Generator):
+        draws = torch.rand(probs.size(0), 1, generator=generator, dtype=torch.float64, device=probs.device)
+    else:
+        if len(generator) != probs.size(0):
+            raise ValueError(f"{len(generator)} per-row generators for {probs.size(0)} rows.")
+        draws = torch.stack([torch.rand(1, generator=g, dtype=torch.float64, device=g.device) for g in generator])
+        draws = draws.to(probs.device)
+    tokens = torch.searchsorted(cumulative, draws * cumulative[:, -1:], right=True)
+    return tokens.squeeze(1).clamp_(max=probs.size(-1) - 1)
+
+
+def decode(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    repetition_penalty: float = 1.0,
+    generator: Generators = None,
+) -> torch.Tensor:
+    """New tokens for left-padded prompts: a lean decode loop over the model's forward with the KV cache.
+
+    It does what `model.generate` does for greedy and multinomial sampling (same positions, masks and cache,
+    same logits processors, rows stopping at their own stop token and padded after it), without its per-step
+    machinery, and with two savings of its own:
+
+    - identical prompt rows (a GRPO group: one prompt repeated `num_generations` times) are prefilled once and
+      their cache rows copied, so the prompt's forward pass is paid once per distinct prompt;
+    - a token is drawn with one uniform number per row (`sample_from_probs`) from the caller's `generator`.
+
+    Greedy output equals `model.generate`'s token for token (tested); sampled output follows the same
+    distribution (same processors) but not the same random stream.
+
+    Args:
+        model: a causal LM (plain or `PeftModel`) in eval mode, accepting `cache` and `logits_to_keep`; the
+            caller disables gradients and merges LoRA (see `generate`).
+        prompt_ids, prompt_mask: (batch, prompt_len) left-padded prompts (`left_pad`).
+        max_new_tokens: most new tokens per row.
+        stop_token_ids: ids that end a row; empty: every row runs to `max_new_tokens`.
+        pad_token_id: written after a row's stop token.
+        do_sample, temperature, top_p, top_k, repetition_penalty: as in `model.generate`.
+        generator: random stream for sampling (None: torch's global one), or one per row (`sample_from_probs`).
+
+    Returns:
+        (batch, new_len) long new tokens, `new_len <= max_new_tokens` (the loop ends when every row stopped).
+    """
+    from transformers import DynamicCache
+
+    device = prompt_ids.device
+    batch, prompt_len = prompt_ids.shape
+    processors = sampling_processors(prompt_mask, do_sample=do_sample, temperature=temperature, top_p=top_p,
+                                     top_k=top_k, repetition_penalty=repetition_penalty)
+    stops = torch.as_tensor(list(stop_token_ids), dtype=torch.long, device=device)
+    # `generate` drops an all-ones mask (no padding), so the attention kernels see what they see there.
+    padded = not bool((prompt_mask == 1).all())
+
+    # Prefill each distinct prompt once (torch.unique sorts them), then give every row its prompt's cache row.
+    distinct, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
+    shared = distinct.size(0) < batch
+    prefill_ids, prefill_mask = (distinct[:, :prompt_len], distinct[:, prompt_len:]) if shared else (prompt_ids, prompt_mask)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=prefill_ids, attention_mask=prefill_mask if padded else None,
+                   position_ids=(prefill_mask.long().cumsum(-1) - 1).masked_fill(prefill_mask == 0, 0),
+                   cache=cache, use_cache=True, logits_to_keep=1).logits
+    if shared:
+        cache.batch_select_indices(inverse)
+        logits = logits[inverse]
+
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)
+    sequences = torch.cat([prompt_ids, prompt_ids.new_full((batch, max_new_tokens), pad_token_id)], dim=1)
+    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    next_position = prompt_mask.long().sum(-1, keepdim=True)  # real tokens from 0, so the next one is at their count
+    steps = 0
+    for step in range(max_new_tokens):
+        scores = logits[:, -1].float()
+        scores = processors(sequences[:, :prompt_len + step], scores)
+        if do_sample:
+            tokens = sample_from_probs(torch.softmax(scores, dim=-1), generator)
+        else:
+            tokens = scores.argmax(dim=-1)
+        tokens = torch.where(unfinished, tokens, pad_token_id)
+        sequences[:, prompt_len + step] = tokens
+        steps = step + 1
+        if stops.numel():
+            unfinished &= ~torch.isin(tokens, stops)
+        if steps == max_new_tokens or not bool(unfinished.any()):
+            break
+        logits = model(input_ids=tokens[:, None], attention_mask=mask[:, :prompt_len + steps] if padded else None,
+                       position_ids=next_position, cache=cache, use_cache=True, logits_to_keep=1).logits
+        next_position = next_position + 1
+    return sequences[:, prompt_len:prompt_len + steps]
 
 
 def generate_replies(
@@ -273,4 +484,5 @@ def generate_replies(
 
 
 __all__ = ["Generation", "stop_token_ids", "encode_prompts", "pad_prompts", "left_pad", "completion_mask", "merged_lora",
-           "generate", "generate_replies"]
+           "generate", "DECODE_KEYS", "sampling_processors", "sample_from_probs", "decode", "generate_with_decode",
+           "generate_replies"]

@@ -9,7 +9,7 @@ How the work is laid out, and why:
 - Generation batches. The dataloader yields `per_device_train_batch_size x steps_per_generation` rows, each
   prompt repeated `num_generations` times, and yields each such batch `steps_per_generation x
   num_iterations` times in a row. The first time, `_prepare_inputs` generates and scores the whole batch at
-  once (one batched `generate`, the expensive part), shuffles it and cuts it into `steps_per_generation`
+  once (one batched decode loop, `rollout.sample_completions`), shuffles it and cuts it into `steps_per_generation`
   micro-batches, which it buffers; later calls take the next slice of the buffer. Trainer's own loop,
   gradient accumulation, scheduler and checkpointing run unchanged around that (the layout of TRL 1.16 and
   of the transformers guide on subclassing `Trainer`).
@@ -35,7 +35,7 @@ How the work is laid out, and why:
   on one process: its completions may lie on two. Each process scores its own rows; the `[N, F]` reward
   matrices are then gathered from all processes, advantages are computed over the whole batch (so every
   group is normalised as a whole), and each process keeps its own slice. Each row is sampled under a seed
-  of its own, from the round and its place in the global batch (`rollout.RowSeededSampler`), so the
+  of its own, from the round and its place in the global batch (`rollout.row_seeds`, one generator per row), so the
   completions, and with them the run, are the same for any number of processes given `seed` and the
   global batch. The token counts of `dapo` (the generation batch) and `bnpo` (the micro-batch) are summed
   over processes, so N processes x batch b train exactly as one process x batch N x b; the rollout
@@ -48,8 +48,8 @@ How the work is laid out, and why:
   pushed in after each update). It is written against vLLM's documented API and has not run: no GPU was
   available to this project.
 - Where a step's time goes on a 2-core CPU (bundled SmolLM2-135M, `examples/grpo_lora.yaml`: 8 completions
-  of up to 64 tokens, LoRA r16, fp32; measured 2026-11-30 with other programs keeping the 1-minute load
-  average at 4-6): with torch's default 2 threads a step took 104-155 s, of which `model.generate` 72-117 s,
+  of up to 64 tokens, LoRA r16, fp32; measured 2026-11-30, before rollouts used `generation.decode`, with
+  other programs keeping the 1-minute load average at 4-6; README's Performance section has the later split): with torch's default 2 threads a step took 104-155 s, of which `model.generate` 72-117 s,
   the training forward 14-19 s, backward 9-17 s, the optimizer about 2.4 s, LoRA merge + restore 1.6-8 s,
   entropy 0.2-0.5 s, rewards under 0.01 s. The cause is not the code path but oversubscription: two threads
   that must meet at every operator while other processes hold the cores wait on each other. Alternating in

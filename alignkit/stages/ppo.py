@@ -40,7 +40,7 @@ What this simplifies, and why:
 - Several processes (`torchrun`, `accelerate launch`): data parallel without a DDP wrapper. A rollout is
   global (`per_device_train_batch_size x gradient_accumulation_steps x ppo_buffer_size x processes` prompts);
   process r takes the r-th equal share of it and samples each row under the seed of its place in the global
-  rollout (`rollout.RowSeededSampler`). Everything that is a statistic of the rollout is taken over all
+  rollout (`rollout.row_seeds`, one generator per row). Everything that is a statistic of the rollout is taken over all
   processes: the score normalisation moments (`ppo_score_norm`) from the gathered scores, the mean KL fed
   to the adaptive KL controller, the whitening of rewards and advantages (masked sums reduced across
   processes), the metrics. So every process keeps the same `kl_coef` and score moments, and

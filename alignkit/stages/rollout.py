@@ -4,11 +4,12 @@ Each function takes a model, tensors or lists and returns tensors; none reads a 
 GRPO and PPO share them as they are.
 
 - `sample_completions`: one batch of prompts (token ids) → a `Generation` (left-padded prompts, completion
-  ids, `completion_mask` up to and including each row's stop token, `truncated`), each row sampled under a
-  seed of its own (`row_seeds`: the round's `rollout_seed` and the row's place in the round's global batch,
-  drawn by `RowSeededSampler`), so the same round gives the same completions in a resumed run and with
-  any number of processes, and with the LoRA adapter merged while decoding
-  (`alignkit.model.generation.merged_lora`).
+  ids, `completion_mask` up to and including each row's stop token, `truncated`), sampled by the lean decode
+  loop (`alignkit.model.generation.decode`: each distinct prompt prefilled once, no `model.generate`
+  machinery per token), each row from a random stream of its own (`row_seeds`: the round's `rollout_seed`
+  and the row's place in the round's global batch), so the same round gives the same completions in a
+  resumed run and with any number of processes, and with the LoRA adapter merged while decoding
+  (`merged_lora`).
 - `completion_logps`: per-token log-probs (and, for metrics, entropies) of the completion tokens under a
   model, logits divided by the sampling temperature, as the policy gradient needs them.
 - `trl_prompts` / `trl_completions`: prompts and completions in the shapes TRL's reward functions take.
@@ -23,11 +24,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, \
-    TopPLogitsWarper
-
 from ..data.collator import _pad_id
-from ..model.generation import Generation, generate, pad_prompts
+from ..model.generation import Generation, generate_with_decode, pad_prompts
 from ..model.logprobs import selective_log_softmax
 
 # Rows of logits per entropy chunk: bounds the softmax temporary to about this many elements.
@@ -54,52 +52,6 @@ def row_seeds(seed: int, first_row: int, count: int) -> list[int]:
     return [rollout_seed(seed, first_row + i) for i in range(count)]
 
 
-class RowSeededSampler(LogitsProcessor):
-    """Sampling in which each row draws from a random stream of its own (the Gumbel-max trick).
-
-    `model.generate` samples a whole batch from one random stream, so a row's tokens depend on the other
-    rows in its batch: the same prompts split over two processes would sample differently from one
-    process holding them all. Here every row has its own generator (`row_seeds`), and the next token is
-    `argmax(z + g)` with `z` the warped logits (temperature, then top-k, then top-p, the order of
-    `transformers`' sampling) and `g` standard Gumbel noise from the row's generator, `g = -log(E)`,
-    `E ~ Exp(1)`. That argmax is distributed as `softmax(z)` (Gumbel 1954; Maddison et al. 2014), so this
-    is ordinary sampling; run it with `do_sample=False` (the argmax is then `generate`'s greedy step).
-    Processors `generate` adds itself (the repetition penalty) run before it.
-
-    Example: z = [0, ln 3], so p = [1/4, 3/4]; with E = [0.5, 2.0] the scores are [0 + 0.693, 1.099 - 0.693]
-    = [0.693, 0.405] and token 0 is picked.
-
-    Args:
-        seeds: one seed per row of the batch, in row order.
-        temperature, top_k, top_p: as `generate` takes them (1.0, 0 and 1.0 mean off).
-        device: where the noise is drawn (the model's device).
-    """
-
-    def __init__(self, seeds: Sequence[int], *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 device: torch.device | str = "cpu") -> None:
-        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
-        self.device = torch.device(device)
-        warpers = []
-        if temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            warpers.append(TopKLogitsWarper(top_k))
-        if top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p))
-        self.warpers = LogitsProcessorList(warpers)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if scores.size(0) != len(self.generators):
-            raise ValueError(f"RowSeededSampler has {len(self.generators)} row seeds but the batch has "
-                             f"{scores.size(0)} rows (num_return_sequences > 1 is not supported with it).")
-        scores = self.warpers(input_ids, scores.float())
-        exponential = torch.stack([
-            torch.empty(scores.size(-1), dtype=torch.float32, device=self.device).exponential_(generator=g)
-            for g in self.generators]).to(scores.device)
-        # E = 0 (probability about 2^-24 per draw) would give an infinite score; take the tiniest E instead.
-        return scores - exponential.clamp(min=torch.finfo(torch.float32).tiny).log()
-
-
 def sample_completions(
     model,
     tokenizer,
@@ -113,7 +65,8 @@ def sample_completions(
 ) -> Generation:
     """Sample one completion per prompt row, each row under its own seed, leaving the global RNG as it was.
 
-    With `do_sample` the rows are drawn by `RowSeededSampler` with `row_seeds(seed, first_row, N)`: a row's
+    With `do_sample` row i draws its tokens from a generator of its own seeded with `row_seeds(seed,
+    first_row, N)[i]` (one uniform number per token, `alignkit.model.generation.sample_from_probs`): a row's
     completion depends on the weights, its prompt, the round's seed and its place in the round's batch,
     not on the other rows beside it, so a batch split over several processes (each passing the global
     index of its first row) samples what one process would.
@@ -123,8 +76,8 @@ def sample_completions(
         tokenizer: gives the pad id and decodes the completions.
         prompt_ids: token ids per row (a prompt repeated k times gives k rows, each sampled on its own).
         stop_token_ids: ids that end a row (the template's end of turn, `ChatFormatter.stop_token_ids()`).
-        generation_kwargs: for `model.generate` (`max_new_tokens`, `do_sample`, `temperature`, `top_k`,
-            `top_p`, `repetition_penalty`, ...).
+        generation_kwargs: `max_new_tokens`, `do_sample`, `temperature`, `top_p`, `top_k`, `repetition_penalty`
+            (`alignkit.model.generation.DECODE_KEYS`), with `model.generate`'s meaning.
         seed: the round's sampling seed (`rollout_seed`).
         first_row: the index of `prompt_ids[0]` in the round's whole batch (over all processes).
         merge_lora: decode with the LoRA adapter merged into the base weights (restored exactly after).
@@ -133,18 +86,11 @@ def sample_completions(
         A `Generation` (see `alignkit.model.generation`).
     """
     input_ids, attention_mask = pad_prompts(prompt_ids, _pad_id(tokenizer))
-    kwargs = dict(generation_kwargs)
-    if kwargs.pop("do_sample", False):
-        sampler = RowSeededSampler(row_seeds(seed, first_row, len(prompt_ids)),
-                                   temperature=kwargs.pop("temperature", 1.0), top_k=kwargs.pop("top_k", 0) or 0,
-                                   top_p=kwargs.pop("top_p", 1.0), device=next(model.parameters()).device)
-        kwargs["logits_processor"] = LogitsProcessorList([*kwargs.get("logits_processor", []), sampler])
-    kwargs["do_sample"] = False
-    devices = [torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        return generate(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_token_ids,
-                        generation_kwargs=kwargs, merge_lora=merge_lora)
+    device = next(model.parameters()).device
+    generators = [torch.Generator(device=device).manual_seed(row_seed)
+                  for row_seed in row_seeds(seed, first_row, len(prompt_ids))]
+    return generate_with_decode(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_token_ids,
+                                generation_kwargs=generation_kwargs, generator=generators, merge_lora=merge_lora)
 
 
 def generation_from_token_lists(tokenizer, prompt_ids: Sequence[Sequence[int]],
@@ -278,6 +224,7 @@ def completion_logps(
     temperature: float = 1.0,
     batch_size: Optional[int] = None,
     with_entropy: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probs of the completion tokens, `log softmax(logits / temperature)[token]`.
 
@@ -286,36 +233,91 @@ def completion_logps(
     completion token j. Dividing by the sampling temperature scores the tokens under the distribution
     they were sampled from, as TRL does.
 
+    Rows that share a prompt (a GRPO group) share its forward pass (`share_prompts`, see
+    `_shared_prompt_logits`): the same numbers up to float rounding, with and without gradients, for the
+    prompt's share of the compute paid once per distinct prompt.
+
     Args:
-        model: a causal LM accepting `logits_to_keep` (a `PeftModel` forwards it).
+        model: a causal LM accepting `logits_to_keep` and `cache` (a `PeftModel` forwards them).
         prompt_ids, prompt_mask: `[N, P]` left-padded prompts and their mask.
         completion_ids, completion_mask: `[N, C]` completions and their mask (0 after the stop token).
         temperature: sampling temperature (> 0).
         batch_size: rows per forward pass (default: all at once); bounds activation memory without grad.
         with_entropy: also return each position's entropy (no gradient; for the `entropy` metric).
+        share_prompts: run each distinct prompt once per forward pass (off under gradient checkpointing,
+            where transformers turns the cache off).
 
     Returns:
         `(logps [N, C] float32, entropy [N, C] float32 or None)`; values at masked positions are computed
         but meaningless, so callers mask them.
     """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     length = completion_ids.size(1)
-    step = batch_size or input_ids.size(0)
+    step = batch_size or prompt_ids.size(0)
+    # Checkpointed layers drop the cache while gradients are on (transformers turns `use_cache` off there).
+    share_prompts = share_prompts and not (torch.is_grad_enabled() and model.training
+                                           and getattr(model, "is_activation_checkpointing", False))
     all_logps, all_entropy = [], []
-    for start in range(0, input_ids.size(0), step):
-        end = start + step
-        logits = model(input_ids=input_ids[start:end], attention_mask=attention_mask[start:end], use_cache=False,
-                       logits_to_keep=length + 1).logits
-        if temperature != 1.0:
-            logits = logits / temperature
-        # The last kept position predicts past the completion: give it a dummy index and drop it.
-        index = F.pad(completion_ids[start:end], (0, 1), value=0)
-        all_logps.append(selective_log_softmax(logits, index)[:, :-1])
+    for start in range(0, prompt_ids.size(0), step):
+        rows = slice(start, start + step)
+        shared = _shared_prompt_logits(model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows],
+                                       completion_mask[rows]) if share_prompts else None
+        if shared is None:
+            input_ids = torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1)
+            attention_mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                           logits_to_keep=length + 1).logits
+            # The last kept position predicts past the completion: give it a dummy index and drop it.
+            parts = [(logits, F.pad(completion_ids[rows], (0, 1), value=0), slice(None, -1))]
+        else:
+            # Position P - 1 (the prompt's last, shared) predicts token 0; completion positions predict 1 .. C - 1.
+            first, rest = shared
+            parts = [(first, completion_ids[rows, :1], slice(None))]
+            if rest is not None:
+                parts.append((rest, completion_ids[rows, 1:], slice(None)))
+        logps, entropy = [], []
+        for logits, index, keep in parts:
+            if temperature != 1.0:
+                logits = logits / temperature
+            logps.append(selective_log_softmax(logits, index)[:, keep])
+            if with_entropy:
+                entropy.append(token_entropy(logits)[:, keep])
+        all_logps.append(torch.cat(logps, dim=1))
         if with_entropy:
-            all_entropy.append(token_entropy(logits)[:, :-1])
-    logps = torch.cat(all_logps)
-    return logps, (torch.cat(all_entropy) if with_entropy else None)
+            all_entropy.append(torch.cat(entropy, dim=1))
+    return torch.cat(all_logps), (torch.cat(all_entropy) if with_entropy else None)
+
+
+def _shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                          completion_mask: torch.Tensor) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """The logits `completion_logps` needs, with each distinct prompt run once; None when no two rows share one.
+
+    The distinct prompts run first with the KV cache on (and with gradients when enabled: the cache keeps the
+    graph), their cache rows are copied to every row of their group (indexing, so in backward each copy's
+    gradient is summed into the one prompt pass), then the completions run on that cache. Positions and masks
+    are those of the one-pass forward (positions 0 .. P + C - 1 by column, the mask `[prompt_mask;
+    completion_mask]`), so the logits equal it up to float rounding. The last completion token is not fed: its
+    logits would predict past the completion.
+
+    Returns:
+        `(first [N, 1, V], rest [N, C - 1, V] or None when C == 1)`: the logits at the prompt's last position
+        and at completion positions 0 .. C - 2.
+    """
+    from transformers import DynamicCache
+
+    distinct, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
+    if distinct.size(0) == prompt_ids.size(0):
+        return None
+    prompt_len = prompt_ids.size(1)
+    cache = DynamicCache(config=getattr(model, "config", None))
+    first = model(input_ids=distinct[:, :prompt_len], attention_mask=distinct[:, prompt_len:], cache=cache,
+                  use_cache=True, logits_to_keep=1).logits[inverse]
+    if completion_ids.size(1) == 1:
+        return first, None
+    cache.batch_select_indices(inverse)
+    attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)
+    rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask, cache=cache, use_cache=True,
+                 logits_to_keep=0).logits
+    return first, rest
 
 
 def trl_prompts(messages: Sequence[list[dict[str, str]]], conversational: Sequence[bool]) -> list[Any]:
@@ -362,7 +364,7 @@ def score_completions(
     return per_function, combine_rewards(per_function, reward_functions.weights)
 
 
-__all__ = ["rollout_seed", "row_seeds", "RowSeededSampler", "sample_completions", "generation_from_token_lists",
+__all__ = ["rollout_seed", "row_seeds", "sample_completions", "generation_from_token_lists",
            "vllm_weight_items",
            "VLLMColocateSampler", "token_entropy", "completion_logps", "trl_prompts",
            "trl_completions", "score_completions"]

@@ -1,7 +1,7 @@
 """GRPO and PPO under torchrun on the CPU (gloo): 2 processes x batch b must equal 1 process x batch 2b.
 
 Generation samples (temperature 1), but each completion is drawn under a seed of its own, from the round and
-its place in the global batch (`alignkit.stages.rollout.RowSeededSampler`), so the same completions come out
+its place in the global batch (`alignkit.stages.rollout.row_seeds`), so the same completions come out
 however the batch is spread over processes; the comparison is exact up to float summation order. The
 reward is a function of the token ids, so it differs between the completions of a random tiny model (an
 accuracy reward would be 0 everywhere and every advantage 0).
@@ -85,8 +85,11 @@ def test_grpo_two_process_resume_equals_the_straight_run(dist, reward, grpo_runs
 def _ppo(dist, reward, name, batch, **keys):
     # Two update batches per rollout (ppo_buffer_size 2), so an update batch is a slice of the global
     # permutation and the processes' shares of it differ; score normalisation and reward whitening on.
+    # Plain SGD: an update is then lr x the summed gradient, so equal weights mean equal gradients. Adam
+    # divides each coordinate by its own gradient scale, which turns the float noise of differently shaped
+    # batches (about 1e-8) on near-zero coordinates into weight differences of its step size (1e-5 at lr 5e-3).
     return dist.config("ppo", name, per_device_train_batch_size=batch, ppo_buffer_size=2, ppo_epochs=2,
-                       max_new_tokens=6, max_steps=3, learning_rate=5e-3, reward_funcs=[reward],
+                       max_new_tokens=6, max_steps=3, learning_rate=0.5, optim="sgd", reward_funcs=[reward],
                        ppo_score_norm=True, ppo_whiten_rewards=True, init_kl_coef=0.2, ppo_target=0.01,
                        horizon=100, save_steps=2, log_completions=True, **keys)
 
@@ -104,7 +107,7 @@ def test_ppo_two_processes_equal_one(dist, reward):
     # The adaptive KL coefficient moved, and the same way (one ppo_state.json, written by the main process).
     states = [json.loads((run.out / "checkpoint-2" / "ppo_state.json").read_text()) for run in (single, double)]
     assert states[0]["kl_ctl"]["value"] != 0.2
-    assert states[0]["kl_ctl"]["value"] == pytest.approx(states[1]["kl_ctl"]["value"], rel=1e-6)
+    assert states[0]["kl_ctl"]["value"] == pytest.approx(states[1]["kl_ctl"]["value"], rel=1e-5)
     assert states[0]["score_moments"]["count"] == states[1]["score_moments"]["count"] == 2 * 8
     assert states[0]["score_moments"]["mean"] == pytest.approx(states[1]["score_moments"]["mean"], abs=1e-6)
     one, two = _completions(single), _completions(double)

@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 from alignkit.data.errors import DataError
 from alignkit.data.template import ChatFormatter
 from alignkit.hparams import parse_config
-from alignkit.model.generation import (completion_mask, encode_prompts, generate, left_pad, merged_lora,
-                                       pad_prompts, stop_token_ids)
+from alignkit.model.generation import (completion_mask, decode, encode_prompts, generate, generate_with_decode,
+                                       left_pad, merged_lora, pad_prompts, sample_from_probs, sampling_processors,
+                                       stop_token_ids)
 
 IM_END, ENDOFTEXT = 2, 0  # ids in the tiny tokenizer
 
@@ -277,3 +278,148 @@ def test_chat_uses_the_template_key(tiny_model_dir, monkeypatch):
     with pytest.raises(DataError, match="llama3"):
         chat(config.model, config.generating, prompt="hi", template="llama3", stream=io.StringIO())
     assert len(sent) == 1
+
+
+# ---- the lean decode loop used for rollouts ----
+
+def _hf_greedy(model, ids, mask, max_new_tokens, stop_ids, **kwargs):
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=IM_END, eos_token_id=stop_ids, **kwargs)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.fixture(scope="module")
+def varied_model(tiny_model):
+    """The tiny model with its own random output head: with the head tied to the embeddings it only repeats the
+    last prompt token under greedy decoding, which would make any comparison of decoders trivially equal."""
+    model = copy.deepcopy(tiny_model).eval()
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(
+        torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+    return model
+
+
+@pytest.mark.parametrize("prompts", [
+    [[5, 17, 30, 44, 9], [7, 8], [40, 41, 42]],             # padded, all distinct
+    [[5, 17, 30], [7, 8], [5, 17, 30], [7, 8], [7, 8]],     # repeated prompts: prefilled once each
+    [[5, 17, 30], [6, 18, 31]],                             # no padding: no mask, as in generate
+])
+@pytest.mark.parametrize("repetition_penalty", [1.0, 1.3])
+def test_decode_greedy_equals_hf_generate(varied_model, prompts, repetition_penalty):
+    """Greedy `decode` gives `model.generate`'s tokens exactly (same positions, masks, cache, processors),
+    including where rows stop: the stop id is the token row 1 emits at step 5 of an unstopped run, so row 1
+    stops there at the latest and the others stop at it or run on; after a stop both write the pad id."""
+    ids, mask = pad_prompts(prompts, IM_END)
+    unstopped = _hf_greedy(varied_model, ids, mask, 12, [], repetition_penalty=repetition_penalty)
+    stop = int(unstopped[1, 5])
+    expected = _hf_greedy(varied_model, ids, mask, 12, [stop], repetition_penalty=repetition_penalty)
+    with torch.no_grad():
+        got = decode(varied_model, ids, mask, max_new_tokens=12, stop_token_ids=[stop], pad_token_id=IM_END,
+                     repetition_penalty=repetition_penalty)
+    assert got.tolist() == expected.tolist()
+    first_stop = got[1].tolist().index(stop)  # step 5 or earlier, where the token came up before
+    assert first_stop <= 5 and (got[1, first_stop + 1:] == IM_END).all()
+    assert len(set(map(tuple, got.tolist()))) > 1  # rows differ: the comparison means something
+
+
+def test_decode_prefills_each_distinct_prompt_once(varied_model, monkeypatch):
+    """A GRPO batch (2 prompts x 3) runs its prompt forward on 2 rows, then decodes all 6 one token at a time."""
+    model = copy.deepcopy(varied_model)
+    seen = []
+    real_forward = type(model).forward
+
+    def recording_forward(self, *args, **kwargs):
+        seen.append(tuple(kwargs["input_ids"].shape))
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", recording_forward)
+    ids, mask = pad_prompts([[5, 17, 30]] * 3 + [[7, 8]] * 3, IM_END)
+    with torch.no_grad():
+        out = decode(model, ids, mask, max_new_tokens=4, stop_token_ids=[], pad_token_id=IM_END)
+    assert seen == [(2, 3), (6, 1), (6, 1), (6, 1)]
+    assert out.tolist()[:3] == [out.tolist()[0]] * 3  # greedy: a group's rows are the same
+
+
+@pytest.mark.parametrize("knobs", [
+    {},
+    {"temperature": 0.7},
+    {"top_k": 5},
+    {"top_p": 0.6},
+    {"temperature": 1.5, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.2},
+    {"repetition_penalty": 0.8},
+])
+def test_sampling_processors_equal_hf_generate_processors(tiny_model, knobs):
+    """On fixed logits, the scores `decode` samples from equal those `model.generate` builds for the same knobs
+    (its own `_get_logits_processor`, so the order and the padding rule of the repetition penalty are checked)."""
+    from transformers import GenerationConfig
+
+    torch.manual_seed(3)
+    scores = torch.randn(3, 50) * 3
+    input_ids = torch.tensor([[IM_END, IM_END, 4, 9, 4], [IM_END, 7, 8, 9, 10], [11, 12, 13, 9, 14]])
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    config = GenerationConfig(do_sample=True, temperature=knobs.get("temperature", 1.0), top_k=knobs.get("top_k", 0),
+                              top_p=knobs.get("top_p", 1.0), repetition_penalty=knobs.get("repetition_penalty", 1.0))
+    theirs = tiny_model._get_logits_processor(generation_config=config, input_ids_seq_length=input_ids.shape[1],
+                                              encoder_input_ids=input_ids, prefix_allowed_tokens_fn=None,
+                                              logits_processor=None, device="cpu",
+                                              model_kwargs={"attention_mask": prompt_mask})
+    ours = sampling_processors(prompt_mask, do_sample=True, **knobs)
+    expected, got = theirs(input_ids, scores.clone()), ours(input_ids, scores.clone())
+    assert torch.equal(torch.isinf(expected), torch.isinf(got))
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    if knobs.get("repetition_penalty", 1.0) != 1.0:
+        # Row 0's padding (id 2) is not penalised; its real token 4 is.
+        assert got[0, IM_END] == scores[0, IM_END] / knobs.get("temperature", 1.0) or torch.isinf(got[0, IM_END])
+
+
+def test_sample_from_probs_hand_computed_and_frequencies():
+    """probs [0.2, 0, 0.8]: cumulative [0.2, 0.2, 1.0]; a draw u picks the first entry above u, so index 1
+    (probability 0) is never drawn. Over 20000 seeded draws the frequencies of a 4-way distribution are
+    within 0.015 of its probabilities (binomial std at most 0.0035)."""
+    probs = torch.tensor([[0.2, 0.0, 0.8]]).repeat(5000, 1)
+    draws = sample_from_probs(probs, torch.Generator().manual_seed(0))
+    assert set(draws.tolist()) == {0, 2}
+    assert abs((draws == 0).float().mean().item() - 0.2) < 0.015
+    target = torch.tensor([0.1, 0.4, 0.3, 0.2])
+    draws = sample_from_probs(target.repeat(20000, 1), torch.Generator().manual_seed(1))
+    freq = torch.bincount(draws, minlength=4).float() / 20000
+    assert (freq - target).abs().max().item() < 0.015
+    again = sample_from_probs(target.repeat(20000, 1), torch.Generator().manual_seed(1))
+    assert torch.equal(draws, again)  # seeded: reproducible
+
+
+def test_decode_sampling_is_seeded_and_follows_the_processors(varied_model):
+    """The same generator seed gives the same completions, another seed others; with top_k=1 sampling is
+    greedy decoding (only the top token survives), which checks the processors are applied."""
+    ids, mask = pad_prompts([[5, 17, 30]] * 4 + [[7, 8]] * 4, IM_END)
+    model = varied_model
+
+    def run(seed, **knobs):
+        with torch.no_grad():
+            return decode(model, ids, mask, max_new_tokens=6, stop_token_ids=[], pad_token_id=IM_END, do_sample=True,
+                          generator=torch.Generator().manual_seed(seed), **knobs)
+
+    assert torch.equal(run(0), run(0)) and not torch.equal(run(0), run(1))
+    assert len(set(map(tuple, run(0)[:4].tolist()))) > 1  # a group's rows are sampled independently
+    with torch.no_grad():
+        greedy = decode(model, ids, mask, max_new_tokens=6, stop_token_ids=[], pad_token_id=IM_END)
+    assert torch.equal(run(0, top_k=1), greedy)
+
+
+def test_generate_with_decode_matches_generate_and_restores_the_model(lora_model, tiny_tokenizer):
+    """Through the rollout entry point (LoRA merged, train mode restored, weights untouched), greedy completions,
+    masks and texts equal `generate`'s; an unsupported key is refused by name."""
+    before = _snapshot(lora_model)
+    ids, mask = pad_prompts([[5, 17, 30, 44, 9], [7, 8], [40, 41, 42]], IM_END)
+    kwargs = {"max_new_tokens": 8, "do_sample": False}
+    ours = generate_with_decode(lora_model, tiny_tokenizer, ids, mask, stop_token_ids=[IM_END], generation_kwargs=kwargs)
+    theirs = generate(lora_model, tiny_tokenizer, ids, mask, stop_token_ids=[IM_END], generation_kwargs=kwargs)
+    width = ours.completion_ids.shape[1]
+    assert ours.completion_ids.tolist() == theirs.completion_ids[:, :width].tolist()
+    assert ours.completion_mask.tolist() == theirs.completion_mask[:, :width].tolist()
+    assert ours.texts == theirs.texts and ours.truncated.tolist() == theirs.truncated.tolist()
+    assert lora_model.training and all(torch.equal(before[n], t) for n, t in _snapshot(lora_model).items())
+    with pytest.raises(ValueError, match="num_beams"):
+        generate_with_decode(lora_model, tiny_tokenizer, ids, mask, stop_token_ids=[IM_END],
+                             generation_kwargs={"max_new_tokens": 2, "num_beams": 2})

@@ -18,7 +18,6 @@ from alignkit.stages.grpo import (
     resolve_generation_batch,
 )
 from alignkit.stages.rollout import (
-    RowSeededSampler,
     generation_from_token_lists,
     rollout_seed,
     row_seeds,
@@ -212,16 +211,22 @@ def test_row_seeds_by_hand():
     assert row_seeds(7, 2, 2) == [7_000_023, 7_000_024]
 
 
-def test_row_seeded_sampler_draws_from_the_softmax():
-    """Gumbel-max: over 4000 rows with logits [0, ln 3] (p = 1/4, 3/4) about a quarter pick token 0; with
-    temperature 2 the logits halve (p0 = 1 / (1 + sqrt 3) = 0.366); top_k 1 always picks token 1."""
-    logits = torch.tensor([[0.0, math.log(3.0)]]).repeat(4000, 1)
-    picks = RowSeededSampler(row_seeds(0, 0, 4000))(None, logits).argmax(-1)
+def test_per_row_generators_draw_each_row_from_its_own_stream():
+    """Row i with its own generator draws what that generator alone gives: probs [0.25, 0.75] pick token 0
+    when the row's uniform u < 0.25, else token 1, whatever the other rows are; over 4000 rows seeded by
+    `row_seeds` about a quarter pick token 0."""
+    from alignkit.model.generation import sample_from_probs
+
+    probs = torch.tensor([[0.25, 0.75]]).repeat(4000, 1)
+    seeds = row_seeds(0, 0, 4000)
+    picks = sample_from_probs(probs, [torch.Generator().manual_seed(s) for s in seeds])
     assert (picks == 0).float().mean().item() == pytest.approx(0.25, abs=0.03)
-    picks = RowSeededSampler(row_seeds(1, 0, 4000), temperature=2.0)(None, logits).argmax(-1)
-    assert (picks == 0).float().mean().item() == pytest.approx(1 / (1 + math.sqrt(3)), abs=0.03)
-    picks = RowSeededSampler(row_seeds(2, 0, 4000), top_k=1)(None, logits).argmax(-1)
-    assert (picks == 1).all()
+    expected = [int(torch.rand(1, generator=torch.Generator().manual_seed(s), dtype=torch.float64).item() >= 0.25)
+                for s in seeds[:3]]
+    alone = [sample_from_probs(probs[:1], [torch.Generator().manual_seed(s)]).item() for s in seeds[:3]]
+    assert picks[:3].tolist() == expected == alone
+    with pytest.raises(ValueError, match="2 per-row generators for 3 rows"):
+        sample_from_probs(probs[:3], [torch.Generator(), torch.Generator()])
 
 
 def test_row_seeded_sampling_does_not_depend_on_the_batch(tiny_model_dir, tiny_tokenizer):

@@ -6,6 +6,7 @@ has rank 0 print one JSON line per rank (gathered, so the lines of two processes
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -64,6 +65,10 @@ def main(model_dir: str) -> None:
         for line in reports:
             print(json.dumps(line), flush=True)
     dist.destroy_process_group()
+    # As `alignkit train` does under torchrun (alignkit.cli._exit_without_teardown): gloo workers can abort in
+    # the interpreter's C++ teardown after finishing, which would fail this finished run.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
+from accelerate.utils import gather_object
 from torch import nn
 from transformers import Trainer
 
@@ -109,26 +110,66 @@ class StageTrainer(Trainer):
             return num_rows
         return max(0, min(num_rows, state.remainder - self.accelerator.process_index * num_rows))
 
-    def record_metrics(self, metrics: dict[str, float | torch.Tensor], num_examples: int) -> None:
+    def gather_real_rows(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every process's real rows of per-example tensors ([B] each, one batch), in process order.
+
+        For a statistic of the whole batch that every process must see alike (KTO's reference point and reward
+        margin): under several processes the batch is the union of their batches, without the repeated rows
+        that fill the last evaluation round (`real_rows`). One process: the tensors as they are. Every process
+        must call this at the same point (it is a collective), also one that holds no real row.
+
+        Example: 2 processes, last evaluation round of 5 examples by 4: process 0 holds x0..x3, process 1 holds
+        x4 and three repeats; both get [x0, x1, x2, x3, x4].
+        """
+        if self.accelerator.num_processes == 1:
+            return tensors
+        num_rows = tensors[0].shape[0]
+        real = self.real_rows(num_rows)
+        device = tensors[0].device
+        # gloo gathers neither bools nor tensors of different lengths: float columns, padded to the longest batch.
+        columns = torch.stack([t.detach().to(device=device, dtype=torch.float64) for t in tensors], dim=-1)
+        columns = self.accelerator.pad_across_processes(columns, dim=0)
+        width = columns.shape[0]
+        real_counts = self.accelerator.gather(torch.tensor([real], device=device)).tolist()
+        gathered = self.accelerator.gather(columns).reshape(len(real_counts), width, len(tensors))
+        rows = torch.cat([gathered[k, :count] for k, count in enumerate(real_counts)])
+        return tuple(rows[:, i].to(t.dtype) for i, t in enumerate(tensors))
+
+    def record_metrics(self, metrics: dict[str, float | torch.Tensor], num_examples: int,
+                       rows: Optional[torch.Tensor] = None) -> None:
         """Buffer this batch's metric means (each over `num_examples` examples) for the next `log()`.
 
         A tensor with one value per example is averaged over the real examples only (`real_rows`: evaluation
-        under several processes repeats a few to fill the last batches); other values are kept as given.
+        under several processes repeats a few to fill the last batches); other values are kept as given and
+        count for the real examples.
+
+        Args:
+            metrics: {name: a number, or a tensor of per-example values (averaged)}.
+            num_examples: how many examples each value is a mean over.
+            rows: [B] bool, when the metrics cover some rows of a batch of B (KTO's desirable replies): the
+                per-example tensors hold one value per True row, `num_examples` is their count, and which of
+                them are real is decided by their place among the batch's B rows.
         """
         mode = "train" if self.model.training else "eval"
-        real = self.real_rows(num_examples)
+        selected = torch.ones(num_examples, dtype=torch.bool) if rows is None else rows.detach().bool().cpu()
+        real_selected = (torch.arange(selected.numel()) < self.real_rows(selected.numel()))[selected]
+        real = int(real_selected.sum())
         if real == 0:
             return
         for key, value in metrics.items():
             if real < num_examples and isinstance(value, torch.Tensor) and value.dim() > 0 \
                     and value.shape[0] == num_examples:
-                value = value[:real]
+                value = value[real_selected.to(value.device)]
             value = value.detach().float().mean().item() if isinstance(value, torch.Tensor) else float(value)
             self._metrics[mode][key].append(value)
             self._metric_counts[mode][key].append(float(real))
 
     def _buffered_means(self, mode: str) -> dict[str, float]:
         keys = sorted(self._metrics[mode])
+        if self.accelerator.num_processes > 1:
+            # A process may lack a metric another holds (its batches had no real desirable reply, say): reduce
+            # the same keys everywhere, its share counting zero.
+            keys = sorted(set().union(*gather_object([keys])))  # one list of keys per process
         if not keys:
             return {}
         sums = torch.tensor([sum(v * n for v, n in zip(self._metrics[mode][k], self._metric_counts[mode][k]))

@@ -18,7 +18,9 @@ What this file simplifies, and why:
   there is no batch to rotate in, so the group is the whole dataset (each row paired with the reply of
   the row before it, LLaMA-Factory's pairing); TRL refuses that batch size, LLaMA-Factory's example
   configs use it. Evaluation sets get their mismatched rows the same way (grouped by the training batch size,
-  as TRL groups them), and each evaluation batch estimates its own z0.
+  as TRL groups them), and each evaluation batch estimates its own z0. Under several processes a
+  batch is the union of the processes' batches (z0 from all their mismatched rows, without the rows accelerate
+  repeats to fill the last evaluation round), so N processes x batch b estimate what one process x N*b does.
 - The reference is the policy at step 0, as in DPO (`StageTrainer.reference()`): the adapter disabled
   under LoRA, a frozen in-memory copy under full / freeze fine-tuning. Reference log-probs are computed
   on the fly (no `precompute_ref_log_probs` here).
@@ -28,7 +30,8 @@ What this file simplifies, and why:
 - `pref_ftx` adds the mean NLL per desirable-reply token (the same term as DPO's `pref_ftx` on chosen
   replies). LLaMA-Factory scales its version by `batch size / desirable count`; this one is not rescaled.
 - Metrics under TRL 1.16's names: `kl`, `rewards/chosen` and `logps/chosen` (means over the desirable
-  examples), `rewards/rejected` and `logps/rejected` (over the undesirable ones), `rewards/margins`. TRL
+  examples), `rewards/rejected` and `logps/rejected` (over the undesirable ones), `rewards/margins` (the
+  difference of the two means over the batch, all processes' rows, as TRL forms it). TRL
   averages a logging window's batch values with equal weight; here each value counts for the examples it
   covers (the same number when the window is one batch). TRL's `logits/*` and `entropy` need the full
   vocabulary logits, which alignkit never builds, and are not logged.
@@ -276,17 +279,19 @@ class KTOTrainer(StageTrainer):
         if self.uses_kl:
             with torch.no_grad():  # z0 is a detached reference point: no graph for the policy's KL pass
                 kl_logps, _ = self._sequence_logps(model, inputs, "kl_")
-            kl = kl_estimate(kl_logps, ref_kl_logps)
-            if self.accelerator.num_processes > 1:
-                # TRL's z0 is the mean of every process's batch estimate, clamped after averaging.
-                kl = self.accelerator.gather(((kl_logps - ref_kl_logps).mean())[None]).mean().clamp(min=0)
+            # z0 of the whole batch (every process's real rows, as one process with the whole batch would form
+            # it; TRL averages the processes' estimates, the same when their batches are equal).
+            kl = kl_estimate(*self.gather_real_rows(kl_logps, ref_kl_logps))
 
         losses, rewards = kto_loss(logps, ref_logps, desirable, kl, beta=self.beta,
                                    desirable_weight=self.desirable_weight,
                                    undesirable_weight=self.undesirable_weight, loss_type=self.loss_type)
-        loss = losses.mean()
-        if self.pref_ftx and desirable.any():
-            loss = loss + self.pref_ftx * chosen_nll_loss(logps[desirable], lengths[desirable])
+        real = self.real_rows(losses.shape[0])  # evaluation: without repeated rows (several processes)
+        loss = losses[:real].mean()
+        real_desirable = desirable.clone()
+        real_desirable[real:] = False
+        if self.pref_ftx and real_desirable.any():
+            loss = loss + self.pref_ftx * chosen_nll_loss(logps[real_desirable], lengths[real_desirable])
 
         self._record_kto_metrics(logps.detach(), rewards, desirable, kl)
         if return_outputs:
@@ -295,18 +300,21 @@ class KTOTrainer(StageTrainer):
 
     def _record_kto_metrics(self, logps: torch.Tensor, rewards: torch.Tensor, desirable: torch.Tensor,
                             kl: torch.Tensor | float) -> None:
-        """Each metric counts for the examples it is a mean over (the desirable ones for `*/chosen`)."""
-        num_desirable, num_undesirable = int(desirable.sum()), int((~desirable).sum())
-        self.record_metrics({"kl": kl}, desirable.numel())
-        if num_desirable:
-            self.record_metrics({"rewards/chosen": rewards[desirable], "logps/chosen": logps[desirable]},
-                                num_desirable)
-        if num_undesirable:
-            self.record_metrics({"rewards/rejected": rewards[~desirable], "logps/rejected": logps[~desirable]},
-                                num_undesirable)
-        if num_desirable and num_undesirable:
-            margin = rewards[desirable].mean() - rewards[~desirable].mean()
-            self.record_metrics({"rewards/margins": margin}, desirable.numel())
+        """Each metric counts for the real examples it is a mean over (the desirable ones for `*/chosen`).
+
+        The margin is the difference of the whole batch's means (every process's real rows, as TRL forms it), so
+        N processes report what one process with their joint batch reports.
+        """
+        num_rows = desirable.numel()
+        self.record_metrics({"kl": kl}, num_rows)
+        self.record_metrics({"rewards/chosen": rewards[desirable], "logps/chosen": logps[desirable]},
+                            int(desirable.sum()), rows=desirable)
+        self.record_metrics({"rewards/rejected": rewards[~desirable], "logps/rejected": logps[~desirable]},
+                            int((~desirable).sum()), rows=~desirable)
+        batch_rewards, batch_desirable = self.gather_real_rows(rewards, desirable)
+        if batch_desirable.any() and not batch_desirable.all():
+            margin = batch_rewards[batch_desirable].mean() - batch_rewards[~batch_desirable].mean()
+            self.record_metrics({"rewards/margins": margin}, num_rows)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The loss; unless `prediction_loss_only`, each example's implicit reward [B] and its flag [B]."""

@@ -44,6 +44,37 @@ def test_eval_metrics_are_exact_over_the_set_and_train_over_the_window(tiny_mode
     assert not [key for key in logs if "/" in key]  # nothing recorded since the last log: nothing added
 
 
+def test_metrics_of_some_rows_leave_out_the_repeated_rows_by_their_place_in_the_batch(tiny_model_dir, tmp_path,
+                                                                                      monkeypatch):
+    """A process's last evaluation batch of 4 rows holds 2 real ones (`real_rows` -> 2), then 2 repeats.
+
+    Rows 0 and 2 are desirable (rewards 1.0 and 3.0): only row 0 is real, so rewards/chosen = 1.0 over 1 example.
+    Rows 1 and 3 are undesirable (5.0, 7.0): row 1 alone, 5.0. A scalar counts for the 2 real rows. Without
+    `rows`, [1, 5, 3, 7] over the batch keeps its first 2 values: (1 + 5) / 2 = 3.0.
+    """
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    trainer.model.eval()
+    monkeypatch.setattr(trainer, "real_rows", lambda num_rows: 2 if num_rows == 4 else num_rows)
+    desirable = torch.tensor([True, False, True, False])
+    rewards = torch.tensor([1.0, 5.0, 3.0, 7.0])
+    trainer.record_metrics({"rewards/chosen": rewards[desirable]}, 2, rows=desirable)
+    trainer.record_metrics({"rewards/rejected": rewards[~desirable]}, 2, rows=~desirable)
+    trainer.record_metrics({"kl": 0.5, "rewards/all": rewards}, 4)
+    trainer.record_metrics({"logps/chosen": torch.tensor([-1.0])}, 1, rows=torch.tensor([False, False, False, True]))
+    assert dict(trainer._metric_counts["eval"]) == {"rewards/chosen": [1.0], "rewards/rejected": [1.0], "kl": [2.0],
+                                                    "rewards/all": [2.0]}  # a metric of repeats only: not kept
+    logs = {}
+    trainer.log(logs)
+    assert logs["eval_rewards/chosen"] == 1.0 and logs["eval_rewards/rejected"] == 5.0
+    assert logs["eval_kl"] == 0.5 and logs["eval_rewards/all"] == 3.0
+
+
+def test_gather_real_rows_of_one_process_is_the_batch(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    values, flags = torch.tensor([1.0, 2.0]), torch.tensor([True, False])
+    assert trainer.gather_real_rows(values, flags) == (values, flags)
+
+
 def test_group_by_length_for_pairs_adds_the_longer_side_as_length(tiny_model_dir, tmp_path):
     pairs = Dataset.from_dict({"chosen_input_ids": [[1, 2, 3], [1]], "rejected_input_ids": [[1], [1, 2, 3, 4]]})
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

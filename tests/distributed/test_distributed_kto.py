@@ -1,0 +1,41 @@
+"""KTO evaluation under two processes (CPU, gloo, tiny model): the same metrics as one process.
+
+KTO's statistics span the batch (the reference point z0 from the mismatched rows, the reward margin as the
+difference of two means), so two processes x eval batch 4 must report what one process x eval batch 8 reports:
+z0 and the margin formed over both processes' rows, and the rows accelerate repeats to fill the last round left
+out. The eval set holds 37 rows: the 2-process run's last round has 5 real rows (4 on process 0, 1 on process 1)
+and 3 repeats.
+
+The two processes cannot train as one here: KTO pairs each row with a reply of its per-device batch for z0, so a
+different per-device batch size trains on different mismatched rows. Both evaluations therefore resume from the
+final checkpoint of one training run (the trained LoRA adapter; the reference is the adapter disabled), with the
+same per-device training batch (which groups the eval set's mismatched rows) and the eval batch split in two.
+"""
+
+from __future__ import annotations
+
+import json
+
+EVAL_ROWS = 37
+KEYS = {"max_samples": EVAL_ROWS, "per_device_train_batch_size": 2, "eval_dataset": "demo_kto_eval"}
+
+
+def test_two_processes_evaluate_kto_as_one_without_the_repeated_rows(dist):
+    trained = dist.train(dist.config("kto", "kto_train", save_steps=4, **KEYS))
+    checkpoint = trained.out / "checkpoint-4"
+    assert checkpoint.is_dir()
+    evaluate = {"do_eval": True, "resume_from_checkpoint": str(checkpoint), **KEYS}
+    single = dist.train(dist.config("kto", "kto_eval_1p", per_device_eval_batch_size=8, **evaluate))
+    double = dist.train(dist.config("kto", "kto_eval_2p", per_device_eval_batch_size=4, **evaluate), nproc=2)
+    results = [json.loads((run.out / "eval_results.json").read_text()) for run in (single, double)]
+    # The evaluation's own figures (`epoch` and the token count are the resumed training state's; timing varies).
+    timing = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+    keys = sorted(k for k in results[0] if k.startswith("eval_") and k not in timing)
+    assert keys == sorted(k for k in results[1] if k.startswith("eval_") and k not in timing)
+    assert {"eval_loss", "eval_kl", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins",
+            "eval_logps/chosen", "eval_logps/rejected"} <= set(keys)
+    assert abs(results[0]["eval_rewards/margins"]) > 0  # the policy has left the reference
+    print("\nkto eval: 1 process x batch 8 vs 2 processes x batch 4\n"
+          + "\n".join(f"{k}: {results[0][k]:.8f} | {results[1][k]:.8f}" for k in keys))
+    different = {k: (results[0][k], results[1][k]) for k in keys if abs(results[0][k] - results[1][k]) > 1e-5}
+    assert not different, f"evaluation differs between 1 and 2 processes: {different}"

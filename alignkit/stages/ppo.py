@@ -50,7 +50,27 @@ What this simplifies, and why:
   every trainable tensor (policy adapter, value head, critic adapter) are summed over processes before
   clipping and the optimizer step. A value head outside a DDP-wrapped model would get no all-reduce;
   here no tensor depends on a wrapper. N processes x batch b therefore update as one process x batch N x b.
-  DeepSpeed and FSDP are refused: this loop does not shard the model.
+- DeepSpeed ZeRO-0/1/2 (the `deepspeed` key or an `accelerate launch` DeepSpeed config; optimizer state and
+  gradients sharded, optimizer offload allowed, weights whole on every process): the Trainer's DeepSpeed set-up
+  (`deepspeed_init`, then `accelerator.prepare` of model and optimizer) builds the engine, with the value head and
+  every adapter inside it as submodules. Each micro-batch's backward goes through `accelerator.backward`
+  (`scale_wrt_gas` off, the loss times the process count since DeepSpeed averages gradients where this loop sums
+  them); the update batch's last one is the engine's accumulation boundary, where DeepSpeed reduces, clips (its
+  `gradient_clipping`, from max_grad_norm), steps and zeroes the gradients, so the manual gradient sum is skipped.
+  Every process runs as many micro-batches (passes over a row with weight 0 even them out), as DeepSpeed's
+  collectives need. The forwards call the model module itself (its weights are whole). The learning-rate schedule
+  is the Trainer's, stepped once per PPO step (a DeepSpeed `scheduler` block is refused). Checkpoints are the
+  Trainer's DeepSpeed ones (the engine's `save_checkpoint`; a resume loads them with `deepspeed_load_checkpoint`,
+  master weights and optimizer state included), plus the adapter, value head and `ppo_state.json` as always.
+  Under DeepSpeed bf16/fp16 the engine casts the whole module, value head included. The rollout runs inside one
+  `full_weights` block (generation, scoring, the rollout-time passes), a no-op with whole weights.
+  NOT RUN ON A GPU: written against the documented APIs of transformers 5.24, accelerate and DeepSpeed, and
+  tested on the CPU with a stand-in engine that keeps DeepSpeed's contract (the DeepSpeed part of
+  tests/stages/test_ppo.py).
+- Refused: DeepSpeed ZeRO-3 and FSDP (`deepspeed_refusal`, `FSDP_REFUSAL`). With the weights themselves sharded,
+  the output layer and value head run outside the model's forward, the in-place adapter switches, the reference
+  copy of a full/freeze policy and the saving of adapter and value head would each meet a shard; making them
+  right needs a GPU run to show it.
 """
 
 from __future__ import annotations
@@ -71,6 +91,7 @@ from torch import nn
 
 from ..constants import IGNORE_INDEX
 from ..rewards import RewardFunctionArguments
+from ..model.distributed import full_weights
 from .base import StageTrainer
 from .grpo import masked_mean  # one masked mean for both RL stages
 
@@ -180,6 +201,40 @@ class PPOArguments(RewardFunctionArguments):
             raise ConfigError(f"gamma={self.gamma} and lam={self.lam} must lie in [0, 1].")
 
 
+# Why the sharded set-ups PPO's loop cannot run under are refused (see the module docstring).
+_SHARDED_TENSORS = (
+    "this loop runs the output layer and the value head on the decoder's hidden states outside the model's "
+    "forward, switches LoRA adapters in place for the reward, critic and reference passes, copies a full/freeze "
+    "policy for its reference, and saves the adapter and value head from the module's own tensors; with the "
+    "weights sharded each of these would meet a shard, and it has not run on a GPU to show otherwise"
+)
+FSDP_REFUSAL = (f"stage ppo does not run under FSDP: {_SHARDED_TENSORS}. Use DeepSpeed ZeRO-0/1/2 (e.g. "
+                "examples/deepspeed/ds_z2_config.json), plain data parallelism (torchrun / accelerate launch), "
+                "or stage grpo (not refused under FSDP: its training step is the Trainer's).")
+
+
+def deepspeed_refusal(ds_config: dict[str, Any]) -> Optional[str]:
+    """Why PPO's loop cannot run under this DeepSpeed config, or None when it can (ZeRO stage 0, 1 or 2).
+
+    - ZeRO-3 partitions the weights themselves (`_SHARDED_TENSORS` says what of this loop would meet a partition).
+    - A `scheduler` block: DeepSpeed steps its scheduler at each optimizer step, while PPO's learning-rate
+      schedule advances once per PPO step (several optimizer steps).
+
+    Args:
+        ds_config: the DeepSpeed JSON as a dict (`TrainingArguments.hf_deepspeed_config.config`).
+    """
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if stage == 3:
+        return (f"stage ppo does not run under DeepSpeed ZeRO-3: {_SHARDED_TENSORS}. Use ZeRO-0/1/2 (e.g. "
+                "examples/deepspeed/ds_z2_config.json; the optimizer state and gradients are sharded, the weights "
+                "whole), or stage grpo (not refused under ZeRO-3: its training step is the Trainer's).")
+    if "scheduler" in ds_config:
+        return ("stage ppo: remove the `scheduler` block of the DeepSpeed config. DeepSpeed would step it at every "
+                "optimizer step; PPO advances its learning-rate schedule (lr_scheduler_type, warmup_steps) once "
+                "per PPO step, with the Trainer's scheduler.")
+    return None
+
+
 def check_config(config: "Config") -> None:
     """What only PPO forbids, before the model loads."""
     from ..hparams import ConfigError
@@ -193,9 +248,13 @@ def check_config(config: "Config") -> None:
             raise ConfigError("ppo_critic=adapter initialises the critic from a LoRA reward model: it needs "
                               "finetuning_type lora, `reward_model` set to an rm run's LoRA output and "
                               "reward_model_type lora or auto. Use ppo_critic: head otherwise.")
-    if t.deepspeed or t.fsdp:
-        raise ConfigError("stage ppo runs its own loop, which does not shard the model: remove `deepspeed`/`fsdp` "
-                          "(plain data parallelism with torchrun or accelerate launch works), or use stage grpo.")
+    if t.fsdp:
+        raise ConfigError(FSDP_REFUSAL)
+    if t.deepspeed:
+        # Before the model loads: under ZeRO-3, transformers would load it partitioned.
+        reason = deepspeed_refusal(t.hf_deepspeed_config.config)
+        if reason:
+            raise ConfigError(reason)
     if t.do_eval or t.do_predict:
         raise ConfigError("stage ppo trains only: set do_eval and do_predict to false (score the trained policy "
                           "with `alignkit score`).")
@@ -643,12 +702,14 @@ class PPOTrainer(StageTrainer):
         # A full/freeze policy needs a frozen copy as its reference (under LoRA the adapter is disabled instead).
         kwargs.setdefault("keep_reference_copy", True)
         super().__init__(*args, **kwargs)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        # As in `check_config`, for set-ups that come from `accelerate launch --config_file` rather than the keys.
+        reason = FSDP_REFUSAL if self.is_fsdp_enabled else None
+        if self.is_deepspeed_enabled:
+            reason = deepspeed_refusal(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+        if reason:
             from ..hparams import ConfigError
 
-            raise ConfigError("stage ppo runs its own loop, which does not shard the model: launch it without a "
-                              "DeepSpeed/FSDP config (plain data parallelism with torchrun or accelerate launch "
-                              "works).")
+            raise ConfigError(reason)
         self.ppo_args = ppo_args
         self.reward_functions = reward_functions
         self.formatter = formatter
@@ -704,6 +765,24 @@ class PPOTrainer(StageTrainer):
             for param in group:
                 param.grad = flat[offset:offset + param.numel()].view_as(param).clone()
                 offset += param.numel()
+
+    def _most_micro_batches(self, count: int) -> int:
+        """The largest `count` of any process (this one's alone in one process)."""
+        if self.num_processes == 1:
+            return count
+        return int(self._gather(torch.tensor([count], device=self.args.device)).max())
+
+    def _deepspeed_backward(self, loss: torch.Tensor, last: bool) -> None:
+        """One micro-batch's backward through the DeepSpeed engine (`accelerator.backward`); `last` marks the update
+        batch's last one, where the engine reduces, clips, steps and zeroes the gradients.
+
+        The loss weights are token shares of the whole update batch (all processes), so the gradient wanted is the
+        sum over processes; DeepSpeed averages over them, hence the factor of the process count. `scale_wrt_gas`
+        off: the shares already make the update the token mean, as the Trainer turns it off for its own loss.
+        """
+        # The Trainer marks the boundary the same way; after the last pass the flag is True again, as it was.
+        self.accelerator.gradient_state._set_sync_gradients(last)
+        self.accelerator.backward(loss * self.num_processes, scale_wrt_gas=False)
 
     # ---- data ----
 
@@ -765,58 +844,63 @@ class PPOTrainer(StageTrainer):
         from .rollout import rollout_seed, sample_completions, score_completions, trl_completions, trl_prompts
 
         rows = self.rollout_rows(step)
-        start = time.perf_counter()
-        generation = sample_completions(
-            self.model, self.processing_class, rows["input_ids"], stop_token_ids=self.stop_token_ids,
-            # The policy's own distribution: the log-probs, ratios and KL below are those of what was sampled.
-            generation_kwargs={"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-                               "max_new_tokens": self.max_response_tokens},
-            seed=rollout_seed(self.args.seed, step), first_row=self.first_row)
-        response_mask = generation.completion_mask
-        if self.ppo_args.response_length_range is not None:
-            low, high = self.ppo_args.response_length_range
-            # Drawn for the whole rollout, so a row's length does not depend on the number of processes.
-            lengths = sample_response_lengths(low, high, self.global_rollout_size, self.args.seed, step)
-            own = lengths[self.first_row:self.first_row + self.rollout_size]
-            response_mask = truncate_to_lengths(response_mask, own)
-        generation_time = time.perf_counter() - start
+        # Under a sharded model the weights are gathered once for the whole rollout (generation, the reward
+        # model's adapter, the policy, critic and reference passes), not once per forward or per token. PPO
+        # refuses ZeRO-3 and FSDP today (`deepspeed_refusal`), so this is a no-op where it runs.
+        with full_weights(self.model):
+            start = time.perf_counter()
+            generation = sample_completions(
+                self.model, self.processing_class, rows["input_ids"], stop_token_ids=self.stop_token_ids,
+                # The policy's own distribution: the log-probs, ratios and KL below are those of what was sampled.
+                generation_kwargs={"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                                   "max_new_tokens": self.max_response_tokens},
+                seed=rollout_seed(self.args.seed, step), first_row=self.first_row)
+            response_mask = generation.completion_mask
+            if self.ppo_args.response_length_range is not None:
+                low, high = self.ppo_args.response_length_range
+                # Drawn for the whole rollout, so a row's length does not depend on the number of processes.
+                lengths = sample_response_lengths(low, high, self.global_rollout_size, self.args.seed, step)
+                own = lengths[self.first_row:self.first_row + self.rollout_size]
+                response_mask = truncate_to_lengths(response_mask, own)
+            generation_time = time.perf_counter() - start
 
-        start = time.perf_counter()
-        response_ids = [row[m.bool()].tolist() for row, m in zip(generation.completion_ids.cpu(), response_mask.cpu())]
-        texts = self.processing_class.batch_decode(response_ids, skip_special_tokens=True)
-        conversational = rows.get("prompt_conversational", [True] * len(texts))
-        prompts = trl_prompts(rows["prompt_messages"], conversational)
-        columns = {k: v for k, v in rows.items()
-                   if k not in ("input_ids", "attention_mask", "prompt_messages", "prompt_conversational")}
-        truncated = [not any(t in self.stop_token_ids for t in ids) for ids in response_ids]
-        per_function, raw_scores = score_completions(self.reward_functions, prompts,
-                                                     trl_completions(texts, conversational), columns,
-                                                     completion_ids=response_ids, truncated=truncated)
-        # The whole rollout's scores (all processes), for the check below, the score moments and the metrics.
-        all_scores = self._gather(raw_scores.to(self.args.device))
-        if torch.isnan(all_scores).any():
-            bad = int(torch.isnan(all_scores).nonzero()[0])
-            local = bad - self.first_row
-            text = f" ({texts[local][:80]!r})" if 0 <= local < len(texts) else ""
-            raise ValueError(f"PPO step {step + 1}: every reward function returned None for completion {bad}"
-                             f"{text}; PPO needs a score for every response.")
+            start = time.perf_counter()
+            response_ids = [row[m.bool()].tolist()
+                            for row, m in zip(generation.completion_ids.cpu(), response_mask.cpu())]
+            texts = self.processing_class.batch_decode(response_ids, skip_special_tokens=True)
+            conversational = rows.get("prompt_conversational", [True] * len(texts))
+            prompts = trl_prompts(rows["prompt_messages"], conversational)
+            columns = {k: v for k, v in rows.items()
+                       if k not in ("input_ids", "attention_mask", "prompt_messages", "prompt_conversational")}
+            truncated = [not any(t in self.stop_token_ids for t in ids) for ids in response_ids]
+            per_function, raw_scores = score_completions(self.reward_functions, prompts,
+                                                         trl_completions(texts, conversational), columns,
+                                                         completion_ids=response_ids, truncated=truncated)
+            # The whole rollout's scores (all processes), for the check below, the score moments and the metrics.
+            all_scores = self._gather(raw_scores.to(self.args.device))
+            if torch.isnan(all_scores).any():
+                bad = int(torch.isnan(all_scores).nonzero()[0])
+                local = bad - self.first_row
+                text = f" ({texts[local][:80]!r})" if 0 <= local < len(texts) else ""
+                raise ValueError(f"PPO step {step + 1}: every reward function returned None for completion {bad}"
+                                 f"{text}; PPO needs a score for every response.")
 
-        device = self.args.device
-        input_ids, attention_mask, labels = pack_right(
-            generation.prompt_ids.to(device), generation.prompt_mask.to(device), generation.completion_ids.to(device),
-            response_mask.to(device), _pad_id(self.processing_class))
-        mask = (labels[:, 1:] != IGNORE_INDEX).float()
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                logps, values = self.policy_outputs(input_ids, attention_mask, labels, grad=False)
-            with self.reference() as reference_model:
-                hidden, flat = last_hidden_states(reference_model, input_ids, attention_mask,
-                                                  padding_free=self.args.padding_free)
-                ref_logps = logps_from_hidden(reference_model, hidden, flat, labels)
-        finally:
-            self.model.train(was_training)
+            device = self.args.device
+            input_ids, attention_mask, labels = pack_right(
+                generation.prompt_ids.to(device), generation.prompt_mask.to(device),
+                generation.completion_ids.to(device), response_mask.to(device), _pad_id(self.processing_class))
+            mask = (labels[:, 1:] != IGNORE_INDEX).float()
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                with torch.no_grad():
+                    logps, values = self.policy_outputs(input_ids, attention_mask, labels, grad=False)
+                with self.reference() as reference_model:
+                    hidden, flat = last_hidden_states(reference_model, input_ids, attention_mask,
+                                                      padding_free=self.args.padding_free)
+                    ref_logps = logps_from_hidden(reference_model, hidden, flat, labels)
+            finally:
+                self.model.train(was_training)
 
         scores = raw_scores.to(device)
         if self.ppo_args.ppo_score_norm:
@@ -882,28 +966,44 @@ class PPOTrainer(StageTrainer):
                 batch_tokens = self._sum(rollout.mask[batch_index].sum()).clamp(min=1)
                 stats = {k: 0.0 for k in ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "policy/clipfrac",
                                           "policy/approxkl", "val/clipfrac", "val/mean")}
-                for micro_start in range(0, len(batch_index), self.mini_batch_size):
-                    micro = rollout.rows(batch_index[micro_start:micro_start + self.mini_batch_size])
-                    share = micro.mask.sum() / batch_tokens
+                micro_starts: list[Optional[int]] = list(range(0, len(batch_index), self.mini_batch_size))
+                if self.is_deepspeed_enabled:
+                    # DeepSpeed reduces gradients inside the backward passes (ZeRO-2) or at the batch's last one:
+                    # every process must run as many. One that holds fewer rows of this batch adds passes over its
+                    # first row that weigh nothing (share 0).
+                    micro_starts += [None] * (self._most_micro_batches(len(micro_starts)) - len(micro_starts))
+                for number, micro_start in enumerate(micro_starts):
+                    if micro_start is None:
+                        micro, share = rollout.rows(torch.zeros(1, dtype=torch.long)), batch_tokens.new_zeros(())
+                    else:
+                        micro = rollout.rows(batch_index[micro_start:micro_start + self.mini_batch_size])
+                        share = micro.mask.sum() / batch_tokens
                     logps, values = self.policy_outputs(micro.input_ids, micro.attention_mask, micro.labels)
                     policy_loss, policy_clipfrac, approxkl = clipped_policy_loss(
                         logps, micro.logps, micro.advantages, micro.mask, a.cliprange)
                     value_loss, value_clipfrac = clipped_value_loss(values, micro.values, micro.returns, micro.mask,
                                                                     a.cliprange_value)
                     loss = policy_loss + a.vf_coef * value_loss
-                    self.accelerator.backward(loss * share)
+                    if self.is_deepspeed_enabled:
+                        self._deepspeed_backward(loss * share, last=number == len(micro_starts) - 1)
+                    else:
+                        self.accelerator.backward(loss * share)
                     for key, value in (("ppo/loss/policy", policy_loss), ("ppo/loss/value", value_loss),
                                        ("ppo/loss/total", loss), ("policy/clipfrac", policy_clipfrac),
                                        ("policy/approxkl", approxkl), ("val/clipfrac", value_clipfrac),
                                        ("val/mean", masked_mean(values.detach(), micro.mask))):
                         stats[key] += value.detach().item() * share.item()
-                self._sum_gradients()
+                if not self.is_deepspeed_enabled:  # DeepSpeed has reduced them in its backward and step
+                    self._sum_gradients()
                 if self.num_processes > 1:
                     keys = list(stats)
                     totals = self._sum(torch.tensor([stats[k] for k in keys], dtype=torch.float64,
                                                     device=self.args.device))
                     stats = dict(zip(keys, totals.tolist()))
                 if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
+                    # Under DeepSpeed the engine clipped (its `gradient_clipping`, filled from max_grad_norm) and
+                    # stepped in the last backward: accelerate returns the norm it measured, and the prepared
+                    # optimizer's step and zero_grad below do nothing.
                     grad_norm = self.accelerator.clip_grad_norm_(
                         [p for p in self.model.parameters() if p.requires_grad], self.args.max_grad_norm)
                 self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
@@ -940,8 +1040,11 @@ class PPOTrainer(StageTrainer):
             cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)])
         self.state.train_batch_size = self.global_rollout_size
         self.state.compute_steps(args, max_steps)
-        self.create_optimizer()
-        self.model_wrapped = self.model
+        if self.is_deepspeed_enabled:
+            self._prepare_deepspeed(max_steps)
+        else:
+            self.create_optimizer()
+            self.model_wrapped = self.model
         self.create_scheduler(num_training_steps=max_steps, optimizer=self.optimizer)
         if resume_from_checkpoint:
             self._resume(resume_from_checkpoint)
@@ -1000,6 +1103,18 @@ class PPOTrainer(StageTrainer):
         self.log(metrics)
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
+    def _prepare_deepspeed(self, max_steps: int) -> None:
+        """The Trainer's DeepSpeed set-up, for this loop: `deepspeed_init` fills the config's "auto" values from the
+        arguments and makes the optimizer (the config's, or the Trainer's), and `accelerator.prepare` builds the
+        engine over the model and optimizer. No scheduler goes to DeepSpeed, which would step it per optimizer
+        step; `train` creates the Trainer's over the prepared optimizer and steps it once per PPO step."""
+        from transformers.integrations.deepspeed import deepspeed_init
+
+        optimizer, _ = deepspeed_init(self, num_training_steps=max_steps)
+        self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, optimizer)
+        self.deepspeed = self.model_wrapped  # what the Trainer's DeepSpeed save paths call
+        self.lr_scheduler = None
+
     # ---- saving and resuming ----
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
@@ -1040,7 +1155,8 @@ class PPOTrainer(StageTrainer):
 
     def _resume(self, checkpoint: str) -> None:
         """Everything a checkpoint holds back in place: adapter(s), value head, optimizer, scheduler, RNG,
-        Trainer state and PPO state. Weights are copied into the existing tensors, which the optimizer holds."""
+        Trainer state and PPO state. Weights are copied into the existing tensors, which the optimizer holds
+        (under DeepSpeed, the engine loads its own checkpoint instead)."""
         from peft.utils import load_peft_weights, set_peft_model_state_dict
         from transformers.trainer_callback import TrainerState
 
@@ -1048,17 +1164,26 @@ class PPOTrainer(StageTrainer):
         from ..model.heads import load_value_head
         from .base import is_peft_model
 
-        if is_peft_model(self.model):
-            set_peft_model_state_dict(self.model, load_peft_weights(checkpoint), adapter_name=POLICY_ADAPTER)
-            if self.ppo_args.ppo_critic == "adapter":
-                set_peft_model_state_dict(self.model, load_peft_weights(os.path.join(checkpoint, CRITIC_ADAPTER)),
-                                          adapter_name=CRITIC_ADAPTER)
+        if self.is_deepspeed_enabled:
+            from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+            # The engine's checkpoint (`global_step*/`, written by the Trainer's `_save_optimizer_and_scheduler`)
+            # holds every trainable tensor (adapters, value head: submodules of the model), DeepSpeed's fp32 master
+            # copies of them and the optimizer state. Copying weights into the module instead would be undone by
+            # the master copies at the next step.
+            deepspeed_load_checkpoint(self.model_wrapped, checkpoint, load_module_strict=not is_peft_model(self.model))
         else:
-            self._load_from_checkpoint(checkpoint)
-        with torch.no_grad():
-            loaded = load_value_head(checkpoint, self.value_head.hidden_size)
-            self.value_head.weight.copy_(loaded.weight)
-            self.value_head.bias.copy_(loaded.bias)
+            if is_peft_model(self.model):
+                set_peft_model_state_dict(self.model, load_peft_weights(checkpoint), adapter_name=POLICY_ADAPTER)
+                if self.ppo_args.ppo_critic == "adapter":
+                    set_peft_model_state_dict(self.model, load_peft_weights(os.path.join(checkpoint, CRITIC_ADAPTER)),
+                                              adapter_name=CRITIC_ADAPTER)
+            else:
+                self._load_from_checkpoint(checkpoint)
+            with torch.no_grad():
+                loaded = load_value_head(checkpoint, self.value_head.hidden_size)
+                self.value_head.weight.copy_(loaded.weight)
+                self.value_head.bias.copy_(loaded.bias)
         self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
         self._load_callback_state()
         self._load_optimizer_and_scheduler(checkpoint)

@@ -1,13 +1,19 @@
 """The ppo stage on the tiny model: one base for policy, reference, reward and critic; the swap; what trains;
-resume equality; end to end with both critic modes."""
+resume equality; end to end with both critic modes; the DeepSpeed path with a stand-in engine, and what is refused."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers.trainer
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from accelerate.utils.deepspeed import DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -18,7 +24,9 @@ from alignkit.model.heads import VALUE_HEAD_FILE
 from alignkit.model.loader import load_model
 from alignkit.model.logprobs import forward_token_logps
 from alignkit.score import RewardScorer
-from alignkit.stages.ppo import COMPLETIONS_FILE, build_ppo_trainer
+from alignkit.stages import ppo
+from alignkit.stages.ppo import (COMPLETIONS_FILE, FSDP_REFUSAL, PPOTrainer, build_ppo_trainer, check_config,
+                                  deepspeed_refusal)
 from alignkit.train import run_train
 
 PROMPTS = ["What is the capital of France?", "What is 12 plus 7?", "Name a colour.", "List three fruits.",
@@ -212,6 +220,20 @@ def _logged(out):
     return {r["current_steps"]: {k: r.get(k) for k in COMPARED} for r in read_log(out) if "loss" in r}
 
 
+def _assert_same_run(a: Path, b: Path) -> None:
+    """Two runs logged the same `COMPARED` values at every step and saved the same adapter and value head (1e-6)."""
+    log_a, log_b = _logged(a), _logged(b)
+    assert sorted(log_a) == sorted(log_b) and log_a
+    for step in log_a:
+        for key in COMPARED:
+            assert log_b[step][key] == pytest.approx(log_a[step][key], rel=0, abs=1e-6), (step, key)
+    for name in ("adapter_model.safetensors", VALUE_HEAD_FILE):
+        wa, wb = load_file(a / name), load_file(b / name)
+        assert wa.keys() == wb.keys()
+        for key in wa:
+            torch.testing.assert_close(wb[key], wa[key], rtol=0, atol=1e-6, msg=key)
+
+
 def test_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file, reward_dir, tmp_path, crash_before_step):
     """4 steps straight vs. killed before step 4 (after step 3 logged its completions; the last checkpoint is
     checkpoint-2) and resumed: the same completions (step 3's once), rewards, losses, KL coefficient, adapter and
@@ -230,11 +252,9 @@ def test_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file, reward_di
     assert (resumed / "checkpoint-2" / "ppo_state.json").is_file()
     run_train(config(resumed))
 
-    straight_log, resumed_log = _logged(straight), _logged(resumed)
-    assert sorted(straight_log) == sorted(resumed_log) == [1, 2, 3, 4]
-    for step in range(1, 5):
-        for key in COMPARED:
-            assert resumed_log[step][key] == pytest.approx(straight_log[step][key], rel=0, abs=1e-6), (step, key)
+    _assert_same_run(straight, resumed)
+    straight_log = _logged(straight)
+    assert sorted(straight_log) == [1, 2, 3, 4]
     assert len({round(straight_log[s]["objective/kl_coef"], 9) for s in straight_log}) == 4  # it adapts
 
     def completions(out):
@@ -242,11 +262,6 @@ def test_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file, reward_di
 
     assert completions(straight) == completions(resumed)
     assert len(completions(straight)) == 4 * ROLLOUT
-    for name in ("adapter_model.safetensors", VALUE_HEAD_FILE):
-        a, b = load_file(straight / name), load_file(resumed / name)
-        assert a.keys() == b.keys()
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-6, msg=key)
 
 
 @pytest.mark.parametrize("critic", ["head", "adapter"])
@@ -337,3 +352,202 @@ def test_full_fine_tuning_policy(tiny_model_dir, prompts_file, tmp_path):
     AutoModelForCausalLM.from_pretrained(str(out))
     record = [r for r in read_log(out) if "objective/kl" in r][-1]
     assert record["objective/kl"] != 0.0  # the policy moved away from its frozen copy after step 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# PPO's DeepSpeed path on the CPU, with a stand-in for the engine (DeepSpeed is not installed and needs a GPU).
+# `StandInEngine` keeps the contract that accelerate's `DeepSpeedEngineWrapper` and the Trainer's DeepSpeed save and
+# resume paths rely on (one process, so DeepSpeed's averaging over processes is the identity):
+# - `set_gradient_accumulation_boundary(b)`, then `backward(loss, scale_wrt_gas=True)`: the loss divided by the
+#   gradient accumulation steps unless `scale_wrt_gas=False`, then backpropagated;
+# - `step()`: at a boundary only, clip the gradients to `gradient_clipping`, step the optimizer, zero the gradients;
+#   `get_global_grad_norm()` is the norm measured there;
+# - `save_checkpoint(dir, exclude_frozen_parameters)` writes `global_step*/` with the module's (trainable) weights
+#   and the optimizer state; `load_checkpoint` reads them back.
+# The run goes through the real `accelerator.backward` and `accelerator.clip_grad_norm_` (the accelerator is told
+# it runs DeepSpeed), accelerate's `DeepSpeedEngineWrapper` and `DeepSpeedOptimizerWrapper`, the Trainer's
+# DeepSpeed branches of `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`, and transformers'
+# `deepspeed_load_checkpoint`. Only `PPOTrainer._prepare_deepspeed` (`deepspeed_init` + `accelerator.prepare`, which
+# need DeepSpeed) is replaced. What this cannot show: DeepSpeed's own numerics (ZeRO-2 bucketing, bf16 master
+# weights, offload), NCCL, several GPUs.
+# ---------------------------------------------------------------------------------------------------
+
+# A rollout of 4 prompts as 2 per device x 2 accumulation steps, trained as mini-batches of 2 (2 backward passes
+# per optimizer step), 2 PPO epochs; clipping on, so the engine's clipping is what the plain loop's is.
+DEEPSPEED_KEYS = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "mini_batch_size": 2,
+                  "reward_funcs": "format,length", "reward_weights": "1,1", "max_grad_norm": 0.5}
+
+
+class StandInEngine:
+    """DeepSpeed's engine contract on one CPU process (the section comment above)."""
+
+    def __init__(self, module, optimizer, gradient_clipping: float, gradient_accumulation_steps: int) -> None:
+        self.module, self.optimizer = module, optimizer
+        self.gradient_clipping, self.gradient_accumulation_steps = gradient_clipping, gradient_accumulation_steps
+        self.config = {"zero_optimization": {"stage": 2}}
+        self.boundary, self.norm, self.steps = True, None, 0
+        self.backward_calls: list[tuple[bool, bool]] = []  # (boundary, scale_wrt_gas) of each backward
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self.boundary = is_boundary
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        self.backward_calls.append((self.boundary, scale_wrt_gas))
+        (loss / self.gradient_accumulation_steps if scale_wrt_gas else loss).backward()
+
+    def step(self) -> None:
+        if not self.boundary:
+            return
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.gradient_clipping > 0:
+            self.norm = torch.nn.utils.clip_grad_norm_(params, self.gradient_clipping)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+
+    def get_global_grad_norm(self):
+        return self.norm
+
+    def state_dict(self):
+        return self.module.state_dict()
+
+    def save_checkpoint(self, save_dir: str, exclude_frozen_parameters: bool = False) -> None:
+        weights = {name: p.detach().clone() for name, p in self.module.named_parameters()
+                   if p.requires_grad or not exclude_frozen_parameters}
+        folder = Path(save_dir) / f"global_step{self.steps}"
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"module": weights, "optimizer": self.optimizer.state_dict()}, folder / "engine_state.pt")
+
+    def load_checkpoint(self, load_dir: str, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True):
+        folder = sorted(Path(load_dir).glob("global_step*"))[-1]
+        state = torch.load(folder / "engine_state.pt", weights_only=True)
+        self.module.load_state_dict(state["module"], strict=load_module_strict)
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state["optimizer"])
+        return str(folder), {}
+
+
+def _prepare_with_stand_in(self: PPOTrainer, max_steps: int) -> None:
+    """`_prepare_deepspeed` with the stand-in engine in DeepSpeed's place (accelerate's wrappers around it)."""
+    self.create_optimizer()
+    engine = StandInEngine(self.model, self.optimizer, self.args.max_grad_norm, self.args.gradient_accumulation_steps)
+    self.accelerator.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(engine)
+    self.model_wrapped = self.deepspeed = engine
+    self.optimizer = DeepSpeedOptimizerWrapper(self.optimizer)  # step and zero_grad: no-ops, as under DeepSpeed
+    self.lr_scheduler = None
+
+
+@pytest.fixture
+def stand_in_deepspeed(monkeypatch):
+    """`install()` puts the stand-in in place (until the test ends) and returns the list of PPO trainers built
+    from then on (each one's `.deepspeed` is its engine)."""
+    def install() -> list[PPOTrainer]:
+        built: list[PPOTrainer] = []
+        original_init = PPOTrainer.__init__
+
+        def init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            self.is_deepspeed_enabled = True  # as the Trainer sets it when accelerate holds a DeepSpeed plugin
+            built.append(self)
+
+        monkeypatch.setattr(PPOTrainer, "__init__", init)
+        monkeypatch.setattr(PPOTrainer, "_prepare_deepspeed", _prepare_with_stand_in)
+        monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self: DistributedType.DEEPSPEED))
+        monkeypatch.setattr(Accelerator, "get_state_dict", lambda self, model, unwrap=True: model.state_dict())
+        # transformers imports this name only when DeepSpeed is installed; its DeepSpeed branches read it.
+        monkeypatch.setattr(transformers.trainer, "DeepSpeedSchedulerWrapper", DeepSpeedSchedulerWrapper, raising=False)
+        return built
+
+    return install
+
+
+@pytest.fixture
+def counted_gathers(monkeypatch):
+    """Counts the `full_weights` blocks PPO enters (the real context runs inside)."""
+    entered: list[int] = []
+    real = ppo.full_weights
+
+    @contextlib.contextmanager
+    def counting(model):
+        entered.append(1)
+        with real(model) as inner:
+            yield inner
+
+    monkeypatch.setattr(ppo, "full_weights", counting)
+    return entered
+
+
+def test_deepspeed_path_updates_as_the_plain_loop(tiny_model_dir, prompts_file, tmp_path, stand_in_deepspeed,
+                                                  counted_gathers, monkeypatch):
+    """The same run through the plain loop and through the engine: the same logs, adapter and value head.
+
+    The DeepSpeed run also pads every update batch with one weightless pass, as a process holding fewer rows of
+    the batch than another does (`_most_micro_batches` reports one more than this process has).
+    """
+    plain, engine_run = tmp_path / "plain", tmp_path / "deepspeed"
+    run_train(_config(tiny_model_dir, prompts_file, plain, **DEEPSPEED_KEYS))
+    assert len(counted_gathers) == 2  # one gather block per rollout (2 PPO steps)
+
+    built = stand_in_deepspeed()
+    monkeypatch.setattr(PPOTrainer, "_most_micro_batches", lambda self, count: count + 1)
+    run_train(_config(tiny_model_dir, prompts_file, engine_run, **DEEPSPEED_KEYS))
+    assert len(counted_gathers) == 4
+    _assert_same_run(plain, engine_run)
+
+    engine = built[0].deepspeed
+    # 2 PPO steps x 2 epochs x 1 update batch = 4 optimizer steps, each of 2 real passes + 1 weightless one, all
+    # through accelerate.backward with DeepSpeed's accumulation scaling off; the boundary is each batch's last pass.
+    assert engine.steps == 4
+    assert engine.backward_calls == [(False, False), (False, False), (True, False)] * 4
+
+
+def test_deepspeed_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file, tmp_path, stand_in_deepspeed,
+                                                   crash_before_step):
+    """Killed before step 4 and resumed from checkpoint-2 (the engine's checkpoint, written and read through the
+    Trainer's DeepSpeed paths) ends as the uninterrupted run does."""
+    stand_in_deepspeed()
+
+    def config(out):
+        return _config(tiny_model_dir, prompts_file, out, **DEEPSPEED_KEYS, max_steps=4, save_steps=2, warmup_steps=1,
+                       lr_scheduler_type="linear")
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_train(config(straight))
+    with pytest.raises(Exception, match="killed before step"):
+        run_train(config(resumed), callbacks=[crash_before_step(4)])
+    checkpoint = resumed / "checkpoint-2"
+    assert [p.name for p in checkpoint.glob("global_step*")] == ["global_step4"]  # the engine's own checkpoint
+    assert (checkpoint / "scheduler.pt").is_file() and not (checkpoint / "optimizer.pt").exists()
+    run_train(config(resumed))
+    _assert_same_run(straight, resumed)
+
+
+def test_sharded_weights_are_refused_with_the_reason():
+    assert deepspeed_refusal({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}) is None
+    assert deepspeed_refusal({"zero_optimization": {"stage": 0}}) is None
+    assert deepspeed_refusal({"train_batch_size": "auto"}) is None
+    zero3 = deepspeed_refusal({"zero_optimization": {"stage": 3}})
+    assert "ZeRO-3" in zero3 and "value head" in zero3 and "ZeRO-0/1/2" in zero3
+    assert "scheduler" in deepspeed_refusal({"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR"}})
+    shipped = Path(__file__).resolve().parents[2] / "examples" / "deepspeed"
+    verdicts = {path.name: deepspeed_refusal(json.loads(path.read_text())) is None for path in shipped.glob("*.json")}
+    assert verdicts == {"ds_z0_config.json": True, "ds_z2_config.json": True, "ds_z3_config.json": False,
+                        "ds_z3_offload_config.json": False}
+
+    def config(**training):  # check_config reads these keys only (parse_config refuses both earlier on a CPU)
+        keys = {"do_train": True, "do_eval": False, "do_predict": False, "deepspeed": None, "fsdp": None,
+                "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, **training}
+        return SimpleNamespace(method=SimpleNamespace(reward_model=None, reward_funcs=["format"], ppo_critic="head",
+                                                      mini_batch_size=None),
+                               training=SimpleNamespace(**keys), finetuning=SimpleNamespace(finetuning_type="lora"))
+
+    with pytest.raises(ConfigError) as refused:
+        check_config(config(fsdp="full_shard"))
+    assert str(refused.value) == FSDP_REFUSAL
+    zero3_keys = {"deepspeed": "ds_z3_config.json",
+                  "hf_deepspeed_config": SimpleNamespace(config={"zero_optimization": {"stage": 3}})}
+    with pytest.raises(ConfigError, match="does not run under DeepSpeed ZeRO-3"):
+        check_config(config(**zero3_keys))
+    check_config(config(deepspeed="ds_z2_config.json",
+                        hf_deepspeed_config=SimpleNamespace(config={"zero_optimization": {"stage": 2}})))

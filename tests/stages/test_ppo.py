@@ -373,9 +373,11 @@ def test_full_fine_tuning_policy(tiny_model_dir, prompts_file, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 # A rollout of 4 prompts as 2 per device x 2 accumulation steps, trained as mini-batches of 2 (2 backward passes
-# per optimizer step), 2 PPO epochs; clipping on, so the engine's clipping is what the plain loop's is.
+# per optimizer step), 2 PPO epochs; clipping on, so the engine's clipping is what the plain loop's is. SGD: a
+# gradient off by a factor moves the weights by that factor (Adam's first steps would hide it).
 DEEPSPEED_KEYS = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "mini_batch_size": 2,
-                  "reward_funcs": "format,length", "reward_weights": "1,1", "max_grad_norm": 0.5}
+                  "reward_funcs": "format,length", "reward_weights": "1,1", "max_grad_norm": 0.5, "optim": "sgd",
+                  "learning_rate": 0.05}
 
 
 class StandInEngine:

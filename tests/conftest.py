@@ -106,6 +106,25 @@ class SimulatedCrash(Exception):
 
 
 @pytest.fixture
+def record_forward_shapes(monkeypatch):
+    """`record_forward_shapes(model) -> list`: until the test ends, every forward of `model`'s class appends the
+    shape of its `input_ids` (a tuple) to the returned list, then runs as before (counts the passes a batch
+    takes and their sizes)."""
+    def record(model) -> list[tuple[int, ...]]:
+        seen: list[tuple[int, ...]] = []
+        real_forward = type(model).forward
+
+        def recording_forward(self, *args, **kwargs):
+            seen.append(tuple(kwargs["input_ids"].shape))
+            return real_forward(self, *args, **kwargs)
+
+        monkeypatch.setattr(type(model), "forward", recording_forward)
+        return seen
+
+    return record
+
+
+@pytest.fixture
 def crash_before_step():
     """`crash_before_step(n)` -> a callback that raises `SimulatedCrash` when step n is about to start, i.e.
     after step n - 1 has been logged and its checkpoint saved, as when the process is killed there."""

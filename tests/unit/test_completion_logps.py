@@ -51,17 +51,9 @@ def test_shared_prompt_pass_equals_one_pass(lora_policy, completion_len, tempera
     assert any(g.abs().max() > 1e-4 for g in a_grads.values())  # gradients are not trivially zero
 
 
-def test_shared_prompt_pass_runs_each_prompt_once(lora_policy, monkeypatch):
+def test_shared_prompt_pass_runs_each_prompt_once(lora_policy, record_forward_shapes):
     """7 rows over 3 distinct prompts: the prompt pass sees 3 rows of 5 tokens, the completion pass 7 rows of C - 1."""
-    base = lora_policy.get_base_model()
-    seen = []
-    real_forward = type(base).forward
-
-    def recording_forward(self, *args, **kwargs):
-        seen.append(tuple(kwargs["input_ids"].shape))
-        return real_forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(base), "forward", recording_forward)
+    seen = record_forward_shapes(lora_policy.get_base_model())
     with torch.no_grad():
         completion_logps(lora_policy, *_batch(6))
     assert seen == [(3, 5), (7, 5)]

@@ -323,17 +323,10 @@ def test_decode_greedy_equals_hf_generate(varied_model, prompts, repetition_pena
     assert len(set(map(tuple, got.tolist()))) > 1  # rows differ: the comparison means something
 
 
-def test_decode_prefills_each_distinct_prompt_once(varied_model, monkeypatch):
+def test_decode_prefills_each_distinct_prompt_once(varied_model, record_forward_shapes):
     """A GRPO batch (2 prompts x 3) runs its prompt forward on 2 rows, then decodes all 6 one token at a time."""
     model = copy.deepcopy(varied_model)
-    seen = []
-    real_forward = type(model).forward
-
-    def recording_forward(self, *args, **kwargs):
-        seen.append(tuple(kwargs["input_ids"].shape))
-        return real_forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(model), "forward", recording_forward)
+    seen = record_forward_shapes(model)
     ids, mask = pad_prompts([[5, 17, 30]] * 3 + [[7, 8]] * 3, IM_END)
     with torch.no_grad():
         out = decode(model, ids, mask, max_new_tokens=4, stop_token_ids=[], pad_token_id=IM_END)

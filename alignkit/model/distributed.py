@@ -10,6 +10,12 @@ precomputation pass) and puts the shards back on exit.
 - ZeRO-3: the parameters DeepSpeed partitioned carry a `ds_id` attribute (set by `deepspeed.zero.Init`, which
   transformers' `from_pretrained` uses when the `deepspeed` config has stage 3). They are gathered with
   `deepspeed.zero.GatheredParameters(params, modifier_rank=None)` (read-only: nothing is written back).
+  Once a DeepSpeed engine runs over the model, every submodule also carries the engine's hooks, which gather
+  its weights before its forward and partition them again after it, gathered block or not; given the engine
+  (`engine=`), the block is DeepSpeed's own `deepspeed.runtime.zero.unwrap_model_for_generation(engine)`
+  instead, which gathers every weight once and takes those hooks off for the block (and puts them back).
+  Without it (a model that no engine runs, or a DeepSpeed without that function) each forward inside the
+  block gathers and frees its layers again: correct, as slow as no block.
 - FSDP2 (`fully_shard`, accelerate's `fsdp_version: 2`): every `FSDPModule` is unsharded with `unshard()`
   and kept whole across forwards (`set_reshard_after_forward(False)`), then `reshard()`ed and given back its
   reshard-after-forward setting on exit.
@@ -24,9 +30,12 @@ needs an accelerator), see docs/ARCHITECTURE.md.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import logging
+from typing import Iterator, Optional
 
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 def zero3_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -55,11 +64,16 @@ def sharding_of(model: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def full_weights(model: nn.Module) -> Iterator[nn.Module]:
+def full_weights(model: nn.Module, engine: Optional[nn.Module] = None) -> Iterator[nn.Module]:
     """Within the block, `model` computes with whole weights gathered once (module docstring); yields it.
 
     Use it around one generation batch or one reference pass, not around a training step (the optimizer
     works on the shards). Gathering costs the memory of the whole model on each process for the block.
+
+    Args:
+        model: the model to run in the block.
+        engine: the DeepSpeed engine running over `model`, if any: under ZeRO-3 its per-module hooks are taken
+            off for the block, so the weights stay gathered across forwards.
 
     Example:
         with full_weights(policy) as model:
@@ -67,7 +81,8 @@ def full_weights(model: nn.Module) -> Iterator[nn.Module]:
     """
     kind = sharding_of(model)
     if kind == "zero3":
-        with _zero3_gathered(zero3_parameters(model)):
+        block = _zero3_generation(engine) if engine is not None else None
+        with block or _zero3_gathered(zero3_parameters(model)):
             yield model
     elif kind == "fsdp2":
         modules = fsdp2_modules(model)
@@ -91,6 +106,19 @@ def _zero3_gathered(params: list[nn.Parameter]) -> contextlib.AbstractContextMan
     import deepspeed  # imported only under ZeRO-3, which already runs on DeepSpeed
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def _zero3_generation(engine: nn.Module) -> Optional[contextlib.AbstractContextManager]:
+    """DeepSpeed's gather-once block for an engine (`deepspeed.runtime.zero.unwrap_model_for_generation`: every
+    weight gathered, the engine's module hooks off inside, back on exit), or None where this DeepSpeed lacks it."""
+    try:
+        from deepspeed.runtime.zero import unwrap_model_for_generation
+    except ImportError:
+        logger.warning("This DeepSpeed has no deepspeed.runtime.zero.unwrap_model_for_generation: under ZeRO-3 the "
+                       "engine's hooks re-gather every layer at each forward of a rollout (correct, slower); a newer "
+                       "DeepSpeed gathers once per rollout.")
+        return None
+    return unwrap_model_for_generation(engine)
 
 
 def _reshards_after_forward(module: nn.Module) -> bool:

@@ -258,13 +258,17 @@ _PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qw
 def _fusable_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
     """The output layer when log-probs can be computed from its weight directly (`head_log_softmax`), else None.
 
-    That needs a plain `nn.Linear` head (not LoRA-wrapped, not quantized) of a model family whose forward does
-    nothing to the logits after it (`_PLAIN_HEAD_MODEL_TYPES`).
+    That needs a plain `nn.Linear` head (not LoRA-wrapped, not quantized, not partitioned by DeepSpeed ZeRO-3) of a
+    model family whose forward does nothing to the logits after it (`_PLAIN_HEAD_MODEL_TYPES`).
     """
     inner = getattr(model, "module", model)
     config = getattr(inner, "config", None)
     head = inner.get_output_embeddings()
     if type(head) is not torch.nn.Linear or getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
+        return None
+    if hasattr(head.weight, "ds_id"):
+        # DeepSpeed ZeRO-3: the weight is whole only inside the head's own forward and backward (the engine's
+        # hooks gather it there); read here it would be this process's empty partition. The head runs as a module.
         return None
     return head
 

@@ -15,7 +15,8 @@ unfused layers do.
 `fuse_lora_linears` installs it on every plain LoRA linear layer of a PEFT model. The fused path runs only in the
 plain case: adapters enabled and not merged, one active adapter without a variant (DoRA, ...), no dropout in
 effect, an `nn.Linear` base layer with matching dtypes, no autocast (bf16 mixed precision), no LoRA bias, no
-per-call adapter names; anything else
+per-call adapter names, no DeepSpeed ZeRO-3 partitions (whose weights only the modules' own calls gather); anything
+else
 calls PEFT's own forward, unchanged.
 """
 
@@ -92,6 +93,10 @@ def _plain_adapter(layer: nn.Module, x: torch.Tensor) -> str | None:
         return None
     base, lora_a, lora_b = layer.get_base_layer(), layer.lora_A[name], layer.lora_B[name]
     if type(base) is not nn.Linear or lora_b.bias is not None or lora_a.bias is not None:
+        return None
+    if any(hasattr(p, "ds_id") for p in (base.weight, lora_a.weight, lora_b.weight)):
+        # DeepSpeed ZeRO-3: a weight is whole only inside its own module's forward and backward (the engine's
+        # hooks gather it there), so reading `base.weight` here would read this process's empty partition.
         return None
     if not (x.dtype == base.weight.dtype == lora_a.weight.dtype == lora_b.weight.dtype):
         return None

@@ -144,6 +144,58 @@ def test_full_weights_gathers_zero3_parameters_once_around_a_whole_generation(ti
     assert not fake_deepspeed.active
 
 
+@pytest.mark.parametrize("has_block", [True, False])
+def test_full_weights_with_an_engine_uses_deepspeeds_generation_block(tiny_model_dir, monkeypatch, has_block):
+    """Given the engine, the ZeRO-3 block is DeepSpeed's `unwrap_model_for_generation(engine)` (which also takes the
+    engine's per-module hooks off); a DeepSpeed without it falls back to the plain gather."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    count = _mark_partitioned(model)
+    engine, used = object(), []
+
+    @contextlib.contextmanager
+    def unwrap_model_for_generation(given):
+        used.append(("generation block", given))
+        yield given
+
+    @contextlib.contextmanager
+    def gathered_parameters(params, modifier_rank=None):
+        used.append(("gather", len(list(params)), modifier_rank))
+        yield
+
+    zero = types.SimpleNamespace(GatheredParameters=gathered_parameters)
+    real_import = __import__
+
+    def importing(name, *args, **kwargs):
+        if name == "deepspeed.runtime.zero":
+            if not has_block:
+                raise ImportError("cannot import name 'unwrap_model_for_generation'")
+            return types.SimpleNamespace(unwrap_model_for_generation=unwrap_model_for_generation)
+        return types.SimpleNamespace(zero=zero) if name == "deepspeed" else real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.__import__", importing)
+    with full_weights(model, engine) as inside:
+        assert inside is model
+    monkeypatch.undo()
+    assert used == ([("generation block", engine)] if has_block else [("gather", count, None)])
+
+
+def test_partitioned_weights_are_read_only_through_their_modules(tiny_model_dir):
+    """Under ZeRO-3 (weights marked partitioned) the fused log-probs and the fused LoRA layers step aside: both read
+    a weight outside its module's forward, where DeepSpeed's hooks have not gathered it."""
+    from alignkit.model.loader import load_model
+    from alignkit.model.logprobs import _fusable_head
+    from alignkit.model.lora_fused import _plain_adapter
+
+    config = parse_config({"stage": "sft", "model_name_or_path": tiny_model_dir, "output_dir": "unused",
+                           "lora_rank": 4, "lora_dropout": 0.0})
+    model = load_model(config.model, config.finetuning, is_trainable=True)
+    layer = next(m for m in model.modules() if hasattr(m, "lora_A") and len(m.lora_A))
+    x = torch.zeros(1, layer.get_base_layer().in_features)
+    assert _fusable_head(model) is not None and _plain_adapter(layer, x) is not None
+    _mark_partitioned(model)
+    assert _fusable_head(model) is None and _plain_adapter(layer, x) is None
+
+
 def test_dpo_reference_precomputation_gathers_once_for_the_whole_pass(tiny_model_dir, tiny_tokenizer, fake_deepspeed,
                                                                       tmp_path):
     from datasets import Dataset

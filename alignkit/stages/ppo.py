@@ -34,7 +34,7 @@ What this simplifies, and why:
   their own per step (`rollout.rollout_seed`, shared with GRPO), response lengths and update batches are drawn
   from `(seed, step)`: step k depends on k and the weights alone, so a resumed run needs no data skipping and
   equals the uninterrupted one. Checkpoints add the KL coefficient and score statistics (`ppo_state.json`).
-- The policy's log-probs and the critic's values come from one decoder pass (`logps_from_hidden`); the
+- The policy's log-probs and the critic's values come from one call of the model (`policy_forward`); the
   sequences are laid out contiguously (`pack_right`) so each token has its true position in the padded and the
   padding-free forward alike.
 - Several processes (`torchrun`, `accelerate launch`): data parallel without a DDP wrapper. A rollout is
@@ -58,23 +58,51 @@ What this simplifies, and why:
   them); the update batch's last one is the engine's accumulation boundary, where DeepSpeed reduces, clips (its
   `gradient_clipping`, from max_grad_norm), steps and zeroes the gradients, so the manual gradient sum is skipped.
   Every process runs as many micro-batches (passes over a row with weight 0 even them out), as DeepSpeed's
-  collectives need. The forwards call the model module itself (its weights are whole). The learning-rate schedule
-  is the Trainer's, stepped once per PPO step (a DeepSpeed `scheduler` block is refused). Checkpoints are the
-  Trainer's DeepSpeed ones (the engine's `save_checkpoint`; a resume loads them with `deepspeed_load_checkpoint`,
-  master weights and optimizer state included), plus the adapter, value head and `ppo_state.json` as always.
-  Under DeepSpeed bf16/fp16 the engine casts the whole module, value head included. The rollout runs inside one
-  `full_weights` block (generation, scoring, the rollout-time passes), a no-op with whole weights.
-  NOT RUN ON A GPU: written against the documented APIs of transformers 5.24, accelerate and DeepSpeed, and
-  tested on the CPU with a stand-in engine that keeps DeepSpeed's contract (the DeepSpeed part of
-  tests/stages/test_ppo.py).
-- Refused: DeepSpeed ZeRO-3 and FSDP (`deepspeed_refusal`, `FSDP_REFUSAL`). With the weights themselves sharded,
-  the output layer and value head run outside the model's forward, the in-place adapter switches, the reference
-  copy of a full/freeze policy and the saving of adapter and value head would each meet a shard; making them
-  right needs a GPU run to show it.
+  collectives need. Training forwards call the engine (`model_wrapped`), as the Trainer's training step does. The
+  learning-rate schedule is the Trainer's, stepped once per PPO step (a DeepSpeed `scheduler` block is refused).
+  Checkpoints are the Trainer's DeepSpeed ones (the engine's `save_checkpoint`; a resume loads them with
+  `deepspeed_load_checkpoint`, master weights and optimizer state included), plus the adapter, value head and
+  `ppo_state.json` as always. Under DeepSpeed bf16/fp16 the engine casts the whole module, value head included.
+- DeepSpeed ZeRO-3 (weights partitioned too; `finetuning_type: lora`), what changes and why it is right:
+  - Every weight is read inside its own module's call. ZeRO-3 partitions each weight when `from_pretrained`
+    returns (`deepspeed.zero.Init`); the engine's hooks gather a module's weights before its forward, release them
+    after, and gather them again before its backward. So the training forward is one call of the engine
+    (`policy_forward`): a pre-hook on the output layer keeps only the positions that predict a response token and
+    records the hidden states it receives, and the value head runs as a module on those (it is H + 1 numbers,
+    under DeepSpeed's default `stage3_param_persistence_threshold` of 10 x H, so it stays whole anyway). The
+    fused paths that read weights outside their module step aside under ZeRO-3: `lora_fused` (the LoRA layer
+    read its base layer's weight) and the fused output-layer log-probs of `logprobs` (not used by PPO).
+  - The LoRA adapter switches (the reward adapter, the critic adapter, the reference with adapters off) are not a
+    problem: they flip flags (the active adapter's name, PEFT's disable flag, `requires_grad`), never copy or
+    replace a tensor; an inactive adapter's weights stay partitioned and unused, an active one's are gathered by
+    its modules' hooks like any weight. The optimizer holds every trainable tensor from the start; a tensor whose
+    `requires_grad` is off during a pass (the policy adapter in the critic pass) just gets no gradient from it.
+  - Each rollout (generation, reward adapter, the policy, critic and reference passes) runs in one
+    `full_weights(model, engine)` block: DeepSpeed's `unwrap_model_for_generation(engine)` gathers every weight
+    once and takes the engine's hooks off for the block (with the hooks on, each forward would release and
+    re-gather its layers: once per token). That holds the whole model on every process for the rollout. A reward
+    model loaded on its own (partitioned by `from_pretrained`, in no engine) is gathered for the rollout too.
+  - Saving: the Trainer's `save_model` consolidates the trainable tensors on the main process
+    (`_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)` for a PEFT model), and `_save`
+    writes the adapter(s) and value head from that dict, not from the module's partitions. Checkpoints and resume
+    are the engine's, as under ZeRO-0/1/2.
+  - Refused under ZeRO-3, with the reason (`deepspeed_refusal`): a full/freeze policy (its reference is a deep
+    copy of the model taken when the trainer is built, which would copy partitions that no engine gathers) and
+    `adapter_name_or_path` (merging it writes into partitioned base weights; merge beforehand with
+    `alignkit export`).
+- Refused: FSDP (`FSDP_REFUSAL`): this loop builds its optimizer over the unwrapped model and sums gradients itself;
+  FSDP needs accelerate to wrap the model first (FSDP1's root unit holds the embeddings, final norm, output layer
+  and value head and gathers them only in the wrapper's forward; FSDP2 turns parameters into DTensors) and
+  reduces gradients in its backward. No such preparation path is written.
+- NOT RUN ON A GPU: the DeepSpeed paths (ZeRO-0/1/2 and ZeRO-3) are written against the documented APIs of
+  transformers 5.24, accelerate and DeepSpeed, and tested on the CPU with stand-ins that keep DeepSpeed's contract
+  (tests/stages/test_ppo.py: an engine, and for ZeRO-3 parameters that are empty outside their module's calls and
+  the rollout's gather); DeepSpeed itself has not run here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -201,37 +229,53 @@ class PPOArguments(RewardFunctionArguments):
             raise ConfigError(f"gamma={self.gamma} and lam={self.lam} must lie in [0, 1].")
 
 
-# Why the sharded set-ups PPO's loop cannot run under are refused (see the module docstring).
-_SHARDED_TENSORS = (
-    "this loop runs the output layer and the value head on the decoder's hidden states outside the model's "
-    "forward, switches LoRA adapters in place for the reward, critic and reference passes, copies a full/freeze "
-    "policy for its reference, and saves the adapter and value head from the module's own tensors; with the "
-    "weights sharded each of these would meet a shard, and it has not run on a GPU to show otherwise"
-)
-FSDP_REFUSAL = (f"stage ppo does not run under FSDP: {_SHARDED_TENSORS}. Use DeepSpeed ZeRO-0/1/2 (e.g. "
-                "examples/deepspeed/ds_z2_config.json), plain data parallelism (torchrun / accelerate launch), "
-                "or stage grpo (not refused under FSDP: its training step is the Trainer's).")
+# Why PPO refuses FSDP (see the module docstring).
+FSDP_REFUSAL = (
+    "stage ppo does not run under FSDP: its loop builds the optimizer over the unwrapped model and sums gradients "
+    "itself, while FSDP needs accelerate to wrap the model before the optimizer exists (FSDP1 flattens the "
+    "parameters, and its root unit, which holds the embeddings, the final norm, the output layer and the value "
+    "head, gathers them only inside the wrapper's own forward; FSDP2 turns them into DTensors) and reduces the "
+    "gradients inside its backward; this loop has no such preparation path, and none has run on a GPU. Use "
+    "DeepSpeed (ZeRO-3 with finetuning_type: lora, e.g. examples/deepspeed/ds_z3_config.json, or ZeRO-0/1/2), "
+    "plain data parallelism (torchrun / accelerate launch), or stage grpo (its training step is the Trainer's).")
 
 
-def deepspeed_refusal(ds_config: dict[str, Any]) -> Optional[str]:
-    """Why PPO's loop cannot run under this DeepSpeed config, or None when it can (ZeRO stage 0, 1 or 2).
+def deepspeed_refusal(ds_config: dict[str, Any], finetuning_type: str = "lora",
+                      merges_adapters: bool = False) -> Optional[str]:
+    """Why PPO's loop cannot run under this DeepSpeed config, or None when it can.
 
-    - ZeRO-3 partitions the weights themselves (`_SHARDED_TENSORS` says what of this loop would meet a partition).
     - A `scheduler` block: DeepSpeed steps its scheduler at each optimizer step, while PPO's learning-rate
       schedule advances once per PPO step (several optimizer steps).
+    - ZeRO-3 (the weights themselves partitioned when `from_pretrained` returns) with a full/freeze policy: its
+      reference is a deep copy of the model made when the trainer is built (`keep_reference_copy`), which would
+      copy the partitions (empty tensors plus DeepSpeed's bookkeeping) of parameters no engine gathers.
+    - ZeRO-3 with `adapter_name_or_path`: the loader merges those adapters into the base weights
+      (`merge_and_unload`), which would write into partitioned tensors.
 
     Args:
         ds_config: the DeepSpeed JSON as a dict (`TrainingArguments.hf_deepspeed_config.config`).
+        finetuning_type: the run's `finetuning_type`.
+        merges_adapters: whether `adapter_name_or_path` is set (adapters merged into the base at load).
     """
-    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    if stage == 3:
-        return (f"stage ppo does not run under DeepSpeed ZeRO-3: {_SHARDED_TENSORS}. Use ZeRO-0/1/2 (e.g. "
-                "examples/deepspeed/ds_z2_config.json; the optimizer state and gradients are sharded, the weights "
-                "whole), or stage grpo (not refused under ZeRO-3: its training step is the Trainer's).")
     if "scheduler" in ds_config:
         return ("stage ppo: remove the `scheduler` block of the DeepSpeed config. DeepSpeed would step it at every "
                 "optimizer step; PPO advances its learning-rate schedule (lr_scheduler_type, warmup_steps) once "
                 "per PPO step, with the Trainer's scheduler.")
+    if (ds_config.get("zero_optimization") or {}).get("stage", 0) != 3:
+        return None
+    if finetuning_type != "lora":
+        return (f"stage ppo does not run under DeepSpeed ZeRO-3 with finetuning_type: {finetuning_type}: the "
+                "reference of a full/freeze policy is a deep copy of the model taken when the trainer is built, and "
+                "under ZeRO-3 that would copy each weight's partition (an empty tensor and DeepSpeed's bookkeeping) "
+                "for parameters that no engine gathers, so the reference would compute on nothing. Use "
+                "finetuning_type: lora (the reference is the base with the adapter switched off), or ZeRO-0/1/2 "
+                "(e.g. examples/deepspeed/ds_z2_config.json).")
+    if merges_adapters:
+        return ("stage ppo does not merge adapter_name_or_path under DeepSpeed ZeRO-3: merging writes into the base "
+                "weights, which are partitioned across processes as soon as the model is loaded. Merge the adapter "
+                "beforehand (`alignkit export --model BASE --adapter SFT_DIR --export-dir MERGED`), set "
+                "model_name_or_path: MERGED without adapter_name_or_path, and give the reward model (trained over "
+                "that SFT adapter) with reward_model_type: lora; or use ZeRO-0/1/2.")
     return None
 
 
@@ -252,7 +296,8 @@ def check_config(config: "Config") -> None:
         raise ConfigError(FSDP_REFUSAL)
     if t.deepspeed:
         # Before the model loads: under ZeRO-3, transformers would load it partitioned.
-        reason = deepspeed_refusal(t.hf_deepspeed_config.config)
+        reason = deepspeed_refusal(t.hf_deepspeed_config.config, config.finetuning.finetuning_type,
+                                   bool(config.model.adapter_name_or_path))
         if reason:
             raise ConfigError(reason)
     if t.do_eval or t.do_predict:
@@ -623,33 +668,63 @@ def pack_right(
 # ---------------------------------------------------------------------------------------------------
 
 
-def logps_from_hidden(model: nn.Module, hidden: torch.Tensor, flat, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probs of the labelled tokens from the decoder's last hidden states, via the model's output layer.
+def policy_forward(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, *,
+    padding_free: bool = False, call: Optional[nn.Module] = None,
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """Log-probs of the labelled tokens and the decoder's last hidden states, from one call of the whole model.
 
-    Only the positions that predict a labelled token go through the output layer, as in
-    `alignkit.model.logprobs.forward_token_logps`; taking the hidden states (rather than calling the model)
-    lets the value head read the same decoder pass.
+    The model runs as a whole (`call`, e.g. a DeepSpeed engine around `model`, or `model` itself), so every weight
+    is used inside a module's forward: under DeepSpeed ZeRO-3 each module's hooks gather its weights for its
+    forward and again for its backward, and the engine's own forward bookkeeping runs, as in a Trainer's training
+    step. A pre-hook on the output layer records the hidden states it receives (for the value head) and passes it
+    only the positions that predict a labelled token, so no `[N, L, V]` logits are formed.
 
     Args:
-        model: the causal LM (PEFT/DDP wrappers allowed) whose output layer applies.
-        hidden: [N, L, H] padded hidden states, or [1, T, H] flat ones with `flat` their `FlatBatch`.
-        flat: None, or the `FlatBatch` of `last_hidden_states`.
-        labels: [N, L], -100 where no log-prob is wanted.
+        model: the causal LM (PEFT wrapper allowed); its output layer and decoder are found in it.
+        input_ids, attention_mask: [N, L] sequences laid out by `pack_right`.
+        labels: [N, L], -100 where no log-prob is wanted (all -100: only the hidden states are wanted; the output
+            layer then runs on no position).
+        padding_free: run the real tokens packed into rows (`alignkit.model.padding_free`).
+        call: what to call instead of `model` (a wrapper whose forward runs `model`'s); None: `model`.
 
     Returns:
-        [N, L - 1] float32: column t holds `log p(labels[:, t + 1])`, 0 where unlabelled.
+        `(logps, hidden, flat)`: logps [N, L - 1] float32, column t holding `log p(labels[:, t + 1])`, 0 where
+        unlabelled; hidden and flat as `alignkit.model.heads.last_hidden_states` returns them ([N, L, H] and None,
+        or [1, T, H] in flat order and the `FlatBatch`).
     """
+    from ..model.heads import decoder_of
     from ..model.logprobs import selective_log_softmax
-    from ..model.padding_free import unflatten_to_padded
+    from ..model.padding_free import (attention_slot_cost, flatten_padded, packed_attention, row_token_bound,
+                                      unflatten_to_padded)
 
-    if flat is not None:
-        hidden = unflatten_to_padded(hidden[0], flat.real)
+    flat = None
+    if padding_free:
+        decoder = decoder_of(model)
+        flat = flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(decoder),
+                              slot_cost=attention_slot_cost(decoder))
     targets = labels[:, 1:]
     selected = targets != IGNORE_INDEX
-    head = getattr(model, "module", model).get_output_embeddings()
-    logits = head(hidden[:, :-1][selected])
-    kept = selective_log_softmax(logits, targets[selected])
-    return kept.new_zeros(targets.shape).masked_scatter(selected, kept)
+    seen: dict[str, torch.Tensor] = {}
+
+    def labelled_positions(_module, args):
+        hidden = args[0] if flat is None else flat.from_rows(args[0]).unsqueeze(0)
+        seen["hidden"] = hidden
+        padded = hidden if flat is None else unflatten_to_padded(hidden[0], flat.real)
+        return (padded[:, :-1][selected], *args[1:])
+
+    handle = getattr(model, "module", model).get_output_embeddings().register_forward_pre_hook(labelled_positions)
+    call = model if call is None else call
+    try:
+        if flat is None:
+            logits = call(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        else:
+            with packed_attention(model, flat):
+                logits = call(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False).logits
+    finally:
+        handle.remove()
+    kept = selective_log_softmax(logits.reshape(-1, logits.size(-1)), targets[selected])
+    return kept.new_zeros(targets.shape).masked_scatter(selected, kept), seen["hidden"], flat
 
 
 @dataclass
@@ -705,7 +780,12 @@ class PPOTrainer(StageTrainer):
         # As in `check_config`, for set-ups that come from `accelerate launch --config_file` rather than the keys.
         reason = FSDP_REFUSAL if self.is_fsdp_enabled else None
         if self.is_deepspeed_enabled:
-            reason = deepspeed_refusal(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+            from ..model.loader import merged_adapters
+            from .base import is_peft_model
+
+            reason = deepspeed_refusal(self.accelerator.state.deepspeed_plugin.deepspeed_config,
+                                       "lora" if is_peft_model(self.model) else "full/freeze",
+                                       bool(merged_adapters(self.model)))
         if reason:
             from ..hparams import ConfigError
 
@@ -802,37 +882,55 @@ class PPOTrainer(StageTrainer):
 
     # ---- forward passes ----
 
-    def _critic_values(self, batch: Rollout | dict, grad: bool) -> torch.Tensor:
-        """[N, L - 1] values of the critic adapter + head, aligned with the log-prob columns."""
+    def _critic_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, grad: bool,
+                       call: Optional[nn.Module]) -> torch.Tensor:
+        """[N, L - 1] values of the critic adapter + head, aligned with the log-prob columns (`call`: as for
+        `policy_forward`)."""
         from ..model.adapters import use_adapter
-        from ..model.heads import token_values
+        from ..model.heads import values_from_hidden
 
         with use_adapter(self.model, CRITIC_ADAPTER):
             if grad:
                 for name, param in self.model.named_parameters():
                     if f".{CRITIC_ADAPTER}." in name:
                         param.requires_grad_(True)
-            values = token_values(self.model, self.value_head, batch["input_ids"], batch["attention_mask"],
-                                  padding_free=self.args.padding_free)
+            # No labels: the output layer runs on no position, only the hidden states are read.
+            _, hidden, flat = policy_forward(self.model, input_ids, attention_mask,
+                                             torch.full_like(input_ids, IGNORE_INDEX),
+                                             padding_free=self.args.padding_free, call=call)
+            values = values_from_hidden(self.value_head, hidden, attention_mask, flat)
         return values[:, :-1]
+
+    def _standalone_reward_models(self) -> list[nn.Module]:
+        """The reward models loaded with their own base (`reward_model_type: full`, or an RM that does not fit the
+        policy's base as an adapter), which the rollout runs outside the policy's engine."""
+        from ..rewards.model import FullRewardModel
+
+        functions = self.reward_functions.functions if self.reward_functions is not None else []
+        return [f.scorer.model for f in functions if isinstance(f, FullRewardModel)]
 
     def policy_outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
                        with_values: bool = True, grad: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Log-probs of the labelled tokens and, with `with_values`, the critic's values, both [N, L - 1].
 
-        Critic `head`: one decoder pass feeds both the output layer and the value head.
-        Critic `adapter`: a second pass with the critic adapter switched in.
+        Critic `head`: one model call feeds both the output layer and the value head (`policy_forward`).
+        Critic `adapter`: a second call with the critic adapter switched in. With `grad` (training) the call goes
+        through `model_wrapped` (the DeepSpeed engine, whose forward and module hooks gather ZeRO-3 partitions);
+        without (the rollout, whose weights `full_weights` has gathered) through the model itself.
         """
-        from ..model.heads import last_hidden_states, values_from_hidden
+        from ..model.heads import values_from_hidden
 
-        hidden, flat = last_hidden_states(self.model, input_ids, attention_mask, padding_free=self.args.padding_free)
-        logps = logps_from_hidden(self.model, hidden, flat, labels)
+        call = self.model_wrapped if grad else None
+        logps, hidden, flat = policy_forward(self.model, input_ids, attention_mask, labels,
+                                             padding_free=self.args.padding_free, call=call)
         if not with_values:
             return logps, None
         if self.ppo_args.ppo_critic == "head":
+            # A module call: under ZeRO-3 the value head's hooks gather it (it is H + 1 numbers, under the default
+            # `stage3_param_persistence_threshold` of 10 x H, so DeepSpeed keeps it whole anyway).
             values = values_from_hidden(self.value_head, hidden, attention_mask, flat)[:, :-1]
         else:
-            values = self._critic_values({"input_ids": input_ids, "attention_mask": attention_mask}, grad)
+            values = self._critic_values(input_ids, attention_mask, grad, call)
         return logps, values
 
     # ---- one PPO step ----
@@ -840,14 +938,18 @@ class PPOTrainer(StageTrainer):
     def make_rollout(self, step: int) -> tuple[Rollout, dict[str, Any], list[dict[str, Any]]]:
         """Generate, score and evaluate one rollout; returns it, its metrics and its completion records."""
         from ..data.collator import _pad_id
-        from ..model.heads import last_hidden_states
         from .rollout import rollout_seed, sample_completions, score_completions, trl_completions, trl_prompts
 
         rows = self.rollout_rows(step)
-        # Under a sharded model the weights are gathered once for the whole rollout (generation, the reward
-        # model's adapter, the policy, critic and reference passes), not once per forward or per token. PPO
-        # refuses ZeRO-3 and FSDP today (`deepspeed_refusal`), so this is a no-op where it runs.
-        with full_weights(self.model):
+        # Under ZeRO-3 the weights are gathered once for the whole rollout (generation, the reward model's
+        # adapter, the policy, critic and reference passes), not once per forward or per token: DeepSpeed's own
+        # block over the engine, which also takes the engine's per-module hooks off meanwhile (`full_weights`).
+        # A reward model loaded on its own (not in the engine, but partitioned by `from_pretrained` under ZeRO-3)
+        # is gathered for the rollout as well. Without partitioned weights both are no-ops.
+        with contextlib.ExitStack() as gathered:
+            gathered.enter_context(full_weights(self.model, self.model_wrapped if self.is_deepspeed_enabled else None))
+            for reward_model in self._standalone_reward_models():
+                gathered.enter_context(full_weights(reward_model))
             start = time.perf_counter()
             generation = sample_completions(
                 self.model, self.processing_class, rows["input_ids"], stop_token_ids=self.stop_token_ids,
@@ -896,9 +998,8 @@ class PPOTrainer(StageTrainer):
                 with torch.no_grad():
                     logps, values = self.policy_outputs(input_ids, attention_mask, labels, grad=False)
                 with self.reference() as reference_model:
-                    hidden, flat = last_hidden_states(reference_model, input_ids, attention_mask,
-                                                      padding_free=self.args.padding_free)
-                    ref_logps = logps_from_hidden(reference_model, hidden, flat, labels)
+                    ref_logps = policy_forward(reference_model, input_ids, attention_mask, labels,
+                                               padding_free=self.args.padding_free)[0]
             finally:
                 self.model.train(was_training)
 
@@ -1119,24 +1220,48 @@ class PPOTrainer(StageTrainer):
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
         """The policy as a plain PEFT adapter (only it: not the reward or critic adapter), the value head beside
-        it (`value_head.safetensors`), and the critic adapter in `critic/` with `ppo_critic: adapter`."""
+        it (`value_head.safetensors`), and the critic adapter in `critic/` with `ppo_critic: adapter`.
+
+        Under DeepSpeed the Trainer's `save_model` passes the consolidated state dict it gathered on every process
+        (ZeRO-3 with a PEFT model: the engine's `_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=
+        True)`, the trainable tensors whole on the main process; otherwise `accelerator.get_state_dict`), and
+        everything is saved from it: under ZeRO-3 the module's own tensors hold only this process's partition.
+        """
         from ..model.adapters import POLICY_ADAPTER
-        from ..model.heads import save_value_head
+        from ..model.distributed import sharding_of
+        from ..model.heads import VALUE_HEAD_NAME, ValueHead, save_value_head
         from .base import is_peft_model
 
         output_dir = output_dir or self.args.output_dir
         if not self.args.should_save:
             return
+        if not state_dict:
+            if sharding_of(self.model) != "none":
+                # The Trainer passes {} when it could not consolidate (stage3_gather_16bit_weights_on_model_save off
+                # on a path that needs it); the partitions alone are no adapter.
+                raise RuntimeError("stage ppo under ZeRO-3 saves the adapter and value head from the consolidated "
+                                   "state dict, and none came: set stage3_gather_16bit_weights_on_model_save: true "
+                                   "in the DeepSpeed config.")
+            state_dict = None
         os.makedirs(output_dir, exist_ok=True)
         if is_peft_model(self.model):
-            self.model.save_pretrained(output_dir, selected_adapters=[POLICY_ADAPTER])
+            # PEFT picks each adapter's tensors out of `state_dict` (the module's own when None).
+            self.model.save_pretrained(output_dir, selected_adapters=[POLICY_ADAPTER], state_dict=state_dict)
             if self.ppo_args.ppo_critic == "adapter":
-                self.model.save_pretrained(output_dir, selected_adapters=[CRITIC_ADAPTER])
+                self.model.save_pretrained(output_dir, selected_adapters=[CRITIC_ADAPTER], state_dict=state_dict)
         else:
             # A full/freeze policy: its weights without the attached value head (saved on its own below).
-            state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("v_head.")}
+            state = {k: v for k, v in (state_dict or self.model.state_dict()).items()
+                     if not k.startswith(f"{VALUE_HEAD_NAME}.")}
             self.model.save_pretrained(output_dir, state_dict=state)
-        save_value_head(self.value_head, output_dir)
+        value_head = self.value_head
+        if state_dict is not None:
+            # The head's tensors from the consolidated dict (keys end in `v_head.weight` / `v_head.bias` under
+            # whatever wrapper prefix the engine's module adds).
+            value_head = ValueHead(self.value_head.hidden_size)
+            value_head.load_state_dict({key.rsplit(".", 1)[1]: tensor for key, tensor in state_dict.items()
+                                        if key.rsplit(".", 2)[-2:-1] == [VALUE_HEAD_NAME]})
+        save_value_head(value_head, output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
@@ -1309,7 +1434,7 @@ __all__ = [
     "AdaptiveKLController",
     "RunningMoments",
     "pack_right",
-    "logps_from_hidden",
+    "policy_forward",
     "Rollout",
     "PPOTrainer",
     "build_critic",

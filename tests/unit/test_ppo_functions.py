@@ -178,21 +178,27 @@ def test_pack_right():
 
 
 @pytest.mark.parametrize("padding_free", [False, True])
-def test_logps_from_hidden_equal_forward_token_logps(padding_free, tiny_model_dir):
-    """One decoder pass read through the output layer gives the log-probs the model's own forward gives."""
+def test_policy_forward_equals_forward_token_logps_and_the_decoder(padding_free, tiny_model_dir):
+    """One call of the whole model gives the log-probs the model's own forward gives, and hands back the decoder's
+    last hidden states (what `last_hidden_states` returns) for the value head."""
     from transformers import AutoModelForCausalLM
 
     from alignkit.model.heads import last_hidden_states
     from alignkit.model.logprobs import forward_token_logps
-    from alignkit.stages.ppo import logps_from_hidden, pack_right
+    from alignkit.stages.ppo import pack_right, policy_forward
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     ids, mask, labels = pack_right(torch.tensor([[0, 0, 5, 6], [4, 5, 6, 7]]), torch.tensor([[0, 0, 1, 1], [1] * 4]),
                                    torch.tensor([[7, 8, 9], [9, 3, 2]]), torch.tensor([[1, 1, 0], [1, 1, 1]]),
                                    pad_token_id=2)
+    calls = []
     with torch.no_grad():
-        hidden, flat = last_hidden_states(model, ids, mask, padding_free=padding_free)
-        ours = logps_from_hidden(model, hidden, flat, labels)
+        ours, hidden, flat = policy_forward(model, ids, mask, labels, padding_free=padding_free,
+                                            call=lambda **kwargs: calls.append(kwargs) or model(**kwargs))
         theirs, labelled = forward_token_logps(model, ids, mask, labels)
+        decoder_hidden, decoder_flat = last_hidden_states(model, ids, mask, padding_free=padding_free)
+    assert len(calls) == 1  # through `call`, once
     assert labelled.sum().item() == 5
     torch.testing.assert_close(ours, theirs * labelled, rtol=0, atol=1e-5)
+    torch.testing.assert_close(hidden, decoder_hidden, rtol=0, atol=1e-6)
+    assert (flat is None) == (decoder_flat is None) == (not padding_free)

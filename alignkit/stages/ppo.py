@@ -1237,11 +1237,18 @@ class PPOTrainer(StageTrainer):
             return
         if not state_dict:
             if sharding_of(self.model) != "none":
+                if state_dict is None and not self.is_world_process_zero():
+                    # DeepSpeed consolidates on the global main process only; another node's main process (under
+                    # save_on_each_node) gets None and has nothing whole to write.
+                    logger.warning("Under ZeRO-3 only the global main process holds the consolidated adapter and "
+                                   "value head; process %d does not write them to %s.", self.args.process_index,
+                                   output_dir)
+                    return
                 # The Trainer passes {} when it could not consolidate (stage3_gather_16bit_weights_on_model_save off
                 # on a path that needs it); the partitions alone are no adapter.
-                raise RuntimeError("stage ppo under ZeRO-3 saves the adapter and value head from the consolidated "
-                                   "state dict, and none came: set stage3_gather_16bit_weights_on_model_save: true "
-                                   "in the DeepSpeed config.")
+                raise RuntimeError("stage ppo under ZeRO-3 saves the adapter and value head from the state dict that "
+                                   "the Trainer's save_model consolidates, and none came: save through save_model, "
+                                   "with stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed config.")
             state_dict = None
         os.makedirs(output_dir, exist_ok=True)
         if is_peft_model(self.model):

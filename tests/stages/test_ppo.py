@@ -694,6 +694,24 @@ def test_zero3_path_updates_as_the_plain_loop(tiny_model_dir, prompts_file, rewa
     assert built[0].deepspeed.steps == 4
 
 
+def test_zero3_saving_needs_the_consolidated_state_dict(tiny_model_dir, tmp_path):
+    """Under ZeRO-3 the module's tensors are partitions: with no consolidated dict the global main process stops
+    with the fix, and another node's main process (which DeepSpeed gives None) writes nothing."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for param in model.parameters():
+        param.ds_id = 0
+
+    def trainer(main: bool):
+        return SimpleNamespace(args=SimpleNamespace(should_save=True, output_dir=str(tmp_path), process_index=0 if main
+                                                    else 8), model=model, is_world_process_zero=lambda: main)
+
+    for state_dict in ({}, None):
+        with pytest.raises(RuntimeError, match="stage3_gather_16bit_weights_on_model_save: true"):
+            PPOTrainer._save(trainer(True), str(tmp_path / "main"), state_dict=state_dict)
+    PPOTrainer._save(trainer(False), str(tmp_path / "node"), state_dict=None)
+    assert not (tmp_path / "main").exists() and not (tmp_path / "node").exists()
+
+
 def test_sharded_weights_are_refused_with_the_reason():
     assert deepspeed_refusal({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}) is None
     assert deepspeed_refusal({"zero_optimization": {"stage": 0}}) is None

@@ -233,8 +233,9 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
     sampling cannot tell apart; only decoding uses them, never a pass whose log-probs or gradients train.
 
     Yields False and changes nothing where it does not apply: no oneDNN in this torch build, weights that are
-    not fp32 on the CPU, or LoRA layers other than plain linear ones (DoRA, LoRA biases, embeddings): the
-    caller then merges with `merged_lora`. Use it under `torch.no_grad()`.
+    not whole fp32 tensors on the CPU (sharded ones outside `full_weights`), or LoRA layers other than plain
+    linear ones (DoRA, LoRA biases, embeddings): the caller then merges with `merged_lora`. Use it under
+    `torch.no_grad()`.
 
     Args:
         model: a causal LM, plain or a `PeftModel`, in eval mode.
@@ -248,7 +249,8 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
                      and not any(n in m.lora_variant or m.lora_bias.get(n) for n in m.lora_A) for m in lora_layers)
     weights = [m.weight for m in modules if type(m) is torch.nn.Linear]
     if (not _packed_weight_supported() or not plain_lora or not weights
-            or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in weights)):
+            or any(w.dtype != torch.float32 or w.device.type != "cpu" or type(w.data) is not torch.Tensor
+                   or w.numel() == 0 for w in weights)):  # sharded (DTensor) or ZeRO-3 placeholder weights
         yield False
         return
     wrapped = {id(m.get_base_layer()) for m in lora_layers}

@@ -35,13 +35,15 @@ def kind_of(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__.splitlines()[0])
-    p.add_argument("--stage", choices=["sft", "rm", "dpo"], default="sft")
+    p.add_argument("--stage", choices=["sft", "rm", "dpo", "grpo"], default="sft")
     p.add_argument("--model", default="smollm2-135m-instruct", help="As for `python -m bench --model`.")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--cutoff", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2, help="Steps before the profiled one.")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", type=int, default=20, help="Operators to list.")
+    p.add_argument("--num-generations", type=int, default=4, help="GRPO, as for `python -m bench`.")
+    p.add_argument("--max-completion-length", type=int, default=32, help="GRPO, as for `python -m bench`.")
     p.add_argument("--extra", nargs="*", default=[], help="key=value training settings added for this run.")
     p.add_argument("--output", default=None, help="Also write the table and shares as JSON here.")
     opts = p.parse_args(argv)
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["ALIGNKIT_DATA_CACHE"] = str(work / "cache")
     steps = opts.warmup + 1
     _, model_dir = bench_run.resolve_model(opts.model, work)
-    data = bench_run.prepare_data(model_dir, [opts.stage], steps * opts.batch, opts.cutoff, work)
+    data = bench_run.prepare_data(model_dir, [opts.stage], steps * opts.batch, opts.cutoff, work,
+                                  num_generations=opts.num_generations)
     kind = bench_run.data_kind(opts.stage)
     profiled: dict = {}
 
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     opts_run = argparse.Namespace(stage=opts.stage, model_dir=model_dir, alignkit_dataset=data[kind]["alignkit_dataset"],
                                   alignkit_dataset_dir=data[kind]["alignkit_dataset_dir"], cutoff=opts.cutoff,
                                   output_dir=str(work / "out"), batch=opts.batch, steps=steps, lr=1e-4,
-                                  device="cpu", extra=opts.extra)
+                                  device="cpu", extra=opts.extra, num_generations=opts.num_generations,
+                                  max_completion_length=opts.max_completion_length)
     # run_alignkit imports run_train when called: wrap it so the profiling callback joins the benchmark's own.
     import alignkit.train
 

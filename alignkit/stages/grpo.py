@@ -42,8 +42,8 @@ How the work is laid out, and why:
   metrics are those of the whole batch; `completions.jsonl` is written by the main process with every
   process's rows, in global order. (TRL normalises `bnpo` by each process's own tokens; here it is the
   micro-batch's tokens over all processes, so the update does not depend on the number of processes.)
-- ZeRO-3 / FSDP: the sharded weights are gathered once per generation batch around `generate`
-  (`alignkit.model.distributed.full_weights`), not once per token. Not run here: there is no GPU.
+- ZeRO-3 / FSDP: the sharded weights are gathered once per generation batch around generation
+  (`alignkit.model.distributed.full_weights`, given the DeepSpeed engine), not once per token. Not run here: there is no GPU.
 - `use_vllm: true` samples with vLLM in this process (`rollout.VLLMColocateSampler`, GPU only, weights
   pushed in after each update). It is written against vLLM's documented API and has not run: no GPU was
   available to this project.
@@ -570,8 +570,10 @@ class GRPOTrainer(StageTrainer):
                                                      generation_kwargs=self.generation_kwargs, seed=seed,
                                                      first_row=first_row)
         else:
-            # Under ZeRO-3/FSDP: the sharded weights gathered once for the whole generation batch.
-            with full_weights(self.model) as model:
+            # Under ZeRO-3/FSDP: the sharded weights gathered once for the whole generation batch (given the
+            # DeepSpeed engine, whose per-module hooks would otherwise release each layer after its forward).
+            engine = self.model_wrapped if self.is_deepspeed_enabled else None
+            with full_weights(self.model, engine) as model:
                 generation = sample_completions(model, self.processing_class, prompt_ids,
                                                 stop_token_ids=self.stop_token_ids,
                                                 generation_kwargs=self.generation_kwargs, seed=seed,

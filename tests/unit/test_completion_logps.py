@@ -1,4 +1,5 @@
-"""`rollout.completion_logps` with shared prompt passes equals the one-pass forward, values and gradients."""
+"""`rollout.completion_logps` with shared prompts (one padding-free row) equals the padded one-pass forward, values
+and gradients."""
 
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ def test_shared_prompt_pass_equals_one_pass(lora_policy, completion_len, tempera
                                           share_prompts=share)
         results[share] = (logps.detach(), entropy, grads, chunked)
     (a_logps, a_ent, a_grads, a_chunk), (b_logps, b_ent, b_grads, b_chunk) = results[False], results[True]
+    # Positions after a completion's end are meaningless (callers mask them); the packed row does not compute them.
+    mask = batch[3].bool()
+    a_logps, a_ent, a_chunk = (t.masked_fill(~mask, 0) for t in (a_logps, a_ent, a_chunk))
+    b_logps, b_ent, b_chunk = (t.masked_fill(~mask, 0) for t in (b_logps, b_ent, b_chunk))
     torch.testing.assert_close(b_logps, a_logps, atol=1e-5, rtol=0)
     torch.testing.assert_close(b_ent, a_ent, atol=1e-5, rtol=0)
     torch.testing.assert_close(b_chunk, a_logps, atol=1e-5, rtol=0)
@@ -52,11 +57,13 @@ def test_shared_prompt_pass_equals_one_pass(lora_policy, completion_len, tempera
 
 
 def test_shared_prompt_pass_runs_each_prompt_once(lora_policy, record_forward_shapes):
-    """7 rows over 3 distinct prompts: the prompt pass sees 3 rows of 5 tokens, the completion pass 7 rows of C - 1."""
+    """7 rows over 3 distinct prompts: one padding-free row of the 3 prompts' real tokens (3 + 5 + 4) and each
+    completion's real tokens but its last; without sharing, 7 padded rows of P + C."""
     seen = record_forward_shapes(lora_policy.get_base_model())
     with torch.no_grad():
         completion_logps(lora_policy, *_batch(6))
-    assert seen == [(3, 5), (7, 5)]
+    lengths = _batch(6)[3].sum(1)
+    assert seen == [(1, 12 + int((lengths - 1).sum()))]
     seen.clear()
     with torch.no_grad():
         completion_logps(lora_policy, *_batch(6), share_prompts=False)
@@ -71,3 +78,27 @@ def lora_policy(tiny_model_dir, tmp_path, save_perturbed_adapter):
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)
     return model
+
+
+def test_long_batches_take_the_padded_shared_prompt_pass(lora_policy, monkeypatch):
+    """Past `_PACKED_ROW_TOKENS` the padding-free row is not built: the prompt pass (3 distinct prompts of 5
+    columns) and the completion pass on its cache run instead, with the same log-probs."""
+    from alignkit.stages import rollout
+
+    batch = _batch(6)
+    with torch.no_grad():
+        packed, _ = completion_logps(lora_policy, *batch)
+        monkeypatch.setattr(rollout, "_PACKED_ROW_TOKENS", 10)
+        base = lora_policy.get_base_model()
+        seen = []
+        real_forward = type(base).forward
+
+        def recording_forward(self, *args, **kwargs):
+            seen.append(tuple(kwargs["input_ids"].shape))
+            return real_forward(self, *args, **kwargs)
+
+        monkeypatch.setattr(type(base), "forward", recording_forward)
+        padded, _ = completion_logps(lora_policy, *batch)
+    assert seen == [(3, 5), (7, 5)]
+    mask = batch[3].bool()
+    torch.testing.assert_close(padded.masked_fill(~mask, 0), packed, atol=1e-5, rtol=0)

@@ -13,8 +13,8 @@ from alignkit.data.errors import DataError
 from alignkit.data.template import ChatFormatter
 from alignkit.hparams import parse_config
 from alignkit.model.generation import (completion_mask, decode, encode_prompts, generate, generate_with_decode,
-                                       left_pad, merged_lora, pad_prompts, sample_from_probs, sampling_processors,
-                                       stop_token_ids)
+                                       left_pad, merged_lora, packed_linears, pad_prompts, sample_from_probs,
+                                       sampling_processors, stop_token_ids)
 
 IM_END, ENDOFTEXT = 2, 0  # ids in the tiny tokenizer
 
@@ -244,6 +244,75 @@ def test_merged_lora_computes_each_delta_once(lora_model, monkeypatch):
     with torch.no_grad(), merged_lora(lora_model) as merged:
         assert merged and len(calls) == len(layers)
     assert len(calls) == len(layers) and not any(layer.merged for layer in layers)
+
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+def test_packed_linears_equal_the_merged_model_and_write_no_weight(lora_model):
+    """Inside the block every LoRA layer and the plain head run oneDNN-packed copies with the adapter merged in:
+    the logits equal the merged model's up to float rounding; with the adapter disabled (the reference policy)
+    they equal the base model's. Afterwards no forward is left patched and every weight is bit-for-bit as before."""
+    from peft.tuners.lora import LoraLayer
+
+    before = _snapshot(lora_model)
+    lora_model.eval()
+    batch = torch.tensor([[5, 17, 30, 44, 9], [7, 8, 40, 41, 42]])
+    patched = [m for m in lora_model.modules() if isinstance(m, LoraLayer)] + [lora_model.get_output_embeddings()]
+    with torch.no_grad():
+        with merged_lora(lora_model):
+            merged = lora_model(input_ids=batch).logits
+        with lora_model.disable_adapter():
+            base = lora_model(input_ids=batch).logits
+        with packed_linears(lora_model, batch_size=2) as packed:
+            assert packed and all("forward" in m.__dict__ for m in patched)
+            got = lora_model(input_ids=batch).logits
+        with lora_model.disable_adapter(), packed_linears(lora_model, batch_size=2) as packed:
+            assert packed
+            got_base = lora_model(input_ids=batch).logits
+    assert (merged - base).abs().max() > 1e-3  # the adapter changes the logits: the comparison means something
+    torch.testing.assert_close(got, merged, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_base, base, atol=1e-5, rtol=0)
+    assert not any("forward" in m.__dict__ for m in lora_model.modules())
+    assert all(torch.equal(before[name], t) for name, t in _snapshot(lora_model).items())
+
+
+def test_packed_linears_leave_dora_to_merged_lora(tiny_model):
+    """A LoRA variant (DoRA) is not packed (the block yields False and patches nothing): the caller merges it."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=2, target_modules="all-linear", use_dora=True))
+    with torch.no_grad(), packed_linears(model, batch_size=2) as packed:
+        assert not packed and not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_reserved_cache_equals_concatenation(tiny_model):
+    """After `_reserve_cache` each layer's keys/values are views into buffers with room for new tokens, and each
+    update gives what `DynamicCache`'s concatenation gives (rows [1, 0, 1] of a 2-row prefill, 3 new tokens with
+    room for 2: the third falls back to concatenation)."""
+    from transformers import DynamicCache
+
+    from alignkit.model.generation import _reserve_cache
+
+    ids = torch.tensor([[5, 17, 30], [7, 8, 9]])
+    rows = torch.tensor([1, 0, 1])
+    with torch.no_grad():
+        ours, theirs = DynamicCache(config=tiny_model.config), DynamicCache(config=tiny_model.config)
+        tiny_model(input_ids=ids, past_key_values=ours, use_cache=True)
+        tiny_model(input_ids=ids, past_key_values=theirs, use_cache=True)
+        _reserve_cache(ours, rows, room=2)
+        theirs.batch_select_indices(rows)
+        for step, token in enumerate([4, 6, 8]):
+            position = torch.full((3, 1), 3 + step)
+            a = tiny_model(input_ids=torch.full((3, 1), token), position_ids=position, past_key_values=ours,
+                           use_cache=True).logits
+            b = tiny_model(input_ids=torch.full((3, 1), token), position_ids=position, past_key_values=theirs,
+                           use_cache=True).logits
+            assert torch.equal(a, b)
+            for mine, reference in zip(ours.layers, theirs.layers):
+                assert torch.equal(mine.keys, reference.keys) and torch.equal(mine.values, reference.values)
+        assert ours.layers[0].keys.shape[-2] == 6
 
 
 def test_merge_unmerge_round_trip_is_not_exact_in_fp32(lora_model):

@@ -54,9 +54,10 @@ def count_generations(monkeypatch):
     original, original_full_weights = grpo_module.sample_completions, grpo_module.full_weights
 
     @contextlib.contextmanager
-    def recording_full_weights(model):
+    def recording_full_weights(model, engine=None):
+        assert engine is None  # no DeepSpeed here: no engine is handed over
         blocks.append("open")
-        with original_full_weights(model) as whole:
+        with original_full_weights(model, engine) as whole:
             yield whole
         blocks[-1] = "closed"
 

@@ -38,9 +38,18 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
+def is_zero3_partitioned(param: nn.Parameter) -> bool:
+    """Whether DeepSpeed ZeRO-3 has partitioned `param` (`deepspeed.zero.Init` gives such parameters a `ds_id`).
+
+    Outside a gather such a parameter holds this process's partition (often an empty tensor), so code that reads
+    weights outside their module's forward (fused kernels, the fused output-layer log-probs) must step aside.
+    """
+    return hasattr(param, "ds_id")
+
+
 def zero3_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters of `model` that DeepSpeed ZeRO-3 has partitioned (they carry `ds_id`); [] otherwise."""
-    return [p for p in model.parameters() if hasattr(p, "ds_id")]
+    """The parameters of `model` that DeepSpeed ZeRO-3 has partitioned; [] otherwise."""
+    return [p for p in model.parameters() if is_zero3_partitioned(p)]
 
 
 def fsdp2_modules(model: nn.Module) -> list[nn.Module]:

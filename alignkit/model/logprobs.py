@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..constants import IGNORE_INDEX
+from .distributed import is_zero3_partitioned
 from .padding_free import (
     FlatBatch,
     attention_slot_cost,
@@ -266,7 +267,7 @@ def _fusable_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
     head = inner.get_output_embeddings()
     if type(head) is not torch.nn.Linear or getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
         return None
-    if hasattr(head.weight, "ds_id"):
+    if is_zero3_partitioned(head.weight):
         # DeepSpeed ZeRO-3: the weight is whole only inside the head's own forward and backward (the engine's
         # hooks gather it there); read here it would be this process's empty partition. The head runs as a module.
         return None

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .distributed import is_zero3_partitioned
+
 
 class _LoraLinear(torch.autograd.Function):
     """`F.linear(x, weight, bias) + scaling * (x @ lora_a.T) @ lora_b.T` as one node (see the module docstring)."""
@@ -94,7 +96,7 @@ def _plain_adapter(layer: nn.Module, x: torch.Tensor) -> str | None:
     base, lora_a, lora_b = layer.get_base_layer(), layer.lora_A[name], layer.lora_B[name]
     if type(base) is not nn.Linear or lora_b.bias is not None or lora_a.bias is not None:
         return None
-    if any(hasattr(p, "ds_id") for p in (base.weight, lora_a.weight, lora_b.weight)):
+    if any(is_zero3_partitioned(p) for p in (base.weight, lora_a.weight, lora_b.weight)):
         # DeepSpeed ZeRO-3: a weight is whole only inside its own module's forward and backward (the engine's
         # hooks gather it there), so reading `base.weight` here would read this process's empty partition.
         return None

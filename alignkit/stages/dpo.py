@@ -66,7 +66,8 @@ class DPOArguments:
     pref_loss: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = field(
         default="sigmoid", metadata={"help": "Preference loss: sigmoid (DPO), ipo, hinge, orpo or simpo."}
     )
-    pref_ftx: float = field(default=0.0, metadata={"help": "Weight of the SFT loss on chosen added to DPO."})
+    pref_ftx: float = field(default=0.0, metadata={"help": "Weight of the SFT loss on chosen added to DPO (each "
+                                                   "chosen reply's mean NLL per token, per pair, as LLaMA-Factory)."})
     dpo_label_smoothing: float = field(
         default=0.0,
         metadata={
@@ -224,16 +225,22 @@ def simpo_loss(
 
 
 def chosen_nll_loss(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
-    """Mean negative log-likelihood per chosen response token over the batch (the `pref_ftx` term).
+    """Each chosen reply's mean negative log-likelihood per token (the `pref_ftx` term, one value per pair).
+
+    LLaMA-Factory's `pref_ftx` adds this per pair to the preference loss before the batch mean, so the term is
+    a mean over pairs of per-reply token means. A per-pair term also keeps N processes x batch b equal to one
+    process x batch N*b (a batch-wide token ratio would be a different ratio on each process).
+
+    Example: summed log-probs [-3, -5] over [2, 3] tokens: [3 / 2, 5 / 3] = [1.5, 1.6667].
 
     Args:
         chosen_logps: [B] summed log-probs of the chosen responses.
         chosen_lengths: [B] their token counts.
 
     Returns:
-        Scalar `-sum(chosen_logps) / sum(chosen_lengths)`.
+        [B] `-chosen_logps / chosen_lengths` (a length of 0 counts as 1).
     """
-    return -chosen_logps.sum() / chosen_lengths.sum().clamp(min=1)
+    return -chosen_logps / chosen_lengths.clamp(min=1)
 
 
 def preference_loss(
@@ -468,9 +475,9 @@ class DPOTrainer(StageTrainer):
             ref_chosen_logps, ref_rejected_logps,
             beta=self.beta, label_smoothing=self.label_smoothing, simpo_gamma=self.simpo_gamma,
         )
-        loss = losses[:self.real_rows(losses.shape[0])].mean()  # evaluation: without repeated pairs (several processes)
         if self.pref_ftx:
-            loss = loss + self.pref_ftx * chosen_nll_loss(chosen_logps, chosen_lengths)
+            losses = losses + self.pref_ftx * chosen_nll_loss(chosen_logps, chosen_lengths)
+        loss = losses[:self.real_rows(losses.shape[0])].mean()  # evaluation: without repeated pairs (several processes)
 
         self.record_metrics({
             "rewards/chosen": chosen_rewards,

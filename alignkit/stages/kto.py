@@ -27,8 +27,9 @@ What this file simplifies, and why:
 - The loss is the mean over the batch's examples of the weighted per-example losses (TRL's `nanmean`
   over the concatenated desirable and undesirable losses); `kto_chosen_weight` / `kto_rejected_weight`
   (TRL: `desirable_weight` / `undesirable_weight`) rebalance data with unequal shares of the two.
-- `pref_ftx` adds the mean NLL per desirable-reply token (the same term as DPO's `pref_ftx` on chosen
-  replies). LLaMA-Factory scales its version by `batch size / desirable count`; this one is not rescaled.
+- `pref_ftx` adds the mean over desirable replies of each reply's NLL per token (the same term as DPO's
+  `pref_ftx` on chosen replies). LLaMA-Factory scales its version by `batch size / desirable count`; this one
+  is not rescaled.
 - Metrics under TRL 1.16's names: `kl`, `rewards/chosen` and `logps/chosen` (means over the desirable
   examples), `rewards/rejected` and `logps/rejected` (over the undesirable ones), `rewards/margins` (the
   difference of the two means over the batch, all processes' rows, as TRL forms it). TRL
@@ -291,7 +292,7 @@ class KTOTrainer(StageTrainer):
         real_desirable = desirable.clone()
         real_desirable[real:] = False
         if self.pref_ftx and real_desirable.any():
-            loss = loss + self.pref_ftx * chosen_nll_loss(logps[real_desirable], lengths[real_desirable])
+            loss = loss + self.pref_ftx * chosen_nll_loss(logps[real_desirable], lengths[real_desirable]).mean()
 
         self._record_kto_metrics(logps.detach(), rewards, desirable, kl)
         if return_outputs:

@@ -7,7 +7,7 @@ Runs are shared between tests to keep the tier short (each launch costs its proc
   runs go through the four ways of starting them: `torchrun` (sft), `accelerate launch --multi_gpu` (pt),
   `alignkit train --nproc 2` (rm) and `FORCE_TORCHRUN=1 NPROC_PER_NODE=2 alignkit train` (dpo).
 - the rm and dpo pairs also evaluate 37 pairs at per-device batch 4 (the 2-process evaluation's last round repeats 3
-  pairs, which must not count in its loss and metrics);
+  pairs, which must not count in its loss and metrics); dpo adds `pref_ftx` (its SFT term too);
 - the sft pair also accumulates gradients over 2 micro-batches (the token count of the loss spans ranks and
   micro-batches), predicts with generation on 37 held-out prompts (odd, so the 2-process evaluation pads
   its last batch with a repeated row that must not reach the file), and saves a checkpoint at step 2;
@@ -34,7 +34,8 @@ SFT_KEYS = {"gradient_accumulation_steps": 2, "max_samples": EVAL_ROWS, "save_st
 EVAL_KEYS = {"do_eval": True, "eval_dataset": "demo_pref_eval", "max_samples": EVAL_ROWS,
              "per_device_eval_batch_size": 4}
 STAGE_KEYS = {"sft": SFT_KEYS, "pt": {}, "rm": {"plot_loss": True, **EVAL_KEYS},
-              "dpo": {"precompute_ref_log_probs": True, **EVAL_KEYS}}
+              # pref_ftx: the chosen replies' NLL term must leave the repeated pairs out too
+              "dpo": {"precompute_ref_log_probs": True, "pref_ftx": 0.5, **EVAL_KEYS}}
 LAUNCHERS = {"sft": "torchrun", "pt": "accelerate", "rm": "nproc", "dpo": "force_torchrun"}
 
 

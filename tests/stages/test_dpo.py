@@ -234,14 +234,15 @@ def test_reference_free_losses_run_no_reference_pass(tiny_model_dir, tiny_tokeni
 
 
 def test_pref_ftx_adds_the_chosen_nll(tiny_model_dir, tiny_tokenizer, tmp_path):
-    """At step 0 (fresh adapter) DPO's loss is log 2, so loss - log 2 = pref_ftx * mean chosen-token NLL."""
+    """At step 0 (fresh adapter) DPO's loss is log 2, so loss - log 2 = pref_ftx * the mean over pairs of each chosen
+    reply's per-token NLL."""
     dataset = pair_dataset(tiny_tokenizer)
     trainer = make_trainer(lora_model(tiny_model_dir), make_config(tmp_path, pref_ftx=0.5), dataset)
     batch = pairwise_collate([dataset[i] for i in range(4)])
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, batch).item()
         logps, mask = forward_token_logps(trainer.model, batch["input_ids"], batch["attention_mask"], batch["labels"])
-    chosen_nll = -logps[:4].sum() / mask[:4].sum()
+    chosen_nll = (-logps[:4].sum(-1) / mask[:4].sum(-1)).mean()
     assert loss == pytest.approx(0.6931472 + 0.5 * chosen_nll.item(), abs=1e-5)
 
 

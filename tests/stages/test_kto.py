@@ -145,14 +145,15 @@ def test_full_finetuning_reference_is_the_policy_at_init(tiny_model_dir, tiny_to
 
 
 def test_pref_ftx_adds_the_desirable_nll(tiny_model_dir, tiny_tokenizer, tmp_path):
-    """At step 0 (fresh adapter) every KTO loss is 0.5, so loss - 0.5 = pref_ftx * mean desirable-token NLL."""
+    """At step 0 (fresh adapter) every KTO loss is 0.5, so loss - 0.5 = pref_ftx * the mean over desirable replies
+    of each one's per-token NLL."""
     trainer = make_trainer(lora_model(tiny_model_dir), make_config(tmp_path, pref_ftx=0.5),
                            unpaired_dataset(tiny_tokenizer))
     batch = batch_of(trainer, range(3))  # rows 0 and 2 desirable
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, batch).item()
     logps, lengths = logps_of(trainer.model, batch)
-    nll = -(logps[0] + logps[2]) / (lengths[0] + lengths[2])
+    nll = (-logps[0] / lengths[0] - logps[2] / lengths[2]) / 2
     assert loss == pytest.approx(0.5 + 0.5 * nll.item(), abs=1e-5)
 
 

@@ -72,9 +72,10 @@ def test_simpo_loss():
     assert simpo_loss(T([-1.0]), T([-2.0]), beta=2.0, gamma=0.5).item() == pytest.approx(0.2014133, abs=1e-6)
 
 
-def test_sft_loss_is_mean_nll_per_chosen_token():
-    """Summed log-probs -3 (2 tokens) and -5 (3 tokens): 8 / 5 = 1.6 (not the mean of 1.5 and 1.667)."""
-    assert chosen_nll_loss(T([-3.0, -5.0]), T([2, 3])).item() == pytest.approx(1.6)
+def test_sft_loss_is_each_chosen_replys_mean_nll_per_token():
+    """Summed log-probs -3 (2 tokens) and -5 (3 tokens): 3 / 2 = 1.5 and 5 / 3 = 1.667, one per pair (as
+    LLaMA-Factory's pref_ftx; the batch mean of these is then taken with the preference losses)."""
+    assert chosen_nll_loss(T([-3.0, -5.0]), T([2, 3])).tolist() == pytest.approx([1.5, 5 / 3])  # per pair: 3/2, 5/3
 
 
 def test_log1mexp_is_accurate_at_both_ends():

@@ -9,16 +9,18 @@ What this file simplifies, and why:
 - `z0` is estimated as TRL 1.16 estimates it: from mismatched (prompt, reply) pairs of the same batch, the
   mean of `log pi(y'|x) - log pi_ref(y'|x)` over them, clamped at 0 and detached (no gradient flows
   through the reference point). The mismatched rows are added to the dataset when the trainer is built:
-  each row's prompt with the reply of the row before it within its group of `per_device_train_batch_size`
-  consecutive rows (the first takes the group's last), TRL's rotation. Under sequential sampling
+  each row's prompt with the reply of the row before it within its group of `per_device_train_batch_size` x
+  processes consecutive rows (the first takes the group's last), TRL's rotation (TRL groups by the
+  per-device batch; here the group is a step's rows over all processes, so N processes x batch b build the
+  mismatched rows one process x batch N*b builds, and train as it does). Under sequential sampling
   (`train_sampling_strategy: sequential`, TRL's default for KTO) a batch is such a group, so its
   mismatched replies are its own replies paired with other prompts, as the paper recommends. Under the
   default random sampling each prompt still meets a reply written for another prompt, which is how
   LLaMA-Factory builds its KL pairs (fixed neighbours, shuffled batches). With one example per device
   there is no batch to rotate in, so the group is the whole dataset (each row paired with the reply of
   the row before it, LLaMA-Factory's pairing); TRL refuses that batch size, LLaMA-Factory's example
-  configs use it. Evaluation sets get their mismatched rows the same way (grouped by the training batch size,
-  as TRL groups them), and each evaluation batch estimates its own z0. Under several processes a
+  configs use it. Evaluation sets get their mismatched rows the same way (grouped by the training batch size
+  x processes, as TRL groups them by the training batch size), and each evaluation batch estimates its own z0. Under several processes a
   batch is the union of the processes' batches (z0 from all their mismatched rows, without the rows accelerate
   repeats to fill the last evaluation round), so N processes x batch b estimate what one process x N*b does.
 - The reference is the policy at step 0, as in DPO (`StageTrainer.reference()`): the adapter disabled
@@ -199,7 +201,7 @@ def with_mismatched_rows(dataset: "Dataset", group_size: int, max_length: Option
 
     Args:
         dataset: tokenised unpaired rows (`input_ids`, `labels`).
-        group_size: rows per rotation group (`per_device_train_batch_size`; the whole dataset at 1).
+        group_size: rows per rotation group (`per_device_train_batch_size` x processes; the whole dataset at 1).
         max_length: when a prompt and a borrowed reply exceed it, both are cut as `cutoff_len` cuts a row
             (the prompt keeps its end, the reply its start).
     """
@@ -249,7 +251,8 @@ class KTOTrainer(StageTrainer):
         self.uses_kl = self.loss_type in KL_LOSSES
         super().__init__(*args, ref_model=ref_model, keep_reference_copy=True, **kwargs)
         if self.uses_kl:
-            group = self.args.per_device_train_batch_size
+            # A step's rows over all processes (what one process with the whole batch would group).
+            group = self.args.per_device_train_batch_size * self.args.world_size
             if group == 1:
                 logger.info("per_device_train_batch_size=1: each example's KL row borrows the reply of the example "
                             "before it in the dataset (a batch of one has no other reply to borrow).")

@@ -6,10 +6,13 @@ z0 and the margin formed over both processes' rows, and the rows accelerate repe
 out. The eval set holds 37 rows: the 2-process run's last round has 5 real rows (4 on process 0, 1 on process 1)
 and 3 repeats.
 
-The two processes cannot train as one here: KTO pairs each row with a reply of its per-device batch for z0, so a
-different per-device batch size trains on different mismatched rows. Both evaluations therefore resume from the
-final checkpoint of one training run (the trained LoRA adapter; the reference is the adapter disabled), with the
-same per-device training batch (which groups the eval set's mismatched rows) and the eval batch split in two.
+Training: KTO's mismatched rows are grouped by a step's rows over all processes (per-device batch x processes),
+and z0 is formed over every process's rows, so 2 processes x batch 2 train as 1 process x batch 4 (the same
+per-step losses, metrics and final adapter within 1e-5).
+
+The evaluations resume from the final checkpoint of that 2-process training run (the trained LoRA adapter; the
+reference is the adapter disabled): 1 process x training batch 4 (which groups the eval set's mismatched rows:
+4 x 1) and eval batch 8, against 2 processes x training batch 2 (2 x 2) and eval batch 4.
 """
 
 from __future__ import annotations
@@ -17,16 +20,26 @@ from __future__ import annotations
 import json
 
 EVAL_ROWS = 37
-KEYS = {"max_samples": EVAL_ROWS, "per_device_train_batch_size": 2, "eval_dataset": "demo_kto_eval"}
+KEYS = {"max_samples": EVAL_ROWS, "eval_dataset": "demo_kto_eval"}
 
 
-def test_two_processes_evaluate_kto_as_one_without_the_repeated_rows(dist):
-    trained = dist.train(dist.config("kto", "kto_train", save_steps=4, **KEYS))
+def test_two_processes_train_kto_as_one_and_evaluate_as_one_without_the_repeated_rows(dist):
+    single_train = dist.train(dist.config("kto", "kto_train_1p", per_device_train_batch_size=4, **KEYS))
+    trained = dist.train(dist.config("kto", "kto_train_2p", save_steps=4, per_device_train_batch_size=2, **KEYS),
+                         nproc=2)
+    print("\nkto: per-step loss, 1 process x batch 4 vs 2 processes x batch 2\n"
+          + dist.loss_table({"1 proc x 4": single_train, "2 procs x 2": trained}))
+    dist.assert_same_losses(single_train, trained, atol=1e-5)
+    dist.assert_same_logs(single_train, trained, atol=1e-5)  # kl, rewards, margins, grad norms
+    dist.assert_same_weights(single_train, trained, atol=1e-5)
+
     checkpoint = trained.out / "checkpoint-4"
     assert checkpoint.is_dir()
     evaluate = {"do_eval": True, "resume_from_checkpoint": str(checkpoint), **KEYS}
-    single = dist.train(dist.config("kto", "kto_eval_1p", per_device_eval_batch_size=8, **evaluate))
-    double = dist.train(dist.config("kto", "kto_eval_2p", per_device_eval_batch_size=4, **evaluate), nproc=2)
+    single = dist.train(dist.config("kto", "kto_eval_1p", per_device_train_batch_size=4,
+                                    per_device_eval_batch_size=8, **evaluate))
+    double = dist.train(dist.config("kto", "kto_eval_2p", per_device_train_batch_size=2,
+                                    per_device_eval_batch_size=4, **evaluate), nproc=2)
     results = [json.loads((run.out / "eval_results.json").read_text()) for run in (single, double)]
     # The evaluation's own figures (`epoch` and the token count are the resumed training state's; timing varies).
     timing = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")

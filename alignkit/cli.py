@@ -41,10 +41,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     if not args.config:
         raise ConfigError("alignkit train needs a config file: alignkit train CONFIG.yaml [key=value ...]")
-    config = read_config(args.config, args.overrides)  # checked here first: a bad key fails before any launch
-    from .launch import relaunch, torchrun_command
+    from .launch import asks_for_deepspeed, relaunch, single_process_rendezvous, torchrun_command
 
     command = torchrun_command([args.config, *args.overrides], args.nproc, os.environ)
+    if command is None and asks_for_deepspeed(args.config, args.overrides):
+        # Before the config is read: reading it sets up the process group (transformers' TrainingArguments).
+        os.environ.update(single_process_rendezvous(os.environ))
+    config = read_config(args.config, args.overrides)  # checked here first: a bad key fails before any launch
     if command is not None:
         return relaunch(command)
     from .train import run_train

@@ -321,6 +321,23 @@ def _check_deepspeed(deepspeed: Any) -> None:
         raise ConfigError(f"deepspeed={deepspeed!r}: no such file; give the path of a DeepSpeed JSON config.")
 
 
+def _check_deepspeed_processes(training: TrainingArguments, where: str) -> None:
+    """Refuse a DeepSpeed run whose processes accelerate did not join into one DeepSpeed world.
+
+    accelerate (1.15) gives DeepSpeed a process-group backend only on GPU-like devices: on a CPU-only machine
+    each of N launched processes ends up with a world of 1, and DeepSpeed then fails deep inside its batch-size
+    check while the model loads. (The test suite lifts that gate to run DeepSpeed on the CPU with gloo; see
+    tests/distributed/cpu_gates.) One process: nothing to check.
+    """
+    launched = launched_processes()
+    if not training.deepspeed or launched == 1 or training.world_size == launched:
+        return
+    raise ConfigError(f"deepspeed{where}: {launched} processes were launched, but accelerate set DeepSpeed up for "
+                      f"{training.world_size}. On a machine without GPUs accelerate (1.15) does not start "
+                      "DeepSpeed's process group; run DeepSpeed on GPUs, or remove the `deepspeed` key to train "
+                      "data parallel on the CPU (torchrun with the gloo backend).")
+
+
 def check_sampling_knobs(args: Any) -> None:
     """Raise a ConfigError for a `top_p`, `top_k` or `repetition_penalty` out of range (generation and the
     online stages' sampling keys)."""
@@ -650,9 +667,15 @@ def parse_config(
                           "CPU-only machine accelerate would train plain data parallel (DDP) with the whole model in "
                           "every process. Remove `fsdp`/`fsdp_config` (or launch with torchrun or a non-FSDP "
                           "accelerate config) to train data parallel on the CPU.")
-    if launched_processes() > 1 and not _has_accelerator():
+    deepspeed_asked = bool(per_class[TrainingArguments].get("deepspeed"))
+    if deepspeed_asked and per_class[TrainingArguments].get("use_cpu"):
+        raise ConfigError(f"deepspeed and use_cpu: true{where}: accelerate does not start DeepSpeed with use_cpu "
+                          "(the run would crash inside DeepSpeed's set-up). Remove use_cpu, or remove deepspeed to "
+                          "train data parallel on the CPU.")
+    if launched_processes() > 1 and not _has_accelerator() and not deepspeed_asked:
         # Under torchrun on a CPU-only machine accelerate sets up gloo data parallelism only with `use_cpu`;
         # without it every worker silently trains alone on the whole data set (each one its own "rank 0").
+        # (Not under DeepSpeed: with use_cpu accelerate leaves DeepSpeed out; see `_check_deepspeed_processes`.)
         per_class[TrainingArguments].setdefault("use_cpu", True)
     if per_class[DataArguments].get("group_by_length"):
         # LLaMA-Factory's key; transformers 5 names the same sampler `train_sampling_strategy`.
@@ -680,6 +703,7 @@ def parse_config(
             raise ConfigError(f"invalid {cls.__name__} settings{where}: {err}") from None
 
     built = {cls: build(cls) for cls in ARG_CLASSES}
+    _check_deepspeed_processes(built[TrainingArguments], where)
     if built[TrainingArguments].warmup_ratio is not None:
         logger.info("warmup_ratio=%s is read as warmup_steps=%s (transformers 5 takes a warmup_steps below 1 as "
                     "a share of the training steps).", built[TrainingArguments].warmup_ratio,

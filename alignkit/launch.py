@@ -10,6 +10,8 @@ for users who would rather not type it:
   (default: the number of GPUs, 1 without), and for several nodes `NNODES`, `NODE_RANK`, `MASTER_ADDR`
   (default 127.0.0.1) and `MASTER_PORT` (default 29500), run on every node with its own `NODE_RANK`.
 - Inside a launched worker (`WORLD_SIZE` or `LOCAL_RANK` set) nothing is launched again.
+- A DeepSpeed run started alone (`alignkit train ds.yaml`, no launcher) gets the variables torchrun would give
+  one process (`single_process_rendezvous`), since DeepSpeed sets up torch.distributed even for one process.
 """
 
 from __future__ import annotations
@@ -87,6 +89,40 @@ def torchrun_command(train_args: Sequence[str], nproc: Optional[int], env: Mappi
     return command + ["--nproc_per_node", str(nproc), "-m", "alignkit", "train", *train_args]
 
 
+def asks_for_deepspeed(config_path: str, overrides: Sequence[str]) -> bool:
+    """Whether `alignkit train CONFIG key=value ...` sets the `deepspeed` key (a later override wins)."""
+    from .hparams import load_yaml, parse_override
+
+    value = load_yaml(config_path).get("deepspeed")
+    for item in overrides:
+        key, given = parse_override(item)
+        if key == "deepspeed":
+            value = given
+    return bool(value)
+
+
+def single_process_rendezvous(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables torchrun would give one process, for a DeepSpeed run started without a launcher.
+
+    DeepSpeed sets up torch.distributed even for one process, and without a launcher's variables it looks for
+    MPI (and fails without mpi4py), so `alignkit train ds.yaml` alone would crash inside DeepSpeed. With these
+    it is what `torchrun --standalone --nproc_per_node 1 -m alignkit train ds.yaml` runs. Inside a launched
+    worker (`WORLD_SIZE` or `LOCAL_RANK` set): nothing. The port is a free one on localhost.
+
+    Example: `{}` -> `{"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "<free port>"}`.
+    """
+    if "WORLD_SIZE" in env or "LOCAL_RANK" in env:
+        return {}
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": env.get("MASTER_ADDR") or "127.0.0.1", "MASTER_PORT": env.get("MASTER_PORT") or str(port)}
+
+
 def relaunch(command: list[str]) -> int:
     """Run `command` (from `torchrun_command`) and return its exit status."""
     import logging
@@ -95,4 +131,4 @@ def relaunch(command: list[str]) -> int:
     return subprocess.call(command, env=dict(os.environ, FORCE_TORCHRUN="0"))
 
 
-__all__ = ["torchrun_command", "relaunch"]
+__all__ = ["torchrun_command", "relaunch", "asks_for_deepspeed", "single_process_rendezvous"]

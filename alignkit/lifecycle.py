@@ -239,7 +239,8 @@ def checkpoint_problem(folder: str | os.PathLike, need_optimizer: bool = True) -
     Checks, cheapest first: `trainer_state.json` parses and its `global_step` is the folder's N; the
     model weights are there (an adapter's, a full model's or all shards of one), load and are finite;
     `optimizer.pt` and `scheduler.pt` (unless `need_optimizer=False`, for `save_only_model` runs) and
-    `rng_state.pth` load with `weights_only=True` and the optimizer's tensors are finite.
+    `rng_state.pth` load with `weights_only=True` and the optimizer's tensors are finite; a DeepSpeed checkpoint
+    (a `latest` file) holds instead the engine's optimizer files in the folder `latest` names.
 
     Args:
         folder: a `checkpoint-N` folder.
@@ -266,7 +267,17 @@ def checkpoint_problem(folder: str | os.PathLike, need_optimizer: bool = True) -
         problem = _check_weights_file(path)
         if problem:
             return problem
-    required = ["optimizer.pt", "scheduler.pt"] if need_optimizer else []
+    deepspeed_tag = folder / "latest"
+    if deepspeed_tag.is_file():
+        # A DeepSpeed engine's checkpoint: the optimizer state lives in the folder `latest` names, one file
+        # per process; scheduler.pt only when the Trainer's scheduler ran (a DeepSpeed `scheduler` block is
+        # saved by the engine).
+        problem = _deepspeed_problem(folder, deepspeed_tag) if need_optimizer else None
+        if problem:
+            return problem
+        required = []
+    else:
+        required = ["optimizer.pt", "scheduler.pt"] if need_optimizer else []
     for name in required + ["rng_state.pth"]:
         path = folder / name
         if not path.is_file():
@@ -282,6 +293,26 @@ def checkpoint_problem(folder: str | os.PathLike, need_optimizer: bool = True) -
             bad = _nonfinite_tensor(loaded, name)
             if bad:
                 return f"{bad} is not finite"
+    return None
+
+
+def _deepspeed_problem(folder: Path, tag_file: Path) -> str | None:
+    """What is missing from a DeepSpeed checkpoint's engine state, or None.
+
+    Example: `checkpoint-2/latest` says `global_step2`; `checkpoint-2/global_step2/` must hold
+    `zero_pp_rank_<r>_mp_rank_00_optim_states.pt` files (ZeRO-1/2/3; `*optim_states.pt` in general), none empty.
+    Their contents are DeepSpeed's own pickles, loaded by the engine at resume, so only their presence is checked.
+    """
+    tag = tag_file.read_text(encoding="utf-8").strip()
+    state_dir = folder / tag
+    if not tag or not state_dir.is_dir():
+        return f"DeepSpeed's `latest` names {tag!r}, which is not a folder of {folder.name} (the save was interrupted)"
+    optimizer_files = sorted(state_dir.glob("*optim_states.pt"))
+    if not optimizer_files:
+        return f"{tag}/ holds no *optim_states.pt (DeepSpeed's optimizer state; the save was interrupted)"
+    empty = [p.name for p in optimizer_files if p.stat().st_size == 0]
+    if empty:
+        return f"{tag}/{empty[0]} is empty (the save was interrupted)"
     return None
 
 

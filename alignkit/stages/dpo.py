@@ -402,8 +402,11 @@ class DPOTrainer(StageTrainer):
         if self.precompute_ref_logps:
             # Before any update, so that a full fine-tuning policy can serve as its own reference here. Under
             # several processes the main one of each node computes and writes the cache, the others then read
-            # it; the weights are gathered once for the whole pass under ZeRO-3.
-            with self.args.main_process_first(local=True, desc="reference log-probs"), full_weights(self.ref_model or self.model):
+            # it; the weights are gathered once for the whole pass under ZeRO-3/FSDP2. The gather comes first:
+            # it is a collective every process must enter together, so inside `main_process_first` (where the
+            # others wait at a barrier) it would hang (seen under DeepSpeed ZeRO-3 on 2 processes).
+            with full_weights(self.ref_model or self.model), \
+                    self.args.main_process_first(local=True, desc="reference log-probs"):
                 self._precompute_reference_logps()
 
     def _precompute_reference_logps(self) -> None:

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from alignkit.hparams import ConfigError, launched_processes, parse_config
-from alignkit.launch import torchrun_command
+from alignkit.launch import asks_for_deepspeed, single_process_rendezvous, torchrun_command
 from alignkit.model import distributed
 from alignkit.model.distributed import full_weights, sharding_of
 
@@ -55,6 +55,26 @@ def test_torchrun_command(nproc, env, expected, monkeypatch):
 def test_torchrun_command_refuses_bad_numbers(nproc, env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         torchrun_command(["c.yaml"], nproc, env)
+
+
+def test_a_deepspeed_run_alone_gets_the_variables_of_a_one_process_torchrun():
+    variables = single_process_rendezvous({})
+    assert {k: variables[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == \
+        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    assert 0 < int(variables["MASTER_PORT"]) < 65536
+    assert single_process_rendezvous({"MASTER_PORT": "29511"})["MASTER_PORT"] == "29511"
+    # Inside a launched worker the launcher's variables stand.
+    assert single_process_rendezvous({"WORLD_SIZE": "2"}) == {} == single_process_rendezvous({"LOCAL_RANK": "0"})
+
+
+def test_asks_for_deepspeed_reads_the_config_and_its_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("stage: sft\ndeepspeed: ds.json\n")
+    assert asks_for_deepspeed(str(path), [])
+    assert not asks_for_deepspeed(str(path), ["deepspeed="])  # an override wins, also an empty one
+    path.write_text("stage: sft\n")
+    assert not asks_for_deepspeed(str(path), [])
+    assert asks_for_deepspeed(str(path), ["max_steps=3", "deepspeed=examples/deepspeed/ds_z3_config.json"])
 
 
 def test_launched_processes_reads_world_size(monkeypatch):

@@ -198,3 +198,39 @@ def test_guard_stops_on_a_logged_non_finite_loss_and_cleans_the_history():
     assert state.log_history == [{"eval_loss": None, "step": 2}]
     with pytest.raises(TrainingDiverged, match="step 2: the training loss is inf"):
         guard.on_log(_Args, state, None, logs={"loss": float("inf")})
+
+
+def _deepspeed_checkpoint(out: Path, step: int) -> Path:
+    """A checkpoint as the Trainer saves it under DeepSpeed: the engine's state in `global_stepN/` (named by
+    `latest`), no optimizer.pt."""
+    folder = make_checkpoint(out, step)
+    (folder / "optimizer.pt").unlink()
+    engine = folder / f"global_step{step}"
+    engine.mkdir()
+    for rank in (0, 1):
+        (engine / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"DeepSpeed's own pickle")
+        (engine / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").write_bytes(b"DeepSpeed's own pickle")
+    (folder / "latest").write_text(f"global_step{step}")
+    return folder
+
+
+DEEPSPEED_CORRUPTIONS = {
+    "latest names no folder": (lambda f: (f / "latest").write_text("global_step9"), "names 'global_step9'"),
+    "no optimizer files": (lambda f: [p.unlink() for p in f.glob("global_step*/*optim_states.pt")],
+                           "holds no *optim_states.pt"),
+    "empty optimizer file": (lambda f: next(f.glob("global_step*/*rank_1*optim_states.pt")).write_bytes(b""),
+                             "zero_pp_rank_1_mp_rank_00_optim_states.pt is empty"),
+}
+
+
+def test_deepspeed_checkpoint_passes_without_optimizer_pt(tmp_path):
+    assert checkpoint_problem(_deepspeed_checkpoint(tmp_path, 2)) is None
+
+
+@pytest.mark.parametrize("name", list(DEEPSPEED_CORRUPTIONS))
+def test_each_deepspeed_corruption_is_named(tmp_path, name):
+    corrupt, expected = DEEPSPEED_CORRUPTIONS[name]
+    folder = _deepspeed_checkpoint(tmp_path, 2)
+    corrupt(folder)
+    assert expected in checkpoint_problem(folder)
+    assert checkpoint_problem(folder, need_optimizer=False) is None  # save_only_model: the engine state is not read

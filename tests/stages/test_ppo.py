@@ -538,91 +538,19 @@ def test_deepspeed_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file,
 
 
 # ---------------------------------------------------------------------------------------------------
-# ZeRO-3 with a stand-in for DeepSpeed's parameter partitioning. What DeepSpeed documents and this keeps: outside
-# a gather every partitioned parameter holds an empty tensor on each process (its `ds_id` marks it); the engine
-# puts hooks on every module that gather the module's own parameters before its forward, release them after it,
-# and gather them again before its backward; `unwrap_model_for_generation(engine)` gathers everything once and
-# takes the hooks off for the block; the engine's step and checkpoints work on the whole parameters; the Trainer
-# saves a PEFT model from `_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)`. So a code path
-# that reads a weight outside a module call or a gather reads an empty tensor and fails. What this cannot show:
-# real shards over several processes, DeepSpeed's prefetching, partitioning at load (`zero.Init`; here the
-# weights are partitioned when the engine is built, after the reward and critic adapters were loaded).
+# ZeRO-3 with the stand-in for DeepSpeed's parameter partitioning of tests/conftest.py (`StandInPartitions`: every
+# partitioned parameter empty outside a module call of the engine or a gather). Here the engine's partitions take the
+# policy over when the engine is built (from the stand-in `zero.Init` when the run loads under `zero3_loading`), and
+# the engine steps, checkpoints and consolidates whole parameters; the Trainer saves a PEFT model from
+# `_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)`, a full one from accelerate's
+# `get_state_dict`, which under ZeRO-3 is the same consolidation.
 # ---------------------------------------------------------------------------------------------------
-
-
-class StandInPartitions:
-    """ZeRO-3's parameter contract on one process (the section comment above)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.params = list(model.parameters())
-        for number, param in enumerate(self.params):
-            param.ds_id = number  # what `sharding_of` and `full_weights` look for
-        self.whole: dict[int, torch.Tensor] = {}
-        self.handles: list = []
-        self.generation_blocks = 0
-        self._add_hooks()
-        self.partition(self.params)
-
-    def partition(self, params) -> None:
-        for param in params:
-            if param.ds_id not in self.whole:
-                self.whole[param.ds_id] = param.data
-                param.data = torch.empty(0, dtype=param.dtype)
-
-    def gather(self, params) -> None:
-        for param in params:
-            if param.ds_id in self.whole:
-                param.data = self.whole.pop(param.ds_id)
-
-    def is_partitioned(self) -> bool:
-        return len(self.whole) == len(self.params)
-
-    def _add_hooks(self) -> None:
-        for module in self.model.modules():
-            own = list(module.parameters(recurse=False))
-            if not own:
-                continue
-
-            def before(_module, _args, own=own):
-                self.gather(own)
-
-            def after(_module, _args, output, own=own):
-                outputs = output if isinstance(output, (tuple, list)) else [output]
-                for tensor in outputs:
-                    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                        tensor.register_hook(lambda grad, own=own: self.gather(own))  # DeepSpeed's pre-backward
-                self.partition(own)
-
-            self.handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
-
-    @contextlib.contextmanager
-    def generation_block(self):
-        """`deepspeed.runtime.zero.unwrap_model_for_generation(engine)`."""
-        self.generation_blocks += 1
-        self.gather(self.params)
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-        try:
-            yield self.model
-        finally:
-            self._add_hooks()
-            self.partition(self.params)
-
-    @contextlib.contextmanager
-    def whole_weights(self):
-        self.gather(self.params)
-        try:
-            yield
-        finally:
-            self.partition(self.params)
 
 
 class StandInZero3Engine(StandInEngine):
     """The stand-in engine over partitioned parameters: it steps, checkpoints and consolidates whole ones."""
 
-    def __init__(self, *args, partitions: StandInPartitions, **kwargs) -> None:
+    def __init__(self, *args, partitions, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.partitions = partitions
         self.config = {"zero_optimization": {"stage": 3}}
@@ -647,14 +575,14 @@ class StandInZero3Engine(StandInEngine):
 
 
 @pytest.fixture
-def stand_in_zero3(stand_in_deepspeed, monkeypatch):
+def stand_in_zero3(stand_in_deepspeed, zero3_partitions, monkeypatch):
     """`install()` puts the stand-in engine over partitioned parameters in place and returns the list of PPO
     trainers built from then on."""
     from alignkit.model import distributed
 
     def prepare(self: PPOTrainer, max_steps: int) -> None:
         self.create_optimizer()
-        partitions = StandInPartitions(self.model)
+        partitions = zero3_partitions(self.model)
         engine = StandInZero3Engine(self.model, self.optimizer, self.args.max_grad_norm,
                                     self.args.gradient_accumulation_steps, partitions=partitions)
         self.accelerator.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(engine)
@@ -666,6 +594,10 @@ def stand_in_zero3(stand_in_deepspeed, monkeypatch):
         built = stand_in_deepspeed()
         monkeypatch.setattr(PPOTrainer, "_prepare_deepspeed", prepare)
         monkeypatch.setattr(distributed, "_zero3_generation", lambda engine: engine.partitions.generation_block())
+        # accelerate's `get_state_dict(engine)` under ZeRO-3 is the engine's consolidation (a full policy's save).
+        monkeypatch.setattr(Accelerator, "get_state_dict", lambda self, model, unwrap=True:
+                            model._zero3_consolidated_16bit_state_dict() if hasattr(model, "partitions")
+                            else model.state_dict())
         return built
 
     return install

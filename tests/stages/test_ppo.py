@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -626,6 +627,53 @@ def test_zero3_path_updates_as_the_plain_loop(tiny_model_dir, prompts_file, rewa
     assert built[0].deepspeed.steps == 4
 
 
+def test_zero3_full_policy_with_its_reference_loaded_again(tiny_model_dir, prompts_file, tmp_path, stand_in_zero3,
+                                                           zero3_loading):
+    """A full fine-tuned policy under ZeRO-3, loaded partitioned (stand-in `zero.Init`), its engine's partitions taking
+    it over: the reference is the policy's source loaded again, partitioned, and gathered for each rollout's reference
+    pass (no engine runs over it). The run equals the plain loop (logs, the saved model, the value head)."""
+    keys = {**DEEPSPEED_KEYS, "finetuning_type": "full", "learning_rate": 0.01}
+    plain, zero3 = tmp_path / "plain", tmp_path / "zero3"
+    run_train(_config(tiny_model_dir, prompts_file, plain, **keys))
+    built = stand_in_zero3()
+    loaded = zero3_loading()
+    run_train(_config(tiny_model_dir, prompts_file, zero3, **keys))
+    trainer = built[0]
+    assert len(loaded) == 2 and loaded[1] is trainer.ref_model  # the policy, then its reference: both partitioned
+    reference = next(trainer.ref_model.parameters()).ds_owner
+    assert reference.gathers == 2 and reference.is_partitioned()  # one gather per rollout's reference pass
+    assert trainer.deepspeed.partitions.generation_blocks == 2 and trainer.deepspeed.steps == 4
+    log_a, log_b = _logged(plain), _logged(zero3)
+    assert sorted(log_a) == sorted(log_b) and log_a
+    for step in log_a:
+        for key in COMPARED:
+            assert log_b[step][key] == pytest.approx(log_a[step][key], rel=0, abs=1e-5), (step, key)
+    for name in ("model.safetensors", VALUE_HEAD_FILE):
+        _assert_same_files(plain, zero3, name, tolerance=1e-5)
+
+
+def test_zero3_lora_over_a_merged_sft_adapter(tiny_model_dir, prompts_file, sft_dir, reward_from_sft_dir, tmp_path,
+                                             stand_in_zero3, zero3_loading):
+    """examples/ppo_lora.yaml's shape (a LoRA policy over the SFT adapter, the RM trained over it as a named adapter)
+    under ZeRO-3: the SFT adapter is merged into a cached base once, the run loads that partitioned, and equals the
+    plain run, which merges in memory."""
+    keys = {**DEEPSPEED_KEYS, "adapter_name_or_path": sft_dir, "reward_model": reward_from_sft_dir,
+            "reward_model_type": "lora", "reward_funcs": "format", "reward_weights": "1"}
+    plain, zero3 = tmp_path / "plain", tmp_path / "zero3"
+    run_train(_config(tiny_model_dir, prompts_file, plain, **keys))
+    built = stand_in_zero3()
+    loaded = zero3_loading()
+    run_train(_config(tiny_model_dir, prompts_file, zero3, **keys))
+    assert len(loaded) == 1  # the policy, from the merged base's folder (the RM is its adapter, the reference too)
+    merged = [p for p in (Path(os.environ["ALIGNKIT_HOME"]) / "merged").iterdir() if p.is_dir()]
+    assert len(merged) == 1 and json.loads((merged[0] / "alignkit_merged_base.json").read_text())["adapters"] == [
+        os.path.realpath(sft_dir)]
+    _assert_same_run(plain, zero3, tolerance=1e-5)
+    assert json.loads((zero3 / "base_adapters.json").read_text())["base_adapters"] == [os.path.realpath(sft_dir)]
+    assert json.loads((zero3 / "adapter_config.json").read_text())["base_model_name_or_path"] == tiny_model_dir
+    assert built[0].deepspeed.partitions.is_partitioned()
+
+
 def test_zero3_saving_needs_the_consolidated_state_dict(tiny_model_dir, tmp_path):
     """Under ZeRO-3 the module's tensors are partitions: with no consolidated dict the global main process stops
     with the fix, and another node's main process (which DeepSpeed gives None) writes nothing."""
@@ -644,17 +692,11 @@ def test_zero3_saving_needs_the_consolidated_state_dict(tiny_model_dir, tmp_path
     assert not (tmp_path / "main").exists() and not (tmp_path / "node").exists()
 
 
-def test_sharded_weights_are_refused_with_the_reason():
+def test_deepspeed_configs_are_refused_only_for_a_scheduler_block():
     assert deepspeed_refusal({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}) is None
     assert deepspeed_refusal({"zero_optimization": {"stage": 0}}) is None
     assert deepspeed_refusal({"train_batch_size": "auto"}) is None
-    zero3 = {"zero_optimization": {"stage": 3}}
-    assert deepspeed_refusal(zero3) is None  # LoRA without merged adapters
-    full = deepspeed_refusal(zero3, "full")
-    assert "ZeRO-3 with finetuning_type: full" in full and "deep copy" in full and "finetuning_type: lora" in full
-    merged = deepspeed_refusal(zero3, "lora", merges_adapters=True)
-    assert "adapter_name_or_path" in merged and "alignkit export" in merged
-    assert deepspeed_refusal({"zero_optimization": {"stage": 2}}, "full", merges_adapters=True) is None
+    assert deepspeed_refusal({"zero_optimization": {"stage": 3}}) is None
     assert "scheduler" in deepspeed_refusal({"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR"}})
     shipped = Path(__file__).resolve().parents[2] / "examples" / "deepspeed"
     verdicts = {path.name: deepspeed_refusal(json.loads(path.read_text())) is None for path in shipped.glob("*.json")}
@@ -675,10 +717,11 @@ def test_sharded_weights_are_refused_with_the_reason():
     assert str(refused.value) == FSDP_REFUSAL
     zero3_keys = {"deepspeed": "ds_z3_config.json",
                   "hf_deepspeed_config": SimpleNamespace(config={"zero_optimization": {"stage": 3}})}
-    check_config(config(**zero3_keys))
-    with pytest.raises(ConfigError, match="does not run under DeepSpeed ZeRO-3 with finetuning_type: freeze"):
-        check_config(config(finetuning="freeze", **zero3_keys))
-    with pytest.raises(ConfigError, match="does not merge adapter_name_or_path under DeepSpeed ZeRO-3"):
-        check_config(config(adapters="sft", **zero3_keys))
-    check_config(config(deepspeed="ds_z2_config.json",
-                        hf_deepspeed_config=SimpleNamespace(config={"zero_optimization": {"stage": 2}})))
+    # ZeRO-3 with a full/freeze policy (its reference a second, partitioned load) and with adapter_name_or_path (merged
+    # into a cached base first): both run (tests below), so neither is refused any more.
+    for finetuning in ("lora", "full", "freeze"):
+        check_config(config(finetuning=finetuning, **zero3_keys))
+    check_config(config(adapters="sft", **zero3_keys))
+    with pytest.raises(ConfigError, match="remove the `scheduler` block"):
+        check_config(config(deepspeed="ds.json", hf_deepspeed_config=SimpleNamespace(
+            config={"zero_optimization": {"stage": 3}, "scheduler": {"type": "WarmupLR"}})))

@@ -22,6 +22,12 @@ precomputation pass) and puts the shards back on exit.
 - FSDP1 (`FullyShardedDataParallel` wrappers) offers `summon_full_params`, but no forward may run inside it,
   so FSDP1 models are yielded as they are (gathered per forward: correct, slower).
 - Anything else (one process, DDP, ZeRO-0/1/2, which keep whole weights on every process): a no-op.
+- A ZeRO-3 block nested in another over the same model (a reference pass inside the DPO precomputation's block) is
+  a no-op: DeepSpeed's `GatheredParameters` partitions its parameters on exit, which would pull the weights from
+  under the outer block.
+
+`zero3_enabled()` is transformers' switch that makes `from_pretrained` partition as it loads (`deepspeed.zero.Init`);
+`zero3_switched_off()` turns it off for a block (the loader's one-time merge of `adapter_name_or_path`).
 
 Only the ZeRO-3 and no-op paths are exercised on the CPU here (ZeRO-3 with DeepSpeed stubbed; DeepSpeed
 needs an accelerator), see docs/ARCHITECTURE.md.

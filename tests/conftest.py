@@ -281,12 +281,16 @@ def zero3_loading(monkeypatch):
     stands in for `zero.Init` at load: `loader._load_base` loads the whole model with ZeRO-3 switched off (DeepSpeed
     is not here), then partitions it without hooks (`StandInPartitions(model, hooks=False)`), as `from_pretrained`
     under ZeRO-3 leaves it. `deepspeed.zero.GatheredParameters`, as alignkit's `full_weights` enters it, is the
-    stand-in's gather. Returns the list of models loaded from then on (each one's parameters carry `ds_owner`)."""
+    stand-in's gather. Returns the list of models loaded from then on (each one's parameters carry `ds_owner`).
+
+    `install(policy_whole=True)`: a Trainer's own model is given back its whole weights when `Trainer.__init__`
+    returns (before a stage trainer builds its reference), standing in for the DeepSpeed engine the Trainer would
+    build over it, which gathers its weights for its forwards and backwards; that engine is not stood in for."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     from alignkit.model import distributed, loader
 
-    def install() -> list:
+    def install(policy_whole: bool = False) -> list:
         config = _StandInDeepSpeedConfig()
         # What `set_hf_deepspeed_config(config)` does, undone when the test ends; the module keeps `config` alive.
         monkeypatch.setattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", weakref.ref(config))
@@ -305,6 +309,19 @@ def zero3_loading(monkeypatch):
 
         monkeypatch.setattr(loader, "_load_base", load_partitioned)
         monkeypatch.setattr(distributed, "_zero3_gathered", _stand_in_gathered_parameters)
+        if policy_whole:
+            import transformers
+
+            trainer_init = transformers.Trainer.__init__
+
+            def init(self, *args, **kwargs):
+                trainer_init(self, *args, **kwargs)
+                for param in self.model.parameters():
+                    if hasattr(param, "ds_owner"):
+                        param.ds_owner.give_up(param)
+                        del param.ds_owner, param.ds_id, param.ds_numel
+
+            monkeypatch.setattr(transformers.Trainer, "__init__", init)
         return loaded
 
     return install

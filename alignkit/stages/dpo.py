@@ -12,9 +12,10 @@ What this file simplifies, and why:
   positions reach the output layer. A preference batch pads 2B rows to the longest of chosen and
   rejected, so this is where most of a padded step's time and activation memory would go; the
   log-probs are the same.
-- The reference is the policy as it was at step 0, and never a second model read from disk:
-  under LoRA the same weights with the adapter disabled (`with model.disable_adapter()`), under full or
-  freeze fine-tuning a frozen deep copy made in memory when the trainer is built. With
+- The reference is the policy as it was at step 0, and never a second model read from disk (except under
+  DeepSpeed ZeRO-3, see `StageTrainer`): under LoRA the same weights with the adapter disabled
+  (`with model.disable_adapter()`), under full or freeze fine-tuning a frozen deep copy made in memory when
+  the trainer is built. With
   `precompute_ref_log_probs` it is evaluated once for the whole dataset before training and cached on
   disk, keyed by the token ids and the reference weights, so a second run (or a resumed one) reads it.
 - Loss definitions follow TRL 1.16 for sigmoid, ipo and hinge (IPO on per-token average log-ratios),
@@ -373,7 +374,8 @@ class DPOTrainer(StageTrainer):
         dpo_args: `pref_loss`, `pref_beta`, `pref_ftx`, `dpo_label_smoothing`, `simpo_gamma`,
             `precompute_ref_log_probs`.
         ref_model: an explicit frozen reference model. Default: the policy with its LoRA adapter disabled,
-            or a frozen in-memory deep copy of the policy as it is now (full / freeze fine-tuning).
+            or a frozen in-memory deep copy of the policy as it is now (full / freeze fine-tuning; under ZeRO-3
+            the policy's source loaded again, partitioned: `StageTrainer`).
         *args, **kwargs: as for `transformers.Trainer` (`data_collator` must be a pairwise collator);
             `args.padding_free` runs policy and reference on the batch's real tokens only.
     """

@@ -233,7 +233,8 @@ class KTOTrainer(StageTrainer):
     Args:
         kto_args: `pref_beta`, `kto_chosen_weight`, `kto_rejected_weight`, `pref_ftx`, `loss_type`.
         ref_model: an explicit frozen reference model. Default: the policy with its LoRA adapter disabled,
-            or a frozen in-memory deep copy of the policy as it is now (full / freeze fine-tuning).
+            or a frozen in-memory deep copy of the policy as it is now (full / freeze fine-tuning; under ZeRO-3
+            the policy's source loaded again, partitioned: `StageTrainer`).
         kl_max_length: the most tokens of a mismatched row (`cutoff_len`); None: no cut.
         *args, **kwargs: as for `transformers.Trainer`; `args.padding_free` runs the batch's real tokens only.
     """

@@ -63,7 +63,7 @@ What this simplifies, and why:
   Checkpoints are the Trainer's DeepSpeed ones (the engine's `save_checkpoint`; a resume loads them with
   `deepspeed_load_checkpoint`, master weights and optimizer state included), plus the adapter, value head and
   `ppo_state.json` as always. Under DeepSpeed bf16/fp16 the engine casts the whole module, value head included.
-- DeepSpeed ZeRO-3 (weights partitioned too; `finetuning_type: lora`), what changes and why it is right:
+- DeepSpeed ZeRO-3 (weights partitioned too), what changes and why it is right:
   - Every weight is read inside its own module's call. ZeRO-3 partitions each weight when `from_pretrained`
     returns (`deepspeed.zero.Init`); the engine's hooks gather a module's weights before its forward, release them
     after, and gather them again before its backward. So the training forward is one call of the engine
@@ -83,13 +83,14 @@ What this simplifies, and why:
     re-gather its layers: once per token). That holds the whole model on every process for the rollout. A reward
     model loaded on its own (partitioned by `from_pretrained`, in no engine) is gathered for the rollout too.
   - Saving: the Trainer's `save_model` consolidates the trainable tensors on the main process
-    (`_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)` for a PEFT model), and `_save`
+    (`_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)` for a PEFT model, accelerate's
+    `get_state_dict(engine)`, the same consolidation of every weight, for a full/freeze one), and `_save`
     writes the adapter(s) and value head from that dict, not from the module's partitions. Checkpoints and resume
     are the engine's, as under ZeRO-0/1/2.
-  - Refused under ZeRO-3, with the reason (`deepspeed_refusal`): a full/freeze policy (its reference is a deep
-    copy of the model taken when the trainer is built, which would copy partitions that no engine gathers) and
-    `adapter_name_or_path` (merging it writes into partitioned base weights; merge beforehand with
-    `alignkit export`).
+  - A full/freeze policy's reference is not a deep copy (that would copy partitions no engine gathers) but the
+    policy loaded again from its source, partitioned the same way, and gathered for the reference pass
+    (`StageTrainer`, `full_weights`). `adapter_name_or_path` is merged into a cached base before the load
+    (`loader.ensure_merged_base`), never into partitioned weights.
 - Refused: FSDP (`FSDP_REFUSAL`): this loop builds its optimizer over the unwrapped model and sums gradients itself;
   FSDP needs accelerate to wrap the model first (FSDP1's root unit holds the embeddings, final norm, output layer
   and value head and gathers them only in the wrapper's forward; FSDP2 turns parameters into DTensors) and
@@ -240,42 +241,20 @@ FSDP_REFUSAL = (
     "plain data parallelism (torchrun / accelerate launch), or stage grpo (its training step is the Trainer's).")
 
 
-def deepspeed_refusal(ds_config: dict[str, Any], finetuning_type: str = "lora",
-                      merges_adapters: bool = False) -> Optional[str]:
+def deepspeed_refusal(ds_config: dict[str, Any]) -> Optional[str]:
     """Why PPO's loop cannot run under this DeepSpeed config, or None when it can.
 
-    - A `scheduler` block: DeepSpeed steps its scheduler at each optimizer step, while PPO's learning-rate
-      schedule advances once per PPO step (several optimizer steps).
-    - ZeRO-3 (the weights themselves partitioned when `from_pretrained` returns) with a full/freeze policy: its
-      reference is a deep copy of the model made when the trainer is built (`keep_reference_copy`), which would
-      copy the partitions (empty tensors plus DeepSpeed's bookkeeping) of parameters no engine gathers.
-    - ZeRO-3 with `adapter_name_or_path`: the loader merges those adapters into the base weights
-      (`merge_and_unload`), which would write into partitioned tensors.
+    A `scheduler` block is refused: DeepSpeed steps its scheduler at each optimizer step, while PPO's learning-rate
+    schedule advances once per PPO step (several optimizer steps). ZeRO-3 runs with every finetuning_type and with
+    `adapter_name_or_path` (module docstring).
 
     Args:
         ds_config: the DeepSpeed JSON as a dict (`TrainingArguments.hf_deepspeed_config.config`).
-        finetuning_type: the run's `finetuning_type`.
-        merges_adapters: whether `adapter_name_or_path` is set (adapters merged into the base at load).
     """
     if "scheduler" in ds_config:
         return ("stage ppo: remove the `scheduler` block of the DeepSpeed config. DeepSpeed would step it at every "
                 "optimizer step; PPO advances its learning-rate schedule (lr_scheduler_type, warmup_steps) once "
                 "per PPO step, with the Trainer's scheduler.")
-    if (ds_config.get("zero_optimization") or {}).get("stage", 0) != 3:
-        return None
-    if finetuning_type != "lora":
-        return (f"stage ppo does not run under DeepSpeed ZeRO-3 with finetuning_type: {finetuning_type}: the "
-                "reference of a full/freeze policy is a deep copy of the model taken when the trainer is built, and "
-                "under ZeRO-3 that would copy each weight's partition (an empty tensor and DeepSpeed's bookkeeping) "
-                "for parameters that no engine gathers, so the reference would compute on nothing. Use "
-                "finetuning_type: lora (the reference is the base with the adapter switched off), or ZeRO-0/1/2 "
-                "(e.g. examples/deepspeed/ds_z2_config.json).")
-    if merges_adapters:
-        return ("stage ppo does not merge adapter_name_or_path under DeepSpeed ZeRO-3: merging writes into the base "
-                "weights, which are partitioned across processes as soon as the model is loaded. Merge the adapter "
-                "beforehand (`alignkit export --model BASE --adapter SFT_DIR --export-dir MERGED`), set "
-                "model_name_or_path: MERGED without adapter_name_or_path, and give the reward model (trained over "
-                "that SFT adapter) with reward_model_type: lora; or use ZeRO-0/1/2.")
     return None
 
 
@@ -296,8 +275,7 @@ def check_config(config: "Config") -> None:
         raise ConfigError(FSDP_REFUSAL)
     if t.deepspeed:
         # Before the model loads: under ZeRO-3, transformers would load it partitioned.
-        reason = deepspeed_refusal(t.hf_deepspeed_config.config, config.finetuning.finetuning_type,
-                                   bool(config.model.adapter_name_or_path))
+        reason = deepspeed_refusal(t.hf_deepspeed_config.config)
         if reason:
             raise ConfigError(reason)
     if t.do_eval or t.do_predict:
@@ -774,18 +752,14 @@ class PPOTrainer(StageTrainer):
 
     def __init__(self, *args, ppo_args: PPOArguments, reward_functions, formatter, value_head,
                  max_new_tokens: int, **kwargs) -> None:
-        # A full/freeze policy needs a frozen copy as its reference (under LoRA the adapter is disabled instead).
+        # A full/freeze policy needs a frozen copy as its reference (under LoRA the adapter is disabled instead; under
+        # ZeRO-3 the copy is a second, partitioned load, gathered for each reference pass: `StageTrainer`).
         kwargs.setdefault("keep_reference_copy", True)
         super().__init__(*args, **kwargs)
         # As in `check_config`, for set-ups that come from `accelerate launch --config_file` rather than the keys.
         reason = FSDP_REFUSAL if self.is_fsdp_enabled else None
         if self.is_deepspeed_enabled:
-            from ..model.loader import merged_adapters
-            from .base import is_peft_model
-
-            reason = deepspeed_refusal(self.accelerator.state.deepspeed_plugin.deepspeed_config,
-                                       "lora" if is_peft_model(self.model) else "full/freeze",
-                                       bool(merged_adapters(self.model)))
+            reason = deepspeed_refusal(self.accelerator.state.deepspeed_plugin.deepspeed_config)
         if reason:
             from ..hparams import ConfigError
 

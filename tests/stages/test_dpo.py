@@ -373,3 +373,41 @@ def test_run_train_dpo_end_to_end(tiny_model_dir, tmp_path):
     assert eval_results["eval_rewards/accuracies"] == pytest.approx(sum(m > 0 for m in margins) / len(margins))
     assert json.loads((out / "predict_results.json").read_text())["predict_loss"] == pytest.approx(
         eval_results["eval_loss"], abs=1e-6)
+
+
+def test_zero3_full_finetuning_reference_is_a_second_load_gathered_per_pass(tiny_model_dir, tiny_tokenizer, tmp_path,
+                                                                            zero3_loading):
+    """Under (stand-in) ZeRO-3 a full fine-tuning policy's reference is not a deep copy (that would copy partitions)
+    but the policy's source loaded again, partitioned as `from_pretrained` leaves it, and each reference pass gathers
+    it once; the run equals the plain one. The policy is whole here: under DeepSpeed the Trainer's engine owns its
+    partitions, and that engine is not stood in for."""
+    from alignkit.model.loader import load_model
+
+    dataset = pair_dataset(tiny_tokenizer)
+    batch = pairwise_collate([dataset[i] for i in range(2)])
+
+    def config(name):
+        return make_config(tmp_path / name, finetuning_type="full", model_name_or_path=tiny_model_dir, max_steps=3,
+                           logging_steps=1)
+
+    plain_config = config("plain")
+    plain = make_trainer(load_model(plain_config.model, plain_config.finetuning, is_trainable=True), plain_config,
+                         dataset)
+    plain.train()
+
+    zero3_config = config("zero3")
+    policy = load_model(zero3_config.model, zero3_config.finetuning, is_trainable=True)
+    loaded = zero3_loading()
+    trainer = make_trainer(policy, zero3_config, dataset)
+    assert loaded == [trainer.ref_model] and trainer.ref_model is not policy  # loaded again, partitioned
+    partitions = next(trainer.ref_model.parameters()).ds_owner
+    assert partitions.is_partitioned()
+    with pytest.raises((RuntimeError, IndexError, AssertionError)), torch.no_grad():
+        trainer.ref_model(input_ids=batch["input_ids"])  # a reference forward outside its gather reads nothing
+    trainer.train()
+
+    assert losses_of(trainer) == pytest.approx(losses_of(plain), abs=1e-5) and len(losses_of(plain)) == 3
+    assert partitions.gathers == 3 and partitions.is_partitioned()  # one gather per reference pass (3 steps)
+    trained, expected = dict(trainer.model.named_parameters()), dict(plain.model.named_parameters())
+    for name, param in expected.items():
+        torch.testing.assert_close(trained[name].detach(), param.detach(), rtol=0, atol=1e-5, msg=name)

@@ -238,3 +238,23 @@ def test_vllm_colocate_path_with_a_stand_in_engine(tiny_model_dir, tmp_path, mon
     records = [r for r in read_log(tmp_path / "out") if "loss" in r]
     assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
     assert records[0]["completions/max_length"] == 3  # cut after the stop token (id 2)
+
+
+def test_zero3_full_finetuning_reference_is_a_second_load_gathered_per_pass(tiny_model_dir, tmp_path, zero3_loading):
+    """GRPO with beta != 0 and a full fine-tuning policy under (stand-in) ZeRO-3: the reference is the policy's source
+    loaded again, partitioned, and gathered once per generation batch's reference pass; the run equals the plain one.
+    The policy is given back whole when the Trainer is built (its DeepSpeed engine is not stood in for)."""
+    keys = {"finetuning_type": "full", "beta": 0.1, "learning_rate": 1e-3, "max_steps": 2}
+    plain, zero3 = tmp_path / "plain", tmp_path / "zero3"
+    run_train(_config(tiny_model_dir, tmp_path, plain, **keys))
+    loaded = zero3_loading(policy_whole=True)
+    run_train(_config(tiny_model_dir, tmp_path, zero3, **keys))
+    assert len(loaded) == 2  # the policy (given to the stand-in engine whole), then its reference, partitioned
+    reference = next(loaded[1].parameters()).ds_owner
+    # steps_per_generation defaults to gradient_accumulation_steps (1): one generation batch, one reference pass, a step
+    assert reference.gathers == 2 and reference.is_partitioned()
+    logged = [{r["current_steps"]: (r["loss"], r["kl"]) for r in read_log(out) if "loss" in r} for out in (plain, zero3)]
+    assert sorted(logged[0]) == sorted(logged[1]) == [1, 2]
+    for step, (loss, kl) in logged[0].items():
+        assert logged[1][step] == pytest.approx((loss, kl), abs=1e-5)
+    assert any(kl != 0 for _, kl in logged[0].values())  # the reference pass mattered

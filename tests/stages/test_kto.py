@@ -210,3 +210,28 @@ def test_run_train_kto_end_to_end(tiny_model_dir, tmp_path):
     assert eval_results["eval_rewards/chosen"] == pytest.approx(sum(chosen) / len(chosen), abs=1e-5)
     assert eval_results["eval_rewards/rejected"] == pytest.approx(sum(rejected) / len(rejected), abs=1e-5)
     assert (out / "adapter_model.safetensors").is_file()
+
+
+def test_zero3_full_finetuning_reference_is_a_second_load_gathered_per_pass(tiny_model_dir, tmp_path, zero3_loading):
+    """Under (stand-in) ZeRO-3 a full fine-tuning policy's reference is the policy's source loaded again, partitioned,
+    and gathered once per batch (its two passes, the rows and the KL rows, in one block); the run equals the plain one.
+    The policy is given back whole when the Trainer is built (its DeepSpeed engine is not stood in for)."""
+    data_file = tmp_path / "kto.jsonl"
+    data_file.write_text("".join(json.dumps({"prompt": p, "completion": c, "label": d}) + "\n" for p, c, d in ROWS),
+                         encoding="utf-8")
+
+    def config(out):
+        return parse_config({
+            "stage": "kto", "model_name_or_path": tiny_model_dir, "dataset": str(data_file), "output_dir": str(out),
+            "do_train": True, "max_steps": 3, "per_device_train_batch_size": 3, "learning_rate": 5e-3,
+            "finetuning_type": "full", "cutoff_len": 64, "save_strategy": "no", "seed": 0, "logging_steps": 1})
+
+    plain, zero3 = tmp_path / "plain", tmp_path / "zero3"
+    run_train(config(plain))
+    loaded = zero3_loading(policy_whole=True)
+    run_train(config(zero3))
+    assert len(loaded) == 2  # the policy (given to the stand-in engine whole), then its reference, partitioned
+    reference = next(loaded[1].parameters()).ds_owner
+    assert reference.gathers == 3 and reference.is_partitioned()  # one gather per batch's reference passes
+    losses = [[r["loss"] for r in read_log(out) if "loss" in r] for out in (plain, zero3)]
+    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], abs=1e-5)

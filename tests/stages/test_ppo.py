@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -538,91 +539,19 @@ def test_deepspeed_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file,
 
 
 # ---------------------------------------------------------------------------------------------------
-# ZeRO-3 with a stand-in for DeepSpeed's parameter partitioning. What DeepSpeed documents and this keeps: outside
-# a gather every partitioned parameter holds an empty tensor on each process (its `ds_id` marks it); the engine
-# puts hooks on every module that gather the module's own parameters before its forward, release them after it,
-# and gather them again before its backward; `unwrap_model_for_generation(engine)` gathers everything once and
-# takes the hooks off for the block; the engine's step and checkpoints work on the whole parameters; the Trainer
-# saves a PEFT model from `_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)`. So a code path
-# that reads a weight outside a module call or a gather reads an empty tensor and fails. What this cannot show:
-# real shards over several processes, DeepSpeed's prefetching, partitioning at load (`zero.Init`; here the
-# weights are partitioned when the engine is built, after the reward and critic adapters were loaded).
+# ZeRO-3 with the stand-in for DeepSpeed's parameter partitioning of tests/conftest.py (`StandInPartitions`: every
+# partitioned parameter empty outside a module call of the engine or a gather). Here the engine's partitions take the
+# policy over when the engine is built (from the stand-in `zero.Init` when the run loads under `zero3_loading`), and
+# the engine steps, checkpoints and consolidates whole parameters; the Trainer saves a PEFT model from
+# `_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)`, a full one from accelerate's
+# `get_state_dict`, which under ZeRO-3 is the same consolidation.
 # ---------------------------------------------------------------------------------------------------
-
-
-class StandInPartitions:
-    """ZeRO-3's parameter contract on one process (the section comment above)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.params = list(model.parameters())
-        for number, param in enumerate(self.params):
-            param.ds_id = number  # what `sharding_of` and `full_weights` look for
-        self.whole: dict[int, torch.Tensor] = {}
-        self.handles: list = []
-        self.generation_blocks = 0
-        self._add_hooks()
-        self.partition(self.params)
-
-    def partition(self, params) -> None:
-        for param in params:
-            if param.ds_id not in self.whole:
-                self.whole[param.ds_id] = param.data
-                param.data = torch.empty(0, dtype=param.dtype)
-
-    def gather(self, params) -> None:
-        for param in params:
-            if param.ds_id in self.whole:
-                param.data = self.whole.pop(param.ds_id)
-
-    def is_partitioned(self) -> bool:
-        return len(self.whole) == len(self.params)
-
-    def _add_hooks(self) -> None:
-        for module in self.model.modules():
-            own = list(module.parameters(recurse=False))
-            if not own:
-                continue
-
-            def before(_module, _args, own=own):
-                self.gather(own)
-
-            def after(_module, _args, output, own=own):
-                outputs = output if isinstance(output, (tuple, list)) else [output]
-                for tensor in outputs:
-                    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                        tensor.register_hook(lambda grad, own=own: self.gather(own))  # DeepSpeed's pre-backward
-                self.partition(own)
-
-            self.handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
-
-    @contextlib.contextmanager
-    def generation_block(self):
-        """`deepspeed.runtime.zero.unwrap_model_for_generation(engine)`."""
-        self.generation_blocks += 1
-        self.gather(self.params)
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-        try:
-            yield self.model
-        finally:
-            self._add_hooks()
-            self.partition(self.params)
-
-    @contextlib.contextmanager
-    def whole_weights(self):
-        self.gather(self.params)
-        try:
-            yield
-        finally:
-            self.partition(self.params)
 
 
 class StandInZero3Engine(StandInEngine):
     """The stand-in engine over partitioned parameters: it steps, checkpoints and consolidates whole ones."""
 
-    def __init__(self, *args, partitions: StandInPartitions, **kwargs) -> None:
+    def __init__(self, *args, partitions, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.partitions = partitions
         self.config = {"zero_optimization": {"stage": 3}}
@@ -647,14 +576,14 @@ class StandInZero3Engine(StandInEngine):
 
 
 @pytest.fixture
-def stand_in_zero3(stand_in_deepspeed, monkeypatch):
+def stand_in_zero3(stand_in_deepspeed, zero3_partitions, monkeypatch):
     """`install()` puts the stand-in engine over partitioned parameters in place and returns the list of PPO
     trainers built from then on."""
     from alignkit.model import distributed
 
     def prepare(self: PPOTrainer, max_steps: int) -> None:
         self.create_optimizer()
-        partitions = StandInPartitions(self.model)
+        partitions = zero3_partitions(self.model)
         engine = StandInZero3Engine(self.model, self.optimizer, self.args.max_grad_norm,
                                     self.args.gradient_accumulation_steps, partitions=partitions)
         self.accelerator.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(engine)
@@ -666,6 +595,10 @@ def stand_in_zero3(stand_in_deepspeed, monkeypatch):
         built = stand_in_deepspeed()
         monkeypatch.setattr(PPOTrainer, "_prepare_deepspeed", prepare)
         monkeypatch.setattr(distributed, "_zero3_generation", lambda engine: engine.partitions.generation_block())
+        # accelerate's `get_state_dict(engine)` under ZeRO-3 is the engine's consolidation (a full policy's save).
+        monkeypatch.setattr(Accelerator, "get_state_dict", lambda self, model, unwrap=True:
+                            model._zero3_consolidated_16bit_state_dict() if hasattr(model, "partitions")
+                            else model.state_dict())
         return built
 
     return install
@@ -694,6 +627,53 @@ def test_zero3_path_updates_as_the_plain_loop(tiny_model_dir, prompts_file, rewa
     assert built[0].deepspeed.steps == 4
 
 
+def test_zero3_full_policy_with_its_reference_loaded_again(tiny_model_dir, prompts_file, tmp_path, stand_in_zero3,
+                                                           zero3_loading):
+    """A full fine-tuned policy under ZeRO-3, loaded partitioned (stand-in `zero.Init`), its engine's partitions taking
+    it over: the reference is the policy's source loaded again, partitioned, and gathered for each rollout's reference
+    pass (no engine runs over it). The run equals the plain loop (logs, the saved model, the value head)."""
+    keys = {**DEEPSPEED_KEYS, "finetuning_type": "full", "learning_rate": 0.01}
+    plain, zero3 = tmp_path / "plain", tmp_path / "zero3"
+    run_train(_config(tiny_model_dir, prompts_file, plain, **keys))
+    built = stand_in_zero3()
+    loaded = zero3_loading()
+    run_train(_config(tiny_model_dir, prompts_file, zero3, **keys))
+    trainer = built[0]
+    assert len(loaded) == 2 and loaded[1] is trainer.ref_model  # the policy, then its reference: both partitioned
+    reference = next(trainer.ref_model.parameters()).ds_owner
+    assert reference.gathers == 2 and reference.is_partitioned()  # one gather per rollout's reference pass
+    assert trainer.deepspeed.partitions.generation_blocks == 2 and trainer.deepspeed.steps == 4
+    log_a, log_b = _logged(plain), _logged(zero3)
+    assert sorted(log_a) == sorted(log_b) and log_a
+    for step in log_a:
+        for key in COMPARED:
+            assert log_b[step][key] == pytest.approx(log_a[step][key], rel=0, abs=1e-5), (step, key)
+    for name in ("model.safetensors", VALUE_HEAD_FILE):
+        _assert_same_files(plain, zero3, name, tolerance=1e-5)
+
+
+def test_zero3_lora_over_a_merged_sft_adapter(tiny_model_dir, prompts_file, sft_dir, reward_from_sft_dir, tmp_path,
+                                             stand_in_zero3, zero3_loading):
+    """examples/ppo_lora.yaml's shape (a LoRA policy over the SFT adapter, the RM trained over it as a named adapter)
+    under ZeRO-3: the SFT adapter is merged into a cached base once, the run loads that partitioned, and equals the
+    plain run, which merges in memory."""
+    keys = {**DEEPSPEED_KEYS, "adapter_name_or_path": sft_dir, "reward_model": reward_from_sft_dir,
+            "reward_model_type": "lora", "reward_funcs": "format", "reward_weights": "1"}
+    plain, zero3 = tmp_path / "plain", tmp_path / "zero3"
+    run_train(_config(tiny_model_dir, prompts_file, plain, **keys))
+    built = stand_in_zero3()
+    loaded = zero3_loading()
+    run_train(_config(tiny_model_dir, prompts_file, zero3, **keys))
+    assert len(loaded) == 1  # the policy, from the merged base's folder (the RM is its adapter, the reference too)
+    merged = [p for p in (Path(os.environ["ALIGNKIT_HOME"]) / "merged").iterdir() if p.is_dir()]
+    assert len(merged) == 1 and json.loads((merged[0] / "alignkit_merged_base.json").read_text())["adapters"] == [
+        os.path.realpath(sft_dir)]
+    _assert_same_run(plain, zero3, tolerance=1e-5)
+    assert json.loads((zero3 / "base_adapters.json").read_text())["base_adapters"] == [os.path.realpath(sft_dir)]
+    assert json.loads((zero3 / "adapter_config.json").read_text())["base_model_name_or_path"] == tiny_model_dir
+    assert built[0].deepspeed.partitions.is_partitioned()
+
+
 def test_zero3_saving_needs_the_consolidated_state_dict(tiny_model_dir, tmp_path):
     """Under ZeRO-3 the module's tensors are partitions: with no consolidated dict the global main process stops
     with the fix, and another node's main process (which DeepSpeed gives None) writes nothing."""
@@ -712,17 +692,11 @@ def test_zero3_saving_needs_the_consolidated_state_dict(tiny_model_dir, tmp_path
     assert not (tmp_path / "main").exists() and not (tmp_path / "node").exists()
 
 
-def test_sharded_weights_are_refused_with_the_reason():
+def test_deepspeed_configs_are_refused_only_for_a_scheduler_block():
     assert deepspeed_refusal({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}) is None
     assert deepspeed_refusal({"zero_optimization": {"stage": 0}}) is None
     assert deepspeed_refusal({"train_batch_size": "auto"}) is None
-    zero3 = {"zero_optimization": {"stage": 3}}
-    assert deepspeed_refusal(zero3) is None  # LoRA without merged adapters
-    full = deepspeed_refusal(zero3, "full")
-    assert "ZeRO-3 with finetuning_type: full" in full and "deep copy" in full and "finetuning_type: lora" in full
-    merged = deepspeed_refusal(zero3, "lora", merges_adapters=True)
-    assert "adapter_name_or_path" in merged and "alignkit export" in merged
-    assert deepspeed_refusal({"zero_optimization": {"stage": 2}}, "full", merges_adapters=True) is None
+    assert deepspeed_refusal({"zero_optimization": {"stage": 3}}) is None
     assert "scheduler" in deepspeed_refusal({"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR"}})
     shipped = Path(__file__).resolve().parents[2] / "examples" / "deepspeed"
     verdicts = {path.name: deepspeed_refusal(json.loads(path.read_text())) is None for path in shipped.glob("*.json")}
@@ -743,10 +717,11 @@ def test_sharded_weights_are_refused_with_the_reason():
     assert str(refused.value) == FSDP_REFUSAL
     zero3_keys = {"deepspeed": "ds_z3_config.json",
                   "hf_deepspeed_config": SimpleNamespace(config={"zero_optimization": {"stage": 3}})}
-    check_config(config(**zero3_keys))
-    with pytest.raises(ConfigError, match="does not run under DeepSpeed ZeRO-3 with finetuning_type: freeze"):
-        check_config(config(finetuning="freeze", **zero3_keys))
-    with pytest.raises(ConfigError, match="does not merge adapter_name_or_path under DeepSpeed ZeRO-3"):
-        check_config(config(adapters="sft", **zero3_keys))
-    check_config(config(deepspeed="ds_z2_config.json",
-                        hf_deepspeed_config=SimpleNamespace(config={"zero_optimization": {"stage": 2}})))
+    # ZeRO-3 with a full/freeze policy (its reference a second, partitioned load) and with adapter_name_or_path (merged
+    # into a cached base first): both run (tests below), so neither is refused any more.
+    for finetuning in ("lora", "full", "freeze"):
+        check_config(config(finetuning=finetuning, **zero3_keys))
+    check_config(config(adapters="sft", **zero3_keys))
+    with pytest.raises(ConfigError, match="remove the `scheduler` block"):
+        check_config(config(deepspeed="ds.json", hf_deepspeed_config=SimpleNamespace(
+            config={"zero_optimization": {"stage": 3}, "scheduler": {"type": "WarmupLR"}})))

@@ -160,6 +160,7 @@ def test_full_weights_gathers_fsdp2_shards_once_per_generation(dist, tiny_model_
         assert report["gathers_in_block"] == report["fsdp_modules"]
         assert report["gathers_per_forward"] > report["gathers_in_block"]
         assert report["local_rows_after"] * 2 == report["rows"]  # sharded again after the block
+        assert report["root_whole_after_forward"]  # a block before the first forward keeps FSDP2's root setting
 
 
 _CONVERT_WORKER = """

@@ -77,6 +77,7 @@ def _same_weights(single, fsdp) -> None:
     assert sorted(wa) == sorted(weights), sorted(set(wa) ^ set(weights))
     diffs = {name: (wa[name] - weights[name]).abs().max().item() for name in wa}
     worst = max(diffs, key=diffs.get)
+    print(f"largest weight difference: {diffs[worst]:.2e} ({worst})")
     assert diffs[worst] <= 1e-5, f"{worst} differs by {diffs[worst]:.2e}"
 
 

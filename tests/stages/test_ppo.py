@@ -739,8 +739,10 @@ def test_sharded_weights_are_refused_with_the_reason():
                                model=SimpleNamespace(adapter_name_or_path=adapters))
 
     with pytest.raises(ConfigError) as refused:
-        check_config(config(fsdp="full_shard"))
+        check_config(config(fsdp="full_shard", fsdp_config={"version": 1}))
     assert str(refused.value) == FSDP_REFUSAL
+    check_config(config(fsdp="full_shard", fsdp_config={"version": 2}))  # FSDP2: tests/distributed/test_distributed_rl.py
+    check_config(config(fsdp="full_shard", fsdp_config={}))  # transformers' default version is 2
     zero3_keys = {"deepspeed": "ds_z3_config.json",
                   "hf_deepspeed_config": SimpleNamespace(config={"zero_optimization": {"stage": 3}})}
     check_config(config(**zero3_keys))

@@ -105,8 +105,9 @@ What this simplifies, and why:
   optimizer without per-parameter state, plain SGD, gets its groups' settings back by hand: torch's loader finds
   no tensor to place). Tested on the CPU (gloo, accelerate's device gate lifted for the test, see
   `tests/distributed/test_distributed_rl.py`): 2 FSDP2 processes equal 1 process with the double batch, and a
-  resume equals the uninterrupted run. Not tested: `ppo_critic: adapter` (its `requires_grad` switches on
-  sharded parameters), a LoRA reward adapter, full/freeze policies under FSDP2.
+  resume equals the uninterrupted run, for a LoRA policy and (2 steps, no resume) a full one (its reference a
+  whole copy per process, taken before sharding). Not tested: `ppo_critic: adapter` (its `requires_grad`
+  switches on sharded parameters), a LoRA reward adapter, a freeze policy.
 - Refused: FSDP1 (`FSDP_REFUSAL`): no FSDP1 path is written (its root unit's flattened parameters are whole only
   inside the wrapper's forward, and the value head is read after it).
 - NOT RUN ON A GPU: the DeepSpeed paths (ZeRO-0/1/2 and ZeRO-3) are written against the documented APIs of

@@ -42,7 +42,8 @@ Harness API (fixture `dist`, a `DistHarness`):
   the final saved weights as a {name: tensor} (`adapter_model.safetensors` under LoRA, else
   `model.safetensors`), `.predictions()` -> the rows of `generated_predictions.jsonl`.
 - `dist.assert_same_losses(a, b, atol=1e-5, key="loss")` and `dist.assert_same_weights(a, b, atol=1e-5)`: per
-  step and per tensor, with a table of what differs in the failure message. `dist.assert_same_logs(a, b,
+  step and per tensor, with a table of what differs in the failure message (the weights: a tied copy that one
+  run alone saved, as FSDP saves `lm_head.weight`, must equal its source; returns the largest difference). `dist.assert_same_logs(a, b,
   atol=1e-5, ignore=())`: every value of every per-step training record but the wall-clock ones and `ignore` (stage metrics, token
   counts, learning rate, epoch...). `dist.loss_table(runs, key)` formats the per-step values of several runs
   ({label: DistRun}) side by side (for reports).
@@ -320,13 +321,31 @@ def assert_same_logs(a: DistRun, b: DistRun, atol: float = 1e-5, ignore: Iterabl
     assert not problems, "logged values differ:\n" + "\n".join(problems[:20])
 
 
-def assert_same_weights(a: DistRun, b: DistRun, atol: float = 1e-5) -> None:
+# A tied output layer: FSDP's full state dict saves it beside the embeddings (transformers drops a tied copy only
+# when it shares storage with its source, which the gathered copies do not); loading ties the two again.
+TIED_COPIES = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def _without_tied_copies(weights: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """`weights` less the tied copies `other` lacks, each checked to equal the tensor it is tied to."""
+    for copy, source in TIED_COPIES.items():
+        if copy in weights and copy not in other and source in weights:
+            assert (weights[copy] - weights[source]).abs().max().item() == 0, f"{copy} differs from {source}"
+            weights = {k: v for k, v in weights.items() if k != copy}
+    return weights
+
+
+def assert_same_weights(a: DistRun, b: DistRun, atol: float = 1e-5) -> float:
+    """The saved weights agree within `atol` (a tied copy saved by one run alone, `TIED_COPIES`, must equal its
+    source); returns the largest difference."""
     wa, wb = a.weights(), b.weights()
+    wa, wb = _without_tied_copies(wa, wb), _without_tied_copies(wb, wa)
     assert sorted(wa) == sorted(wb), f"different tensors saved: {sorted(set(wa) ^ set(wb))}"
     diffs = {name: (wa[name].float() - wb[name].float()).abs().max().item() for name in wa}
     bad = {name: d for name, d in diffs.items() if d > atol}
     assert not bad, f"{len(bad)} of {len(diffs)} tensors differ by more than {atol}: " + \
         ", ".join(f"{n}: {d:.2e}" for n, d in sorted(bad.items(), key=lambda kv: -kv[1])[:8])
+    return max(diffs.values())
 
 
 @pytest.fixture(scope="module")

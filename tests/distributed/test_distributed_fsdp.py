@@ -65,22 +65,6 @@ def _saved_by_fsdp(run) -> None:
         sorted(p.name for p in checkpoint.iterdir())
 
 
-def _same_weights(single, fsdp) -> None:
-    """The saved weights agree (1e-5). Under FSDP the saved full state dict also holds `lm_head.weight` of the
-    tied tiny model (transformers drops a tied weight when it shares storage with its source, which the gathered
-    copies do not); it must equal the embeddings it is tied to, and loading ties the two again."""
-    weights = fsdp.weights()
-    if "lm_head.weight" in weights and "lm_head.weight" not in single.weights():
-        tied = weights.pop("lm_head.weight")
-        assert (tied - weights["model.embed_tokens.weight"]).abs().max().item() == 0
-    wa = single.weights()
-    assert sorted(wa) == sorted(weights), sorted(set(wa) ^ set(weights))
-    diffs = {name: (wa[name] - weights[name]).abs().max().item() for name in wa}
-    worst = max(diffs, key=diffs.get)
-    print(f"largest weight difference: {diffs[worst]:.2e} ({worst})")
-    assert diffs[worst] <= 1e-5, f"{worst} differs by {diffs[worst]:.2e}"
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fsdp2_two_processes_train_as_one_with_the_double_batch(dist, fsdp_pairs, case):
     single, fsdp = fsdp_pairs(case)
@@ -92,7 +76,8 @@ def test_fsdp2_two_processes_train_as_one_with_the_double_batch(dist, fsdp_pairs
     # only when the processes' completions hold as many tokens: left out here, as in plain data parallelism
     # (there too step 3's kl differs by 3.7e-4 on this data, FSDP or not).
     dist.assert_same_logs(single, fsdp, ignore=TOKEN_MEANS_PER_PROCESS if case.startswith("grpo") else ())
-    _same_weights(single, fsdp)
+    # Under FSDP the tiny model's tied lm_head.weight is saved too, equal to the embeddings (see the harness).
+    print(f"{case}: largest weight difference {dist.assert_same_weights(single, fsdp):.2e}")
 
 
 def test_fsdp2_resume_equals_the_uninterrupted_run(dist, fsdp_pairs):

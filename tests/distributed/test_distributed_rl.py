@@ -88,10 +88,10 @@ def _ppo(dist, reward, name, batch, **keys):
     # Plain SGD: an update is then lr x the summed gradient, so equal weights mean equal gradients. Adam
     # divides each coordinate by its own gradient scale, which turns the float noise of differently shaped
     # batches (about 1e-8) on near-zero coordinates into weight differences of its step size (1e-5 at lr 5e-3).
-    return dist.config("ppo", name, per_device_train_batch_size=batch, ppo_buffer_size=2, ppo_epochs=2,
-                       max_new_tokens=6, max_steps=3, learning_rate=0.5, optim="sgd", reward_funcs=[reward],
-                       ppo_score_norm=True, ppo_whiten_rewards=True, init_kl_coef=0.2, ppo_target=0.01,
-                       horizon=100, save_steps=2, log_completions=True, **keys)
+    values = dict(per_device_train_batch_size=batch, ppo_buffer_size=2, ppo_epochs=2, max_new_tokens=6, max_steps=3,
+                  learning_rate=0.5, optim="sgd", reward_funcs=[reward], ppo_score_norm=True, ppo_whiten_rewards=True,
+                  init_kl_coef=0.2, ppo_target=0.01, horizon=100, save_steps=2, log_completions=True)
+    return dist.config("ppo", name, **{**values, **keys})  # `keys` override these
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +158,13 @@ def test_ppo_fsdp2_resume_equals_the_straight_run(dist, reward, ppo_fsdp2):
     heads = [load_file(str(run.out / "value_head.safetensors")) for run in (ppo_fsdp2, resumed)]
     for name in heads[0]:
         assert (heads[0][name] - heads[1][name]).abs().max().item() < 1e-5, name
+
+
+def test_ppo_fsdp2_full_policy_equals_one(dist, reward):
+    """A full fine-tuned policy under FSDP2: every weight sharded and updated on the shards, the reference a whole
+    copy taken before sharding, the policy saved from the gathered full state dict without its value head."""
+    keys = {"finetuning_type": "full", "learning_rate": 0.05, "max_steps": 2, "save_steps": None}
+    single = dist.train(_ppo(dist, reward, "ppo_full_1p", 4, **keys))
+    fsdp = dist.train(_ppo(dist, reward, "ppo_full_fsdp2", 2, **keys, **FSDP2), nproc=2, fsdp_on_cpu=True)
+    _compare(dist, single, fsdp, keys=("loss", "objective/kl", "grad_norm"))
+    assert not any(name.startswith("v_head.") for name in fsdp.weights())

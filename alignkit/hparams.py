@@ -408,6 +408,24 @@ def _has_accelerator() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
+def _accelerate_runs_fsdp_here() -> bool:
+    """Whether accelerate turns an FSDP request into FSDP on this machine.
+
+    accelerate 1.15 does so on GPU-like devices only (`AcceleratorState.__init__`: the multi-process CPU type
+    `MULTI_CPU` is not among the types that become `DistributedType.FSDP`), although torch's FSDP2 trains on a
+    CPU with gloo. The distributed tests lift that gate in their worker processes
+    (`tests/distributed/fsdp_on_cpu/sitecustomize.py`) and mark accelerate's `AcceleratorState.fsdp_on_cpu`;
+    this reads the mark rather than assuming the device decides, so that those runs are not refused while a
+    user's CPU run (which would silently be DDP) still is. Read from the class, not from a state, because
+    accelerate's state does not exist yet when the config is parsed.
+    """
+    if _has_accelerator():
+        return True
+    from accelerate.state import AcceleratorState
+
+    return getattr(AcceleratorState, "fsdp_on_cpu", False) is True
+
+
 def _accelerator_has_bf16() -> bool:
     """Whether the accelerator transformers would train on (CUDA, XPU, MPS, ...) computes in bf16."""
     from transformers.utils import is_torch_bf16_gpu_available
@@ -660,7 +678,7 @@ def parse_config(
     per_class[TrainingArguments].setdefault("dataloader_pin_memory", _has_accelerator())
     fsdp_asked = _asks_for_fsdp(per_class[TrainingArguments]) or \
         os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
-    if fsdp_asked and not _has_accelerator():
+    if fsdp_asked and not _accelerate_runs_fsdp_here():
         # accelerate (1.15) switches to FSDP only on GPU-like devices; on a CPU the run silently falls back to
         # plain data parallelism with a whole model per process, which is not what was asked for.
         raise ConfigError(f"FSDP (the `fsdp` key or an `accelerate launch` FSDP config){where} needs GPUs: on this "

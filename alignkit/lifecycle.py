@@ -41,7 +41,12 @@ STATE_FILE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME; the Train
 INVALID_PREFIX = "invalid-"  # broken checkpoints are renamed `invalid-checkpoint-N`, out of the Trainer's glob
 # What a checkpoint holds besides the model: `save_model` writes everything else, so the rest of the
 # folder is exactly the final model `Trainer.save_model(output_dir)` would write.
-TRAINING_STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", STATE_FILE)
+TRAINING_STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", STATE_FILE,
+                        "optimizer.bin", "pytorch_model_fsdp.bin")
+# Where a checkpoint keeps the optimizer state, by who wrote it: the Trainer (`optimizer.pt`), or under FSDP
+# accelerate's `save_fsdp_optimizer`: a full state dict (`optimizer.bin`, `fsdp_state_dict_type:
+# FULL_STATE_DICT`) or a torch.distributed.checkpoint folder of shards (`optimizer_0`, SHARDED_STATE_DICT).
+OPTIMIZER_STATES = ("optimizer.pt", "optimizer.bin", "optimizer_0")
 MODEL_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors", "pytorch_model.bin",
                "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -238,9 +243,11 @@ def checkpoint_problem(folder: str | os.PathLike, need_optimizer: bool = True) -
 
     Checks, cheapest first: `trainer_state.json` parses and its `global_step` is the folder's N; the
     model weights are there (an adapter's, a full model's or all shards of one), load and are finite;
-    `optimizer.pt` and `scheduler.pt` (unless `need_optimizer=False`, for `save_only_model` runs) and
-    `rng_state.pth` load with `weights_only=True` and the optimizer's tensors are finite; a DeepSpeed checkpoint
-    (a `latest` file) holds instead the engine's optimizer files in the folder `latest` names.
+    the optimizer state (`OPTIMIZER_STATES`: `optimizer.pt`, or FSDP's `optimizer.bin` / `optimizer_0/`) and
+    `scheduler.pt` (unless `need_optimizer=False`, for `save_only_model` runs) and `rng_state.pth` load with
+    `weights_only=True` and the optimizer's tensors are finite (a sharded `optimizer_0/` is checked for its
+    `.metadata` only: reading the shards needs the process group); a DeepSpeed checkpoint (a `latest` file) holds
+    instead the engine's optimizer files in the folder `latest` names.
 
     Args:
         folder: a `checkpoint-N` folder.
@@ -268,6 +275,7 @@ def checkpoint_problem(folder: str | os.PathLike, need_optimizer: bool = True) -
         if problem:
             return problem
     deepspeed_tag = folder / "latest"
+    optimizer = next((name for name in OPTIMIZER_STATES if (folder / name).exists()), "optimizer.pt")
     if deepspeed_tag.is_file():
         # A DeepSpeed engine's checkpoint: the optimizer state lives in the folder `latest` names, one file
         # per process; scheduler.pt only when the Trainer's scheduler ran (a DeepSpeed `scheduler` block is
@@ -275,9 +283,14 @@ def checkpoint_problem(folder: str | os.PathLike, need_optimizer: bool = True) -
         problem = _deepspeed_problem(folder, deepspeed_tag) if need_optimizer else None
         if problem:
             return problem
+        optimizer = None
         required = []
     else:
-        required = ["optimizer.pt", "scheduler.pt"] if need_optimizer else []
+        if optimizer == "optimizer_0":
+            if not (folder / optimizer / ".metadata").is_file():
+                return "optimizer_0/.metadata missing (the sharded save was interrupted)"
+            optimizer = None
+        required = [name for name in (optimizer, "scheduler.pt") if name] if need_optimizer else []
     for name in required + ["rng_state.pth"]:
         path = folder / name
         if not path.is_file():
@@ -289,7 +302,7 @@ def checkpoint_problem(folder: str | os.PathLike, need_optimizer: bool = True) -
                 loaded = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:
             return f"{name} does not load ({type(err).__name__}: {str(err)[:120]})"
-        if name == "optimizer.pt":
+        if name == optimizer:
             bad = _nonfinite_tensor(loaded, name)
             if bad:
                 return f"{bad} is not finite"

@@ -18,7 +18,8 @@ precomputation pass) and puts the shards back on exit.
   block gathers and frees its layers again: correct, as slow as no block.
 - FSDP2 (`fully_shard`, accelerate's `fsdp_version: 2`): every `FSDPModule` is unsharded with `unshard()`
   and kept whole across forwards (`set_reshard_after_forward(False)`), then `reshard()`ed and given back its
-  reshard-after-forward setting on exit.
+  reshard-after-forward setting on exit. FSDP2 is first set up from the root (as its first forward would), so
+  that a block before any forward gives the root back FSDP2's own choice for it (whole after forward).
 - FSDP1 (`FullyShardedDataParallel` wrappers) offers `summon_full_params`, but no forward may run inside it,
   so FSDP1 models are yielded as they are (gathered per forward: correct, slower).
 - Anything else (one process, DDP, ZeRO-0/1/2, which keep whole weights on every process): a no-op.
@@ -29,8 +30,9 @@ precomputation pass) and puts the shards back on exit.
 `zero3_enabled()` is transformers' switch that makes `from_pretrained` partition as it loads (`deepspeed.zero.Init`);
 `zero3_switched_off()` turns it off for a block (the loader's one-time merge of `adapter_name_or_path`).
 
-Only the ZeRO-3 and no-op paths are exercised on the CPU here (ZeRO-3 with DeepSpeed stubbed; DeepSpeed
-needs an accelerator), see docs/ARCHITECTURE.md.
+On the CPU here: the FSDP2 path with torch's `fully_shard` on gloo (and through the Trainer, GRPO's and PPO's
+rollouts, in the distributed tests), ZeRO-3 with DeepSpeed stubbed (DeepSpeed needs an accelerator), the no-op;
+see docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -140,6 +142,7 @@ def full_weights(model: nn.Module, engine: Optional[nn.Module] = None) -> Iterat
                 setattr(model, _GATHERED_ATTR, False)
     elif kind == "fsdp2":
         modules = fsdp2_modules(model)
+        _lazy_init_fsdp2_root(model)
         before = [_reshards_after_forward(m) for m in modules]
         for module in modules:
             module.set_reshard_after_forward(False, recurse=False)
@@ -173,6 +176,25 @@ def _zero3_generation(engine: nn.Module) -> Optional[contextlib.AbstractContextM
                        "DeepSpeed gathers once per rollout.")
         return None
     return unwrap_model_for_generation(engine)
+
+
+def _lazy_init_fsdp2_root(model: nn.Module) -> None:
+    """Have FSDP2 set up its state from `model`, the root, as its first forward would (a no-op after that).
+
+    FSDP2 decides at that first forward that the root does not reshard after forward (its weights would be
+    gathered again at once for the backward), unless `set_reshard_after_forward` was called on it before. A
+    block entered before any forward (the first rollout of a run) would otherwise read the root's setting as
+    "reshard", set it to False for the block and put "reshard" back on exit: from then on the root would
+    reshard after every forward, and code that reads its weights after the model's call (PPO's value head, the
+    fused output-layer log-probs) would find shards (DTensors). `_lazy_init` is FSDP2's own, private, hook-time
+    set-up; it is idempotent.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._lazy_init()
 
 
 def _reshards_after_forward(module: nn.Module) -> bool:

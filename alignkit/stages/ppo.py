@@ -91,14 +91,31 @@ What this simplifies, and why:
     policy loaded again from its source, partitioned the same way, and gathered for the reference pass
     (`StageTrainer`, `full_weights`). `adapter_name_or_path` is merged into a cached base before the load
     (`loader.ensure_merged_base`), never into partitioned weights.
-- Refused: FSDP (`FSDP_REFUSAL`): this loop builds its optimizer over the unwrapped model and sums gradients itself;
-  FSDP needs accelerate to wrap the model first (FSDP1's root unit holds the embeddings, final norm, output layer
-  and value head and gathers them only in the wrapper's forward; FSDP2 turns parameters into DTensors) and
-  reduces gradients in its backward. No such preparation path is written.
+- FSDP2 (`fsdp` with `fsdp_config: {version: 2}`, or an accelerate config with `fsdp_version: 2`): the Trainer's
+  FSDP2 set-up (`_prepare_fsdp2`): the optimizer is made over the whole model, then `accelerator.prepare` shards
+  it in place (each decoder layer and the root a unit: the policy's adapters sit in their layers' units, the value
+  head, a submodule, in the root's) and points the optimizer at the shards. Each micro-batch's backward reduces
+  the gradients (FSDP2 averages over processes, so the loss is multiplied by the process count, as under
+  DeepSpeed); every process runs as many micro-batches (weightless passes, as under DeepSpeed), since each
+  forward gathers and each backward reduces. The value head is read on the hidden states after the model's call:
+  the root unit keeps its weights whole from its forward to the end of its backward (FSDP2 does not reshard the
+  root after forward; `full_weights` keeps it so even when the first rollout comes before any forward). Each
+  rollout runs in one `full_weights` block (every unit unsharded once, resharded on exit). Saving: the Trainer's
+  `save_model` gathers the full state dict (`FULL_STATE_DICT`) and `_save` writes the adapter(s) and value head
+  from it; checkpoints add accelerate's FSDP model and optimizer files, which a resume loads into the shards (an
+  optimizer without per-parameter state, plain SGD, gets its groups' settings back by hand: torch's loader finds
+  no tensor to place). Tested on the CPU (gloo, accelerate's device gate lifted for the test, see
+  `tests/distributed/test_distributed_rl.py`): 2 FSDP2 processes equal 1 process with the double batch, and a
+  resume equals the uninterrupted run, for a LoRA policy and (2 steps, no resume) a full one (its reference a
+  whole copy per process, taken before sharding). Not tested: `ppo_critic: adapter` (its `requires_grad`
+  switches on sharded parameters), a LoRA reward adapter, a freeze policy.
+- Refused: FSDP1 (`FSDP_REFUSAL`): no FSDP1 path is written (its root unit's flattened parameters are whole only
+  inside the wrapper's forward, and the value head is read after it).
 - NOT RUN ON A GPU: the DeepSpeed paths (ZeRO-0/1/2 and ZeRO-3) are written against the documented APIs of
-  transformers 5.24, accelerate and DeepSpeed, and tested on the CPU with stand-ins that keep DeepSpeed's contract
-  (tests/stages/test_ppo.py: an engine, and for ZeRO-3 parameters that are empty outside their module's calls and
-  the rollout's gather); DeepSpeed itself has not run here.
+  transformers 5.24, accelerate and DeepSpeed, run with real DeepSpeed 0.19.8 on the CPU over gloo
+  (tests/distributed/test_distributed_deepspeed.py: LoRA under ZeRO-2 and ZeRO-3, 2 processes equal 1), and tested
+  with stand-ins that keep DeepSpeed's contract (tests/stages/test_ppo.py: an engine, and for ZeRO-3 parameters
+  that are empty outside their module's calls and the rollout's gather).
 """
 
 from __future__ import annotations
@@ -230,15 +247,14 @@ class PPOArguments(RewardFunctionArguments):
             raise ConfigError(f"gamma={self.gamma} and lam={self.lam} must lie in [0, 1].")
 
 
-# Why PPO refuses FSDP (see the module docstring).
+# Why PPO refuses FSDP1 (see the module docstring).
 FSDP_REFUSAL = (
-    "stage ppo does not run under FSDP: its loop builds the optimizer over the unwrapped model and sums gradients "
-    "itself, while FSDP needs accelerate to wrap the model before the optimizer exists (FSDP1 flattens the "
-    "parameters, and its root unit, which holds the embeddings, the final norm, the output layer and the value "
-    "head, gathers them only inside the wrapper's own forward; FSDP2 turns them into DTensors) and reduces the "
-    "gradients inside its backward; this loop has no such preparation path, and none has run on a GPU. Use "
-    "DeepSpeed (ZeRO-3 with finetuning_type: lora, e.g. examples/deepspeed/ds_z3_config.json, or ZeRO-0/1/2), "
-    "plain data parallelism (torchrun / accelerate launch), or stage grpo (its training step is the Trainer's).")
+    "stage ppo does not run under FSDP1 (fsdp_config version 1, or fsdp_version: 1 in an accelerate config): its "
+    "loop is written for FSDP2 (torch's fully_shard), where the value head, read on the hidden states after the "
+    "model's call, is a whole tensor from the root unit's forward to its backward; FSDP1 flattens the root unit's "
+    "parameters (embeddings, final norm, output layer, value head) into one buffer that it gathers only inside the "
+    "wrapper's own forward, and no FSDP1 path is written or tested. Use FSDP2 (fsdp_config: {version: 2}, "
+    "transformers' default, or fsdp_version: 2 in the accelerate config), DeepSpeed, or plain data parallelism.")
 
 
 def deepspeed_refusal(ds_config: dict[str, Any]) -> Optional[str]:
@@ -271,7 +287,7 @@ def check_config(config: "Config") -> None:
             raise ConfigError("ppo_critic=adapter initialises the critic from a LoRA reward model: it needs "
                               "finetuning_type lora, `reward_model` set to an rm run's LoRA output and "
                               "reward_model_type lora or auto. Use ppo_critic: head otherwise.")
-    if t.fsdp:
+    if t.fsdp and int((t.fsdp_config or {}).get("version", 2)) != 2:  # transformers' default version is 2
         raise ConfigError(FSDP_REFUSAL)
     if t.deepspeed:
         # Before the model loads: under ZeRO-3, transformers would load it partitioned.
@@ -757,7 +773,7 @@ class PPOTrainer(StageTrainer):
         kwargs.setdefault("keep_reference_copy", True)
         super().__init__(*args, **kwargs)
         # As in `check_config`, for set-ups that come from `accelerate launch --config_file` rather than the keys.
-        reason = FSDP_REFUSAL if self.is_fsdp_enabled else None
+        reason = FSDP_REFUSAL if self.is_fsdp_enabled and not self.is_fsdp2 else None
         if self.is_deepspeed_enabled:
             reason = deepspeed_refusal(self.accelerator.state.deepspeed_plugin.deepspeed_config)
         if reason:
@@ -1042,10 +1058,11 @@ class PPOTrainer(StageTrainer):
                 stats = {k: 0.0 for k in ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "policy/clipfrac",
                                           "policy/approxkl", "val/clipfrac", "val/mean")}
                 micro_starts: list[Optional[int]] = list(range(0, len(batch_index), self.mini_batch_size))
-                if self.is_deepspeed_enabled:
-                    # DeepSpeed reduces gradients inside the backward passes (ZeRO-2) or at the batch's last one:
-                    # every process must run as many. One that holds fewer rows of this batch adds passes over its
-                    # first row that weigh nothing (share 0).
+                if self.is_deepspeed_enabled or self.is_fsdp2:
+                    # DeepSpeed reduces gradients inside the backward passes (ZeRO-2) or at the batch's last one,
+                    # FSDP2 gathers weights in each forward and reduces gradients in each backward: every process
+                    # must run as many. One that holds fewer rows of this batch adds passes over its first row that
+                    # weigh nothing (share 0).
                     micro_starts += [None] * (self._most_micro_batches(len(micro_starts)) - len(micro_starts))
                 for number, micro_start in enumerate(micro_starts):
                     if micro_start is None:
@@ -1061,6 +1078,10 @@ class PPOTrainer(StageTrainer):
                     loss = policy_loss + a.vf_coef * value_loss
                     if self.is_deepspeed_enabled:
                         self._deepspeed_backward(loss * share, last=number == len(micro_starts) - 1)
+                    elif self.is_fsdp2:
+                        # FSDP2 averages the gradients over processes in the backward; the shares are of the whole
+                        # update batch (all processes), so the gradient wanted is their sum.
+                        self.accelerator.backward(loss * share * self.num_processes)
                     else:
                         self.accelerator.backward(loss * share)
                     for key, value in (("ppo/loss/policy", policy_loss), ("ppo/loss/value", value_loss),
@@ -1068,7 +1089,7 @@ class PPOTrainer(StageTrainer):
                                        ("policy/approxkl", approxkl), ("val/clipfrac", value_clipfrac),
                                        ("val/mean", masked_mean(values.detach(), micro.mask))):
                         stats[key] += value.detach().item() * share.item()
-                if not self.is_deepspeed_enabled:  # DeepSpeed has reduced them in its backward and step
+                if not (self.is_deepspeed_enabled or self.is_fsdp2):  # reduced in their backward passes
                     self._sum_gradients()
                 if self.num_processes > 1:
                     keys = list(stats)
@@ -1117,6 +1138,8 @@ class PPOTrainer(StageTrainer):
         self.state.compute_steps(args, max_steps)
         if self.is_deepspeed_enabled:
             self._prepare_deepspeed(max_steps)
+        elif self.is_fsdp2:
+            self._prepare_fsdp2()
         else:
             self.create_optimizer()
             self.model_wrapped = self.model
@@ -1189,6 +1212,25 @@ class PPOTrainer(StageTrainer):
         self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, optimizer)
         self.deepspeed = self.model_wrapped  # what the Trainer's DeepSpeed save paths call
         self.lr_scheduler = None
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """Whether accelerate shards the model with FSDP2 (`fully_shard`)."""
+        return self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2
+
+    def _prepare_fsdp2(self) -> None:
+        """The Trainer's FSDP2 set-up, for this loop: the optimizer is made over the whole model (policy, adapters,
+        value head), then `accelerator.prepare` shards the model in place (`fully_shard` on each decoder layer and
+        the root, weights turned into DTensors) and points the optimizer at the shards. The value head is a
+        submodule, so it sits in the root unit, whose weights FSDP2 keeps whole from its forward to the end of its
+        backward: `policy_forward` reads it on the hidden states after the model's call, inside that window."""
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        self.create_optimizer()
+        self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+        self.model_wrapped = self.model
+        # As the Trainer does: `generate` runs FSDP's forward hooks (outside `full_weights` too).
+        register_fsdp_forward_method(self.model, "generate")
 
     # ---- saving and resuming ----
 
@@ -1278,6 +1320,12 @@ class PPOTrainer(StageTrainer):
             # copies of them and the optimizer state. Copying weights into the module instead would be undone by
             # the master copies at the next step.
             deepspeed_load_checkpoint(self.model_wrapped, checkpoint, load_module_strict=not is_peft_model(self.model))
+        elif self.is_fsdp2:
+            # accelerate's FSDP checkpoint (`pytorch_model_fsdp.bin`, written by the Trainer's
+            # `_save_optimizer_and_scheduler`) holds the whole module: adapters, value head, and under full/freeze the
+            # policy; the Trainer loads it into the shards. The files `_save` writes are whole tensors, which the
+            # sharded DTensors cannot take by copying.
+            self._load_from_checkpoint(checkpoint, self.model_wrapped)
         else:
             if is_peft_model(self.model):
                 set_peft_model_state_dict(self.model, load_peft_weights(checkpoint), adapter_name=POLICY_ADAPTER)
@@ -1292,13 +1340,34 @@ class PPOTrainer(StageTrainer):
                 self.value_head.bias.copy_(loaded.bias)
         self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
         self._load_callback_state()
-        self._load_optimizer_and_scheduler(checkpoint)
+        saved_groups = _stateless_optimizer_groups(checkpoint) if self.is_fsdp2 else None
+        if saved_groups is not None:
+            # torch's `set_optimizer_state_dict` (accelerate's FSDP load) cannot load an optimizer that keeps no
+            # per-parameter state (plain SGD): it finds no tensor to place. All such a state holds is each group's
+            # settings, the scheduled learning rate among them: put those back, then the scheduler.
+            from transformers.trainer import SCHEDULER_NAME
+
+            for group, saved in zip(self.optimizer.param_groups, saved_groups):
+                group.update({key: value for key, value in saved.items() if key != "params"})
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        else:
+            self._load_optimizer_and_scheduler(checkpoint)
         self._load_rng_state(checkpoint)
         state = json.loads((Path(checkpoint) / PPO_STATE_FILE).read_text(encoding="utf-8"))
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.score_moments.load_state_dict(state["score_moments"])
         logger.info("Resumed PPO from %s at step %d (kl_coef %.6g).", checkpoint, self.state.global_step,
                     self.kl_ctl.value)
+
+
+def _stateless_optimizer_groups(checkpoint: str | os.PathLike) -> Optional[list[dict[str, Any]]]:
+    """The parameter groups of the FSDP optimizer state in `checkpoint` (accelerate's full state dict,
+    `optimizer.bin`) when it holds no per-parameter state (plain SGD); None otherwise."""
+    path = Path(checkpoint) / "optimizer.bin"
+    if not path.is_file():
+        return None
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    return None if saved.get("state") else saved["param_groups"]
 
 
 def _append_jsonl(path: Path, records: list[dict[str, Any]]) -> None:

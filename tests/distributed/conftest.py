@@ -13,8 +13,8 @@ Harness API (fixture `dist`, a `DistHarness`):
   keys (e.g. `per_device_train_batch_size=2`, `dataset="demo_pref"`); a value of None drops the key.
   Default datasets: `demo_pt` (pt), `demo_sft` (sft), `demo_pref` (rm, dpo), `demo_kto` (kto), `demo_math`
   (grpo, ppo).
-- `dist.train(config, *overrides, nproc=1, launcher=None, home=None, env=None, timeout=..., check=True)
-  -> DistRun`: runs `alignkit train CONFIG key=value ...` in fresh processes. `launcher`:
+- `dist.train(config, *overrides, nproc=1, launcher=None, home=None, env=None, timeout=..., check=True,
+  fsdp_on_cpu=False) -> DistRun`: runs `alignkit train CONFIG key=value ...` in fresh processes. `launcher`:
   - None: `"torchrun"` when `nproc > 1`, else `"python"`;
   - `"python"`: `python -m alignkit train ...`, one process (the single-process equivalent);
   - `"torchrun"`: `python -m torch.distributed.run --standalone --nproc_per_node N -m alignkit train ...`
@@ -28,7 +28,9 @@ Harness API (fixture `dist`, a `DistHarness`):
   cache) unless `home` names one to share. The environment (`dist.environment(home=None, env=None) -> (env,
   home)`) is offline (`HF_HUB_OFFLINE=1`, `HF_DATASETS_OFFLINE=1`), with `OMP_NUM_THREADS=1` (one thread per
   rank: two ranks on two cores), `HF_HOME` inside the run's home (no user accelerate config is read),
-  `PYTHONPATH` = this checkout and no launcher variables inherited, plus `env`. With `check=True` a non-zero
+  `PYTHONPATH` = this checkout and no launcher variables inherited, plus `env`. `fsdp_on_cpu=True` puts
+  `fsdp_on_cpu/` first on `PYTHONPATH`: its `sitecustomize.py` lets accelerate turn an FSDP request into FSDP in
+  a multi-process CPU run (accelerate 1.15 does so on GPU-like devices only; see that file). With `check=True` a non-zero
   exit fails the test showing the command and the end of its output; a run past `timeout` seconds is killed
   with its whole process group (torchrun's workers too) and fails.
 - `dist.launch(...)`: the same, but returns the `subprocess.Popen` at once (stdout and stderr merged, text)
@@ -40,10 +42,13 @@ Harness API (fixture `dist`, a `DistHarness`):
   the final saved weights as a {name: tensor} (`adapter_model.safetensors` under LoRA, else
   `model.safetensors`), `.predictions()` -> the rows of `generated_predictions.jsonl`.
 - `dist.assert_same_losses(a, b, atol=1e-5, key="loss")` and `dist.assert_same_weights(a, b, atol=1e-5)`: per
-  step and per tensor, with a table of what differs in the failure message. `dist.assert_same_logs(a, b,
-  atol=1e-5)`: every value of every per-step training record but the wall-clock ones (stage metrics, token
+  step and per tensor, with a table of what differs in the failure message (the weights: a tied copy that one
+  run alone saved, as FSDP saves `lm_head.weight`, must equal its source; returns the largest difference). `dist.assert_same_logs(a, b,
+  atol=1e-5, ignore=())`: every value of every per-step training record but the wall-clock ones and `ignore` (stage metrics, token
   counts, learning rate, epoch...). `dist.loss_table(runs, key)` formats the per-step values of several runs
   ({label: DistRun}) side by side (for reports).
+- `dist.resume_folder(run, step, name) -> Path`: a fresh output_dir `<tmp>/<name>` holding `run`'s
+  `checkpoint-<step>` and training log, where a run resumes as after a kill.
 - `dist.free_port()`: a free localhost TCP port (for a rendezvous endpoint).
 (Test modules reach these through the fixture: pytest's importlib import mode cannot import a conftest.)
 """
@@ -52,6 +57,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -69,6 +75,8 @@ DATA_DIR = ROOT / "data"
 DEFAULT_TIMEOUT = 600
 DEFAULT_DATASETS = {"pt": "demo_pt", "sft": "demo_sft", "rm": "demo_pref", "dpo": "demo_pref", "kto": "demo_kto",
                     "grpo": "demo_math", "ppo": "demo_math"}
+# Its sitecustomize.py lifts accelerate's FSDP device gate in the processes of a run (`fsdp_on_cpu=True`).
+FSDP_ON_CPU = Path(__file__).parent / "fsdp_on_cpu"
 # Variables a launcher sets for its workers: a test run from inside a torchrun job must not inherit them.
 _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                        "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "FORCE_TORCHRUN", "NPROC_PER_NODE",
@@ -139,7 +147,7 @@ class DistHarness:
     loss_table = staticmethod(lambda runs, key="loss": loss_table(runs, key))
     assert_same_losses = staticmethod(lambda a, b, atol=1e-5, key="loss": assert_same_losses(a, b, atol, key))
     assert_same_weights = staticmethod(lambda a, b, atol=1e-5: assert_same_weights(a, b, atol))
-    assert_same_logs = staticmethod(lambda a, b, atol=1e-5: assert_same_logs(a, b, atol))
+    assert_same_logs = staticmethod(lambda a, b, atol=1e-5, ignore=(): assert_same_logs(a, b, atol, ignore))
 
     def __init__(self, tmp: Path, model_dir: str) -> None:
         self.tmp = tmp
@@ -168,17 +176,30 @@ class DistHarness:
         path.write_text(yaml.safe_dump(values, sort_keys=False), encoding="utf-8")
         return path
 
+    def resume_folder(self, run: "DistRun", step: int, name: str) -> Path:
+        """A fresh output_dir `<tmp>/<name>` holding `run`'s `checkpoint-<step>` and its `trainer_log.jsonl`, as a
+        run killed after that checkpoint leaves it; a run pointed there (without `overwrite_output_dir`)
+        resumes from it."""
+        out = self.tmp / name
+        out.mkdir()
+        shutil.copytree(run.out / f"checkpoint-{step}", out / f"checkpoint-{step}")
+        shutil.copy(run.out / "trainer_log.jsonl", out / "trainer_log.jsonl")
+        return out
+
     # ---- launching ----
 
-    def environment(self, home: Optional[Path] = None, env: Optional[dict[str, str]] = None) -> tuple[dict, Path]:
-        """The environment of a run, and its ALIGNKIT_HOME (a fresh one unless `home` is given)."""
+    def environment(self, home: Optional[Path] = None, env: Optional[dict[str, str]] = None,
+                    fsdp_on_cpu: bool = False) -> tuple[dict, Path]:
+        """The environment of a run, and its ALIGNKIT_HOME (a fresh one unless `home` is given); with
+        `fsdp_on_cpu`, accelerate's FSDP device gate lifted (`FSDP_ON_CPU`)."""
         if home is None:
             self._homes += 1
             home = self.tmp / f"home-{self._homes}"
         home = Path(home)
         home.mkdir(parents=True, exist_ok=True)
         base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
-        base.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        paths = (str(FSDP_ON_CPU) if fsdp_on_cpu else "", str(ROOT), os.environ.get("PYTHONPATH", ""))
+        base.update(PYTHONPATH=os.pathsep.join(p for p in paths if p),
                     ALIGNKIT_HOME=str(home), ALIGNKIT_DATA_CACHE=str(home / "data_cache"),
                     HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                     OMP_NUM_THREADS="1", WANDB_DISABLED="true",
@@ -208,10 +229,10 @@ class DistHarness:
         return [*prefix, "-m", "alignkit", "train", str(config), *overrides]
 
     def launch(self, config: Path, *overrides: str, nproc: int = 1, launcher=None, home: Optional[Path] = None,
-               env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+               env: Optional[dict[str, str]] = None, fsdp_on_cpu: bool = False) -> subprocess.Popen:
         if launcher == "force_torchrun":
             env = {**(env or {}), "FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(nproc)}
-        run_env, run_home = self.environment(home, env)
+        run_env, run_home = self.environment(home, env, fsdp_on_cpu)
         command = self.command(config, overrides, nproc, launcher)
         proc = subprocess.Popen(command, env=run_env, cwd=self.tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
@@ -233,8 +254,10 @@ class DistHarness:
         return run
 
     def train(self, config: Path, *overrides: str, nproc: int = 1, launcher=None, home: Optional[Path] = None,
-              env: Optional[dict[str, str]] = None, timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> DistRun:
-        proc = self.launch(config, *overrides, nproc=nproc, launcher=launcher, home=home, env=env)
+              env: Optional[dict[str, str]] = None, timeout: float = DEFAULT_TIMEOUT, check: bool = True,
+              fsdp_on_cpu: bool = False) -> DistRun:
+        proc = self.launch(config, *overrides, nproc=nproc, launcher=launcher, home=home, env=env,
+                           fsdp_on_cpu=fsdp_on_cpu)
         return self.wait(proc, output_dir_of(config, overrides), timeout=timeout, check=check)
 
 
@@ -272,20 +295,22 @@ def assert_same_losses(a: DistRun, b: DistRun, atol: float = 1e-5, key: str = "l
 
 
 # Wall-clock figures differ from run to run; everything else a step logs must agree.
-TIMING_KEYS = frozenset({"elapsed_time", "remaining_time", "tokens_per_second"})
+TIMING_KEYS = frozenset({"elapsed_time", "remaining_time", "tokens_per_second",
+                         "step_time", "time/generation", "time/training"})  # the last three: GRPO's
 
 
-def assert_same_logs(a: DistRun, b: DistRun, atol: float = 1e-5) -> None:
+def assert_same_logs(a: DistRun, b: DistRun, atol: float = 1e-5, ignore: Iterable[str] = ()) -> None:
     """Every per-step training record of `a` and `b` holds the same keys and values (`atol`), timing aside:
     losses, gradient norms, learning rates, epochs, token counts and each stage's metrics (reward
-    accuracies, margins...), which under several processes are reduced over all of them."""
+    accuracies, margins...), which under several processes are reduced over all of them. `ignore`: keys left
+    out of the comparison (say why at the call)."""
     steps_a = {r["current_steps"]: r for r in a.log() if "loss" in r}
     steps_b = {r["current_steps"]: r for r in b.log() if "loss" in r}
     assert sorted(steps_a) == sorted(steps_b), f"different steps logged: {sorted(steps_a)} vs {sorted(steps_b)}"
     problems = []
     for step, record in steps_a.items():
         other = steps_b[step]
-        keys = (set(record) | set(other)) - TIMING_KEYS
+        keys = (set(record) | set(other)) - TIMING_KEYS - set(ignore)
         for key in sorted(keys):
             x, y = record.get(key), other.get(key)
             if isinstance(x, (int, float)) and isinstance(y, (int, float)):
@@ -296,13 +321,31 @@ def assert_same_logs(a: DistRun, b: DistRun, atol: float = 1e-5) -> None:
     assert not problems, "logged values differ:\n" + "\n".join(problems[:20])
 
 
-def assert_same_weights(a: DistRun, b: DistRun, atol: float = 1e-5) -> None:
+# A tied output layer: FSDP's full state dict saves it beside the embeddings (transformers drops a tied copy only
+# when it shares storage with its source, which the gathered copies do not); loading ties the two again.
+TIED_COPIES = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def _without_tied_copies(weights: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """`weights` less the tied copies `other` lacks, each checked to equal the tensor it is tied to."""
+    for copy, source in TIED_COPIES.items():
+        if copy in weights and copy not in other and source in weights:
+            assert (weights[copy] - weights[source]).abs().max().item() == 0, f"{copy} differs from {source}"
+            weights = {k: v for k, v in weights.items() if k != copy}
+    return weights
+
+
+def assert_same_weights(a: DistRun, b: DistRun, atol: float = 1e-5) -> float:
+    """The saved weights agree within `atol` (a tied copy saved by one run alone, `TIED_COPIES`, must equal its
+    source); returns the largest difference."""
     wa, wb = a.weights(), b.weights()
+    wa, wb = _without_tied_copies(wa, wb), _without_tied_copies(wb, wa)
     assert sorted(wa) == sorted(wb), f"different tensors saved: {sorted(set(wa) ^ set(wb))}"
     diffs = {name: (wa[name].float() - wb[name].float()).abs().max().item() for name in wa}
     bad = {name: d for name, d in diffs.items() if d > atol}
     assert not bad, f"{len(bad)} of {len(diffs)} tensors differ by more than {atol}: " + \
         ", ".join(f"{n}: {d:.2e}" for n, d in sorted(bad.items(), key=lambda kv: -kv[1])[:8])
+    return max(diffs.values())
 
 
 @pytest.fixture(scope="module")

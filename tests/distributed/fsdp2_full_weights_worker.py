@@ -12,6 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from transformers import AutoModelForCausalLM
@@ -51,12 +52,25 @@ def main(model_dir: str) -> None:
         with full_weights(sharded) as model:
             gathered = model.generate(ids, **kwargs)
         with_block = gathers[0]
+    # A block entered before the model's first forward (a run's first rollout) must leave FSDP2's root as FSDP2
+    # sets it at that forward: not resharded after forward, so its weights (output layer, a value head) stay whole
+    # for code that reads them after the model's call.
+    fresh = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    for layer in fresh.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fresh, mesh=mesh)
+    with torch.no_grad():
+        with full_weights(fresh):
+            pass
+        fresh(ids)
+    root_whole = not isinstance(fresh.lm_head.weight, DTensor)
     weight = sharded.model.layers[0].self_attn.q_proj.weight
     report = {
         "rank": dist.get_rank(), "sharding": sharding_of(sharded), "fsdp_modules": 1 + len(sharded.model.layers),
         "gathers_per_forward": without, "gathers_in_block": with_block,
         "same_tokens": gathered.tolist() == expected.tolist() == per_forward.tolist(),
         "local_rows_after": weight.to_local().shape[0], "rows": weight.shape[0],
+        "root_whole_after_forward": root_whole,
     }
     # Gathered and printed by rank 0 alone: two processes printing at once can interleave on one line.
     reports = [None] * dist.get_world_size()

@@ -20,7 +20,6 @@ Runs are shared between tests to keep the tier short (each launch costs its proc
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -124,10 +123,7 @@ def test_two_processes_predict_every_row_once_in_order(pairs):
 
 def test_two_node_run_resumes_the_two_process_run_and_writes_once(pairs, dist):
     _, straight = pairs("sft")
-    out = dist.tmp / "sft_two_nodes"
-    out.mkdir()
-    shutil.copytree(straight.out / "checkpoint-2", out / "checkpoint-2")
-    shutil.copy(straight.out / "trainer_log.jsonl", out / "trainer_log.jsonl")
+    out = dist.resume_folder(straight, 2, "sft_two_nodes")
     config = dist.config("sft", "sft_two_nodes", per_device_train_batch_size=2, overwrite_output_dir=None,
                          **{**SFT_KEYS, "do_predict": None, "predict_with_generate": None})
     port = dist.free_port()
@@ -165,6 +161,7 @@ def test_full_weights_gathers_fsdp2_shards_once_per_generation(dist, tiny_model_
         assert report["gathers_in_block"] == report["fsdp_modules"]
         assert report["gathers_per_forward"] > report["gathers_in_block"]
         assert report["local_rows_after"] * 2 == report["rows"]  # sharded again after the block
+        assert report["root_whole_after_forward"]  # a block before the first forward keeps FSDP2's root setting
 
 
 _CONVERT_WORKER = """

@@ -88,14 +88,19 @@ def _ppo(dist, reward, name, batch, **keys):
     # Plain SGD: an update is then lr x the summed gradient, so equal weights mean equal gradients. Adam
     # divides each coordinate by its own gradient scale, which turns the float noise of differently shaped
     # batches (about 1e-8) on near-zero coordinates into weight differences of its step size (1e-5 at lr 5e-3).
-    return dist.config("ppo", name, per_device_train_batch_size=batch, ppo_buffer_size=2, ppo_epochs=2,
-                       max_new_tokens=6, max_steps=3, learning_rate=0.5, optim="sgd", reward_funcs=[reward],
-                       ppo_score_norm=True, ppo_whiten_rewards=True, init_kl_coef=0.2, ppo_target=0.01,
-                       horizon=100, save_steps=2, log_completions=True, **keys)
+    values = dict(per_device_train_batch_size=batch, ppo_buffer_size=2, ppo_epochs=2, max_new_tokens=6, max_steps=3,
+                  learning_rate=0.5, optim="sgd", reward_funcs=[reward], ppo_score_norm=True, ppo_whiten_rewards=True,
+                  init_kl_coef=0.2, ppo_target=0.01, horizon=100, save_steps=2, log_completions=True)
+    return dist.config("ppo", name, **{**values, **keys})  # `keys` override these
 
 
-def test_ppo_two_processes_equal_one(dist, reward):
-    single = dist.train(_ppo(dist, reward, "ppo_1p", 4))
+@pytest.fixture(scope="module")
+def ppo_single(dist, reward):
+    return dist.train(_ppo(dist, reward, "ppo_1p", 4))
+
+
+def test_ppo_two_processes_equal_one(dist, reward, ppo_single):
+    single = ppo_single
     double = dist.train(_ppo(dist, reward, "ppo_2p", 2), nproc=2)
     _compare(dist, single, double, keys=("loss", "objective/kl"))
     # The value head trains on every process's rows: its gradients are summed across processes too.
@@ -113,3 +118,53 @@ def test_ppo_two_processes_equal_one(dist, reward):
     one, two = _completions(single), _completions(double)
     assert len(one) == len(two) == 3 * 8
     assert [(r["prompt"], r["completion"]) for r in one] == [(r["prompt"], r["completion"]) for r in two]
+
+
+# FSDP2 through accelerate (its device gate lifted for the test: `fsdp_on_cpu`, see tests/distributed/conftest.py).
+FSDP2 = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2}}
+
+
+@pytest.fixture(scope="module")
+def ppo_fsdp2(dist, reward):
+    return dist.train(_ppo(dist, reward, "ppo_fsdp2", 2, **FSDP2), nproc=2, fsdp_on_cpu=True)
+
+
+def test_ppo_fsdp2_two_processes_equal_one(dist, ppo_single, ppo_fsdp2):
+    """The policy adapter and the value head sharded by FSDP2 over 2 processes (gradients reduced in its backward,
+    rollouts under `full_weights`) update as 1 process with the double batch."""
+    single, fsdp = ppo_single, ppo_fsdp2
+    assert (fsdp.out / "checkpoint-2" / "pytorch_model_fsdp.bin").is_file()  # accelerate's FSDP checkpoint
+    _compare(dist, single, fsdp, keys=("loss", "objective/kl", "grad_norm"))
+    from safetensors.torch import load_file
+
+    heads = [load_file(str(run.out / "value_head.safetensors")) for run in (single, fsdp)]
+    for name in heads[0]:
+        assert (heads[0][name] - heads[1][name]).abs().max().item() < 1e-5, name
+    assert [(r["prompt"], r["completion"]) for r in _completions(single)] == \
+        [(r["prompt"], r["completion"]) for r in _completions(fsdp)]
+
+
+def test_ppo_fsdp2_resume_equals_the_straight_run(dist, reward, ppo_fsdp2):
+    out = dist.resume_folder(ppo_fsdp2, 2, "ppo_fsdp2_resumed")
+    resumed = dist.train(_ppo(dist, reward, "ppo_fsdp2_resumed", 2, overwrite_output_dir=None, **FSDP2), nproc=2,
+                         fsdp_on_cpu=True)
+    assert resumed.out == out and "Resuming from" in resumed.output
+    assert sorted(resumed.losses()) == [1, 2, 3]  # 1-2 from the copied log, 3 run again
+    print(_harness(dist, "loss_table")({"straight": ppo_fsdp2, "resumed": resumed}))
+    _harness(dist, "assert_same_losses")(ppo_fsdp2, resumed)
+    _harness(dist, "assert_same_weights")(ppo_fsdp2, resumed)
+    from safetensors.torch import load_file
+
+    heads = [load_file(str(run.out / "value_head.safetensors")) for run in (ppo_fsdp2, resumed)]
+    for name in heads[0]:
+        assert (heads[0][name] - heads[1][name]).abs().max().item() < 1e-5, name
+
+
+def test_ppo_fsdp2_full_policy_equals_one(dist, reward):
+    """A full fine-tuned policy under FSDP2: every weight sharded and updated on the shards, the reference a whole
+    copy taken before sharding, the policy saved from the gathered full state dict without its value head."""
+    keys = {"finetuning_type": "full", "learning_rate": 0.05, "max_steps": 2, "save_steps": None}
+    single = dist.train(_ppo(dist, reward, "ppo_full_1p", 4, **keys))
+    fsdp = dist.train(_ppo(dist, reward, "ppo_full_fsdp2", 2, **keys, **FSDP2), nproc=2, fsdp_on_cpu=True)
+    _compare(dist, single, fsdp, keys=("loss", "objective/kl", "grad_norm"))
+    assert not any(name.startswith("v_head.") for name in fsdp.weights())

@@ -713,8 +713,10 @@ def test_deepspeed_configs_are_refused_only_for_a_scheduler_block():
                                model=SimpleNamespace(adapter_name_or_path=adapters))
 
     with pytest.raises(ConfigError) as refused:
-        check_config(config(fsdp="full_shard"))
+        check_config(config(fsdp="full_shard", fsdp_config={"version": 1}))
     assert str(refused.value) == FSDP_REFUSAL
+    check_config(config(fsdp="full_shard", fsdp_config={"version": 2}))  # FSDP2: tests/distributed/test_distributed_rl.py
+    check_config(config(fsdp="full_shard", fsdp_config={}))  # transformers' default version is 2
     zero3_keys = {"deepspeed": "ds_z3_config.json",
                   "hf_deepspeed_config": SimpleNamespace(config={"zero_optimization": {"stage": 3}})}
     # ZeRO-3 with a full/freeze policy (its reference a second, partitioned load) and with adapter_name_or_path (merged

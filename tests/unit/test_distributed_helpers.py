@@ -94,6 +94,17 @@ def test_fsdp_on_a_cpu_is_refused_instead_of_silently_running_ddp(keys, env, mon
         parse_config({"output_dir": str(tmp_path), **keys})
 
 
+
+def test_fsdp_on_a_cpu_passes_where_accelerate_was_made_to_run_it(monkeypatch, tmp_path):
+    """The distributed tests lift accelerate's device gate (tests/distributed/fsdp_on_cpu/sitecustomize.py) and
+    mark it on AcceleratorState: then FSDP really runs on the CPU, and the config is not refused."""
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setattr("alignkit.hparams._has_accelerator", lambda: False)
+    monkeypatch.setattr(AcceleratorState, "fsdp_on_cpu", True, raising=False)
+    config = parse_config({"output_dir": str(tmp_path), "fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2}})
+    assert config.training.fsdp
+
 # ---- full_weights under ZeRO-3, DeepSpeed stubbed ----
 
 class _FakeZero:

@@ -98,6 +98,44 @@ def test_save_only_model_checkpoints_need_no_optimizer(tmp_path):
     assert checkpoint_problem(folder) == "optimizer.pt missing"
 
 
+def _as_fsdp_full_state(folder: Path) -> None:
+    """What accelerate's FSDP checkpointing (FULL_STATE_DICT) writes instead of the Trainer's optimizer.pt."""
+    (folder / "optimizer.pt").rename(folder / "optimizer.bin")
+    torch.save({"lora_A": torch.ones(2, 3)}, folder / "pytorch_model_fsdp.bin")
+
+
+def _as_fsdp_sharded_state(folder: Path, complete: bool = True) -> None:
+    """SHARDED_STATE_DICT: a torch.distributed.checkpoint folder, whose `.metadata` is written last."""
+    (folder / "optimizer.pt").unlink()
+    (folder / "optimizer_0").mkdir()
+    (folder / "optimizer_0" / "__0_0.distcp").write_bytes(b"shard")
+    if complete:
+        (folder / "optimizer_0" / ".metadata").write_bytes(b"meta")
+
+
+def test_fsdp_checkpoints_are_resumable_and_checked(tmp_path):
+    full = make_checkpoint(tmp_path / "full", 2)
+    _as_fsdp_full_state(full)
+    assert checkpoint_problem(full) is None
+    _nan_optimizer(full)
+    (full / "optimizer.pt").rename(full / "optimizer.bin")
+    assert "optimizer.bin" in checkpoint_problem(full) and "exp_avg" in checkpoint_problem(full)
+    sharded = make_checkpoint(tmp_path / "sharded", 2)
+    _as_fsdp_sharded_state(sharded)
+    assert checkpoint_problem(sharded) is None
+    cut = make_checkpoint(tmp_path / "cut", 2)
+    _as_fsdp_sharded_state(cut, complete=False)
+    assert checkpoint_problem(cut) == "optimizer_0/.metadata missing (the sharded save was interrupted)"
+
+
+def test_complete_from_an_fsdp_checkpoint_copies_no_training_state(tmp_path):
+    folder = make_checkpoint(tmp_path, 8)
+    _as_fsdp_full_state(folder)
+    complete_from_checkpoint(folder, tmp_path)
+    assert (tmp_path / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "optimizer.bin").exists() and not (tmp_path / "pytorch_model_fsdp.bin").exists()
+
+
 def test_reached_end_by_steps_and_by_epochs():
     state = {"global_step": 8, "max_steps": 8, "epoch": 1.0}
     assert reached_end(state, max_steps=8, num_train_epochs=3.0)

@@ -18,7 +18,10 @@ transformers. Compared: per-step losses (and the stage's own figures), and the s
 - rm, LoRA, ZeRO-2;
 - ppo, LoRA, ZeRO-2 and ZeRO-3 (PPO's own loop on the DeepSpeed engine: backward and step through it, ZeRO-3
   rollouts in one gather, the adapter and value head saved from the consolidated state dict);
-- grpo, LoRA, ZeRO-3 (generation inside one gather, given the engine).
+- grpo, LoRA, ZeRO-3 (generation inside one gather, given the engine);
+- ZeRO-3 with a full policy's reference (a second, partitioned load gathered per reference pass): dpo without
+  precomputed reference log-probs, ppo full; and ppo in the shape of `examples/ppo_lora.yaml` (a LoRA policy
+  over an SFT adapter merged into a cached base before the partitioned load, a LoRA reward model over it).
 """
 
 from __future__ import annotations
@@ -165,3 +168,34 @@ def test_grpo_lora_zero3_two_processes_equal_one(dist, reward):
                 reward_funcs=[reward])
     single, double = _pair(dist, "grpo", "grpo_lora_z3", Z3, **keys)
     _compare(dist, single, double, keys=("loss", "reward"))
+
+
+# ---- ZeRO-3 with a full policy's reference and with adapter_name_or_path (the merged base) ----
+
+
+def test_dpo_full_zero3_reference_is_a_partitioned_load_and_trains_as_one_process(dist):
+    """No precompute: each step's reference pass runs on the policy's source loaded a second time, partitioned by
+    `zero.Init` and gathered for the pass."""
+    single, double = _pair(dist, "dpo", "dpo_full_z3", Z3, finetuning_type="full", max_steps=3)
+    _compare(dist, single, double, keys=("loss", "rewards/margins"))
+
+
+def test_ppo_zero3_in_the_shape_of_the_example_trains_as_one_process(dist, reward):
+    """`examples/ppo_lora.yaml`'s shape: a LoRA policy over an SFT adapter (`adapter_name_or_path`, merged into a
+    cached base before the ZeRO-3 load) and a LoRA reward model trained over that adapter, switched in as a named
+    adapter on the one base; plus a reward function."""
+    sft = dist.train(dist.config("sft", "ds_sft_adapter", max_steps=2))
+    rm = dist.train(dist.config("rm", "ds_rm_over_sft", max_steps=2, adapter_name_or_path=str(sft.out)))
+    keys = {**_ppo_keys(reward), "adapter_name_or_path": str(sft.out), "reward_model": str(rm.out),
+            "reward_model_type": "lora"}
+    single, double = _pair(dist, "ppo", "ppo_example_z3", Z3, **keys)
+    _compare(dist, single, double, keys=("loss", "objective/kl"))
+    # The ZeRO-3 run merged the SFT adapter once into a cached base (the plain run merges in memory).
+    assert len(list((double.home / "merged").glob("*/alignkit_merged_base.json"))) == 1
+    assert not (single.home / "merged").exists()
+
+
+def test_ppo_full_zero3_trains_as_one_process(dist, reward):
+    single, double = _pair(dist, "ppo", "ppo_full_z3", Z3, finetuning_type="full",
+                           **{**_ppo_keys(reward), "max_steps": 2})
+    _compare(dist, single, double, keys=("loss", "objective/kl"))

@@ -38,6 +38,7 @@ from torch import nn
 from ..hparams import BUNDLED_MODEL_NAME, ConfigError, FinetuningArguments, ModelArguments
 from ..env import alignkit_home
 from .bundled import build_folder_once, ensure_bundled_model
+from .distributed import zero3_enabled, zero3_switched_off
 from .heads import VALUE_HEAD_NAME
 from .weight_files import check_model_files
 
@@ -183,8 +184,6 @@ def load_model(
     """
     if head not in ("causal_lm", "reward"):
         raise ValueError(f"head={head!r}: expected 'causal_lm' or 'reward'.")
-    from .distributed import zero3_enabled
-
     adapters = resolve_adapter_chain(split_adapters(model_args.adapter_name_or_path))
     head_comes_later = head == "reward" and (is_trainable or any(is_reward_adapter(a) for a in adapters))
     if adapters and zero3_enabled():
@@ -629,8 +628,6 @@ def ensure_merged_base(model_args: ModelArguments, adapter_dirs: Sequence[str], 
         adapter_dirs: the resolved chain (`resolve_adapter_chain`), absolute, in merge order.
         head: the head the run loads.
     """
-    from .distributed import zero3_switched_off
-
     target = merged_base_dir(model_args, adapter_dirs, head)
     merge_head = _merge_head(adapter_dirs, head)
 
@@ -641,13 +638,29 @@ def ensure_merged_base(model_args: ModelArguments, adapter_dirs: Sequence[str], 
         with zero3_switched_off():
             model = _load_base(model_args, merge_head, head_comes_later=merge_head == "reward")
             model = merge_adapters(model, list(adapter_dirs), head=merge_head)
+            tokenizer = load_tokenizer(model_args)  # with the last adapter's chat template
+        try:
             model.save_pretrained(folder)
-            load_tokenizer(model_args).save_pretrained(folder)  # with the last adapter's chat template
+            tokenizer.save_pretrained(folder)
+        except OSError as err:
+            raise _unwritable(target, err) from err
         record = {"base": resolve_model_path(model_args), "adapters": list(adapter_dirs), "head": merge_head}
         (folder / MERGED_BASE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         return record
 
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _unwritable(target, err) from err
     return build_folder_once(target, build)
+
+
+def _unwritable(target: Path, err: OSError) -> ConfigError:
+    """The error for a merged base that cannot be written (an unwritable or full ALIGNKIT_HOME)."""
+    return ConfigError(f"DeepSpeed ZeRO-3 with adapter_name_or_path: cannot write the merged base into {target} ({err}). "
+                       "Set ALIGNKIT_HOME to a writable folder with room for one copy of the model, or merge beforehand "
+                       "(`alignkit export --model BASE --adapter ADAPTER --export-dir MERGED`) and train from "
+                       "model_name_or_path: MERGED.")
 
 
 def _merge_head(adapter_dirs: Sequence[str], head: Head) -> Head:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from alignkit.hparams import FinetuningArguments, parse_config
+from alignkit.hparams import ConfigError, FinetuningArguments, parse_config
 from alignkit.model import loader
 from alignkit.model.distributed import full_weights, sharding_of, zero3_enabled, zero3_switched_off
 from alignkit.model.loader import (MERGED_BASE_FILE, count_parameters, ensure_merged_base, load_model, merged_adapters,
@@ -156,7 +156,7 @@ def test_zero3_switched_off_restores_the_switch(zero3_loading):
 _RACE = """
 import sys, time
 from pathlib import Path
-from alignkit.hparams import FinetuningArguments, parse_config
+from alignkit.hparams import ConfigError, FinetuningArguments, parse_config
 from alignkit.model import loader
 
 start, log = Path(sys.argv[1]), Path(sys.argv[2])
@@ -210,3 +210,12 @@ def test_nested_full_weights_blocks_gather_once(tiny_model_dir, zero3_loading, z
     assert partitions.gathers == 1 and partitions.is_partitioned()
     with pytest.raises((RuntimeError, IndexError, AssertionError)):  # torch's check of the (empty) embedding
         model(input_ids=ids)  # outside any gather: an empty weight
+
+
+def test_an_unwritable_home_names_the_folder_and_the_fix(tiny_model_dir, sft_chain, tmp_path, monkeypatch):
+    home = tmp_path / "a_file"
+    home.write_text("not a folder")
+    monkeypatch.setenv("ALIGNKIT_HOME", str(home))
+    model_args = _model_args(tiny_model_dir, sft_chain[0])
+    with pytest.raises(ConfigError, match=r"cannot write the merged base into .*a_file/merged.*Set ALIGNKIT_HOME"):
+        ensure_merged_base(model_args, resolve_adapter_chain([str(sft_chain[0])]))

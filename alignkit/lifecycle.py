@@ -330,11 +330,20 @@ def _deepspeed_problem(folder: Path, tag_file: Path) -> str | None:
 
 
 def set_aside(folder: Path, reason: str) -> Path:
-    """Rename a broken checkpoint to `invalid-checkpoint-N` (kept for inspection, out of the Trainer's way)."""
+    """Rename a broken checkpoint to `invalid-checkpoint-N` (kept for inspection, out of the Trainer's way).
+
+    Every process of a multi-process run checks the checkpoints before training, so several may find the same
+    one broken: the first to rename it wins, and the others find it moved and leave it.
+    """
     target = folder.with_name(INVALID_PREFIX + folder.name)
-    if target.exists():
-        shutil.rmtree(target)
-    folder.rename(target)
+    try:
+        if target.exists() and folder.exists():
+            shutil.rmtree(target, ignore_errors=True)  # an older one; another process may be removing it too
+        folder.rename(target)
+    except FileNotFoundError:
+        if not target.exists():
+            raise
+        return target  # another process of this run moved it first
     logger.warning("Checkpoint %s is unusable (%s): moved it to %s.", folder, reason, target.name)
     return target
 

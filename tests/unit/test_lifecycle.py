@@ -20,6 +20,7 @@ from alignkit.lifecycle import (
     complete_from_checkpoint,
     json_safe,
     reached_end,
+    set_aside,
     usable_checkpoint,
 )
 
@@ -81,6 +82,18 @@ def test_each_corruption_is_named_and_the_previous_checkpoint_is_used(tmp_path, 
     # The broken one is kept for inspection under a name the Trainer's checkpoint glob does not match.
     assert not newest.exists() and (tmp_path / "invalid-checkpoint-4").is_dir()
     assert "checkpoint-4 is unusable" in caplog.text
+
+
+def test_processes_setting_the_same_broken_checkpoint_aside_do_not_collide(tmp_path):
+    """Each process of a torchrun job checks the checkpoints; the one that comes second finds the broken one
+    already moved (before this, its rename raised FileNotFoundError and stopped the run)."""
+    make_checkpoint(tmp_path, 2)
+    broken = make_checkpoint(tmp_path, 4)
+    _truncate(broken / "optimizer.pt")
+    (tmp_path / "invalid-checkpoint-4").mkdir()  # left by an earlier run: replaced
+    assert Path(usable_checkpoint(tmp_path)).name == "checkpoint-2"
+    assert set_aside(broken, "optimizer.pt does not load") == tmp_path / "invalid-checkpoint-4"  # the second process
+    assert (tmp_path / "invalid-checkpoint-4" / "optimizer.pt").is_file()
 
 
 def test_no_usable_checkpoint_means_a_fresh_start(tmp_path):

@@ -414,7 +414,7 @@ def _accelerate_runs_fsdp_here() -> bool:
     accelerate 1.15 does so on GPU-like devices only (`AcceleratorState.__init__`: the multi-process CPU type
     `MULTI_CPU` is not among the types that become `DistributedType.FSDP`), although torch's FSDP2 trains on a
     CPU with gloo. The distributed tests lift that gate in their worker processes
-    (`tests/distributed/fsdp_on_cpu/sitecustomize.py`) and mark accelerate's `AcceleratorState.fsdp_on_cpu`;
+    (`tests/distributed/cpu_gates/sitecustomize.py`) and mark accelerate's `AcceleratorState.fsdp_on_cpu`;
     this reads the mark rather than assuming the device decides, so that those runs are not refused while a
     user's CPU run (which would silently be DDP) still is. Read from the class, not from a state, because
     accelerate's state does not exist yet when the config is parsed.

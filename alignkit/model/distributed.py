@@ -31,8 +31,10 @@ precomputation pass) and puts the shards back on exit.
 `zero3_switched_off()` turns it off for a block (the loader's one-time merge of `adapter_name_or_path`).
 
 On the CPU here: the FSDP2 path with torch's `fully_shard` on gloo (and through the Trainer, GRPO's and PPO's
-rollouts, in the distributed tests), ZeRO-3 with DeepSpeed stubbed (DeepSpeed needs an accelerator), the no-op;
-see docs/ARCHITECTURE.md.
+rollouts, in the distributed tests), ZeRO-3 with real DeepSpeed 0.19 on gloo (2 processes, the DPO reference pass,
+GRPO's and PPO's rollouts given the engine, the partitioned reference of a full policy;
+tests/distributed/test_distributed_deepspeed.py) and with DeepSpeed stubbed (unit tests), the no-op; see
+docs/ARCHITECTURE.md. Not on a GPU.
 """
 
 from __future__ import annotations

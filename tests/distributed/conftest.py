@@ -14,7 +14,7 @@ Harness API (fixture `dist`, a `DistHarness`):
   Default datasets: `demo_pt` (pt), `demo_sft` (sft), `demo_pref` (rm, dpo), `demo_kto` (kto), `demo_math`
   (grpo, ppo).
 - `dist.train(config, *overrides, nproc=1, launcher=None, home=None, env=None, timeout=..., check=True,
-  fsdp_on_cpu=False) -> DistRun`: runs `alignkit train CONFIG key=value ...` in fresh processes. `launcher`:
+  cpu_gates=False) -> DistRun`: runs `alignkit train CONFIG key=value ...` in fresh processes. `launcher`:
   - None: `"torchrun"` when `nproc > 1`, else `"python"`;
   - `"python"`: `python -m alignkit train ...`, one process (the single-process equivalent);
   - `"torchrun"`: `python -m torch.distributed.run --standalone --nproc_per_node N -m alignkit train ...`
@@ -28,9 +28,9 @@ Harness API (fixture `dist`, a `DistHarness`):
   cache) unless `home` names one to share. The environment (`dist.environment(home=None, env=None) -> (env,
   home)`) is offline (`HF_HUB_OFFLINE=1`, `HF_DATASETS_OFFLINE=1`), with `OMP_NUM_THREADS=1` (one thread per
   rank: two ranks on two cores), `HF_HOME` inside the run's home (no user accelerate config is read),
-  `PYTHONPATH` = this checkout and no launcher variables inherited, plus `env`. `fsdp_on_cpu=True` puts
-  `fsdp_on_cpu/` first on `PYTHONPATH`: its `sitecustomize.py` lets accelerate turn an FSDP request into FSDP in
-  a multi-process CPU run (accelerate 1.15 does so on GPU-like devices only; see that file). With `check=True` a non-zero
+  `PYTHONPATH` = this checkout and no launcher variables inherited, plus `env`. `cpu_gates=True` puts
+  `cpu_gates/` first on `PYTHONPATH`: its `sitecustomize.py` lets accelerate run FSDP and DeepSpeed in a
+  multi-process CPU run (accelerate 1.15 does so on GPU-like devices only; see that file). With `check=True` a non-zero
   exit fails the test showing the command and the end of its output; a run past `timeout` seconds is killed
   with its whole process group (torchrun's workers too) and fails.
 - `dist.launch(...)`: the same, but returns the `subprocess.Popen` at once (stdout and stderr merged, text)
@@ -75,8 +75,8 @@ DATA_DIR = ROOT / "data"
 DEFAULT_TIMEOUT = 600
 DEFAULT_DATASETS = {"pt": "demo_pt", "sft": "demo_sft", "rm": "demo_pref", "dpo": "demo_pref", "kto": "demo_kto",
                     "grpo": "demo_math", "ppo": "demo_math"}
-# Its sitecustomize.py lifts accelerate's FSDP device gate in the processes of a run (`fsdp_on_cpu=True`).
-FSDP_ON_CPU = Path(__file__).parent / "fsdp_on_cpu"
+# Its sitecustomize.py lifts accelerate's FSDP and DeepSpeed device gates in the processes of a run (`cpu_gates=True`).
+CPU_GATES = Path(__file__).parent / "cpu_gates"
 # Variables a launcher sets for its workers: a test run from inside a torchrun job must not inherit them.
 _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                        "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "FORCE_TORCHRUN", "NPROC_PER_NODE",
@@ -189,16 +189,16 @@ class DistHarness:
     # ---- launching ----
 
     def environment(self, home: Optional[Path] = None, env: Optional[dict[str, str]] = None,
-                    fsdp_on_cpu: bool = False) -> tuple[dict, Path]:
+                    cpu_gates: bool = False) -> tuple[dict, Path]:
         """The environment of a run, and its ALIGNKIT_HOME (a fresh one unless `home` is given); with
-        `fsdp_on_cpu`, accelerate's FSDP device gate lifted (`FSDP_ON_CPU`)."""
+        `cpu_gates`, accelerate's FSDP and DeepSpeed device gates lifted (`CPU_GATES`)."""
         if home is None:
             self._homes += 1
             home = self.tmp / f"home-{self._homes}"
         home = Path(home)
         home.mkdir(parents=True, exist_ok=True)
         base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
-        paths = (str(FSDP_ON_CPU) if fsdp_on_cpu else "", str(ROOT), os.environ.get("PYTHONPATH", ""))
+        paths = (str(CPU_GATES) if cpu_gates else "", str(ROOT), os.environ.get("PYTHONPATH", ""))
         base.update(PYTHONPATH=os.pathsep.join(p for p in paths if p),
                     ALIGNKIT_HOME=str(home), ALIGNKIT_DATA_CACHE=str(home / "data_cache"),
                     HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
@@ -229,10 +229,10 @@ class DistHarness:
         return [*prefix, "-m", "alignkit", "train", str(config), *overrides]
 
     def launch(self, config: Path, *overrides: str, nproc: int = 1, launcher=None, home: Optional[Path] = None,
-               env: Optional[dict[str, str]] = None, fsdp_on_cpu: bool = False) -> subprocess.Popen:
+               env: Optional[dict[str, str]] = None, cpu_gates: bool = False) -> subprocess.Popen:
         if launcher == "force_torchrun":
             env = {**(env or {}), "FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(nproc)}
-        run_env, run_home = self.environment(home, env, fsdp_on_cpu)
+        run_env, run_home = self.environment(home, env, cpu_gates)
         command = self.command(config, overrides, nproc, launcher)
         proc = subprocess.Popen(command, env=run_env, cwd=self.tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
@@ -255,9 +255,9 @@ class DistHarness:
 
     def train(self, config: Path, *overrides: str, nproc: int = 1, launcher=None, home: Optional[Path] = None,
               env: Optional[dict[str, str]] = None, timeout: float = DEFAULT_TIMEOUT, check: bool = True,
-              fsdp_on_cpu: bool = False) -> DistRun:
+              cpu_gates: bool = False) -> DistRun:
         proc = self.launch(config, *overrides, nproc=nproc, launcher=launcher, home=home, env=env,
-                           fsdp_on_cpu=fsdp_on_cpu)
+                           cpu_gates=cpu_gates)
         return self.wait(proc, output_dir_of(config, overrides), timeout=timeout, check=check)
 
 

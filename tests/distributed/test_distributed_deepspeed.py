@@ -2,7 +2,7 @@
 
 DeepSpeed runs on the CPU here through its CPU accelerator, which falls back to gloo. accelerate (1.15) does not
 hand DeepSpeed a backend on a machine without GPUs, so the 2-process runs lift that gate with a test-only
-`sitecustomize` (`tests/distributed/cpu_gates/`, see its docstring); without it alignkit refuses the run with a
+`sitecustomize` (`cpu_gates=True`: `tests/distributed/cpu_gates/`, see its docstring); without it alignkit refuses the run with a
 ConfigError, which is tested too. A DeepSpeed run of one process, started without a launcher, needs no gate
 (alignkit gives it the variables torchrun would: `alignkit.launch.single_process_rendezvous`).
 
@@ -27,7 +27,6 @@ transformers. Compared: per-step losses (and the stage's own figures), and the s
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import sys
 from pathlib import Path
@@ -38,12 +37,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="DeepSpeed is not installed (pip install 'alignkit[deepspeed]'; the dev extra has it)")
 
 ROOT = Path(__file__).resolve().parents[2]
-GATES = Path(__file__).resolve().parent / "cpu_gates"
 Z2 = str(ROOT / "examples" / "deepspeed" / "ds_z2_config.json")
 Z3 = str(ROOT / "examples" / "deepspeed" / "ds_z3_config.json")
-# What a 2-process DeepSpeed run on this CPU needs: the test-only gate on the path, and switched on.
-GATED = {"ALIGNKIT_TEST_CPU_DEEPSPEED": "1",
-         "PYTHONPATH": os.pathsep.join(p for p in (str(GATES), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
 
 REWARD_SOURCE = "def token_sum_reward(completions, completion_ids, **kwargs):\n" \
                 "    return [float(sum(ids) % 5) for ids in completion_ids]\n"
@@ -66,7 +61,7 @@ def _pair(dist, stage, name, ds_config, single_keys=None, double_keys=None, **ke
     single = dist.train(dist.config(stage, f"{name}_1p", per_device_train_batch_size=4, **keys,
                                     **(single_keys or {})))
     double = dist.train(dist.config(stage, f"{name}_ds", per_device_train_batch_size=2, deepspeed=ds_config,
-                                    **keys, **(double_keys or {})), nproc=2, env=GATED)
+                                    **keys, **(double_keys or {})), nproc=2, cpu_gates=True)
     return single, double
 
 
@@ -100,7 +95,7 @@ def test_sft_full_zero3_resume_equals_the_straight_run(dist, sft_runs):
     _, straight = sft_runs
     resumed = dist.train(dist.config("sft", "sft_full_z3_resumed", per_device_train_batch_size=2, deepspeed=Z3,
                                      finetuning_type="full"),
-                         f"resume_from_checkpoint={straight.out / 'checkpoint-2'}", nproc=2, env=GATED)
+                         f"resume_from_checkpoint={straight.out / 'checkpoint-2'}", nproc=2, cpu_gates=True)
     losses = resumed.losses()
     assert sorted(losses) == [3, 4]  # only the steps after the checkpoint ran
     for step in (3, 4):
@@ -120,7 +115,7 @@ def test_sft_full_zero3_with_cpu_offload_equals_one_process(dist, sft_runs):
     single, _ = sft_runs
     offload = str(ROOT / "examples" / "deepspeed" / "ds_z3_offload_config.json")
     run = dist.train(dist.config("sft", "sft_full_z3_offload", per_device_train_batch_size=2, deepspeed=offload,
-                                 finetuning_type="full"), nproc=2, env=GATED)
+                                 finetuning_type="full"), nproc=2, cpu_gates=True)
     _compare(dist, single, run, label="2 procs x 2, ZeRO-3 offload")
 
 

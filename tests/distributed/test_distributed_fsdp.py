@@ -1,7 +1,7 @@
 """FSDP2 through the Trainer on the CPU (gloo): 2 processes sharding the model must train as 1 process does.
 
 accelerate 1.15 turns FSDP on only on GPU-like devices; these runs lift that one gate in their processes
-(`fsdp_on_cpu=True`: `tests/distributed/fsdp_on_cpu/sitecustomize.py`), so the Trainer prepares the model with
+(`cpu_gates=True`: `tests/distributed/cpu_gates/sitecustomize.py`), so the Trainer prepares the model with
 torch's `fully_shard` (each decoder layer and the root a unit, weights as DTensors sharded over the 2 processes),
 reduces gradients in backward, clips, steps AdamW on the shards and saves through accelerate's FSDP paths. Each
 2-process FSDP2 run at per-device batch 2 is compared with a single process at batch 4 (no FSDP), 4 steps:
@@ -49,7 +49,7 @@ def fsdp_pairs(dist):
     def get(case: str):
         if case not in done:
             single = dist.train(_config(dist, case, 1))
-            double = dist.train(_config(dist, case, 2), nproc=2, fsdp_on_cpu=True)
+            double = dist.train(_config(dist, case, 2), nproc=2, cpu_gates=True)
             print(f"\n{case}: per-step loss, 1 process x batch 4 vs 2 FSDP2 processes x batch 2\n"
                   + dist.loss_table({"1 proc x 4": single, "2 FSDP2 procs x 2": double}))
             done[case] = (single, double)
@@ -84,7 +84,7 @@ def test_fsdp2_resume_equals_the_uninterrupted_run(dist, fsdp_pairs):
     _, straight = fsdp_pairs("sft_full")
     out = dist.resume_folder(straight, 2, "sft_full_fsdp2_resumed")
     config = _config(dist, "sft_full", 2, output_dir=str(out), overwrite_output_dir=None)
-    resumed = dist.train(config, nproc=2, fsdp_on_cpu=True)
+    resumed = dist.train(config, nproc=2, cpu_gates=True)
     assert "Resuming from" in resumed.output and "checkpoint-2" in resumed.output
     print("\nsft_full: uninterrupted FSDP2 run vs resumed at step 2\n"
           + dist.loss_table({"straight": straight, "resumed": resumed}))

@@ -120,13 +120,13 @@ def test_ppo_two_processes_equal_one(dist, reward, ppo_single):
     assert [(r["prompt"], r["completion"]) for r in one] == [(r["prompt"], r["completion"]) for r in two]
 
 
-# FSDP2 through accelerate (its device gate lifted for the test: `fsdp_on_cpu`, see tests/distributed/conftest.py).
+# FSDP2 through accelerate (its device gate lifted for the test: `cpu_gates`, see tests/distributed/conftest.py).
 FSDP2 = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2}}
 
 
 @pytest.fixture(scope="module")
 def ppo_fsdp2(dist, reward):
-    return dist.train(_ppo(dist, reward, "ppo_fsdp2", 2, **FSDP2), nproc=2, fsdp_on_cpu=True)
+    return dist.train(_ppo(dist, reward, "ppo_fsdp2", 2, **FSDP2), nproc=2, cpu_gates=True)
 
 
 def test_ppo_fsdp2_two_processes_equal_one(dist, ppo_single, ppo_fsdp2):
@@ -147,7 +147,7 @@ def test_ppo_fsdp2_two_processes_equal_one(dist, ppo_single, ppo_fsdp2):
 def test_ppo_fsdp2_resume_equals_the_straight_run(dist, reward, ppo_fsdp2):
     out = dist.resume_folder(ppo_fsdp2, 2, "ppo_fsdp2_resumed")
     resumed = dist.train(_ppo(dist, reward, "ppo_fsdp2_resumed", 2, overwrite_output_dir=None, **FSDP2), nproc=2,
-                         fsdp_on_cpu=True)
+                         cpu_gates=True)
     assert resumed.out == out and "Resuming from" in resumed.output
     assert sorted(resumed.losses()) == [1, 2, 3]  # 1-2 from the copied log, 3 run again
     print(_harness(dist, "loss_table")({"straight": ppo_fsdp2, "resumed": resumed}))
@@ -165,6 +165,6 @@ def test_ppo_fsdp2_full_policy_equals_one(dist, reward):
     copy taken before sharding, the policy saved from the gathered full state dict without its value head."""
     keys = {"finetuning_type": "full", "learning_rate": 0.05, "max_steps": 2, "save_steps": None}
     single = dist.train(_ppo(dist, reward, "ppo_full_1p", 4, **keys))
-    fsdp = dist.train(_ppo(dist, reward, "ppo_full_fsdp2", 2, **keys, **FSDP2), nproc=2, fsdp_on_cpu=True)
+    fsdp = dist.train(_ppo(dist, reward, "ppo_full_fsdp2", 2, **keys, **FSDP2), nproc=2, cpu_gates=True)
     _compare(dist, single, fsdp, keys=("loss", "objective/kl", "grad_norm"))
     assert not any(name.startswith("v_head.") for name in fsdp.weights())

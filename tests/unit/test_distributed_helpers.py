@@ -96,7 +96,7 @@ def test_fsdp_on_a_cpu_is_refused_instead_of_silently_running_ddp(keys, env, mon
 
 
 def test_fsdp_on_a_cpu_passes_where_accelerate_was_made_to_run_it(monkeypatch, tmp_path):
-    """The distributed tests lift accelerate's device gate (tests/distributed/fsdp_on_cpu/sitecustomize.py) and
+    """The distributed tests lift accelerate's device gate (tests/distributed/cpu_gates/sitecustomize.py) and
     mark it on AcceleratorState: then FSDP really runs on the CPU, and the config is not refused."""
     from accelerate.state import AcceleratorState
 

@@ -43,7 +43,9 @@ How the work is laid out, and why:
   process's rows, in global order. (TRL normalises `bnpo` by each process's own tokens; here it is the
   micro-batch's tokens over all processes, so the update does not depend on the number of processes.)
 - ZeRO-3 / FSDP: the sharded weights are gathered once per generation batch around generation
-  (`alignkit.model.distributed.full_weights`, given the DeepSpeed engine), not once per token. Not run here: there is no GPU.
+  (`alignkit.model.distributed.full_weights`, given the DeepSpeed engine), not once per token. Run on the CPU
+  (gloo, 2 processes equal to 1, tests/distributed/): LoRA under real DeepSpeed ZeRO-3 and under FSDP2; not on a
+  GPU.
 - `use_vllm: true` samples with vLLM in this process (`rollout.VLLMColocateSampler`, GPU only, weights
   pushed in after each update). It is written against vLLM's documented API and has not run: no GPU was
   available to this project.

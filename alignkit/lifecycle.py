@@ -275,7 +275,6 @@ def checkpoint_problem(folder: str | os.PathLike, need_optimizer: bool = True) -
         if problem:
             return problem
     deepspeed_tag = folder / "latest"
-    optimizer = next((name for name in OPTIMIZER_STATES if (folder / name).exists()), "optimizer.pt")
     if deepspeed_tag.is_file():
         # A DeepSpeed engine's checkpoint: the optimizer state lives in the folder `latest` names, one file
         # per process; scheduler.pt only when the Trainer's scheduler ran (a DeepSpeed `scheduler` block is
@@ -283,9 +282,9 @@ def checkpoint_problem(folder: str | os.PathLike, need_optimizer: bool = True) -
         problem = _deepspeed_problem(folder, deepspeed_tag) if need_optimizer else None
         if problem:
             return problem
-        optimizer = None
-        required = []
+        optimizer, required = None, []
     else:
+        optimizer = next((name for name in OPTIMIZER_STATES if (folder / name).exists()), "optimizer.pt")
         if optimizer == "optimizer_0":
             if not (folder / optimizer / ".metadata").is_file():
                 return "optimizer_0/.metadata missing (the sharded save was interrupted)"

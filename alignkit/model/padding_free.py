@@ -417,7 +417,11 @@ def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float 
     return torch.cat(outputs, 1) if len(outputs) > 1 else outputs[0], None
 
 
-def _config_of(model: torch.nn.Module):
+def model_config(model: torch.nn.Module):
+    """The model's transformers config, also through a training wrapper (DDP, a DeepSpeed engine: `.module`).
+
+    A DeepSpeed engine has a `config` of its own (DeepSpeed's settings, a dict), so `model.config` would be that.
+    """
     return getattr(getattr(model, "module", model), "config", None)
 
 
@@ -429,7 +433,7 @@ def uses_per_sequence_attention(model: torch.nn.Module) -> bool:
     separate the sequences. Eager attention keeps the block-diagonal mask (its users asked for eager);
     flash attention has its own variable-length kernel (`row_token_bound`).
     """
-    config = _config_of(model)
+    config = model_config(model)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
     inner = getattr(model, "module", model)
@@ -448,7 +452,7 @@ def packed_attention(model: torch.nn.Module, flat: "FlatBatch") -> Iterator[None
     `flat` must then be one row (`row_token_bound` gives None for such a model). Otherwise nothing changes:
     transformers builds the block-diagonal mask from the position resets.
     """
-    config = _config_of(model)
+    config = model_config(model)
     if not uses_per_sequence_attention(model) or flat.input_ids.size(0) != 1:
         yield
         return
@@ -482,7 +486,7 @@ def row_token_bound(model: torch.nn.Module) -> Optional[int]:
     """
     from transformers.utils.generic import is_flash_attention_requested
 
-    config = _config_of(model)
+    config = model_config(model)
     if config is not None and is_flash_attention_requested(config=config):
         return None
     if uses_per_sequence_attention(model):
@@ -504,7 +508,7 @@ def attention_slot_cost(model: torch.nn.Module) -> Optional[float]:
         The ratio, or None when the config does not say the shapes (then rows are bounded by the longest
         sequence).
     """
-    config = getattr(getattr(model, "module", model), "config", None)
+    config = model_config(model)
     hidden = getattr(config, "hidden_size", None)
     heads = getattr(config, "num_attention_heads", None)
     intermediate = getattr(config, "intermediate_size", None)
@@ -522,6 +526,7 @@ __all__ = [
     "packed_attention",
     "per_sequence_sdpa",
     "uses_per_sequence_attention",
+    "model_config",
     "attention_slot_cost",
     "MULTI_ROW_MAX_COST_SHARE",
     "cheapest_row_capacity",

@@ -773,7 +773,7 @@ class PPOTrainer(StageTrainer):
         kwargs.setdefault("keep_reference_copy", True)
         super().__init__(*args, **kwargs)
         # As in `check_config`, for set-ups that come from `accelerate launch --config_file` rather than the keys.
-        reason = FSDP_REFUSAL if self.is_fsdp_enabled and not self.is_fsdp2 else None
+        reason = FSDP_REFUSAL if self.is_fsdp_enabled and not self.accelerator.is_fsdp2 else None
         if self.is_deepspeed_enabled:
             reason = deepspeed_refusal(self.accelerator.state.deepspeed_plugin.deepspeed_config)
         if reason:
@@ -1058,7 +1058,7 @@ class PPOTrainer(StageTrainer):
                 stats = {k: 0.0 for k in ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "policy/clipfrac",
                                           "policy/approxkl", "val/clipfrac", "val/mean")}
                 micro_starts: list[Optional[int]] = list(range(0, len(batch_index), self.mini_batch_size))
-                if self.is_deepspeed_enabled or self.is_fsdp2:
+                if self.is_deepspeed_enabled or self.accelerator.is_fsdp2:
                     # DeepSpeed reduces gradients inside the backward passes (ZeRO-2) or at the batch's last one,
                     # FSDP2 gathers weights in each forward and reduces gradients in each backward: every process
                     # must run as many. One that holds fewer rows of this batch adds passes over its first row that
@@ -1078,7 +1078,7 @@ class PPOTrainer(StageTrainer):
                     loss = policy_loss + a.vf_coef * value_loss
                     if self.is_deepspeed_enabled:
                         self._deepspeed_backward(loss * share, last=number == len(micro_starts) - 1)
-                    elif self.is_fsdp2:
+                    elif self.accelerator.is_fsdp2:
                         # FSDP2 averages the gradients over processes in the backward; the shares are of the whole
                         # update batch (all processes), so the gradient wanted is their sum.
                         self.accelerator.backward(loss * share * self.num_processes)
@@ -1089,7 +1089,7 @@ class PPOTrainer(StageTrainer):
                                        ("policy/approxkl", approxkl), ("val/clipfrac", value_clipfrac),
                                        ("val/mean", masked_mean(values.detach(), micro.mask))):
                         stats[key] += value.detach().item() * share.item()
-                if not (self.is_deepspeed_enabled or self.is_fsdp2):  # reduced in their backward passes
+                if not (self.is_deepspeed_enabled or self.accelerator.is_fsdp2):  # reduced in their backward passes
                     self._sum_gradients()
                 if self.num_processes > 1:
                     keys = list(stats)
@@ -1138,7 +1138,7 @@ class PPOTrainer(StageTrainer):
         self.state.compute_steps(args, max_steps)
         if self.is_deepspeed_enabled:
             self._prepare_deepspeed(max_steps)
-        elif self.is_fsdp2:
+        elif self.accelerator.is_fsdp2:
             self._prepare_fsdp2()
         else:
             self.create_optimizer()
@@ -1212,11 +1212,6 @@ class PPOTrainer(StageTrainer):
         self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, optimizer)
         self.deepspeed = self.model_wrapped  # what the Trainer's DeepSpeed save paths call
         self.lr_scheduler = None
-
-    @property
-    def is_fsdp2(self) -> bool:
-        """Whether accelerate shards the model with FSDP2 (`fully_shard`)."""
-        return self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2
 
     def _prepare_fsdp2(self) -> None:
         """The Trainer's FSDP2 set-up, for this loop: the optimizer is made over the whole model (policy, adapters,
@@ -1320,7 +1315,7 @@ class PPOTrainer(StageTrainer):
             # copies of them and the optimizer state. Copying weights into the module instead would be undone by
             # the master copies at the next step.
             deepspeed_load_checkpoint(self.model_wrapped, checkpoint, load_module_strict=not is_peft_model(self.model))
-        elif self.is_fsdp2:
+        elif self.accelerator.is_fsdp2:
             # accelerate's FSDP checkpoint (`pytorch_model_fsdp.bin`, written by the Trainer's
             # `_save_optimizer_and_scheduler`) holds the whole module: adapters, value head, and under full/freeze the
             # policy; the Trainer loads it into the shards. The files `_save` writes are whole tensors, which the
@@ -1340,7 +1335,7 @@ class PPOTrainer(StageTrainer):
                 self.value_head.bias.copy_(loaded.bias)
         self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
         self._load_callback_state()
-        saved_groups = _stateless_optimizer_groups(checkpoint) if self.is_fsdp2 else None
+        saved_groups = _stateless_optimizer_groups(checkpoint) if self.accelerator.is_fsdp2 else None
         if saved_groups is not None:
             # torch's `set_optimizer_state_dict` (accelerate's FSDP load) cannot load an optimizer that keeps no
             # per-parameter state (plain SGD): it finds no tensor to place. All such a state holds is each group's

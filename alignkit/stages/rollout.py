@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ..data.collator import _pad_id
 from ..model.generation import Generation, generate_with_decode, pad_prompts
 from ..model.logprobs import selective_log_softmax
+from ..model.padding_free import model_config
 
 # Rows of logits per entropy chunk: bounds the softmax temporary to about this many elements.
 _ENTROPY_CHUNK_ELEMENTS = 1 << 24
@@ -310,14 +311,6 @@ def completion_logps(
     return torch.cat(all_logps), (torch.cat(all_entropy) if with_entropy else None)
 
 
-def _model_config(model):
-    """The model's transformers config, also through a training wrapper (DDP, a DeepSpeed engine: `.module`).
-
-    A DeepSpeed engine has a `config` of its own (DeepSpeed's settings, a dict), so `model.config` would be that.
-    """
-    return getattr(getattr(model, "module", model), "config", None)
-
-
 def _packed_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                           completion_mask: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, tuple]]:
     """The logits `completion_logps` needs from one padding-free row: each distinct prompt once, each completion's
@@ -337,7 +330,7 @@ def _packed_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Te
         `(logits [K, V], index [K], (row [K], column [K]))`: K predictions, the completion token each one scores,
         and where its log-prob goes in the `[N, C]` output.
     """
-    config = _model_config(model)
+    config = model_config(model)
     if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return None
     device = prompt_ids.device
@@ -396,7 +389,7 @@ def _shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     if distinct.size(0) == prompt_ids.size(0):
         return None
     prompt_len = prompt_ids.size(1)
-    cache = DynamicCache(config=_model_config(model))
+    cache = DynamicCache(config=model_config(model))
     first = model(input_ids=distinct[:, :prompt_len], attention_mask=distinct[:, prompt_len:], cache=cache,
                   use_cache=True, logits_to_keep=1).logits[inverse]
     if completion_ids.size(1) == 1:

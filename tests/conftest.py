@@ -14,6 +14,41 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 import pytest  # noqa: E402
 
 
+def _cpu_description() -> str:
+    """The CPU's model name and the flags that change float results or speed (bf16, AMX, AVX-512), so a
+    failure report says which machine it came from (the machines differ from session to session)."""
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    shown = " ".join(f for f in wanted if f in flags) or "none of avx2/avx512f/avx512_bf16/amx"
+    return f"{model}, {os.cpu_count()} cores; flags: {shown}"
+
+
+def pytest_sessionstart(session):
+    """Print the machine first, whatever the verbosity (`scripts/test.sh` runs pytest with -q)."""
+    import torch
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+    reporter.write_line(f"cpu: {_cpu_description()}; torch {torch.__version__}, ATen capability "
+                        f"{torch.backends.cpu.get_cpu_capability()}"
+                        + (f", MKL_ENABLE_INSTRUCTIONS={mkl}" if mkl else ""))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Path to a tiny LlamaForCausalLM (2 layers, hidden 64) + ChatML tokenizer with pad == eos."""
@@ -61,6 +96,27 @@ def _save_perturbed_adapter(model_dir, out_dir, head="causal_lm", seed=1, over=N
     model.save_pretrained(out_dir)
     save_base_adapters(model, out_dir)
     return model
+
+
+@pytest.fixture
+def float64_models(monkeypatch):
+    """Load every model of the test in float64 (where the config says `infer_dtype: auto`).
+
+    For tests that compare two computations that are equal in exact arithmetic but round differently: a merged
+    adapter (W + BA rounded once) against the unmerged one (Wx + B(Ax)), or a packed row against padded ones.
+    In float32 their gap is the rounding of every summation in the network, and it depends on the CPU's kernels
+    (MKL's AVX-512 sgemm sums in another order than its AVX2 one: 2.4e-5 apart on a reward of 1.3 on an Intel
+    Xeon, 1.4e-5 on an AMD EPYC). In float64 the same gap is about 2^-29 times smaller, far below one float32 ulp
+    of the result, so the rewards (returned as float32) may differ by one ulp at most; anything more is a real
+    difference in what is computed. Returns that bound as `torch.testing.assert_close` keywords: one float32 ulp
+    relative (2^-23), and 1e-12 absolute for float64's own rounding (terms of magnitude ~10 times 2^-52)."""
+    import torch
+
+    from alignkit.model import loader
+
+    resolve = loader.resolve_dtype
+    monkeypatch.setattr(loader, "resolve_dtype", lambda name: torch.float64 if name == "auto" else resolve(name))
+    return {"rtol": 2.0 ** -23, "atol": 1e-12}
 
 
 @pytest.fixture

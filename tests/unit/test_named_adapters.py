@@ -77,16 +77,16 @@ def test_saved_reward_adapter_keys_are_what_the_loader_expects(reward_dir):
 
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("padding_free", [False, True])
-def test_reward_adapter_scores_equal_the_reward_model(tiny_model_dir, reward_dir, policy, side, padding_free):
+def test_reward_adapter_scores_equal_the_reward_model(tiny_model_dir, reward_dir, float64_models, policy, side,
+                                                     padding_free):
     ids, mask = _pad(ROWS, side)
     expected = _reward_model_rewards(tiny_model_dir, str(reward_dir), ids, mask, padding_free=padding_free)
     reward = load_reward_adapter(policy, reward_dir)
     policy.train()  # scoring does not depend on the mode: the reward adapter has no dropout
     got = reward_adapter_rewards(policy, reward, ids, mask, padding_free=padding_free)
-    # The normal load merges the adapter into the weights (W + BA rounded once to fp32); unmerged, the
-    # delta is added to the activations. With rewards near 10 that rounding alone reaches ~1.5e-5, so the
-    # bound is 1e-5 absolute plus 1e-5 relative.
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # The normal load merges the adapter into the weights (W + BA rounded once); unmerged, the delta is added to
+    # the activations. Both in float64 (`float64_models`): equal up to one float32 ulp of the returned rewards.
+    torch.testing.assert_close(got, expected, **float64_models)
     assert expected.std() > 1e-3  # rows score differently, so a misread position would show
     assert got.dtype == torch.float32 and not got.requires_grad
     # The head was read from the file (the fixture shifted it by +1) and is frozen.

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ..hparams import ConfigError
+from ..train import RUN_CONFIG_FILE
 from . import launch as launching
 from . import runs as reading
 
@@ -108,8 +109,8 @@ class Board:
             status += f" · checkpoints at steps {', '.join(map(str, checkpoints))}"
         metrics = reading.final_metrics(path)
         table_name, rows = reading.table_rows(path)
-        config_file = path / "run_config.yaml"
-        console = path / launching.CONSOLE_FILE
+        config_file = reading.run_file(path, RUN_CONFIG_FILE)
+        console = reading.run_file(path, launching.CONSOLE_FILE)
         return {
             "summary": summary,
             "status": status,
@@ -153,17 +154,18 @@ class Board:
         for name in names:
             try:
                 path = self.run_dir(name)
+                status = reading.run_status(path)
             except reading.BoardError:
                 parts.append((name, None))
                 continue
             stats = []
             for file in sorted(path.iterdir()):
                 try:
-                    info = file.stat()
+                    info = file.lstat()  # a link's own times: what it points to is read through run_file only
                 except OSError:
                     continue
                 stats.append((file.name, info.st_mtime_ns, info.st_size))
-            parts.append((name, reading.run_status(path), tuple(stats)))
+            parts.append((name, status, tuple(stats)))
         return tuple(parts)
 
     # ----- launch / stop / resume ----------------------------------------------------------------------
@@ -212,11 +214,13 @@ class Board:
     def chat_pair(self, name: str) -> tuple[tuple, tuple]:
         """(model, adapters, template) of the run's model (its adapter on its base) and of that base."""
         path = self.run_dir(name)
+        reading.check_run_folder(path)  # the model loader reads the folder's files itself
         values, workdir = reading.read_run_config(path)
         if not values:
             raise reading.BoardError(f"{name} has no run_config.yaml, so its base model is unknown; chat with it "
                                      "from the command line (alignkit chat --model BASE --adapter DIR).")
-        if not ((path / "adapter_config.json").is_file() or (path / "config.json").is_file()):
+        adapter = reading.run_file(path, "adapter_config.json")
+        if not (adapter.is_file() or reading.run_file(path, "config.json").is_file()):
             raise reading.BoardError(f"{name} has no saved model yet (it is written when the run ends or stops).")
         base = str(values.get("model_name_or_path") or "smollm2-135m-instruct")
         start = values.get("adapter_name_or_path")
@@ -228,7 +232,7 @@ class Board:
         base = absolute(base)
         start = ",".join(absolute(a.strip()) for a in str(start).split(",")) if start else None
         template = values.get("template")
-        if (path / "adapter_config.json").is_file():
+        if adapter.is_file():
             return (base, str(path), template), (base, start, template)
         return (str(path), None, template), (base, start, template)
 

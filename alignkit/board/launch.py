@@ -1,11 +1,12 @@
 """Starting, stopping and resuming runs from the board: always `alignkit train` with a checked config.
 
 What the board may start is exactly what `alignkit train CONFIG key=value ...` would run: the YAML and the
-overrides are parsed by `hparams.read_config` first (the command line's checks, the same messages), the
-output_dir must lie inside the runs folder, and the process is `python -m alignkit train FILE key=value ...`
-with an argument list (no shell, so no text from the page is ever run as a command). Stopping writes the
-run's stop file (`callbacks.request_stop`), which the training loop honours at the end of the step with a
-checkpoint; resuming runs the run's recorded `run_config.yaml` again, which picks up that checkpoint.
+overrides are parsed by `hparams.read_config` first (the command line's checks, the same messages), every
+place the run would write to must lie inside the runs folder (`confine_writes`), and the process is
+`python -m alignkit train FILE key=value ...` with an argument list (no shell, so no text from the page is
+ever run as a command). Stopping writes the run's stop file (`STOP_FILE`, as `callbacks.request_stop` does),
+which the training loop honours at the end of the step with a checkpoint; resuming runs the run's recorded
+`run_config.yaml` again, which picks up that checkpoint.
 """
 
 from __future__ import annotations
@@ -21,13 +22,21 @@ from typing import Optional
 
 import yaml
 
-from ..callbacks import request_stop
-from ..hparams import ConfigError, parse_override, read_config
+from ..callbacks import STOP_FILE
+from ..hparams import Config, ConfigError, parse_override, read_config
 from ..train import RUN_CONFIG_FILE, check_output_dir
-from .runs import BoardError, read_run_config, resolve_inside, run_status
+from .runs import (BoardError, check_run_folder, open_to_write, read_run_config, resolve_inside, run_file,
+                   run_status)
 
 CONSOLE_FILE = "board_console.log"  # the launched process's stdout and stderr, in its output_dir
 LAUNCH_DIR = ".board"  # under the runs folder: the YAML files the board starts runs from
+# Where a run writes files, by key: each must lie inside the runs folder. (A run also fills the shared caches,
+# alignkit's data cache and the hub cache when cache_dir is unset: those are the environment's, as for any run.)
+WRITE_PATH_KEYS = {"output_dir": ("training", "output_dir"), "tokenized_path": ("data", "tokenized_path"),
+                   "cache_dir": ("model", "cache_dir")}
+# Reporters whose files stay in output_dir (TensorBoard's go to output_dir/runs/). The others write where no key
+# confines them (wandb's ./wandb and mlflow's ./mlruns in the working folder, trackio's under the home folder).
+BOARD_REPORTERS = ("none", "tensorboard")
 
 
 @dataclass
@@ -57,9 +66,56 @@ def split_overrides(text: str) -> list[str]:
     return items
 
 
+def confine_writes(runs_root: str | os.PathLike, config: Config, workdir: str | os.PathLike) -> Path:
+    """Refuse a config that would have its run write outside the runs folder; its output_dir otherwise.
+
+    The keys of `WRITE_PATH_KEYS` (relative ones read from `workdir`, as the run will) must resolve inside
+    the runs folder, `report_to` may name only `BOARD_REPORTERS`, and an output_dir that exists must hold no
+    link out of it (the run would write through it: `check_run_folder`).
+
+    Raises:
+        BoardError: naming the key, its value and why.
+    """
+    places = {}
+    for key, (group, name) in WRITE_PATH_KEYS.items():
+        value = getattr(getattr(config, group), name)
+        if value:
+            try:
+                places[key] = resolve_inside(runs_root, value, base=workdir,
+                                             fix="a run started from the board writes only inside it; give a path "
+                                                 "under it, or start the board with --runs pointing higher up")
+            except BoardError as err:  # its message opens with the value: name the key in front of it
+                raise BoardError(f"{key}={err}") from None
+    elsewhere = [name for name in config.training.report_to or [] if name not in BOARD_REPORTERS]
+    if elsewhere:
+        raise BoardError(f"report_to={','.join(elsewhere)} writes its own files outside the runs folder, where the "
+                         f"board cannot keep them; use report_to: {' or '.join(BOARD_REPORTERS)}, or start this "
+                         "run with `alignkit train` on the command line.")
+    output_dir = places["output_dir"]  # never empty: TRAINING_DEFAULTS gives one
+    if output_dir.is_dir():
+        check_run_folder(output_dir)
+    return output_dir
+
+
+def write_launch_file(runs_root: str | os.PathLike, kind: str, text: str) -> Path:
+    """Write `text` to a new `runs_root/.board/<kind>-<time>.yaml` (the YAML files runs are started from)."""
+    folder = resolve_inside(runs_root, LAUNCH_DIR)
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 1000):
+        path = folder / (f"{kind}-{stamp}.yaml" if n == 1 else f"{kind}-{stamp}-{n}.yaml")
+        try:
+            with open_to_write(runs_root, path, "xb") as f:
+                f.write(text.encode("utf-8"))
+            return path
+        except FileExistsError:
+            continue
+    raise BoardError(f"{folder} already holds 999 {kind} files of this second; try again.")
+
+
 def check_launch(runs_root: str | os.PathLike, yaml_text: str, overrides: list[str],
                  workdir: str | os.PathLike) -> tuple[Path, Path]:
-    """Check a config as `alignkit train` does and that its output_dir is inside the runs folder.
+    """Check a config as `alignkit train` does and that its run writes only inside the runs folder.
 
     The YAML is written to `runs_root/.board/launch-<time>.yaml` (so the run can be repeated from the same
     file) and parsed with `read_config`, relative paths read from `workdir` as the run will.
@@ -69,7 +125,8 @@ def check_launch(runs_root: str | os.PathLike, yaml_text: str, overrides: list[s
 
     Raises:
         ConfigError: what `alignkit train` would say about the config.
-        BoardError: output_dir outside the runs folder, or a run already running there.
+        BoardError: a place it writes outside the runs folder (`confine_writes`), or a run already running
+            in its output_dir.
     """
     try:
         values = yaml.safe_load(yaml_text) if yaml_text.strip() else {}
@@ -77,14 +134,7 @@ def check_launch(runs_root: str | os.PathLike, yaml_text: str, overrides: list[s
         raise ConfigError(f"the config is not valid YAML: {err}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"the top level of the config must be a mapping of key: value, got {type(values).__name__}.")
-    folder = Path(runs_root) / LAUNCH_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / time.strftime("launch-%Y%m%d-%H%M%S.yaml")
-    n = 1
-    while path.exists():
-        n += 1
-        path = folder / time.strftime(f"launch-%Y%m%d-%H%M%S-{n}.yaml")
-    path.write_text(yaml_text, encoding="utf-8")
+    path = write_launch_file(runs_root, "launch", yaml_text)
     cwd = os.getcwd()
     try:
         os.chdir(workdir)  # read_config resolves nothing itself, but the stage checks may look at files
@@ -92,7 +142,7 @@ def check_launch(runs_root: str | os.PathLike, yaml_text: str, overrides: list[s
             config = read_config(path, overrides)
         finally:
             os.chdir(cwd)
-        output_dir = resolve_inside(runs_root, config.training.output_dir, base=workdir)
+        output_dir = confine_writes(runs_root, config, workdir)
         if not config.training.do_train:
             raise BoardError("the board starts training runs (do_train: true); run evaluation or prediction with "
                              "`alignkit train` on the command line.")
@@ -107,10 +157,14 @@ def check_launch(runs_root: str | os.PathLike, yaml_text: str, overrides: list[s
 
 
 def start_run(config_file: Path, overrides: list[str], output_dir: Path, workdir: str | os.PathLike) -> Launch:
-    """Start `alignkit train CONFIG key=value ...` in `workdir`, its console written to `output_dir/board_console.log`."""
+    """Start `alignkit train CONFIG key=value ...` in `workdir`, its console written to `output_dir/board_console.log`.
+
+    Raises:
+        BoardError: the console file is a link (it is appended to, and nothing is written through a link).
+    """
     command = [sys.executable, "-m", "alignkit", "train", str(config_file), *overrides]
     output_dir.mkdir(parents=True, exist_ok=True)
-    with open(output_dir / CONSOLE_FILE, "ab") as console:
+    with open_to_write(output_dir, output_dir / CONSOLE_FILE, "ab") as console:
         process = subprocess.Popen(command, cwd=workdir, stdout=console, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
     return Launch(process=process, output_dir=output_dir, command=["alignkit", *command[3:]], started=time.time())
@@ -120,18 +174,21 @@ def stop_run(run_dir: Path) -> Path:
     """Ask a running run to stop at the end of its step (with a checkpoint).
 
     Raises:
-        BoardError: the run is not running.
+        BoardError: the run is not running, or its stop file is a link.
     """
     if run_status(run_dir) != "running":
         raise BoardError(f"{run_dir.name} is not running, so there is nothing to stop.")
-    return request_stop(run_dir)
+    with open_to_write(run_dir, run_dir / STOP_FILE, "wb") as f:
+        f.write(time.strftime("%Y-%m-%dT%H:%M:%S%z\n").encode())
+    return run_dir / STOP_FILE
 
 
 def resume_run(runs_root: str | os.PathLike, run_dir: Path) -> Launch:
     """Start a stopped or failed run again from its `run_config.yaml`; it resumes from its last checkpoint.
 
     Raises:
-        BoardError: the run is running or finished, or has no recorded config.
+        BoardError: the run is running or finished, has no recorded config, or would write outside the runs
+            folder (`confine_writes`: its output_dir is not this folder, or a link leads out of it).
         ConfigError: the recorded config no longer passes `alignkit train`'s checks.
     """
     status = run_status(run_dir)
@@ -142,21 +199,19 @@ def resume_run(runs_root: str | os.PathLike, run_dir: Path) -> Launch:
         raise BoardError(f"{run_dir.name} has no {RUN_CONFIG_FILE} (it was started before the board existed); "
                          "resume it with the command that started it.")
     workdir = workdir if workdir and Path(workdir).is_dir() else os.getcwd()
-    config_file = run_dir / RUN_CONFIG_FILE
+    config_file = run_file(run_dir, RUN_CONFIG_FILE)
     cwd = os.getcwd()
     try:
         os.chdir(workdir)
         config = read_config(config_file)
     finally:
         os.chdir(cwd)
-    output_dir = resolve_inside(runs_root, config.training.output_dir, base=workdir)
+    output_dir = confine_writes(runs_root, config, workdir)
     if output_dir != run_dir.resolve():
         raise BoardError(f"{config_file} names output_dir {output_dir}, not this run's folder; resume it from the "
                          "command line.")
     # The config is copied beside the others the board started runs from: the run rewrites its own copy.
-    launch_file = Path(runs_root) / LAUNCH_DIR / time.strftime("resume-%Y%m%d-%H%M%S.yaml")
-    launch_file.parent.mkdir(parents=True, exist_ok=True)
-    launch_file.write_text(config_file.read_text(encoding="utf-8"), encoding="utf-8")
+    launch_file = write_launch_file(runs_root, "resume", config_file.read_text(encoding="utf-8"))
     return start_run(launch_file, [], output_dir, workdir)
 
 
@@ -170,5 +225,5 @@ def example_configs(*folders: Optional[Path]) -> dict[str, Path]:
     return found
 
 
-__all__ = ["Launch", "split_overrides", "check_launch", "start_run", "stop_run", "resume_run", "example_configs",
-           "CONSOLE_FILE"]
+__all__ = ["Launch", "split_overrides", "confine_writes", "write_launch_file", "check_launch", "start_run", "stop_run",
+           "resume_run", "example_configs", "CONSOLE_FILE", "WRITE_PATH_KEYS", "BOARD_REPORTERS"]

@@ -11,23 +11,31 @@ Status, from the files alone:
   evaluation/prediction-only run left its results;
 - stopped: ended on a stop request (`alignkit.stop` is still there: `StopOnRequest` honoured it);
 - failed: any other run whose process is gone (an error, a kill, a crash) before it finished.
+
+Nothing outside the runs folder is read or written, links included: a run folder is found or named
+through `resolve_inside`, each file of a run is read through `run_file` (which refuses a link out of the
+run's folder), and each file the board writes is opened by `open_to_write` (never through a link).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import yaml
 
 from ..callbacks import LOG_FILE, STOP_FILE, is_run_summary, read_log
 from ..lifecycle import LOCK_FILE, STATE_FILE, checkpoint_step, list_checkpoints, read_state
 from ..train import RUN_CONFIG_FILE
+
+logger = logging.getLogger(__name__)
 
 RESULT_FILES = ("all_results.json", "train_results.json", "eval_results.json", "predict_results.json")
 TABLE_FILES = ("generated_predictions.jsonl", "completions.jsonl")  # sft/rm/dpo/kto predictions; grpo/ppo rollouts
@@ -94,30 +102,102 @@ class RunSummary:
 # ---------------------------------------------------------------------------------------------------
 
 
-def resolve_inside(root: str | os.PathLike, path: str | os.PathLike, base: str | os.PathLike | None = None) -> Path:
-    """`path` as an absolute path, refused unless it lies inside `root` (symbolic links followed).
+def resolve_inside(root: str | os.PathLike, path: str | os.PathLike, base: str | os.PathLike | None = None,
+                   inside: str = "the runs folder",
+                   fix: str = "the board reads and writes nothing outside it; start the board with --runs "
+                              "pointing higher up to reach that folder") -> Path:
+    """`path` as an absolute path with every symbolic link followed, refused unless it lies inside `root`.
+
+    The one check in front of everything the board reads or writes: a run it is asked for, each file of a
+    run (`run_file`), a path a config gives a run to write to (`launch.confine_writes`), and the folder of
+    each file it writes (`open_to_write`).
 
     Args:
-        root: the runs folder.
+        root: the folder to stay in: the runs folder, or a run's folder for that run's files.
         path: a run name relative to `root`, or a path relative to `base` (an output_dir from a config).
         base: the folder a relative `path` is relative to (default: `root`).
+        inside, fix: how the refusal names `root`, and its last sentence (why, and what to do instead).
 
     Raises:
-        BoardError: the path leads outside `root`.
+        BoardError: the path leads outside `root`, saying whether a link took it there.
     """
     root_real = Path(root).resolve()
     candidate = Path(path)
     if not candidate.is_absolute():
         candidate = Path(base if base is not None else root_real) / candidate
     real = candidate.resolve()
-    if real != root_real and root_real not in real.parents:
-        raise BoardError(f"{path} is outside the runs folder {root_real}; the board only reads and writes there "
-                         "(start it with --runs pointing higher up to reach this folder).")
-    return real
+    if real == root_real or root_real in real.parents:
+        return real
+    how = "is" if real == Path(os.path.abspath(candidate)) else f"leads through a symbolic link to {real},"
+    raise BoardError(f"{path} {how} outside {inside} {root_real}: {fix}.")
+
+
+def run_file(run_dir: str | os.PathLike, name: str | os.PathLike) -> Path:
+    """The real path of a run's file `name`, refused when a link leads it out of the run's folder.
+
+    Every file of a run that the board reads comes through here. The run's folder was checked against the
+    runs folder when it was found (`find_runs`) or named (`resolve_inside`), so a file that stays in it
+    stays in the runs folder too; a link to a file elsewhere, even elsewhere under `--runs`, is no file
+    `alignkit train` writes, and is refused rather than followed.
+
+    Raises:
+        BoardError: naming the file and where its link leads.
+    """
+    return resolve_inside(run_dir, Path(run_dir) / name, inside="its run folder",
+                          fix="the board follows no link out of a run's folder; replace the link by a copy of "
+                              "the file")
+
+
+def check_run_folder(run_dir: str | os.PathLike) -> None:
+    """Refuse a run with any link (file or folder, checkpoints included) that leads out of its folder.
+
+    Checked before the board hands the folder to a process that reads and writes in it as it likes (a
+    resumed or relaunched run, a chat model loading its weights), which `run_file` cannot stand in front of.
+
+    Raises:
+        BoardError: naming the first such link and where it leads.
+    """
+    for folder, dirs, files in os.walk(run_dir):  # links to folders are listed, not entered
+        for name in sorted(dirs + files):
+            if os.path.islink(os.path.join(folder, name)):
+                run_file(run_dir, os.path.relpath(os.path.join(folder, name), run_dir))
+
+
+def open_to_write(root: str | os.PathLike, file: str | os.PathLike, mode: str = "ab") -> BinaryIO:
+    """Open `file` for writing, never through a link: every file the board writes is opened here.
+
+    The file's folder must lie inside `root` (`resolve_inside`), and the file itself is opened with
+    O_NOFOLLOW, so a link at its name is refused wherever it leads (inside `--runs` too): a link there
+    was not made by alignkit, and writing through it would write somewhere the board did not choose.
+
+    Args:
+        root: the folder to stay in.
+        file: the file.
+        mode: "ab" append (created if missing), "wb" replace, "xb" create a new file (FileExistsError if the
+            name is taken).
+
+    Raises:
+        BoardError: the folder leads outside `root`, or the file is a link.
+    """
+    file = Path(file)
+    target = resolve_inside(root, file.parent) / file.name
+    flags = {"ab": os.O_APPEND, "wb": os.O_TRUNC, "xb": os.O_EXCL}[mode]
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | flags, 0o644)
+    except OSError as err:
+        # O_NOFOLLOW answers ELOOP for a link; O_EXCL answers EEXIST before it looks at what is there.
+        if err.errno == errno.ELOOP or target.is_symlink():
+            raise BoardError(f"{file} is a symbolic link (to {os.readlink(target)}); the board writes no file "
+                             "through a link, which could lead anywhere. Remove the link.") from None
+        raise
+    return os.fdopen(fd, mode)
 
 
 def is_run_dir(path: Path) -> bool:
-    """Whether a folder holds what `alignkit train` writes (any one of its files, or a checkpoint)."""
+    """Whether a folder holds what `alignkit train` writes (any one of its files, or a checkpoint).
+
+    Only names are looked at here; what the files hold is read through `run_file`.
+    """
     if not path.is_dir():
         return False
     if any((path / name).is_file() for name in (LOG_FILE, STATE_FILE, RUN_CONFIG_FILE, LOCK_FILE)):
@@ -128,13 +208,18 @@ def is_run_dir(path: Path) -> bool:
 def find_runs(root: str | os.PathLike, max_depth: int = 4) -> list[Path]:
     """Every run folder under `root` (itself included), newest activity first.
 
-    A run's own subfolders (checkpoints) are not searched, nor are hidden folders; `max_depth` bounds the
-    walk so that pointing `--runs` at a large tree stays cheap.
+    A run's own subfolders (checkpoints) are not searched, nor are hidden folders, nor folders a link leads
+    out of `root` (`resolve_inside`); `max_depth` bounds the walk so that pointing `--runs` at a large tree
+    stays cheap.
     """
     root = Path(root)
     found: list[Path] = []
 
     def walk(folder: Path, depth: int) -> None:
+        try:
+            resolve_inside(root, folder)
+        except BoardError:
+            return
         if is_run_dir(folder):
             found.append(folder)
             return
@@ -157,8 +242,8 @@ def last_activity(path: Path) -> float:
     times = [0.0]
     for name in (LOG_FILE, STATE_FILE, RUN_CONFIG_FILE, LOCK_FILE, STOP_FILE):
         try:
-            times.append((path / name).stat().st_mtime)
-        except OSError:
+            times.append(run_file(path, name).stat().st_mtime)
+        except (OSError, BoardError):  # a refused link says nothing about the run; reading it will say why
             pass
     return max(times)
 
@@ -175,12 +260,13 @@ def run_name(root: str | os.PathLike, path: Path) -> str:
 
 def read_records(path: Path) -> list[dict[str, Any]]:
     """`trainer_log.jsonl`'s records, skipping a line being written and lines a killed run left broken."""
-    return read_log(path, skip_bad_lines=True)
+    file = run_file(path, LOG_FILE)
+    return read_log(file.parent, skip_bad_lines=True, file_name=file.name)
 
 
 def read_run_config(path: Path) -> tuple[dict[str, Any], Optional[str]]:
     """The keys of `run_config.yaml` and the folder the run was started from (None when unrecorded)."""
-    file = path / RUN_CONFIG_FILE
+    file = run_file(path, RUN_CONFIG_FILE)
     try:
         text = file.read_text(encoding="utf-8")
         values = yaml.safe_load(text) or {}
@@ -190,7 +276,8 @@ def read_run_config(path: Path) -> tuple[dict[str, Any], Optional[str]]:
     return (values if isinstance(values, dict) else {}), cwd
 
 
-def _read_json(file: Path) -> Optional[dict[str, Any]]:
+def _read_json(path: Path, name: str) -> Optional[dict[str, Any]]:
+    file = run_file(path, name)  # outside the try: a refusal is a BoardError, which is a ValueError
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -200,7 +287,7 @@ def _read_json(file: Path) -> Optional[dict[str, Any]]:
 
 def lock_holder(path: Path) -> Optional[dict[str, Any]]:
     """The process recorded in the run's output_dir lock, or None when there is no lock file."""
-    return _read_json(path / LOCK_FILE)
+    return _read_json(path, LOCK_FILE)
 
 
 def process_alive(pid: int) -> bool:
@@ -227,18 +314,18 @@ def holder_alive(holder: Optional[dict[str, Any]]) -> bool:
 
 def run_status(path: Path, records: Optional[list[dict[str, Any]]] = None) -> str:
     """running, finished, stopped or failed, from the run's files (see the module docstring)."""
-    if (path / LOCK_FILE).exists() and holder_alive(lock_holder(path)):
+    if run_file(path, LOCK_FILE).exists() and holder_alive(lock_holder(path)):
         return "running"
-    state = read_state(path / STATE_FILE)
+    state = read_state(run_file(path, STATE_FILE))
     if state is not None:
         done, planned = state.get("global_step") or 0, state.get("max_steps") or 0
         if planned > 0 and done >= planned:
             return "finished"
-    if (path / STOP_FILE).exists():
+    if run_file(path, STOP_FILE).exists():
         return "stopped"
     if state is None and not list_checkpoints(path):
         logged = records if records is not None else read_records(path)
-        if not logged and any((path / name).is_file() for name in RESULT_FILES):
+        if not logged and any(run_file(path, name).is_file() for name in RESULT_FILES):
             return "finished"  # an evaluation- or prediction-only run: results, no training
     return "failed"
 
@@ -246,7 +333,7 @@ def run_status(path: Path, records: Optional[list[dict[str, Any]]] = None) -> st
 def guess_stage(path: Path, records: list[dict[str, Any]]) -> str:
     """The stage of a run without `run_config.yaml`, from what it logged and saved ("?" when unclear)."""
     keys = {k for r in records for k in r}
-    if "ppo/loss/total" in keys or (path / "value_head.safetensors").is_file():
+    if "ppo/loss/total" in keys or run_file(path, "value_head.safetensors").is_file():
         return "ppo"
     if "reward_std" in keys:
         return "grpo"
@@ -254,7 +341,7 @@ def guess_stage(path: Path, records: list[dict[str, Any]]) -> str:
         return "kto"
     if "logps/chosen" in keys:
         return "dpo"
-    adapter = _read_json(path / "adapter_config.json") or {}
+    adapter = _read_json(path, "adapter_config.json") or {}
     if adapter.get("task_type") == "SEQ_CLS" or "rewards/accuracies" in keys:
         return "rm"
     return "?"
@@ -264,7 +351,7 @@ def base_model_of(path: Path, values: dict[str, Any]) -> str:
     """The model a run trained: its config's `model_name_or_path`, else what its saved adapter names."""
     if values:
         return str(values.get("model_name_or_path") or "smollm2-135m-instruct")
-    adapter = _read_json(path / "adapter_config.json") or {}
+    adapter = _read_json(path, "adapter_config.json") or {}
     return str(adapter.get("base_model_name_or_path") or "?")
 
 
@@ -286,7 +373,7 @@ def summarize_run(root: str | os.PathLike, path: Path, now: Optional[float] = No
     values, _ = read_run_config(path)
     status = run_status(path, records)
     summary = RunSummary(name=run_name(root, path), path=path, status=status, values=values,
-                         updated=last_activity(path), stop_requested=(path / STOP_FILE).exists())
+                         updated=last_activity(path), stop_requested=run_file(path, STOP_FILE).exists())
     summary.stage = str(values.get("stage", "sft")) if values else guess_stage(path, records)
     summary.model = base_model_of(path, values)
     summary.dataset = str(values.get("dataset") or "?")
@@ -295,7 +382,7 @@ def summarize_run(root: str | os.PathLike, path: Path, now: Optional[float] = No
         last = steps[-1]
         summary.step = last["current_steps"]
         summary.total_steps = int(last.get("total_steps") or 0)
-    state = read_state(path / STATE_FILE)
+    state = read_state(run_file(path, STATE_FILE))
     if state is not None and (state.get("global_step") or 0) >= summary.step:
         summary.step = int(state.get("global_step") or 0)
         summary.total_steps = int(state.get("max_steps") or summary.total_steps)
@@ -304,7 +391,7 @@ def summarize_run(root: str | os.PathLike, path: Path, now: Optional[float] = No
     if status == "finished":
         summary.progress = 1.0
     if status == "running" and steps and isinstance(steps[-1].get("remaining_time"), (int, float)):
-        written = _mtime(path / LOG_FILE) or now
+        written = _mtime(run_file(path, LOG_FILE)) or now
         summary.eta_seconds = max(float(steps[-1]["remaining_time"]) - (now - written), 0.0)
     summary.loss = _last(records, ("loss",))
     summary.reward = _last(records, LAST_REWARD_KEYS)
@@ -319,9 +406,24 @@ def _mtime(file: Path) -> Optional[float]:
         return None
 
 
+_LEFT_OUT: set[str] = set()  # the refusals already warned about (the list is read again every few seconds)
+
+
 def list_runs(root: str | os.PathLike, now: Optional[float] = None) -> list[RunSummary]:
-    """`summarize_run` for every run under `root`, newest activity first."""
-    return [summarize_run(root, path, now) for path in find_runs(root)]
+    """`summarize_run` for every run under `root`, newest activity first.
+
+    A run with a file the board refuses to read (`run_file`) is left out, with a warning once: showing it
+    would mean guessing, and failing would hide every other run.
+    """
+    listed = []
+    for path in find_runs(root):
+        try:
+            listed.append(summarize_run(root, path, now))
+        except BoardError as err:
+            if str(err) not in _LEFT_OUT:
+                _LEFT_OUT.add(str(err))
+                logger.warning("%s is not listed: %s", run_name(root, path), err)
+    return listed
 
 
 def format_duration(seconds: Optional[float]) -> str:
@@ -376,8 +478,8 @@ def final_metrics(path: Path) -> dict[str, Any]:
     """The run's results files merged (`all_results.json` when there, else train/eval/predict results)."""
     merged: dict[str, Any] = {}
     for name in RESULT_FILES[1:]:
-        merged.update(_read_json(path / name) or {})
-    merged.update(_read_json(path / RESULT_FILES[0]) or {})
+        merged.update(_read_json(path, name) or {})
+    merged.update(_read_json(path, RESULT_FILES[0]) or {})
     return merged
 
 
@@ -387,7 +489,7 @@ def table_rows(path: Path, limit: int = 200) -> tuple[Optional[str], list[dict[s
     A line being written, or one a kill cut short, is skipped.
     """
     for name in TABLE_FILES:
-        file = path / name
+        file = run_file(path, name)
         if not file.is_file():
             continue
         rows = []
@@ -409,6 +511,7 @@ def checkpoints_of(path: Path) -> list[int]:
     return sorted(step for step in (checkpoint_step(p) for p in list_checkpoints(path)) if step is not None)
 
 
-__all__ = ["BoardError", "RunSummary", "resolve_inside", "is_run_dir", "find_runs", "run_name", "read_records",
-           "read_run_config", "run_status", "summarize_run", "list_runs", "format_duration", "curves",
-           "stage_metric_keys", "final_metrics", "table_rows", "checkpoints_of", "guess_stage", "STATUSES"]
+__all__ = ["BoardError", "RunSummary", "resolve_inside", "run_file", "check_run_folder", "open_to_write",
+           "is_run_dir", "find_runs", "run_name", "read_records", "read_run_config", "run_status", "summarize_run",
+           "list_runs", "format_duration", "curves", "stage_metric_keys", "final_metrics", "table_rows",
+           "checkpoints_of", "guess_stage", "STATUSES"]

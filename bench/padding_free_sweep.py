@@ -1,6 +1,6 @@
 """Padding-free vs padded SFT on the hidden-48 tiny model: issue 11's case and a batch sweep.
 
-    python bench/padding_free_sweep.py --source after=. --source before=/work/main --out /tmp/pf_sweep
+    python bench/padding_free_sweep.py --source after=. --source before=runs/pf_before --out runs/pf_sweep
 
 Each run is one `/usr/bin/time -v alignkit train <yaml>` in a fresh process (one LoRA SFT step, fp32, CPU)
 with `PYTHONPATH` set to the named source tree, so two versions of alignkit can be compared with the same

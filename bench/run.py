@@ -310,7 +310,7 @@ def _cell(s: dict[str, float] | None, digits: int = 3) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    """The tables for README's Performance section."""
+    """The tables for docs/performance.md."""
     s, m = report["settings"], report["machine"]
     v = report["versions"]
     mem, mem_label = ("peak_gpu_mb", "peak GPU (MB)") if s["device"] == "cuda" else ("peak_rss_mb", "peak RSS (MB)")

@@ -19,26 +19,17 @@ One path from prompts to completions:
    them back skips PEFT's unmerge for plain LoRA: it would compute every delta a second time only to
    subtract it from the copies that are dropped.
 
-   Measured on this CPU (2 cores shared with other programs, fp32, LoRA r=8 on all linear layers with
-   random non-zero B, greedy, batch 8, exactly 32 new tokens, best of 2 alternating repeats;
-   `python scripts/bench_lora_generation.py --model tiny` and `--model bundled`, 2026-11-30):
-
-   - tiny model (2 layers, hidden 64): unmerged 3.14 s, merged 2.75 s (merge + restore alone 0.02 s);
-   - bundled SmolLM2-135M-Instruct: unmerged 283.8 s, merged 216.5 s (merge + restore alone 16.1 s).
-
-   The bundled run shared the cores with a load average of 7 to 15 (it got about a quarter of a core:
-   6.8 CPU-minutes in 26.6 minutes), so its absolute times are inflated several-fold; both arms ran
-   alternately under the same load, and merging was faster on both models (12% and 24%).
-   So `generate` merges by default (`merge_lora=True`).
+   Merging made generation faster on both the tiny and the bundled model (docs/performance.md, "Generation:
+   merged LoRA and packed weights"), so `generate` merges by default (`merge_lora=True`).
 5. Rollouts (`generate_with_decode`, `decode`): the same contract with a decode loop of our own instead of
    `model.generate`, for the knobs of `DECODE_KEYS`. Greedy output equals `generate`'s token for token;
    sampling uses `generate`'s logits processors (`sampling_processors`) and a caller-seeded generator. It
    prefills each distinct prompt once (a GRPO group repeats one prompt `num_generations` times) and draws
    each token with one uniform number per row instead of `torch.multinomial`'s one exponential per
-   vocabulary entry. A decode step at batch 8 is otherwise the model's matrix multiplies (see README's
-   Performance section for the profile); rollouts run them on oneDNN-packed copies of the weights with the
-   LoRA adapter merged in (`packed_linears`, packed once per rollout: 25% less generation time on the bundled
-   model), and the KV cache grows in place (`_reserve_cache`) instead of being concatenated per token.
+   vocabulary entry. A decode step at batch 8 is otherwise the model's matrix multiplies; rollouts run them on
+   oneDNN-packed copies of the weights with the LoRA adapter merged in (`packed_linears`, packed once per
+   rollout; measured in docs/performance.md), and the KV cache grows in place (`_reserve_cache`) instead of
+   being concatenated per token.
 """
 
 from __future__ import annotations
@@ -218,12 +209,11 @@ def _packed_forward(packed: torch.Tensor, bias: Optional[torch.Tensor], x: torch
 def packed_linears(model, batch_size: int) -> Iterator[bool]:
     """While the block runs, every linear layer multiplies with a oneDNN-packed copy of its (LoRA-merged) weight.
 
-    A decode step multiplies a handful of rows (one new token per completion) by every weight of the model, and
-    MKL's `F.linear` runs those skinny products at about a third of this CPU's peak (28 GFLOP/s of ~88 on one
-    core at 8 rows). oneDNN with the weight reordered once into its blocked layout ran the bundled model's
-    linear layers in 51 ms per step instead of 92 (one thread, batch 8, medians of 7; with two threads under
-    load 91-144 ms instead of 212-2067); packing all 135M weights took 0.4 s. So rollouts pack once per
-    generation round and decode tens of tokens with the packed copies.
+    A decode step multiplies a handful of rows (one new token per completion) by every weight of the model;
+    MKL's `F.linear` runs such skinny products far below the CPU's peak, and oneDNN with each weight reordered
+    once into its blocked layout runs them markedly faster for a packing cost paid once (docs/performance.md,
+    "Generation: merged LoRA and packed weights"). So rollouts pack once per generation round and decode tens
+    of tokens with the packed copies.
 
     Plain LoRA layers are packed with the adapter merged (`W + B A scale`, computed layer by layer into a
     temporary that is dropped once packed), and their forward is the packed product alone, as PEFT's merged

@@ -17,58 +17,27 @@ rows, whose padded positions do not start at 0, get the same attention scores).
 
 Why rows bounded by the longest sequence (issue 11). Putting all the batch's tokens in ONE row (what
 this module did first) makes sdpa/eager attend a `T x T` block-diagonal mask over all T tokens, so
-attention's time and memory grow with the square of the whole batch (7.8x the time and 3.7x the memory
-of padding at batch 32 x 512). The CPU sdpa kernel computes every score of a masked row, so a row of width
-W costs about `W^2` whatever it holds: rows bounded by W cost `T * W` in attention and `R * W` slots in
-the linear layers. W = the longest sequence is the least W can be; wider rows fill better but pay for it
-in attention. Measured (`bench/padding_free_layouts.py`, process CPU seconds of one forward + backward
-of `forward_sequence_logps`, two threads, median of 3, two cores shared with other jobs, load ~13):
-
-| hidden-48 tiny model, 2 layers | padded | one row | rows <= longest | rows <= 1024 | rows <= 2048 | each sequence alone |
-|---|---|---|---|---|---|---|
-| 32 x 512 (all equal) | 1.96 | minutes | 2.27 | 2.68 | 3.62 | 4.22 |
-| 32 x 32-512 | 2.21 | 6.11 | 1.26 | 1.75 | 2.39 | 2.87 |
-| 8 chats of 40-199 | 0.52 | 0.78 | 0.24 | 0.53 | 0.46 | 0.27 |
-| 4 x 512 + 28 x 16-127 | 2.12 | 3.02 | 0.94 | 2.04 | 1.27 | 2.60 |
-
-| SmolLM2-135M layer shape (hidden 576), 2 layers, median of 2 | padded | one row | rows <= longest | rows <= 1024 | rows <= 2048 |
-|---|---|---|---|---|---|
-| 32 x 32-512 | 15.7 | 24.5 | 7.8 | 9.2 | 12.9 |
-| 8 chats of 40-199 | 2.79 | 2.36 | 2.45 | 3.34 | 2.46 |
-
-With one thread (`THREADS=1`, median of 3, load ~6; CPU time without OpenMP threads spinning for a
-partner that waits for a core), hidden-48 tiny model:
-
-| 1 thread | padded | one row | rows <= longest | rows <= 1024 | rows <= 2048 | each sequence alone |
-|---|---|---|---|---|---|---|
-| 32 x 32-512 | 0.64 | 4.34 | 0.32 | 0.67 | 1.37 | 0.24 |
-| 8 chats of 40-199 | 0.03 | 0.08 | 0.03 | 0.13 | 0.08 | 0.02 |
-| 4 x 512 + 28 x 16-127 | 0.68 | 1.01 | 0.16 | 0.27 | 0.53 | 0.11 |
-
-(In the 32 x 512 case "rows <= longest" is the padded layout itself, one sequence per row and no mask, so
-its 2.27 against 1.96 is the noise of the shared machine.) Rows bounded by the longest sequence never hold
-more slots or a wider row than the padded batch, so they cannot cost more than padding; they beat or tied
-padding, one row and wider rows in every mixed case, except 8 short chats on the SmolLM2 shape, where one
-row (all 1034 tokens fit) was 4% faster, within this machine's noise. "Each sequence alone" (one row, one causal sdpa call
-per sequence per layer, what a variable-length kernel does) does the least attention work and wins with
-one thread, but its many small kernel calls lost at two threads on the loaded machine, and it needs a
-custom attention function registered with transformers and swapped into the model. `cutoff_len` as the
-bound (LLaMA-Factory's 2048) would be among the slowest choices here.
+attention's time and memory grow with the square of the whole batch. The CPU sdpa kernel computes every
+score of a masked row, so a row of width W costs about `W^2` whatever it holds: rows bounded by W cost
+`T * W` in attention and `R * W` slots in the linear layers. W = the longest sequence is the least W can
+be; wider rows fill better but pay for it in attention. Measured with `bench/padding_free_layouts.py`
+(tables in docs/performance.md, "Padding-free layouts"): rows bounded by the longest sequence never hold
+more slots than the padded batch, and they beat or tied padding, one row and wider rows in every mixed
+case; `cutoff_len` as the bound (LLaMA-Factory's 2048) was among the slowest choices.
 
 Each sequence attended on its own is now what the trainers do under sdpa (issue 15): `packed_attention`
 switches the model to `per_sequence_sdpa` for the packed forward, one causal sdpa call per sequence and layer
 over one row of all T tokens, so the row carries no padding and attention costs sum(l_i^2) instead of a
-masked row's W^2. On SmolLM2-135M (the benchmark's SFT step, 8 chats in one row of 708 tokens) the masked
-one-row attention was 18% of the step; see README's Performance section for the step after the change. The
-rows-of-bounded-width layout below remains for eager attention and for gradient checkpointing, whose
-backward reruns a layer outside `packed_attention`.
+masked row's W^2 (docs/performance.md has the step's profile before and after). The rows-of-bounded-width
+layout below remains for eager attention and for gradient checkpointing, whose backward reruns a layer
+outside `packed_attention`.
 
 With eager attention, or under gradient checkpointing, the bound is chosen per batch by a cost model (`cheapest_row_capacity`): a layout of R
 rows of width W costs `R * W * (slot_cost + W)`, where `slot_cost = attention_slot_cost(model)` is how many
 attention score pairs cost as much as one token slot in the layer's weight matrices (3072 for SmolLM2-135M).
 One row of all T tokens holds no padding, so it has the fewest slots and the least activation memory; rows
 of the longest sequence times 1, 2, 4, ... are taken only when the cheapest of them costs under 3/4 of the
-one row. Many or long sequences get rows as narrow as the longest one (the tables above; 32 x 512 on
+one row. Many or long sequences get rows as narrow as the longest one (the measured tables; 32 x 512 on
 SmolLM2: 18% of the one-row cost); a few short chats, whose attention square is small, keep one row: the
 benchmark's chats cost 708 * 3780 = 2.68M in one row against 4 * 230 * 3302 = 3.04M in four rows. Rows
 bounded by the longest sequence for every batch measured +450 MB peak RSS for SFT on the benchmark (their

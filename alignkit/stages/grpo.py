@@ -49,17 +49,9 @@ How the work is laid out, and why:
 - `use_vllm: true` samples with vLLM in this process (`rollout.VLLMColocateSampler`, GPU only, weights
   pushed in after each update). It is written against vLLM's documented API and has not run: no GPU was
   available to this project.
-- Where a step's time goes on a 2-core CPU (bundled SmolLM2-135M, `examples/grpo_lora.yaml`: 8 completions
-  of up to 64 tokens, LoRA r16, fp32; measured 2026-11-30, before rollouts used `generation.decode`, with
-  other programs keeping the 1-minute load average at 4-6; README's Performance section has the later split): with torch's default 2 threads a step took 104-155 s, of which `model.generate` 72-117 s,
-  the training forward 14-19 s, backward 9-17 s, the optimizer about 2.4 s, LoRA merge + restore 1.6-8 s,
-  entropy 0.2-0.5 s, rewards under 0.01 s. The cause is not the code path but oversubscription: two threads
-  that must meet at every operator while other processes hold the cores wait on each other. Alternating in
-  one process on the same busy machine, 8 completions of 8 tokens took 3.2-3.6 s to generate with 1 thread
-  and 12.4-14.8 s with 2; a training forward + backward of 8 x (60 + 64) tokens 11.3-12.7 s against 32-40 s.
-  With 1 thread and 32-token completions a whole step took 11.3-11.7 s (generation 5.0-5.4 s). On a quiet
-  machine 2 threads are faster (SFT: 6.2 s against 11 s a step). So on a shared machine set
-  `OMP_NUM_THREADS=1` (torch reads it at start; `torch.get_num_threads()` tells what a process uses).
+- Threads: on a machine other programs keep busy, torch's two threads wait on each other at every operator
+  and made GRPO steps several times slower; set `OMP_NUM_THREADS=1` there (torch reads it at start). The
+  measurements: docs/performance.md, "Threads on a shared CPU".
 
 Defaults: every key below has TRL 1.16's default (`loss_type: dapo`, `beta: 0.0`, `num_generations: 8`,
 `max_completion_length: 512`, `temperature: 1.0`, `top_p: 1.0`, `top_k: 0`, `epsilon: 0.2`,

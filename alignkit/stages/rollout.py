@@ -33,11 +33,9 @@ from ..model.padding_free import model_config
 _ENTROPY_CHUNK_ELEMENTS = 1 << 24
 # Longest padding-free row `completion_logps` builds (`_packed_prompt_logits`). Its attention runs densely over a
 # [T, T] mask (T^2 floats: 4 MB at 1024), about T x 4 x hidden FLOPs per token against ~2 x (layer weights) for the
-# linear layers, so a long enough row costs more than the padded forward with a shared prompt pass. Measured on the
-# bundled SmolLM2-135M (fp32, 2 threads, groups of 8 completions of 64 prompt + 16..64 tokens, `completion_logps`
-# with this cap at 0 or unbounded, best of 3), time of the packed row / the shared-prompt pass without gradients,
-# and with forward + backward: T=406 0.79 / 0.79, T=705 0.64 / 0.69, T=1511 0.75 / 0.99, T=3083 0.94 / 1.02. The
-# packed row wins everywhere under this cap; with gradients it stops winning at about 1500 tokens.
+# linear layers, so a long enough row costs more than the padded forward with a shared prompt pass. On the bundled
+# model the packed row won at every length under this cap and stopped winning with gradients at about 1500 tokens
+# (docs/performance.md, "Rollout log-probs: the packed row's cap").
 _PACKED_ROW_TOKENS = 1024
 
 

@@ -232,7 +232,7 @@ def test_board_in_a_browser(board_url, board_workdir, tmp_path):
     # What the page showed is what the folders hold: the stopped run resumes from its checkpoint.
     stopped = board_workdir / "runs" / "sft_b"
     assert (stopped / "alignkit.stop").exists() and list(stopped.glob("checkpoint-*"))
-    docs = os.environ.get("ALIGNKIT_BOARD_DOCS")  # refresh docs/board/*.png for the README
+    docs = os.environ.get("ALIGNKIT_BOARD_DOCS")  # refresh docs/board/*.png for docs/board.md
     if docs:
         for shot in shots.glob("*.png"):
             shutil.copy(shot, Path(docs) / shot.name)

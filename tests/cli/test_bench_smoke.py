@@ -1,7 +1,7 @@
 """The benchmark harness (`python -m bench`): its bookkeeping by hand, and one end-to-end run on the tiny model.
 
 Times are never asserted: the end-to-end test checks that the JSON and Markdown reports carry every field
-the README's Performance section and the lead's comparison rely on.
+docs/performance.md and the lead's comparison rely on.
 """
 
 from __future__ import annotations

@@ -144,7 +144,10 @@ def test_two_node_run_resumes_the_two_process_run_and_writes_once(pairs, dist):
 
 
 def test_full_weights_gathers_fsdp2_shards_once_per_generation(dist, tiny_model_dir):
-    """FSDP2 runs on the CPU with gloo (torch's `fully_shard`); accelerate does not enable it there (see README)."""
+    """FSDP2 runs on the CPU with gloo (torch's `fully_shard`); accelerate does not enable it there.
+
+    See docs/distributed.md.
+    """
     import subprocess
     import sys
 

@@ -61,8 +61,8 @@ def sft_dir(tiny_model_dir, tmp_path, save_perturbed_adapter):
 
 @pytest.fixture
 def reward_from_sft_dir(tiny_model_dir, tmp_path, save_perturbed_adapter, sft_dir):
-    """An rm run's LoRA output trained from the SFT adapter (as the README pipeline trains it): the adapter over
-    base + SFT, with `base_adapters.json` naming the SFT adapter."""
+    """An rm run's LoRA output trained from the SFT adapter (as the RLHF pipeline of docs/stages/ppo.md trains
+    it): the adapter over base + SFT, with `base_adapters.json` naming the SFT adapter."""
     out = tmp_path / "rm_sft"
     trained = save_perturbed_adapter(tiny_model_dir, out, head="reward", seed=5, over=sft_dir)
     with torch.no_grad():
@@ -271,9 +271,9 @@ def test_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file, reward_di
 
 @pytest.mark.parametrize("critic", ["head", "adapter"])
 def test_end_to_end(critic, tiny_model_dir, prompts_file, reward_from_sft_dir, sft_dir, tmp_path):
-    """`alignkit train` of stage ppo, as the README pipeline runs it (policy and RM from the SFT adapter): the
-    files every stage writes, the SFT adapter recorded under the policy, the metrics, and an adapter plain peft
-    loads."""
+    """`alignkit train` of stage ppo, as the RLHF pipeline of docs/stages/ppo.md runs it (policy and RM from the
+    SFT adapter): the files every stage writes, the SFT adapter recorded under the policy, the metrics, and an
+    adapter plain peft loads."""
     from peft import PeftModel
 
     from alignkit.model.loader import BASE_ADAPTERS_FILE

@@ -177,6 +177,7 @@ print(loader.ensure_merged_base(model_args, chain))
 """
 
 
+@pytest.mark.distributed  # two real processes: out of the fast tier (scripts/test.sh --fast)
 def test_two_processes_build_the_merged_base_once(tiny_model_dir, sft_chain, home, tmp_path):
     start, log = tmp_path / "start", tmp_path / "merges.log"
     env = {**os.environ, "ALIGNKIT_HOME": str(home), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}

@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="base model directory or hub id (default: the bundled model)")
     p.add_argument("--adapter", help="adapter directory (comma-separated for several)")
     p.add_argument("--export-dir", required=True, help="where to write the merged model")
-    p.add_argument("--force", action="store_true", help="write into a non-empty export directory")
+    p.add_argument("--force", action="store_true",
+                   help="replace the model files of a non-empty export directory (its other files stay)")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("score", help="score prompt/response pairs with a trained reward model")

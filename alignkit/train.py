@@ -81,12 +81,19 @@ def resolve_resume(config: Config) -> None:
         t.resume_from_checkpoint = found
 
 
-def check_output_dir(output_dir: str | os.PathLike) -> None:
+def check_output_dir(output_dir: str | os.PathLike, key: str = "output_dir") -> Path:
     """Stop before anything loads when `output_dir` cannot be written: a regular file in the way, or a
     read-only or permission-denied location (otherwise found when the first checkpoint is saved).
 
     Nothing is left behind: the probe is a temporary file (inside `output_dir` when it exists) or a
     temporary folder (inside its nearest existing parent).
+
+    Args:
+        output_dir: the folder a command will write.
+        key: what the messages call it (`export_dir` for `alignkit export`).
+
+    Returns:
+        The nearest existing folder: `output_dir` itself (absolute) or its nearest existing parent.
 
     Raises:
         ConfigError: naming `output_dir`, what is wrong, and the fix.
@@ -97,7 +104,7 @@ def check_output_dir(output_dir: str | os.PathLike) -> None:
         existing = existing.parent
     if not existing.is_dir():
         what = "is a file" if existing == path else f"lies under {existing}, which is a file"
-        raise ConfigError(f"output_dir={str(output_dir)!r} {what}, not a folder. Choose another output_dir "
+        raise ConfigError(f"{key}={str(output_dir)!r} {what}, not a folder. Choose another {key} "
                           "(or move the file away).")
     try:
         if existing == path:
@@ -106,8 +113,9 @@ def check_output_dir(output_dir: str | os.PathLike) -> None:
         else:
             tempfile.TemporaryDirectory(dir=existing).cleanup()
     except OSError as err:
-        raise ConfigError(f"output_dir={str(output_dir)!r} cannot be written ({err.strerror or err} in "
-                          f"{existing}). Choose an output_dir on a writable file system.") from None
+        raise ConfigError(f"{key}={str(output_dir)!r} cannot be written ({err.strerror or err} in "
+                          f"{existing}). Choose an {key} on a writable file system.") from None
+    return existing
 
 
 def _already_complete(config: Config) -> bool:

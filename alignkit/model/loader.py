@@ -40,7 +40,7 @@ from ..env import alignkit_home
 from .bundled import build_folder_once, ensure_bundled_model
 from .distributed import zero3_enabled, zero3_switched_off
 from .heads import VALUE_HEAD_NAME
-from .weight_files import check_model_files
+from .weight_files import check_adapter_files, check_model_files
 
 logger = logging.getLogger(__name__)
 
@@ -493,7 +493,9 @@ def resolve_adapter_chain(adapters: Sequence[str]) -> list[str]:
     (its sha256) is warned about too.
 
     Raises:
-        ConfigError: a recorded adapter folder no longer exists; the message names it, the record, and the fix.
+        ConfigError: a recorded adapter folder no longer exists, or an adapter's `adapter_config.json` or weights
+            are missing or damaged (`read_adapter_config`, `weight_files.check_adapter_files`); the message names
+            the folder and the fix.
     """
     chain: list[str] = []
     for adapter in adapters:
@@ -515,18 +517,30 @@ def resolve_adapter_chain(adapters: Sequence[str]) -> list[str]:
         elif recorded:
             _warn_if_changed(adapter)
         chain.append(_absolute(adapter))
+    for adapter in chain:  # a cut-off save fails here, before the base loads, not inside peft
+        read_adapter_config(adapter)
+        check_adapter_files(adapter)
     return [_absolute(a) for a in chain]
 
 
 def read_adapter_config(adapter_dir: str | os.PathLike) -> dict:
-    """The adapter's `adapter_config.json`, or a ConfigError naming the directory."""
+    """The adapter's `adapter_config.json`, or a ConfigError naming it (missing, not JSON, not an object)."""
     path = Path(adapter_dir) / "adapter_config.json"
     if not path.is_file():
         raise ConfigError(
             f"adapter_name_or_path: {adapter_dir!r} holds no adapter_config.json; give the output_dir of a "
             "LoRA run (or one of its checkpoint-N folders)."
         )
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:  # not JSON, or not UTF-8: a save cut short or a damaged copy
+        config = err
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"adapter_name_or_path: {path} is not a JSON object ({config}). The save or the copy did not finish: "
+            "copy the adapter again, or give one of its run's checkpoint-N folders."
+        )
+    return config
 
 
 def is_reward_adapter(adapter_dir: str | os.PathLike) -> bool:

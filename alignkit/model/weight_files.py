@@ -1,4 +1,4 @@
-"""Is a local model folder whole? Cheap checks of its weight files, run before anything is tokenised.
+"""Is a local model (or adapter) folder whole? Cheap checks of its weight files, run before anything is tokenised.
 
 A copy or download that stopped half way leaves a folder with `config.json` and the tokenizer but no
 weights, or a weights file cut short. `from_pretrained` notices only when it loads the weights, which
@@ -18,6 +18,8 @@ from ..hparams import ConfigError
 # What `from_pretrained` looks for, in its order of preference: safetensors before pickles.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+# What peft's `load_peft_weights` looks for in an adapter folder, in the same order.
+ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def safetensors_problem(path: Path) -> Optional[str]:
@@ -67,6 +69,19 @@ def _shard_problems(index_path: Path, check) -> list[str]:
     return problems
 
 
+def _weights_problems(folder: Path, names: tuple[str, ...]) -> list[str] | None:
+    """What is wrong with the first of `names` in `folder` (the file a loader reads; for a shard index, its
+    shards): [] when it is whole, None when `folder` holds none of them."""
+    present = [name for name in names if (folder / name).is_file()]
+    if not present:
+        return None
+    name = present[0]
+    check = safetensors_problem if ".safetensors" in name else torch_pickle_problem
+    if name.endswith(".index.json"):
+        return _shard_problems(folder / name, check)
+    return [f"{name} {p}" for p in [check(folder / name)] if p]
+
+
 def check_model_files(model_dir: str | Path) -> None:
     """Raise a ConfigError when the local model folder `model_dir` lacks whole weights.
 
@@ -83,23 +98,13 @@ def check_model_files(model_dir: str | Path) -> None:
             return
         raise ConfigError(f"model_name_or_path={str(model_dir)!r} holds no config.json, so it is not a model "
                           "folder. Give the folder that `save_pretrained` wrote (config.json + weights).")
-    present = [name for name in WEIGHT_FILES if (folder / name).is_file()]
-    if not present:
+    problems = _weights_problems(folder, WEIGHT_FILES)
+    if problems is None:
         raise ConfigError(
             f"model_name_or_path={str(model_dir)!r} has a config.json but no weights (none of "
             f"{', '.join(WEIGHT_FILES)}). The copy or download is incomplete: copy the weights files into it "
             "(or download the model again)."
         )
-    name = present[0]
-    path = folder / name
-    if name == "model.safetensors":
-        problems = [f"{name} {p}" for p in [safetensors_problem(path)] if p]
-    elif name == "model.safetensors.index.json":
-        problems = _shard_problems(path, safetensors_problem)
-    elif name == "pytorch_model.bin":
-        problems = [f"{name} {p}" for p in [torch_pickle_problem(path)] if p]
-    else:
-        problems = _shard_problems(path, torch_pickle_problem)
     if problems:
         raise ConfigError(
             f"model_name_or_path={str(model_dir)!r}: {'; '.join(problems)}. The copy or download of the "
@@ -107,4 +112,28 @@ def check_model_files(model_dir: str | Path) -> None:
         )
 
 
-__all__ = ["WEIGHT_FILES", "check_model_files", "safetensors_problem", "torch_pickle_problem"]
+def check_adapter_files(adapter_dir: str | Path) -> None:
+    """Raise a ConfigError when the PEFT adapter folder `adapter_dir` lacks whole weights.
+
+    Its `adapter_config.json` is read, and checked, by `loader.read_adapter_config`. Without this check a
+    save cut short reaches peft, which reports a truncated file as a raw `SafetensorError` and a missing one
+    as a weights mismatch with the base.
+
+    Raises:
+        ConfigError: no adapter weights file, or one that is truncated or unreadable; the message names the
+            folder, the file and how to fix it.
+    """
+    problems = _weights_problems(Path(adapter_dir), ADAPTER_WEIGHT_FILES)
+    if problems is None:
+        raise ConfigError(
+            f"adapter_name_or_path: {adapter_dir} has an adapter_config.json but no weights (neither of "
+            f"{', '.join(ADAPTER_WEIGHT_FILES)}). The save or the copy did not finish: copy the adapter again, "
+            "or give one of its run's checkpoint-N folders."
+        )
+    if problems:
+        raise ConfigError(f"adapter_name_or_path: {adapter_dir}: {'; '.join(problems)}. The save or the copy did "
+                          "not finish: copy the adapter again, or give one of its run's checkpoint-N folders.")
+
+
+__all__ = ["ADAPTER_WEIGHT_FILES", "WEIGHT_FILES", "check_adapter_files", "check_model_files", "safetensors_problem",
+           "torch_pickle_problem"]

@@ -54,11 +54,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     try:
         run_train(config)
+    except KeyboardInterrupt:
+        print(f"alignkit: interrupted. {_resume_hint(config.training.output_dir)}", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a Ctrl-C
     finally:
         _close_process_group()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _exit_without_teardown()
     return 0
+
+
+def _resume_hint(output_dir: str) -> str:
+    """What an interrupted run keeps and how to go on: the last checkpoint in `output_dir`, if any."""
+    from .lifecycle import checkpoint_problem, list_checkpoints
+
+    # The newest checkpoint a rerun would resume from (one cut short by the interrupt is passed over).
+    last = next((c for c in list_checkpoints(output_dir) if checkpoint_problem(c) is None), None)
+    if last is None:
+        return f"No checkpoint was saved in {output_dir} yet; re-running the same command starts the run again."
+    return f"{last} is kept; re-running the same command resumes from it."
 
 
 def _close_process_group() -> None:
@@ -268,7 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `alignkit` console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    # argparse ends a positional list at the first option, so `train CONFIG --nproc 2 key=value` would leave
+    # `key=value` over; key=value words after an option are overrides all the same.
+    if unknown and hasattr(args, "overrides") and not any(word.startswith("-") for word in unknown):
+        args.overrides = [*args.overrides, *unknown]
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     _configure_logging()
     try:
         return args.func(args)

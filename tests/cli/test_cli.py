@@ -1,5 +1,7 @@
 """The `alignkit` command, run in-process."""
 
+import pytest
+
 from alignkit.cli import main
 
 
@@ -9,6 +11,26 @@ def test_misspelled_key_exits_non_zero_naming_the_right_key(tmp_path, capsys):
     assert main(["train", str(cfg), "learnig_rate=1e-4"]) == 2
     err = capsys.readouterr().err
     assert "learnig_rate" in err and "learning_rate" in err
+
+
+def test_overrides_after_nproc_are_overrides(tmp_path, capsys, monkeypatch):
+    """`train CONFIG --nproc 2 key=value` reads key=value as an override, as the other orders do (argparse alone
+    stops the positional list at the option); the config is checked before any launch, so a misspelled key there
+    fails here, naming it, and an option word argparse does not know is still refused."""
+    import alignkit.launch
+
+    monkeypatch.setattr(alignkit.launch, "relaunch", lambda command: pytest.fail(f"launched {command}"))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("stage: sft\n")
+    for argv in (["train", str(cfg), "--nproc", "2", "learnig_rate=1e-4"],
+                 ["train", "--nproc", "2", str(cfg), "learnig_rate=1e-4"],
+                 ["train", str(cfg), "learnig_rate=1e-4", "--nproc", "2"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "learnig_rate" in err and "learning_rate" in err and "unrecognized" not in err, (argv, err)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", str(cfg), "--nproc", "2", "--no-such-option"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --no-such-option" in capsys.readouterr().err
 
 
 def test_missing_config_file_is_a_clear_error(tmp_path, capsys):

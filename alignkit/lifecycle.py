@@ -393,6 +393,12 @@ def run_completed(output_dir: str | os.PathLike, max_steps: int, num_train_epoch
     return None
 
 
+def final_model_problem(output_dir: str | os.PathLike) -> str | None:
+    """Why `output_dir` holds no final model (its weight files are missing or name missing shards), or None."""
+    files = _model_files(Path(output_dir))
+    return files if isinstance(files, str) else None
+
+
 def complete_from_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLike) -> None:
     """Write the final model of a run whose last checkpoint is at its last step, from that checkpoint.
 
@@ -424,6 +430,7 @@ def json_safe(metrics: dict[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "OutputDirLock",
+    "final_model_problem",
     "checkpoint_problem",
     "checkpoint_step",
     "list_checkpoints",

@@ -23,6 +23,7 @@ from .lifecycle import (
     OutputDirLock,
     checkpoint_problem,
     complete_from_checkpoint,
+    final_model_problem,
     reached_end,
     read_state,
     run_completed,
@@ -131,11 +132,30 @@ def _already_complete(config: Config) -> bool:
     state = run_completed(t.output_dir, t.max_steps, t.num_train_epochs)
     if state is None:
         return False
+    missing = final_model_problem(t.output_dir)
+    if missing is not None:
+        _restore_final_model(config, state, missing)
+        return True
     logger.warning(
         "%s is already complete: %d of %d steps; nothing to do. To train again set overwrite_output_dir=true; "
         "to continue raise max_steps or num_train_epochs; to evaluate or predict run with do_train=false.",
         t.output_dir, state.get("global_step"), t.max_steps if t.max_steps > 0 else state.get("max_steps"))
     return True
+
+
+def _restore_final_model(config: Config, state: dict, missing: str) -> None:
+    """A finished run whose final model files are gone: copy them back from a checkpoint at the last step, or
+    stop saying that the model is lost and how to train it again."""
+    t = config.training
+    checkpoint = usable_checkpoint(t.output_dir, need_optimizer=False)
+    last = read_state(Path(checkpoint) / STATE_FILE) if checkpoint else None
+    if last is None or last.get("global_step") != state.get("global_step"):
+        raise ConfigError(
+            f"{t.output_dir} is marked complete ({state.get('global_step')} steps) but its final model is gone "
+            f"({missing}) and no checkpoint holds the last step. Set overwrite_output_dir=true to train it again.")
+    complete_from_checkpoint(checkpoint, t.output_dir)
+    logger.warning("%s is complete but its final model was gone (%s): restored it from %s. Nothing left to train.",
+                   t.output_dir, missing, checkpoint)
 
 
 def _finish_interrupted_save(config: Config) -> bool:

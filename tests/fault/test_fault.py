@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -52,7 +53,10 @@ def cli(tiny_model_dir, tmp_path_factory):
                 f"dataset_dir={ROOT / 'data'}", f"output_dir={out}", "do_train=true", "finetuning_type=lora",
                 "cutoff_len=128", "max_samples=24", "per_device_train_batch_size=2", "save_steps=2",
                 f"max_steps={STEPS}", "learning_rate=1e-3", "seed=0", "disable_tqdm=true", *STAGES[stage], *overrides]
-        proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # SIGINT as a terminal delivers it, even where this test process was started with SIGINT ignored (a
+        # background job of a non-interactive shell): Python turns it into KeyboardInterrupt only if not ignored.
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         if not wait:
             return proc
         output = proc.communicate(timeout=300)[0]
@@ -232,6 +236,44 @@ def test_a_second_run_into_the_same_output_dir_is_refused(cli, tmp_path):
     assert f"is in use by another run (pid {first.pid} on host" in output and "Traceback" not in output
     assert first.wait(timeout=300) == 0
     assert log_steps(out)[0] == list(range(1, STEPS + 1))  # one run's steps, once each
+
+
+def test_ctrl_c_says_which_checkpoint_is_kept_and_the_same_command_resumes(cli, tmp_path):
+    out, steps = tmp_path / "interrupted", 40  # long enough that the interrupt lands before the end
+    proc = cli(out, "sft", "do_eval=false", f"max_steps={steps}", wait=False)
+    saved = checkpoint_saved(out, 2)
+    deadline = time.monotonic() + 300
+    while not saved():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    kept = re.search(r"alignkit: interrupted\. (\S+) is kept; re-running the same command resumes from it\.", output)
+    assert kept and (Path(kept.group(1)) / "trainer_state.json").is_file(), output[-3000:]
+    rc, output = cli(out, "sft", "do_eval=false", f"max_steps={steps}")
+    assert rc == 0, output[-3000:]
+    assert f"Resuming from {kept.group(1)}" in output, output[-3000:]
+    assert log_steps(out)[0] == list(range(1, steps + 1))
+
+
+def test_a_finished_run_whose_final_model_is_gone_gets_it_back_from_its_last_checkpoint(cli, tmp_path):
+    out = tmp_path / "done"
+    rc, output = cli(out, "sft", "do_eval=false")
+    assert rc == 0, output[-3000:]
+    want = adapter(out)
+    (out / "adapter_model.safetensors").unlink()
+    rc, output = cli(out, "sft", "do_eval=false")
+    assert rc == 0 and "final model was gone" in output and f"checkpoint-{STEPS}" in output, output[-3000:]
+    assert_bit_equal(adapter(out), want)
+    # With no checkpoint at the last step the model cannot come back: say so, and how to train it again.
+    (out / "adapter_model.safetensors").unlink()
+    shutil.rmtree(out / f"checkpoint-{STEPS}")
+    rc, output = cli(out, "sft", "do_eval=false")
+    assert rc == 2 and "final model is gone" in output and "overwrite_output_dir=true" in output, output[-3000:]
+    assert "Traceback" not in output
 
 
 @pytest.mark.parametrize("stage", ["sft", "dpo"])

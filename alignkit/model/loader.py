@@ -24,13 +24,14 @@ The model then records the same merged chain and names the same base as an in-me
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import re
 import warnings
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
 from torch import nn
@@ -74,9 +75,10 @@ def resolve_model_path(model_args: ModelArguments) -> str:
     if path.is_dir():
         check_model_files(path)  # a cut-off copy fails here, not after the data is tokenised
         return str(path)
-    # A hub id is `name` or `owner/name`; anything else that is not a directory is a mistyped path.
+    # A hub id is `name` or `owner/name`; anything else that is not a directory is a mistyped path, and so is
+    # `owner/name` whose `owner` is a folder here (`models/X` with a `models/` beside the config).
     looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
-    if path.exists() or looks_like_path:
+    if path.exists() or looks_like_path or (len(path.parts) == 2 and path.parent.is_dir()):
         raise ConfigError(
             f"model_name_or_path={name!r} is not a model directory (a hub id has the form owner/name). "
             f"Give a folder holding config.json, or omit the key for the bundled `{BUNDLED_MODEL_NAME}`."
@@ -87,7 +89,35 @@ def resolve_model_path(model_args: ModelArguments) -> str:
             "(HF_HUB_OFFLINE is set and the hub cache does not hold it). Give a local model directory, "
             f"or omit the key to use the bundled default `{BUNDLED_MODEL_NAME}`."
         )
+    if not _hub_offline() and not _in_hub_cache(name, model_args):
+        _check_on_hub(name, model_args.model_revision)
     return name
+
+
+@functools.lru_cache(maxsize=None)  # one question per model and revision, however often a run resolves it
+def _check_on_hub(name: str, revision: Optional[str]) -> None:
+    """Ask the hub once whether `name` is a model there, before `from_pretrained` retries its downloads for a
+    minute: a name that is neither a folder here nor a model there, or a hub that cannot be reached, is a
+    ConfigError naming the key and the fix. A gated or private model (it exists; the download decides) passes."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    where = f"model_name_or_path={name!r} is not a folder here ({Path.cwd()})"
+    try:
+        HfApi().model_info(name, revision=revision, timeout=10)
+    except GatedRepoError:
+        return
+    except RevisionNotFoundError:
+        raise ConfigError(f"model_name_or_path={name!r} has no revision {revision!r} on the hub; "
+                          "set model_revision to a branch, tag or commit it has.") from None
+    except RepositoryNotFoundError:
+        raise ConfigError(f"{where}, nor a model on the hub (or a private one this machine has no token for). "
+                          "Check the spelling, give a local model folder, or log in with `hf auth login`.") from None
+    except HfHubHTTPError:
+        return  # the hub answered with another error: the download reports it
+    except Exception as err:  # no answer: refused, timed out, no route, DNS (httpx raises them all differently)
+        raise ConfigError(f"{where}, and the hub cannot be reached to look it up ({type(err).__name__}). Give a "
+                          "local model folder, or set HF_HUB_OFFLINE=1 to use only models in the hub cache.") from None
 
 
 def _hub_offline() -> bool:

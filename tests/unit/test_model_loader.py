@@ -184,6 +184,63 @@ def test_offline_hub_id_fails_at_once_with_advice(monkeypatch, tmp_path):
         resolve_model_path(parse_config({"model_name_or_path": "./no/such/dir"}).model)
 
 
+@pytest.fixture
+def online_hub(monkeypatch):
+    """The hub as if online, at `endpoint(url)` (a local address: nothing leaves this machine); the one
+    question per model that `resolve_model_path` asks is forgotten before and after."""
+    from huggingface_hub import constants
+
+    from alignkit.model import loader
+
+    for flag in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(flag, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    loader._check_on_hub.cache_clear()
+    yield lambda url: monkeypatch.setattr(constants, "ENDPOINT", url)
+    loader._check_on_hub.cache_clear()
+
+
+def test_a_missing_folder_is_named_before_the_hub_is_asked(online_hub, tmp_path, monkeypatch):
+    """`models/X` beside a `models/` folder is a mistyped path; `owner/name` with no such folder is asked of the
+    hub once: no answer (a closed local port) or no such model is a ConfigError naming the key and the fix,
+    not a minute of download retries and an OSError traceback."""
+    import http.server
+    import socket
+    import threading
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    online_hub(f"http://127.0.0.1:{closed}")
+    with pytest.raises(ConfigError, match="'models/X' is not a model directory"):
+        resolve_model_path(parse_config({"model_name_or_path": "models/X"}).model)
+    with pytest.raises(ConfigError, match="'owner/name' is not a folder here.*hub cannot be reached.*HF_HUB_OFFLINE=1"):
+        resolve_model_path(parse_config({"model_name_or_path": "owner/name", "cache_dir": str(tmp_path)}).model)
+
+    class NoSuchRepo(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # what the hub answers for a model it does not have
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NoSuchRepo)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        online_hub(f"http://127.0.0.1:{server.server_address[1]}")
+        with pytest.raises(ConfigError, match="'owner/other' is not a folder here.*nor a model on the hub"):
+            resolve_model_path(parse_config({"model_name_or_path": "owner/other", "cache_dir": str(tmp_path)}).model)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_auto_dtype_is_fp32_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_dtype("auto") == torch.float32

@@ -231,17 +231,14 @@ def truncate_log(output_dir: str | os.PathLike, step: int, file_name: str = LOG_
     os.replace(partial, path)
 
 
-def read_log(output_dir: str | os.PathLike, *, skip_bad_lines: bool = False,
-             file_name: str = LOG_FILE) -> list[dict[str, Any]]:
+def read_log(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of `trainer_log.jsonl` (empty if the file does not exist).
 
     A last line without its newline that does not parse is a record being written by a running run, and
-    is left out. Any other line that does not parse raises ValueError, unless `skip_bad_lines` (readers
-    that must keep going, such as the board, while a crashed run's file waits for its resume to cut it).
-    `file_name` names the file in `output_dir` to read instead (the board passes the one a link leads to,
-    once it has checked where that is).
+    is left out. Any other line that does not parse raises ValueError. (The board reads the log its own
+    way, `board.runs.read_records`: incrementally, skipping broken lines.)
     """
-    path = Path(output_dir) / file_name
+    path = Path(output_dir) / LOG_FILE
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
@@ -254,7 +251,7 @@ def read_log(output_dir: str | os.PathLike, *, skip_bad_lines: bool = False,
         try:
             record = json.loads(line)
         except ValueError:
-            if number == len(lines) or skip_bad_lines:
+            if number == len(lines):
                 continue
             raise ValueError(f"{path}: line {number} is not JSON ({line[:80]!r})") from None
         if isinstance(record, dict):

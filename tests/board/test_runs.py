@@ -235,3 +235,42 @@ def test_a_whitespace_reply_is_shown_as_such():
     assert _shown("Paris.") == "Paris."
     assert _shown("\n\n") == "(the model replied with whitespace only: 2 characters)"
     assert _shown("") == "(no reply yet)"
+
+
+def test_a_log_is_read_from_where_the_last_read_ended_and_bounded(tmp_path, monkeypatch):
+    """The page reads a run's log every 2 s: only what was appended since is read; a log rewritten (a resume
+    replaces it; rewritten in place, it keeps its inode) is read again; a long one is held to its newest records
+    and, met for the first time, read from its last bytes only."""
+    run = tmp_path / "run"
+    write_log(run, [step(1, loss=2.5), step(2, loss=2.0)], tail='{"current_steps": 3, "total_steps": 10, "lo')
+    assert [r["current_steps"] for r in runs.read_records(run)] == [1, 2]
+    log = run / LOG_FILE
+    reads = []
+    real_open = open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        if Path(file) == log:
+            real_read = handle.read
+            handle.read = lambda size=-1: reads.append(size) or real_read(size)
+        return handle
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    with log.open("a", encoding="utf-8") as f:  # the half-written line is finished, and one more appended
+        f.write('ss": 1.5}\n' + json.dumps(step(4, loss=1.0)) + "\n")
+    appended = len('ss": 1.5}\n' + json.dumps(step(4, loss=1.0)) + "\n")
+    assert [r["current_steps"] for r in runs.read_records(run)] == [1, 2, 3, 4]
+    assert reads[-1] == appended + len('{"current_steps": 3, "total_steps": 10, "lo')  # from the cut line on
+    assert [r["current_steps"] for r in runs.read_records(run)] == [1, 2, 3, 4]
+    assert reads[-1] == 0  # nothing new: nothing read past the first bytes
+
+    write_log(run, [step(7, loss=0.7)] * 3)  # rewritten in place (same inode), longer than what was read
+    assert [r["current_steps"] for r in runs.read_records(run)] == [7, 7, 7]
+
+    monkeypatch.setattr(runs, "LOG_RECORDS_KEPT", 5)
+    monkeypatch.setattr(runs, "LOG_TAIL_BYTES", 10 * len(json.dumps(step(10, total=100))) + 5)
+    long_run = tmp_path / "long"
+    write_log(long_run, [step(n, total=100, loss=1.0 / n) for n in range(10, 100)])
+    got = [r["current_steps"] for r in runs.read_records(long_run)]
+    assert got == list(range(95, 100))  # the newest records, none cut at the tail's first line
+    assert max(reads) <= runs.LOG_TAIL_BYTES

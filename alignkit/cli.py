@@ -294,8 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ConfigError, DataError, RewardFunctionError, TrainingDiverged, FileExistsError, FileNotFoundError) as err:
         # Raised where input enters, with a message written for the user; anything else is a bug
-        # and keeps its traceback.
-        print(f"alignkit: error: {err}", file=sys.stderr)
+        # and keeps its traceback. A worker of `--nproc` leaves it to the launching process to print once.
+        from .launch import report_worker_error
+
+        if not report_worker_error(str(err)):
+            print(f"alignkit: error: {err}", file=sys.stderr)
         return 2
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 _TRUE = ("1", "true", "yes", "y", "on")
@@ -123,12 +124,73 @@ def single_process_rendezvous(env: Mapping[str, str]) -> dict[str, str]:
             "MASTER_ADDR": env.get("MASTER_ADDR") or "127.0.0.1", "MASTER_PORT": env.get("MASTER_PORT") or str(port)}
 
 
+# Where the workers of a relaunched run leave the messages of errors in the user's input (`report_worker_error`).
+ERROR_DIR_VARIABLE = "ALIGNKIT_ERROR_DIR"
+_TRACEBACK = b"Traceback (most recent call last):"
+
+
 def relaunch(command: list[str]) -> int:
-    """Run `command` (from `torchrun_command`) and return its exit status."""
+    """Run `command` (from `torchrun_command`) and return its exit status.
+
+    An error in the user's input that only the workers meet (a dataset that does not load, say) ends every worker
+    with it; each leaves its message in a folder this process gives them instead of printing it. This process
+    then prints it once and returns 2, as a one-process run does, and leaves out torchrun's traceback reporting
+    the failed workers, which says nothing more. Any other failure keeps its output and torchrun's status.
+    """
     import logging
+    import tempfile
 
     logging.getLogger(__name__).info("Starting %s", " ".join(command))
-    return subprocess.call(command, env=dict(os.environ, FORCE_TORCHRUN="0"))
+    with tempfile.TemporaryDirectory(prefix="alignkit-errors-") as errors:
+        proc = subprocess.Popen(command, env=dict(os.environ, FORCE_TORCHRUN="0", **{ERROR_DIR_VARIABLE: errors}),
+                                stderr=subprocess.PIPE)
+        held = _forward_until_traceback(proc.stderr)
+        status = proc.wait()
+        messages = sorted({path.read_text(encoding="utf-8") for path in Path(errors).iterdir()})
+    if status != 0 and messages:
+        for message in messages:
+            print(f"alignkit: error: {message}", file=sys.stderr)
+        return 2
+    sys.stderr.buffer.write(held)
+    sys.stderr.flush()
+    return status
 
 
-__all__ = ["torchrun_command", "relaunch", "asks_for_deepspeed", "single_process_rendezvous"]
+def _forward_until_traceback(stream) -> bytes:
+    """Copy `stream` to stderr as it comes (progress bars included) until a traceback starts; return the rest."""
+    out, pending, held = sys.stderr.buffer, b"", bytearray()
+    while True:
+        chunk = os.read(stream.fileno(), 65536)
+        if held or not chunk:
+            held += pending + chunk
+            pending = b""
+            if not chunk:
+                break
+            continue
+        pending += chunk
+        start = pending.find(_TRACEBACK)
+        if start >= 0:
+            out.write(pending[:start])
+            held += pending[start:]
+            pending = b""
+        else:  # keep the bytes a traceback marker split across two reads may start with
+            keep = len(_TRACEBACK) - 1
+            out.write(pending[:-keep])
+            pending = pending[-keep:]
+        out.flush()
+    stream.close()
+    return bytes(held)
+
+
+def report_worker_error(message: str) -> bool:
+    """In a worker of `relaunch`, leave `message` for the launching process to print once; False elsewhere."""
+    errors = os.environ.get(ERROR_DIR_VARIABLE)
+    if not errors or not os.path.isdir(errors):
+        return False
+    rank = os.environ.get("RANK", "0")
+    with open(os.path.join(errors, f"rank-{rank}.txt"), "w", encoding="utf-8") as file:
+        file.write(message)
+    return True
+
+
+__all__ = ["torchrun_command", "relaunch", "report_worker_error", "asks_for_deepspeed", "single_process_rendezvous"]

@@ -201,3 +201,16 @@ def test_processes_racing_for_the_bundled_model_convert_it_once(dist, tmp_path):
     paths = {out.strip() for out, _ in outputs}
     assert len(paths) == 1 and (Path(paths.pop()) / "config.json").is_file()
     assert str(home) in outputs[0][0]
+
+
+def test_an_input_error_only_the_workers_meet_is_printed_once_with_exit_status_2(dist, tmp_path):
+    """`--nproc 2` with a data file whose second line is broken: the config passes the check before the launch,
+    both workers stop at the line; the launching process prints the message once and exits 2, as one process
+    does, without torchrun's traceback reporting the failed workers."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "hi", "output": "yo"}\n{"instruction": 5\n', encoding="utf-8")
+    run = dist.train(dist.config("sft", "sft_bad_data", dataset=str(bad)), nproc=2, launcher="nproc", check=False)
+    assert run.returncode == 2, run.output[-3000:]
+    errors = [line for line in run.output.splitlines() if line.startswith("alignkit: error:")]
+    assert len(errors) == 1 and f"{bad}, line 2: invalid JSON" in errors[0], run.output[-3000:]
+    assert "Traceback" not in run.output and "ChildFailedError" not in run.output, run.output[-3000:]

@@ -106,27 +106,47 @@ class DivergenceGuard(TrainerCallback):
     Raising from a callback ends `trainer.train()` at once: the Trainer saves a step's checkpoint after
     these events, so nothing of the diverged step, and no final model, reaches the disk; the checkpoints
     saved before stay. The checks cost one pass over the trainable gradients and weights per step.
+
+    A run can also diverge while every number stays finite (PPO at learning_rate=1e6 ended with weights of 3e6
+    and a loss of 2.5e10). That is warned about, once, when the trainable weights' norm has grown
+    `WEIGHT_GROWTH_WARNING` times since the run started: fine-tuning moves weights by a small part of their
+    size (AdamW steps each weight by about the learning rate, 1e-6 to 1e-3; a LoRA B that starts at zero grows to
+    a few times its A), so a thousandfold growth means steps far larger than the weights themselves.
     """
 
-    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
-        import torch
+    WEIGHT_GROWTH_WARNING = 1000.0
 
+    def __init__(self) -> None:
+        self._start_norm: float | None = None
+        self._warned = False
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if args.fp16:
             # fp16 loss scaling overflows on purpose: the GradScaler skips such a step and lowers the scale,
             # so non-finite gradients are expected there; the weight and loss checks still apply.
             return
+        if self._start_norm is None:  # the weights this run starts from (resumed ones after a resume)
+            self._start_norm = _norm(_trainable(kwargs.get("model")))
         grads = [p.grad for p in _trainable(kwargs.get("model")) if p.grad is not None]
-        if grads:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
-            if not bool(torch.isfinite(norm)):
-                self._stop(args, state.global_step + 1, f"the gradient norm is {norm.item()}")
+        norm = _norm(grads)
+        if not math.isfinite(norm):
+            self._stop(args, state.global_step + 1, f"the gradient norm is {norm}")
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         import torch
 
-        for name, param in _named_trainable(kwargs.get("model")):
+        named = _named_trainable(kwargs.get("model"))
+        for name, param in named:
             if not bool(torch.isfinite(param.detach()).all()):
                 self._stop(args, state.global_step + 1, f"weight {name} is not finite after the optimizer step")
+        if self._start_norm and not self._warned:
+            norm = _norm([param for _, param in named])
+            if norm > self.WEIGHT_GROWTH_WARNING * self._start_norm:
+                self._warned = True
+                logger.warning(
+                    "Training is diverging at step %d: the trainable weights' norm grew from %.3g to %.3g (more than "
+                    "%gx) since the run started, though every number is still finite. Lower learning_rate (now %g).",
+                    state.global_step + 1, self._start_norm, norm, self.WEIGHT_GROWTH_WARNING, args.learning_rate)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
         loss = (logs or {}).get("loss")
@@ -201,6 +221,15 @@ def _named_trainable(model) -> list:
 
 def _trainable(model) -> list:
     return [p for _, p in _named_trainable(model)]
+
+
+def _norm(params: list) -> float:
+    """The L2 norm of `params` taken together."""
+    import torch
+
+    if not params:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.detach().float()) for p in params])))
 
 
 def truncate_log(output_dir: str | os.PathLike, step: int, file_name: str = LOG_FILE,

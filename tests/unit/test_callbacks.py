@@ -75,3 +75,31 @@ def test_plot_loss_skips_run_summaries_and_series_of_one_step(tmp_path, caplog):
     assert not (tmp_path / "training_train_loss.png").exists() and not (tmp_path / "training_eval_loss.png").exists()
     assert [r.getMessage() for r in caplog.records] == [
         "plot_loss: no plot of eval_loss: logged at fewer than 2 steps, and a curve needs 2."]
+
+
+def test_divergence_guard_warns_once_when_finite_weights_explode(tmp_path, caplog):
+    """Weights of norm 5 (3-4-0-0) before the first step: a step that keeps them within 1000x (x 999) says
+    nothing; one past it (norm 5 x 1001) warns once, naming the step, both norms and learning_rate; later steps
+    stay quiet. Nothing is non-finite, so training goes on."""
+    import logging
+
+    import torch
+
+    from alignkit.callbacks import DivergenceGuard
+
+    model = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[3.0, 4.0], [0.0, 0.0]]))
+    model.weight.grad = torch.ones_like(model.weight)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", learning_rate=1e6)
+    state, guard = TrainerState(), DivergenceGuard()
+    caplog.set_level(logging.WARNING, logger="alignkit.callbacks")
+    for step, scale in enumerate((999.0, 1001.0 / 999.0, 10.0)):
+        state.global_step = step
+        guard.on_pre_optimizer_step(args, state, TrainerControl(), model=model)
+        with torch.no_grad():
+            model.weight.mul_(scale)
+        guard.on_optimizer_step(args, state, TrainerControl(), model=model)
+        warnings = [r.getMessage() for r in caplog.records if "diverging" in r.getMessage()]
+        assert len(warnings) == (0 if step == 0 else 1)
+    assert "at step 2" in warnings[0] and "from 5 to 5e+03" in warnings[0] and "learning_rate (now 1e+06)" in warnings[0]

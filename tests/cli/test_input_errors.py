@@ -213,3 +213,51 @@ def test_do_predict_without_training_predicts_on_dataset(tmp_path, tiny_model_di
     assert not (out / "adapter_model.safetensors").exists()  # nothing trained
     records = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
     assert [r["label"] for r in records] == [r["output"] for r in ROWS[:8]]  # the first max_samples rows
+
+
+# ---------------------------------------------------------------------------------------------- broken adapters
+@pytest.fixture
+def no_weights_load(monkeypatch):
+    """`arm()` makes every transformers weight load from then on fail the test (chat, score and eval bind their
+    loaders at import, so `no_model_load`'s stand-in would not see them)."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("model weights were loaded before the broken adapter was reported")
+
+    def arm():
+        for auto in ("AutoModelForCausalLM", "AutoModelForSequenceClassification"):
+            monkeypatch.setattr(getattr(transformers, auto), "from_pretrained", refuse)
+
+    return arm
+
+
+def _break_adapter(folder, how: str) -> None:
+    weights, config = folder / "adapter_model.safetensors", folder / "adapter_config.json"
+    if how == "only_config":
+        weights.unlink()
+    elif how == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        config.write_text('{"peft_type": "LORA", "r": ', encoding="utf-8")
+
+
+@pytest.mark.parametrize("how", ["only_config", "truncated", "config_not_json"])
+@pytest.mark.parametrize("command", ["chat", "score", "eval"])
+def test_a_broken_adapter_folder_exits_2_naming_it(tmp_path, tiny_model_dir, capsys, save_perturbed_adapter,
+                                                    no_weights_load, how, command):
+    """An adapter folder with only its config, cut-short weights or a config that is not JSON: chat, score and eval
+    stop with exit 2 and one line naming the folder, before any weights load (export: tests/fault/test_export.py)."""
+    adapter = tmp_path / "adapter"
+    save_perturbed_adapter(tiny_model_dir, adapter, head="reward" if command == "score" else "causal_lm")
+    _break_adapter(adapter, how)
+    no_weights_load()
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "What is 2 plus 2?", "response": "4"}) + "\n", encoding="utf-8")
+    argv = {"chat": ["chat", "--model", tiny_model_dir, "--adapter", str(adapter), "--prompt", "hi"],
+            "score": ["score", "--model", str(adapter), "--input", str(pairs)],
+            "eval": ["eval", "--model", tiny_model_dir, "--adapter", str(adapter), "--dataset", str(pairs),
+                     "--reward", "length", "--max-new-tokens", "4"]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("alignkit: error:") == 1 and str(adapter) in err and "Traceback" not in err, err

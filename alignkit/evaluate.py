@@ -33,7 +33,7 @@ import torch
 from .data.collator import _pad_id
 from .data.loader import convert_dataset, resolve_datasets
 from .constants import IGNORE_INDEX
-from .data.processors import encode_prompt
+from .data.processors import encode_prompt, warn_cut_prompts
 from .data.template import ChatFormatter
 from .hparams import Config, FinetuningArguments
 from .rewards import RewardFunctionArguments, build_reward_functions, combine_rewards
@@ -204,7 +204,13 @@ def evaluate_rewards(
         examples = examples[:d.max_samples]
     tokenizer = load_tokenizer(config.model)
     formatter = ChatFormatter(tokenizer, d.template)
-    encoded = [encode_prompt(formatter, example, d.cutoff_len) for example in examples]
+    encoded, cut = [], []
+    for row, example in enumerate(examples, start=1):
+        features, tokens_cut = encode_prompt(formatter, example, d.cutoff_len)
+        encoded.append(features)
+        if tokens_cut:
+            cut.append((f"prompt {row}", tokens_cut))
+    warn_cut_prompts(cut, len(examples), d.cutoff_len)
 
     model = load_model(config.model, FinetuningArguments(), is_trainable=False)
     reference = None

@@ -33,6 +33,7 @@ from datasets import Dataset, DatasetDict, load_from_disk
 from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
 from . import processors
+from .processors import REPORT_ROWS
 from .errors import DataError, RowError, describe_value
 from ..env import alignkit_home
 from .formats import DATA_KINDS, FORMATTINGS, DatasetAttr, check_columns, convert_row, guess_formatting
@@ -43,7 +44,6 @@ logger = logging.getLogger(__name__)
 FILE_TYPES = (".json", ".jsonl", ".csv", ".parquet", ".txt")
 CACHE_VERSION = 3  # bump when tokenisation changes so old caches are not reused
 _REGISTRY = "dataset_info.json"
-_REPORT_ROWS = 5  # rows named in a warning
 # LLaMA-Factory's multimodal columns (dataset_info.json `columns` roles and the rows' default names).
 MEDIA_COLUMNS = ("images", "videos", "audios")
 
@@ -432,8 +432,8 @@ def _warn_unused_kto_tags(attr: DatasetAttr, rows: _Rows, stage: str) -> None:
             "read that column, so it trains on their replies as targets like the others. Use stage: kto to learn "
             "from the tag, or remove those rows to train only on the desirable replies.",
             attr.name, rows.source, len(undesirable), len(dicts), what, column, what,
-            ", ".join(map(str, undesirable[:_REPORT_ROWS])),
-            f" and {len(undesirable) - _REPORT_ROWS} more" if len(undesirable) > _REPORT_ROWS else "",
+            ", ".join(map(str, undesirable[:REPORT_ROWS])),
+            f" and {len(undesirable) - REPORT_ROWS} more" if len(undesirable) > REPORT_ROWS else "",
             stage)
 
 
@@ -472,9 +472,9 @@ def convert_dataset(attr: DatasetAttr, kind: str, stage: str, max_samples: Optio
                                     "to skip it.") from None
                 skipped.append((rows.ref(number), str(err)))
     if skipped:
-        shown = "; ".join(f"{ref}: {msg}" for ref, msg in skipped[:_REPORT_ROWS])
+        shown = "; ".join(f"{ref}: {msg}" for ref, msg in skipped[:REPORT_ROWS])
         logger.warning("Skipped %d invalid row(s) of dataset %r (skip_invalid_rows=true): %s%s", len(skipped),
-                       attr.name, shown, " ..." if len(skipped) > _REPORT_ROWS else "")
+                       attr.name, shown, " ..." if len(skipped) > REPORT_ROWS else "")
     if not examples:
         raise DataError(f"dataset {attr.name!r}: no usable rows" + (" (all were invalid)." if skipped else "."))
     return examples
@@ -741,8 +741,8 @@ def _build(config, formatter: ChatFormatter, kind: str, train_attrs: list[Datase
             reasons = sorted({reason for _, reason in dropped})
             logger.warning("Dropped %d of %d %s example(s): %s. Rows: %s%s. Raise cutoff_len or fix those rows.",
                            len(dropped), len(examples), split, "; ".join(reasons),
-                           ", ".join(ref for ref, _ in dropped[:_REPORT_ROWS]),
-                           " ..." if len(dropped) > _REPORT_ROWS else "")
+                           ", ".join(ref for ref, _ in dropped[:REPORT_ROWS]),
+                           " ..." if len(dropped) > REPORT_ROWS else "")
         if not columns or not next(iter(columns.values())):
             raise DataError(f"no {split} example is left after tokenisation (cutoff_len={d.cutoff_len}).")
         try:

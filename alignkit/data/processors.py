@@ -8,10 +8,14 @@ tokens at all is dropped (and reported by the caller), never trained on.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 from ..constants import IGNORE_INDEX
 from .template import ChatFormatter, adds_bos
+
+logger = logging.getLogger(__name__)
+REPORT_ROWS = 5  # rows named in a warning
 
 
 def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
@@ -152,20 +156,35 @@ def encode_unpaired(formatter: ChatFormatter, example: dict, cutoff_len: int) ->
             "labels": [IGNORE_INDEX] * len(prompt_ids) + reply_ids, "desirable": bool(example["desirable"])}
 
 
-def encode_prompt(formatter: ChatFormatter, example: dict, cutoff_len: int) -> dict[str, Any]:
+def encode_prompt(formatter: ChatFormatter, example: dict, cutoff_len: int) -> tuple[dict[str, Any], int]:
     """The prompt for RL generation (left-truncated to `cutoff_len`) plus the row's other columns.
 
     `prompt_messages` and `prompt_conversational` keep the prompt as written, for reward functions, which
     take it in TRL's shapes: the messages for a conversational row, the user's text for a standard one
     (alpaca, or a TRL `prompt` string).
+
+    Returns:
+        (the features, how many tokens were cut from the prompt's start: report them with `warn_cut_prompts`,
+        since the policy then sees less than the reward functions do).
     """
     (prompt_ids,) = _tokenize(formatter.tokenizer, [formatter.prompt_text(example["prompt"], tools=example.get("tools"))])
-    prompt_ids = _left_cut(prompt_ids, min(cutoff_len, len(prompt_ids)))
+    cut = max(len(prompt_ids) - cutoff_len, 0)
+    prompt_ids = _left_cut(prompt_ids, len(prompt_ids) - cut)
     features: dict[str, Any] = {k: v for k, v in example["extra"].items()
                                 if k not in ("input_ids", "attention_mask")}
     features.update(input_ids=prompt_ids, attention_mask=[1] * len(prompt_ids), prompt_messages=example["prompt"],
                     prompt_conversational=example.get("conversational", True))
-    return features
+    return features, cut
+
+
+def warn_cut_prompts(cut: list[tuple[str, int]], total: int, cutoff_len: int) -> None:
+    """Say which prompts `encode_prompt` cut: [(row reference, tokens cut)] of `total` prompts."""
+    if cut:
+        logger.warning(
+            "Cut the start off %d of %d prompts longer than cutoff_len=%d tokens (up to %d tokens each): the policy "
+            "sees only their end, the reward functions the whole prompt. Rows: %s%s. Raise cutoff_len or shorten "
+            "those prompts.", len(cut), total, cutoff_len, max(n for _, n in cut),
+            ", ".join(ref for ref, _ in cut[:REPORT_ROWS]), " ..." if len(cut) > REPORT_ROWS else "")
 
 
 def encode_pretrain(tokenizer, texts: list[str], cutoff_len: int) -> dict[str, list[list[int]]]:
@@ -200,6 +219,7 @@ def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: Ch
         return encode_pretrain(formatter.tokenizer, [ex["text"] for _, ex in examples], cutoff_len), []
     rows: list[dict[str, Any]] = []
     dropped: list[tuple[str, str]] = []
+    cut: list[tuple[str, int]] = []
     for ref, example in examples:
         if kind == "supervised":
             feats = (encode_generation_eval(formatter, example, cutoff_len) if for_generation
@@ -210,11 +230,14 @@ def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: Ch
         elif kind == "unpaired":
             feats, reason = encode_unpaired(formatter, example, cutoff_len), f"no reply token fits in cutoff_len={cutoff_len}"
         else:
-            feats, reason = encode_prompt(formatter, example, cutoff_len), ""
+            (feats, tokens_cut), reason = encode_prompt(formatter, example, cutoff_len), ""
+            if tokens_cut:
+                cut.append((ref, tokens_cut))
         if feats is None:
             dropped.append((ref, reason))
         else:
             rows.append(feats)
+    warn_cut_prompts(cut, len(examples), cutoff_len)
     return _to_columns(rows, fill={"margin": 0.0}), dropped
 
 

@@ -401,3 +401,15 @@ def test_a_cache_write_cleans_up_after_a_killed_run(tmp_path, tiny_tokenizer, mo
     (left / "train").mkdir(parents=True)
     get_dataset(config(tmp_path, str(path), overwrite_cache=True), tiny_tokenizer, "sft")
     assert [p.name for p in cache_root().iterdir()] == [key]
+
+
+def test_rl_prompts_cut_to_cutoff_len_are_counted_and_named(tmp_path, tiny_tokenizer, caplog):
+    """A GRPO/PPO prompt longer than cutoff_len loses its start (the generation prompt is at its end); the reward
+    functions still get it whole, so the cut is warned about, with a count and the rows."""
+    rows = [{"prompt": [{"role": "user", "content": "word " * 200 + "What is 2 + 2?"}], "answer": "4"},
+            {"prompt": [{"role": "user", "content": "What is 3 + 3?"}], "answer": "6"}]
+    caplog.set_level(logging.WARNING, logger="alignkit.data.processors")
+    out = load(tmp_path, tiny_tokenizer, rows, stage="grpo", cutoff_len=64)["train_dataset"]
+    assert len(out[0]["input_ids"]) == 64 and len(out[1]["input_ids"]) < 64
+    assert "Cut the start off 1 of 2 prompts longer than cutoff_len=64 tokens" in caplog.text
+    assert "d.json, row 1." in caplog.text and "row 2" not in caplog.text

@@ -183,6 +183,24 @@ def record_forward_shapes(monkeypatch):
 
 
 @pytest.fixture
+def stop_after_step():
+    """`stop_after_step(n)` -> a callback that ends training cleanly after step n with a checkpoint of it, as a
+    run interrupted there and resumed later would have left."""
+    from transformers import TrainerCallback
+
+    class StopAfterStep(TrainerCallback):
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == self.step:
+                control.should_save = True
+                control.should_training_stop = True
+
+    return StopAfterStep
+
+
+@pytest.fixture
 def crash_before_step():
     """`crash_before_step(n)` -> a callback that raises `SimulatedCrash` when step n is about to start, i.e.
     after step n - 1 has been logged and its checkpoint saved, as when the process is killed there."""

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM
 
 from alignkit.callbacks import read_log
 from alignkit.data import PairwiseCollator
@@ -297,25 +297,16 @@ def test_reference_cache_is_read_with_weights_only(tiny_model_dir, tiny_tokenize
     assert loads and all(kwargs.get("weights_only") is True for kwargs in loads)
 
 
-class _StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_save = True
-            control.should_training_stop = True
-
 
 @pytest.mark.parametrize("precompute", [False, True])
-def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tiny_tokenizer, tmp_path, precompute):
+def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tiny_tokenizer, tmp_path, precompute, stop_after_step):
     dataset = pair_dataset(tiny_tokenizer)
     common = dict(max_steps=6, precompute_ref_log_probs=precompute)
     full = make_trainer(lora_model(tiny_model_dir), make_config(tmp_path / "full", **common), dataset)
     full.train()
 
     config = make_config(tmp_path / "resumed", **common)
-    first = make_trainer(lora_model(tiny_model_dir), config, dataset, callbacks=[_StopAt(3)])
+    first = make_trainer(lora_model(tiny_model_dir), config, dataset, callbacks=[stop_after_step(3)])
     first.train()
     checkpoint = tmp_path / "resumed" / "out" / "checkpoint-3"
     assert (checkpoint / "trainer_state.json").is_file()

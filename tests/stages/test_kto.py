@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM
 
 from alignkit.callbacks import read_log
 from alignkit.data import UnpairedCollator
@@ -157,23 +157,14 @@ def test_pref_ftx_adds_the_desirable_nll(tiny_model_dir, tiny_tokenizer, tmp_pat
     assert loss == pytest.approx(0.5 + 0.5 * nll.item(), abs=1e-5)
 
 
-class _StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_save = True
-            control.should_training_stop = True
-
-
-def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tiny_tokenizer, tmp_path):
+def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tiny_tokenizer, tmp_path, stop_after_step):
     dataset = unpaired_dataset(tiny_tokenizer)
     common = dict(max_steps=6, per_device_train_batch_size=2, train_sampling_strategy="random")
     full = make_trainer(lora_model(tiny_model_dir), make_config(tmp_path / "full", **common), dataset)
     full.train()
     config = make_config(tmp_path / "resumed", **common)
-    make_trainer(lora_model(tiny_model_dir), config, dataset, callbacks=[_StopAt(3)]).train()
+    make_trainer(lora_model(tiny_model_dir), config, dataset, callbacks=[stop_after_step(3)]).train()
     checkpoint = tmp_path / "resumed" / "out" / "checkpoint-3"
     second = make_trainer(lora_model(tiny_model_dir), config, dataset)
     second.train(resume_from_checkpoint=str(checkpoint))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForSequenceClassification, TrainerCallback
+from transformers import AutoModelForSequenceClassification
 
 from alignkit.callbacks import read_log
 from alignkit.data.errors import DataError
@@ -153,22 +153,14 @@ def test_full_finetuning_saves_a_plain_sequence_classification_model(tmp_path, t
     assert not torch.allclose(base.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
 
-class _StopAt(TrainerCallback):
-    def __init__(self, step: int):
-        self.step = step
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-
-
-def test_resumed_run_matches_uninterrupted_run(tmp_path, tiny_model_dir):
+def test_resumed_run_matches_uninterrupted_run(tmp_path, tiny_model_dir, stop_after_step):
     common = dict(max_steps=4, save_strategy="steps", save_steps=2, do_eval=False, logging_steps=1)
     straight = _config(tmp_path, tiny_model_dir, out="straight", **common)
     run_train(straight)
 
     interrupted = _config(tmp_path, tiny_model_dir, out="resumed", **common)
-    run_train(interrupted, callbacks=[_StopAt(2)])
+    run_train(interrupted, callbacks=[stop_after_step(2)])
     assert (Path(interrupted.training.output_dir) / "checkpoint-2").is_dir()
     resumed = _config(tmp_path, tiny_model_dir, out="resumed", **common)
     run_train(resumed)  # finds checkpoint-2 in output_dir and resumes from it

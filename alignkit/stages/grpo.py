@@ -71,7 +71,6 @@ larger rate than that anyway, so the examples set it.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import math
 import os
@@ -81,12 +80,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Sequence
 
 import torch
-from accelerate.utils import gather_object
 from torch.utils.data import Sampler
 
 from ..hparams import ConfigError, check_sampling_knobs
 from ..model.distributed import full_weights
 from ..rewards import RewardFunctionArguments
+from ..rl.record import COMPLETIONS_FILE, CompletionLog, completion_records
 from .base import StageTrainer, is_peft_model, run_stage_trainer
 from .rollout import (
     VLLMColocateSampler,
@@ -106,7 +105,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
-COMPLETIONS_FILE = "completions.jsonl"
 ROLLOUT_BUFFER_FILE = "grpo_rollout_buffer.pt"
 # Columns the data layer adds to prompt rows for GRPO itself; reward functions get every other column.
 PROMPT_COLUMNS = ("input_ids", "attention_mask", "prompt_messages", "prompt_conversational")
@@ -489,6 +487,7 @@ class GRPOTrainer(StageTrainer):
         self._buffer_round: Optional[int] = None
         self._step_time = 0.0
         self._step_generation_time = 0.0
+        self.add_callback(CompletionLog())
 
     # ---- data ----
 
@@ -625,10 +624,9 @@ class GRPOTrainer(StageTrainer):
         self.state.num_input_tokens_seen += int(token_counts[0].item())
         self._record_rollout_metrics(all_per_function, all_rewards, std_is_zero, all_lengths, all_truncated)
         if self.grpo_args.log_completions:
-            all_prompts, all_completions = gather_object(prompts), gather_object(completions)
-            if self.is_world_process_zero():
-                self._append_completions(round_index, all_prompts, all_completions, all_per_function, all_rewards,
-                                         all_advantages)
+            CompletionLog.append(self.args.output_dir, completion_records(
+                self.state.global_step + 1, prompts, completions, self.reward_functions.names, per_function,
+                rewards, advantages), self.accelerator)
 
         # Shuffle (seeded per round) so each slice mixes groups, then cut into equal slices.
         generator = torch.Generator().manual_seed(rollout_seed(self.args.seed, round_index) + 1)
@@ -675,20 +673,6 @@ class GRPOTrainer(StageTrainer):
         metrics["frac_reward_zero_std"] = std_is_zero.float().mean().item()
         # A metric that is NaN this round (e.g. every value None) is left out rather than poisoning the mean.
         self.record_metrics({k: v for k, v in metrics.items() if not math.isnan(v)}, 1)
-
-    def _append_completions(self, round_index, prompts, completions, per_function, rewards, advantages) -> None:
-        """`log_completions`: one JSON line per completion in `output_dir/completions.jsonl`."""
-        path = Path(self.args.output_dir) / COMPLETIONS_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        names = self.reward_functions.names
-        with open(path, "a", encoding="utf-8") as f:
-            for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-                scores = {name: (None if math.isnan(v) else v) for name, v in zip(names, per_function[i].tolist())}
-                total = rewards[i].item()
-                f.write(json.dumps({"step": self.state.global_step, "round": round_index, "prompt": prompt,
-                                    "completion": completion, "rewards": scores,
-                                    "reward": None if math.isnan(total) else total,
-                                    "advantage": advantages[i].item()}, ensure_ascii=False) + "\n")
 
     # ---- the loss ----
 

@@ -132,11 +132,11 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import numpy as np
 import torch
-from accelerate.utils import gather_object
 from torch import nn
 
 from ..constants import IGNORE_INDEX
 from ..rewards import RewardFunctionArguments
+from ..rl.record import COMPLETIONS_FILE, CompletionLog, completion_records
 from ..model.distributed import full_weights
 from .base import StageTrainer
 from .grpo import masked_mean  # one masked mean for both RL stages
@@ -149,7 +149,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PPO_STATE_FILE = "ppo_state.json"
-COMPLETIONS_FILE = "completions.jsonl"
 CRITIC_ADAPTER = "critic"
 
 
@@ -800,6 +799,7 @@ class PPOTrainer(StageTrainer):
         # This process holds rows first_row .. first_row + rollout_size - 1 of each global rollout.
         self.first_row = self.process_index * self.rollout_size
         self.mini_batch_size = ppo_args.mini_batch_size or t.per_device_train_batch_size
+        self.add_callback(CompletionLog())
 
     # ---- across processes ----
 
@@ -965,8 +965,8 @@ class PPOTrainer(StageTrainer):
             columns = {k: v for k, v in rows.items()
                        if k not in ("input_ids", "attention_mask", "prompt_messages", "prompt_conversational")}
             truncated = [not any(t in self.stop_token_ids for t in ids) for ids in response_ids]
-            per_function, raw_scores = score_completions(self.reward_functions, prompts,
-                                                         trl_completions(texts, conversational), columns,
+            completions = trl_completions(texts, conversational)
+            per_function, raw_scores = score_completions(self.reward_functions, prompts, completions, columns,
                                                          completion_ids=response_ids, truncated=truncated)
             # The whole rollout's scores (all processes), for the check below, the score moments and the metrics.
             all_scores = self._gather(raw_scores.to(self.args.device))
@@ -1026,9 +1026,9 @@ class PPOTrainer(StageTrainer):
         }
         for name, column in zip(self.reward_functions.names, all_per_function.T):
             metrics[f"rewards/{name}/mean"] = torch.nanmean(column).item()
-        records = [{"step": step + 1, "prompt": prompt, "completion": text, "reward": raw.item(),
-                    **{name: (None if math.isnan(v) else v) for name, v in zip(self.reward_functions.names, row)}}
-                   for prompt, text, raw, row in zip(prompts, texts, raw_scores, per_function.tolist())]
+        # GAE's advantages are per token: the records carry none.
+        records = completion_records(step + 1, prompts, completions, self.reward_functions.names, per_function,
+                                     raw_scores)
         self.state.num_input_tokens_seen += int(self._sum(attention_mask.sum().to(device)).item())
         # Scoring plus the rollout's policy, critic and reference passes.
         metrics["time/scoring"] = time.perf_counter() - start
@@ -1148,11 +1148,6 @@ class PPOTrainer(StageTrainer):
             self._resume(resume_from_checkpoint)
         self.state.init_training_references(self, max_steps, math.ceil(max_steps / self.steps_per_epoch), trial)
         self.state.max_steps = max_steps
-        if self.is_world_process_zero():
-            from ..callbacks import truncate_log
-
-            # Steps past the checkpoint (or every step, starting afresh) run again: drop what a killed run logged.
-            truncate_log(args.output_dir, self.state.global_step, COMPLETIONS_FILE, "step")
         self._initial_num_input_tokens_seen = self.state.num_input_tokens_seen
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, first_step = time.time(), self.state.global_step
@@ -1169,9 +1164,7 @@ class PPOTrainer(StageTrainer):
             self.kl_ctl.update(metrics["objective/kl"], self.global_rollout_size)
             self.lr_scheduler.step()
             if self.ppo_args.log_completions:
-                records = gather_object(records) if self.num_processes > 1 else records
-                if self.is_world_process_zero():
-                    _append_jsonl(Path(args.output_dir) / COMPLETIONS_FILE, records)
+                CompletionLog.append(args.output_dir, records, self.accelerator)
             grad_norm = stats.pop("grad_norm", None)
             # Global values on every process: the cross-process mean in `log()` leaves them as they are.
             self.record_metrics({**metrics, **stats}, self.global_rollout_size)
@@ -1363,13 +1356,6 @@ def _stateless_optimizer_groups(checkpoint: str | os.PathLike) -> Optional[list[
         return None
     saved = torch.load(path, map_location="cpu", weights_only=True)
     return None if saved.get("state") else saved["param_groups"]
-
-
-def _append_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------

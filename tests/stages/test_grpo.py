@@ -102,7 +102,8 @@ def test_grpo_trains_logs_and_generates_once_per_generation_batch(tiny_model_dir
     assert any(r["kl"] > 0 for r in records[1:])
 
     lines = [json.loads(line) for line in (out / grpo_module.COMPLETIONS_FILE).read_text().splitlines()]
-    assert len(lines) == 16 and {line["round"] for line in lines} == {0, 1}
+    # One record per completion, under the (1-based) step that first trained on it: rounds at steps 1 and 5.
+    assert len(lines) == 16 and {line["step"] for line in lines} == {1, 5}
     assert set(lines[0]["rewards"]) == {"token_sum_reward", "accuracy"}
     assert lines[0]["prompt"].startswith("What is ")  # a TRL `prompt` string stays a string
     assert isinstance(lines[0]["completion"], str)
@@ -156,10 +157,11 @@ def test_accumulation_alone_does_not_change_the_update(loss_type, tiny_model_dir
 
 
 def _rounds(out: Path) -> dict[int, list]:
+    """Completion records by round (a round's records carry the step that first trained on it)."""
     by_round: dict[int, list] = {}
     for line in (out / grpo_module.COMPLETIONS_FILE).read_text().splitlines():
         record = json.loads(line)
-        by_round.setdefault(record["round"], []).append((record["completion"], record["rewards"],
+        by_round.setdefault(record["step"], []).append((record["completion"], record["rewards"],
                                                          record["advantage"]))
     return by_round
 

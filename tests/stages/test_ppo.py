@@ -155,7 +155,8 @@ def _assert_rewards_are_alignkit_scores(trainer, reward_dir):
     before = trainer.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.labels, grad=False)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     scorer = RewardScorer(reward_dir)
-    expected = scorer.score([r["prompt"] for r in records], [r["completion"] for r in records])
+    # Records hold completions in TRL's shapes: the assistant message of a conversational prompt.
+    expected = scorer.score([r["prompt"] for r in records], [r["completion"][-1]["content"] for r in records])
     # `alignkit score` merges the adapters into the weights (rounded in fp32), the switched-in adapter adds its
     # delta to the activations: with these deliberately large random adapters that alone reaches ~1e-5 at a
     # reward of 1, so the bound is 1e-5 absolute plus 1e-5 relative, as in test_named_adapters.

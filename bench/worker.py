@@ -372,7 +372,7 @@ def summarise_ppo(recorder: StepRecorder, log_history: list[dict[str, Any]], war
         "scoring_s": split["scoring"],
         "training_s": split["training"],
         "responses_per_s": prompts_per_step * len(measured) / time_measured if time_measured > 0 else None,
-        "response_length_mean": sum(steps[i]["response_length/mean"] for i in measured) / len(measured),
+        "response_length_mean": sum(steps[i]["completions/mean_length"] for i in measured) / len(measured),
         "final_loss": steps[-1].get("ppo/loss/total", out["final_loss"]),
     })
     return out

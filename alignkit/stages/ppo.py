@@ -1012,16 +1012,20 @@ class PPOTrainer(StageTrainer):
         lengths = self._gather(mask.sum(dim=1))
         all_per_function = self._gather(per_function.to(device))
         all_scores = all_scores.float()
+        # The online stages' shared names (TRL's GRPO names) where the concept is the same; PPO's own under `objective/`.
         metrics = {
+            "reward": all_scores.mean().item(),
+            "reward_std": all_scores.std().item() if all_scores.numel() > 1 else 0.0,
+            # KL to the reference per response token (GRPO's `kl` unit), from the sampled tokens' log-ratios.
+            "kl": (all_kl.sum() / lengths.sum().clamp(min=1)).item(),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            # The KL summed over each response, averaged: what the adaptive controller steers to ppo_target.
             "objective/kl": all_kl.mean().item(),
             "objective/kl_coef": kl_coef,
             # TRL 0.x's estimate: the sampled tokens' negative log-probs summed over each response.
             "objective/entropy": all_entropy.mean().item(),
-            "reward/mean": all_scores.mean().item(),
-            "reward/std": all_scores.std().item() if all_scores.numel() > 1 else 0.0,
-            "response_length/mean": lengths.mean().item(),
-            "response_length/min": lengths.min().item(),
-            "response_length/max": lengths.max().item(),
             "time/generation": generation_time,
         }
         for name, column in zip(self.reward_functions.names, all_per_function.T):
@@ -1055,7 +1059,7 @@ class PPOTrainer(StageTrainer):
                 # (over all processes), so the update is the token mean over the backward batch whatever
                 # mini_batch_size is and however the batch is spread over processes.
                 batch_tokens = self._sum(rollout.mask[batch_index].sum()).clamp(min=1)
-                stats = {k: 0.0 for k in ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "policy/clipfrac",
+                stats = {k: 0.0 for k in ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "clip_ratio/region_mean",
                                           "policy/approxkl", "val/clipfrac", "val/mean")}
                 micro_starts: list[Optional[int]] = list(range(0, len(batch_index), self.mini_batch_size))
                 if self.is_deepspeed_enabled or self.accelerator.is_fsdp2:
@@ -1085,7 +1089,7 @@ class PPOTrainer(StageTrainer):
                     else:
                         self.accelerator.backward(loss * share)
                     for key, value in (("ppo/loss/policy", policy_loss), ("ppo/loss/value", value_loss),
-                                       ("ppo/loss/total", loss), ("policy/clipfrac", policy_clipfrac),
+                                       ("ppo/loss/total", loss), ("clip_ratio/region_mean", policy_clipfrac),
                                        ("policy/approxkl", approxkl), ("val/clipfrac", value_clipfrac),
                                        ("val/mean", masked_mean(values.detach(), micro.mask))):
                         stats[key] += value.detach().item() * share.item()

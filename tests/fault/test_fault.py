@@ -285,3 +285,17 @@ def test_online_completions_appear_once_after_kill_and_resume(cli, tmp_path, sta
     # One schema for every online stage: 1-based steps, each completion's rewards by name.
     assert sorted({row["step"] for row in want}) == list(range(1, STEPS + 1))
     assert len(want) == STEPS * 2 and all(set(row["rewards"]) == {"token_sum_reward"} for row in want)
+
+
+def test_a_reward_beyond_float32_stops_the_run_naming_function_and_row(cli, tmp_path):
+    """1e39 is a finite Python float but inf in the float32 rewards are kept in: the run must stop with the
+    function and row named, before anything non-finite is logged or written (issue 31, item 5)."""
+    huge = tmp_path / "huge_reward.py"
+    huge.write_text("def huge(completions, **kwargs):\n    return [1e39] + [0.0] * (len(completions) - 1)\n")
+    out = tmp_path / "huge"
+    rc, output = cli(out, "grpo", f"reward_funcs={huge}:huge")
+    assert rc != 0
+    assert "reward function huge: row 0" in output and "float32" in output, output[-3000:]
+    assert "Traceback" not in output
+    path = out / "completions.jsonl"
+    assert not path.exists() or "Infinity" not in path.read_text()

@@ -83,23 +83,14 @@ import torch
 from torch.utils.data import Sampler
 
 from ..hparams import ConfigError, check_sampling_knobs
-from ..model.distributed import full_weights
 from ..rewards import RewardFunctionArguments
-from ..rl.advantages import ADVANTAGE_ESTIMATORS
 from ..rl.kl import k3_kl
 from ..rl.losses import aggregate_loss, clipped_surrogate
-from ..rl.record import COMPLETIONS_FILE, CompletionLog, completion_records
+from ..rl.record import COMPLETIONS_FILE
+from ..rl.rollout import VLLMColocateSampler, completion_logps, rollout_seed
 from ..rl.stats import masked_mean, nan_std
-from .base import StageTrainer, is_peft_model, run_stage_trainer
-from .rollout import (
-    VLLMColocateSampler,
-    completion_logps,
-    rollout_seed,
-    sample_completions,
-    score_completions,
-    trl_completions,
-    trl_prompts,
-)
+from .base import is_peft_model, run_stage_trainer
+from .online import PROMPT_COLUMNS, OnlineTrainer
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -109,8 +100,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROLLOUT_BUFFER_FILE = "grpo_rollout_buffer.pt"
-# Columns the data layer adds to prompt rows for GRPO itself; reward functions get every other column.
-PROMPT_COLUMNS = ("input_ids", "attention_mask", "prompt_messages", "prompt_conversational")
 
 
 @dataclass
@@ -298,7 +287,7 @@ def collate_prompt_rows(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------------
 
 
-class GRPOTrainer(StageTrainer):
+class GRPOTrainer(OnlineTrainer):
     """`Trainer` that samples groups of completions, scores them and takes clipped policy-gradient steps.
 
     Args:
@@ -318,10 +307,9 @@ class GRPOTrainer(StageTrainer):
     def __init__(self, *args, grpo_args: GRPOArguments, reward_functions, stop_token_ids: Sequence[int],
                  **kwargs) -> None:
         kwargs.setdefault("data_collator", collate_prompt_rows)
-        super().__init__(*args, keep_reference_copy=grpo_args.beta != 0, **kwargs)
+        super().__init__(*args, reward_functions=reward_functions, stop_token_ids=stop_token_ids,
+                         log_completions=grpo_args.log_completions, keep_reference_copy=grpo_args.beta != 0, **kwargs)
         self.grpo_args = grpo_args
-        self.reward_functions = reward_functions
-        self.stop_token_ids = list(stop_token_ids)
         self.num_generations = grpo_args.num_generations
         self.steps_per_generation, self.generation_batch_size = resolve_generation_batch(
             self.args.per_device_train_batch_size, self.accelerator.num_processes, grpo_args.num_generations,
@@ -345,7 +333,6 @@ class GRPOTrainer(StageTrainer):
         self._buffer_round: Optional[int] = None
         self._step_time = 0.0
         self._step_generation_time = 0.0
-        self.add_callback(CompletionLog())
 
     # ---- data ----
 
@@ -429,14 +416,8 @@ class GRPOTrainer(StageTrainer):
                                                      generation_kwargs=self.generation_kwargs, seed=seed,
                                                      first_row=first_row)
         else:
-            # Under ZeRO-3/FSDP: the sharded weights gathered once for the whole generation batch (given the
-            # DeepSpeed engine, whose per-module hooks would otherwise release each layer after its forward).
-            engine = self.model_wrapped if self.is_deepspeed_enabled else None
-            with full_weights(self.model, engine) as model:
-                generation = sample_completions(model, self.processing_class, prompt_ids,
-                                                stop_token_ids=self.stop_token_ids,
-                                                generation_kwargs=self.generation_kwargs, seed=seed,
-                                                first_row=first_row)
+            generation = self.sample(prompt_ids, generation_kwargs=self.generation_kwargs, seed=seed,
+                                     first_row=first_row)
         generation_time = time.perf_counter() - start
         self._step_generation_time += generation_time
 
@@ -449,18 +430,16 @@ class GRPOTrainer(StageTrainer):
         if self.grpo_args.mask_truncated_completions:
             completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
 
-        conversational = [bool(row["prompt_conversational"]) for row in rows]
-        prompts = trl_prompts([row["prompt_messages"] for row in rows], conversational)
-        completions = trl_completions(generation.texts, conversational)
         columns = {key: [row[key] for row in rows] for key in rows[0] if key not in PROMPT_COLUMNS}
         completion_id_lists = [ids[:n].tolist() for ids, n in zip(generation.completion_ids, lengths.tolist())]
-        per_function, rewards = score_completions(self.reward_functions, prompts, completions, columns,
-                                                  completion_id_lists, truncated.tolist())
+        prompts, completions, per_function, rewards = self.score(
+            [row["prompt_messages"] for row in rows], [bool(row["prompt_conversational"]) for row in rows],
+            generation.texts, columns, completion_id_lists, truncated.tolist())
         # Groups may straddle processes: normalise over the gathered batch, then keep this process's slice.
         gather = self.accelerator.gather
         all_per_function, all_rewards = gather(per_function.to(device)), gather(rewards.to(device))
-        all_advantages, std_is_zero = ADVANTAGE_ESTIMATORS[self.advantage_estimator](
-            all_rewards, self.num_generations, self.grpo_args.scale_rewards)
+        all_advantages, std_is_zero = self.advantages(all_rewards, self.num_generations,
+                                                      self.grpo_args.scale_rewards)
         advantages = all_advantages[first_row:first_row + len(rows)]
 
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
@@ -481,10 +460,8 @@ class GRPOTrainer(StageTrainer):
             torch.stack([prompt_mask.sum() + lengths.sum(), completion_mask.sum()]).long(), reduction="sum")
         self.state.num_input_tokens_seen += int(token_counts[0].item())
         self._record_rollout_metrics(all_per_function, all_rewards, std_is_zero, all_lengths, all_truncated)
-        if self.grpo_args.log_completions:
-            CompletionLog.append(self.args.output_dir, completion_records(
-                self.state.global_step + 1, prompts, completions, self.reward_functions.names, per_function,
-                rewards, advantages), self.accelerator)
+        self.write_completions(self.completion_records(self.state.global_step + 1, prompts, completions,
+                                                       per_function, rewards, advantages))
 
         # Shuffle (seeded per round) so each slice mixes groups, then cut into equal slices.
         generator = torch.Generator().manual_seed(rollout_seed(self.args.seed, round_index) + 1)

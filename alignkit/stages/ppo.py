@@ -136,10 +136,9 @@ from torch import nn
 
 from ..constants import IGNORE_INDEX
 from ..rewards import RewardFunctionArguments
-from ..rl.record import COMPLETIONS_FILE, CompletionLog, completion_records
+from ..rl.record import COMPLETIONS_FILE
 from ..model.distributed import full_weights
-from .base import StageTrainer
-from ..rl.advantages import ADVANTAGE_ESTIMATORS
+from .online import OnlineTrainer
 from ..rl.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
 from ..rl.losses import clipped_policy_loss, clipped_value_loss
 from ..rl.stats import RunningMoments, masked_mean, masked_whiten
@@ -466,7 +465,7 @@ class Rollout:
 # ---------------------------------------------------------------------------------------------------
 
 
-class PPOTrainer(StageTrainer):
+class PPOTrainer(OnlineTrainer):
     """PPO's loop on the Trainer's optimizer, scheduler, state, callbacks, checkpoints and logging.
 
     Args:
@@ -479,12 +478,16 @@ class PPOTrainer(StageTrainer):
         *args, **kwargs: as for `transformers.Trainer` (`train_dataset`: prompt rows).
     """
 
+    # Rewards -> advantages: GAE over the critic's values (`alignkit.rl.advantages.ADVANTAGE_ESTIMATORS`).
+    advantage_estimator = "gae"
+
     def __init__(self, *args, ppo_args: PPOArguments, reward_functions, formatter, value_head,
                  max_new_tokens: int, **kwargs) -> None:
         # A full/freeze policy needs a frozen copy as its reference (under LoRA the adapter is disabled instead; under
         # ZeRO-3 the copy is a second, partitioned load, gathered for each reference pass: `StageTrainer`).
         kwargs.setdefault("keep_reference_copy", True)
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, reward_functions=reward_functions, stop_token_ids=formatter.stop_token_ids(),
+                         log_completions=ppo_args.log_completions, **kwargs)
         # As in `check_config`, for set-ups that come from `accelerate launch --config_file` rather than the keys.
         reason = FSDP_REFUSAL if self.is_fsdp_enabled and not self.accelerator.is_fsdp2 else None
         if self.is_deepspeed_enabled:
@@ -494,10 +497,8 @@ class PPOTrainer(StageTrainer):
 
             raise ConfigError(reason)
         self.ppo_args = ppo_args
-        self.reward_functions = reward_functions
         self.formatter = formatter
         self.value_head = value_head
-        self.stop_token_ids = formatter.stop_token_ids()
         low_high = ppo_args.response_length_range
         self.max_response_tokens = low_high[1] if low_high else max_new_tokens
         self.kl_ctl = (AdaptiveKLController(ppo_args.init_kl_coef, ppo_args.ppo_target, ppo_args.horizon)
@@ -513,7 +514,6 @@ class PPOTrainer(StageTrainer):
         # This process holds rows first_row .. first_row + rollout_size - 1 of each global rollout.
         self.first_row = self.process_index * self.rollout_size
         self.mini_batch_size = ppo_args.mini_batch_size or t.per_device_train_batch_size
-        self.add_callback(CompletionLog())
 
     # ---- across processes ----
 
@@ -642,7 +642,8 @@ class PPOTrainer(StageTrainer):
     def make_rollout(self, step: int) -> tuple[Rollout, dict[str, Any], list[dict[str, Any]]]:
         """Generate, score and evaluate one rollout; returns it, its metrics and its completion records."""
         from ..data.collator import _pad_id
-        from .rollout import rollout_seed, sample_completions, score_completions, trl_completions, trl_prompts
+        from ..rl.rollout import rollout_seed
+        from .online import PROMPT_COLUMNS
 
         rows = self.rollout_rows(step)
         # Under ZeRO-3 the weights are gathered once for the whole rollout (generation, the reward model's
@@ -655,8 +656,8 @@ class PPOTrainer(StageTrainer):
             for reward_model in self._standalone_reward_models():
                 gathered.enter_context(full_weights(reward_model))
             start = time.perf_counter()
-            generation = sample_completions(
-                self.model, self.processing_class, rows["input_ids"], stop_token_ids=self.stop_token_ids,
+            generation = self.sample(
+                rows["input_ids"],
                 # The policy's own distribution: the log-probs, ratios and KL below are those of what was sampled.
                 generation_kwargs={"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
                                    "max_new_tokens": self.max_response_tokens},
@@ -674,14 +675,11 @@ class PPOTrainer(StageTrainer):
             response_ids = [row[m.bool()].tolist()
                             for row, m in zip(generation.completion_ids.cpu(), response_mask.cpu())]
             texts = self.processing_class.batch_decode(response_ids, skip_special_tokens=True)
-            conversational = rows.get("prompt_conversational", [True] * len(texts))
-            prompts = trl_prompts(rows["prompt_messages"], conversational)
-            columns = {k: v for k, v in rows.items()
-                       if k not in ("input_ids", "attention_mask", "prompt_messages", "prompt_conversational")}
+            columns = {k: v for k, v in rows.items() if k not in PROMPT_COLUMNS}
             truncated = [not any(t in self.stop_token_ids for t in ids) for ids in response_ids]
-            completions = trl_completions(texts, conversational)
-            per_function, raw_scores = score_completions(self.reward_functions, prompts, completions, columns,
-                                                         completion_ids=response_ids, truncated=truncated)
+            prompts, completions, per_function, raw_scores = self.score(
+                rows["prompt_messages"], rows.get("prompt_conversational", [True] * len(texts)), texts, columns,
+                response_ids, truncated)
             # The whole rollout's scores (all processes), for the check below, the score moments and the metrics.
             all_scores = self._gather(raw_scores.to(self.args.device))
             if torch.isnan(all_scores).any():
@@ -716,8 +714,7 @@ class PPOTrainer(StageTrainer):
         reduce_sum = self._sum if self.num_processes > 1 else None
         if self.ppo_args.ppo_whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False, reduce_sum=reduce_sum)
-        advantages, returns = ADVANTAGE_ESTIMATORS["gae"](rewards, values * mask, mask, self.ppo_args.gamma,
-                                                          self.ppo_args.lam)
+        advantages, returns = self.advantages(rewards, values * mask, mask, self.ppo_args.gamma, self.ppo_args.lam)
         if self.ppo_args.whiten_advantages:
             advantages = masked_whiten(advantages, mask, reduce_sum=reduce_sum)
         rollout = Rollout(input_ids, attention_mask, labels, mask, logps, ref_logps, values * mask, advantages,
@@ -746,8 +743,7 @@ class PPOTrainer(StageTrainer):
         for name, column in zip(self.reward_functions.names, all_per_function.T):
             metrics[f"rewards/{name}/mean"] = torch.nanmean(column).item()
         # GAE's advantages are per token: the records carry none.
-        records = completion_records(step + 1, prompts, completions, self.reward_functions.names, per_function,
-                                     raw_scores)
+        records = self.completion_records(step + 1, prompts, completions, per_function, raw_scores)
         self.state.num_input_tokens_seen += int(self._sum(attention_mask.sum().to(device)).item())
         # Scoring plus the rollout's policy, critic and reference passes.
         metrics["time/scoring"] = time.perf_counter() - start
@@ -882,8 +878,7 @@ class PPOTrainer(StageTrainer):
             # The global mean KL and rollout size: every process updates kl_coef alike.
             self.kl_ctl.update(metrics["objective/kl"], self.global_rollout_size)
             self.lr_scheduler.step()
-            if self.ppo_args.log_completions:
-                CompletionLog.append(args.output_dir, records, self.accelerator)
+            self.write_completions(records)
             grad_norm = stats.pop("grad_norm", None)
             # Global values on every process: the cross-process mean in `log()` leaves them as they are.
             self.record_metrics({**metrics, **stats}, self.global_rollout_size)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from alignkit.callbacks import read_log
 from alignkit.hparams import parse_config
 from alignkit.stages import grpo as grpo_module
+from alignkit.stages import online as online_module
 from alignkit.train import run_train
 
 # A reward that varies between completions of a random model and depends on nothing but the token ids.
@@ -51,7 +52,8 @@ def count_generations(monkeypatch):
     """Counts calls of the rollout sampler (one per generation batch), and checks that each runs inside one
     `full_weights` block of its own (under ZeRO-3/FSDP: the shards gathered once per generation batch)."""
     calls, blocks = [], []
-    original, original_full_weights = grpo_module.sample_completions, grpo_module.full_weights
+    # The online base class samples for GRPO (`OnlineTrainer.sample`).
+    original, original_full_weights = online_module.sample_completions, online_module.full_weights
 
     @contextlib.contextmanager
     def recording_full_weights(model, engine=None):
@@ -66,8 +68,8 @@ def count_generations(monkeypatch):
         calls.append(len(prompt_ids))
         return original(model, tokenizer, prompt_ids, **kwargs)
 
-    monkeypatch.setattr(grpo_module, "sample_completions", counting)
-    monkeypatch.setattr(grpo_module, "full_weights", recording_full_weights)
+    monkeypatch.setattr(online_module, "sample_completions", counting)
+    monkeypatch.setattr(online_module, "full_weights", recording_full_weights)
     yield calls
     assert blocks == ["closed"] * len(calls)
 

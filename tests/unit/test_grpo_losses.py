@@ -14,7 +14,7 @@ from alignkit.rl.kl import k3_kl
 from alignkit.rl.losses import aggregate_loss, clipped_surrogate
 from alignkit.rl.stats import nan_std
 from alignkit.stages.grpo import GenerationBatchSampler, resolve_generation_batch
-from alignkit.stages.rollout import (
+from alignkit.rl.rollout import (
     generation_from_token_lists,
     rollout_seed,
     row_seeds,

@@ -23,6 +23,8 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from .jsonl import append_jsonl, keep_jsonl_rows
+
 logger = logging.getLogger(__name__)
 
 LOG_FILE = "trainer_log.jsonl"
@@ -80,8 +82,7 @@ class LogCallback(TrainerCallback):
             if isinstance(value, float) and not math.isfinite(value):
                 value = None
             record[key] = value
-        with open(Path(args.output_dir) / LOG_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        append_jsonl(Path(args.output_dir) / LOG_FILE, [record])
 
 
 class TrainingDiverged(RuntimeError):
@@ -242,22 +243,11 @@ def truncate_log(output_dir: str | os.PathLike, step: int, file_name: str = LOG_
     of the run and its step field (PPO's `completions.jsonl`, `step`).
     """
     path = Path(output_dir) / file_name
-    if not path.exists():
-        return
     if step == 0:
-        path.unlink()
+        path.unlink(missing_ok=True)
         return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get(step_key), int) and record[step_key] <= step:
-            kept.append(line + "\n")
-    partial = path.with_name(file_name + ".partial")
-    partial.write_text("".join(kept), encoding="utf-8")
-    os.replace(partial, path)
+    keep_jsonl_rows(path, lambda record: isinstance(record, dict) and isinstance(record.get(step_key), int)
+                    and record[step_key] <= step)
 
 
 def read_log(output_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -36,6 +36,7 @@ from .constants import IGNORE_INDEX
 from .data.processors import encode_prompt, warn_cut_prompts
 from .data.template import ChatFormatter
 from .hparams import Config, FinetuningArguments
+from .jsonl import write_jsonl
 from .rewards import RewardFunctionArguments, build_reward_functions, combine_rewards
 
 logger = logging.getLogger(__name__)
@@ -261,11 +262,7 @@ def evaluate_rewards(
     combined = combine_rewards(scores, rewards.weights)
     reward_mean = float(torch.nanmean(combined)) if (~torch.isnan(combined)).any() else math.nan
     if output:
-        path = Path(output)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        path = write_jsonl(output, rows)
         logger.info("Wrote %d rows to %s", len(rows), path)
     kl_mean = float(torch.cat(kls).mean()) if kls else None
     return RewardEvaluation(rewards.names, means, scored, reward_mean, len(rows), rows, kl_mean,

@@ -36,9 +36,12 @@ def rollout_rows(completions_file: Path) -> list[dict[str, Any]]:
         record = json.loads(line)
         prompt = record["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if not isinstance(record.get("completion"), str):
+        completion = record.get("completion")
+        if isinstance(completion, list) and completion:  # a conversational row: TRL's [{"role": "assistant", ...}]
+            completion = completion[-1].get("content")
+        if not isinstance(completion, str):
             raise ValueError(f"{completions_file}:{line_no}: no `completion` text; is this a PPO completions.jsonl?")
-        rows.append({"messages": messages + [{"role": "assistant", "content": record["completion"]}]})
+        rows.append({"messages": messages + [{"role": "assistant", "content": completion}]})
     if not rows:
         raise ValueError(f"{completions_file} holds no completions; run PPO with log_completions: true.")
     return rows

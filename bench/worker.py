@@ -203,14 +203,14 @@ def run_alignkit(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any
     if opts.stage == "dpo":
         values["pref_beta"] = 0.1  # TRL's DPOConfig default, written out so both sides agree
     if opts.stage == "grpo":
-        import alignkit.stages.grpo as grpo
+        import alignkit.stages.online as online
 
         # The same reward function object TRL gets, named by module path; GRPO's other keys keep their
         # (TRL 1.16) defaults on both sides.
         values.update(reward_funcs="bench.workloads:bench_reward", num_generations=opts.num_generations,
                       max_completion_length=opts.max_completion_length)
-        grpo.sample_completions = callback.recorder.timed_generation(
-            grpo.sample_completions, lambda generation: generation.completion_mask.sum())
+        online.sample_completions = callback.recorder.timed_generation(  # what `OnlineTrainer.sample` calls
+            online.sample_completions, lambda generation: generation.completion_mask.sum())
     if opts.stage == "ppo":
         values.update(ppo_settings(opts))
     if opts.device == "cuda":
@@ -372,7 +372,7 @@ def summarise_ppo(recorder: StepRecorder, log_history: list[dict[str, Any]], war
         "scoring_s": split["scoring"],
         "training_s": split["training"],
         "responses_per_s": prompts_per_step * len(measured) / time_measured if time_measured > 0 else None,
-        "response_length_mean": sum(steps[i]["response_length/mean"] for i in measured) / len(measured),
+        "response_length_mean": sum(steps[i]["completions/mean_length"] for i in measured) / len(measured),
         "final_loss": steps[-1].get("ppo/loss/total", out["final_loss"]),
     })
     return out

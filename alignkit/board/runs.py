@@ -50,8 +50,9 @@ STAGE_METRICS = {
     "dpo": ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"],
     "kto": ["rewards/chosen", "rewards/rejected", "rewards/margins", "kl"],
     "rm": ["rewards/accuracies", "rewards/margins", "eval_accuracy"],
+    # The online stages share TRL's GRPO names (`alignkit.rl`); PPO adds its adaptive KL coefficient.
     "grpo": ["reward", "reward_std", "kl"],
-    "ppo": ["reward/mean", "objective/kl", "objective/kl_coef"],
+    "ppo": ["reward", "reward_std", "kl", "objective/kl_coef"],
     "sft": ["grad_norm"],
     "pt": ["grad_norm"],
 }

@@ -440,7 +440,7 @@ def sample_from_probs(probs: torch.Tensor, generator: Generators = None) -> torc
         probs: (batch, vocab) non-negative rows (need not sum to exactly 1).
         generator: the random stream (seeded by the caller for reproducible sampling), or one stream per row:
             row i then draws from `generator[i]` alone, so its token does not depend on the rows beside it
-            (the online stages' per-row seeds, `alignkit.stages.rollout.row_seeds`).
+            (the online stages' per-row seeds, `alignkit.rl.rollout.row_seeds`).
 
     Returns:
         (batch,) long token ids.

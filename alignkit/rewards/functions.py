@@ -288,6 +288,14 @@ def check_reward_values(name: str, values: Any, num_rows: int, prompts: Sequence
                 f"float, or None to skip a completion. Row {row}: prompt {_preview(prompts[row])}, completion "
                 f"{_preview(completions[row])}.")
         out.append(number)
+    # Checked again as the float32 the rewards are kept in: a finite float beyond float32's range (1e39) is inf there.
+    overflow = torch.isinf(torch.tensor(out, dtype=torch.float32))
+    if overflow.any():
+        row = int(overflow.nonzero()[0])
+        raise RewardFunctionError(
+            f"reward function {name}: row {row} got {_preview(values[row])}, which is beyond float32's range "
+            f"(|r| <= 3.4e38) and would become infinite. Return a smaller float, or None to skip a completion. "
+            f"Row {row}: prompt {_preview(prompts[row])}, completion {_preview(completions[row])}.")
     return out
 
 

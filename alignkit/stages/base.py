@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import os
 from collections import defaultdict
@@ -35,6 +34,7 @@ from torch import nn
 from transformers import Trainer
 
 from ..constants import IGNORE_INDEX
+from ..jsonl import write_jsonl
 from ..lifecycle import json_safe
 from ..model.adapters import adapters_disabled
 from ..model.distributed import full_weights, sharding_of, zero3_enabled
@@ -301,13 +301,9 @@ def save_pair_predictions(output_dir: str | os.PathLike, predictions: np.ndarray
     texts: list[dict[str, str]] = [{} for _ in scores]
     if dataset is not None and tokenizer is not None:
         texts = [_pair_texts(tokenizer, dataset[i]) for i in range(len(scores))]
-    path = Path(output_dir) / PREDICTIONS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for (chosen, rejected), text in zip(scores, texts):
-            row = {**text, "chosen": round(chosen, 6), "rejected": round(rejected, 6)}
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return path
+    return write_jsonl(Path(output_dir) / PREDICTIONS_FILE,
+                       ({**text, "chosen": round(chosen, 6), "rejected": round(rejected, 6)}
+                        for (chosen, rejected), text in zip(scores, texts)))
 
 
 def split_prompt_reply(ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:

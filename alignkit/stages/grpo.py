@@ -63,7 +63,6 @@ larger rate than that anyway, so the examples set it.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import math
 import os
@@ -73,22 +72,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Sequence
 
 import torch
-from accelerate.utils import gather_object
 from torch.utils.data import Sampler
 
 from ..hparams import ConfigError, check_sampling_knobs
-from ..model.distributed import full_weights
 from ..rewards import RewardFunctionArguments
-from .base import StageTrainer, is_peft_model, run_stage_trainer
-from .rollout import (
-    VLLMColocateSampler,
-    completion_logps,
-    rollout_seed,
-    sample_completions,
-    score_completions,
-    trl_completions,
-    trl_prompts,
-)
+from ..rl.kl import k3_kl
+from ..rl.losses import aggregate_loss, clipped_surrogate
+from ..rl.record import COMPLETIONS_FILE
+from ..rl.rollout import VLLMColocateSampler, completion_logps, rollout_seed
+from ..rl.stats import masked_mean, nan_std
+from .base import is_peft_model, run_stage_trainer
+from .online import PROMPT_COLUMNS, OnlineTrainer
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -97,11 +91,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
-COMPLETIONS_FILE = "completions.jsonl"
 ROLLOUT_BUFFER_FILE = "grpo_rollout_buffer.pt"
-# Columns the data layer adds to prompt rows for GRPO itself; reward functions get every other column.
-PROMPT_COLUMNS = ("input_ids", "attention_mask", "prompt_messages", "prompt_conversational")
 
 
 @dataclass
@@ -231,153 +221,6 @@ def check_config(config: "Config") -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Pure tensor functions. N = completions, C = completion length, G = num_generations.
-# ---------------------------------------------------------------------------------------------------
-
-
-def nan_std(values: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """Sample standard deviation (Bessel-corrected) ignoring NaN; NaN where fewer than 2 values remain.
-
-    Example: [1, 3, NaN] → mean 2, squared deviations 1 and 1, variance 2 / (2 - 1) = 2, std 1.4142.
-    """
-    mean = torch.nanmean(values, dim=dim, keepdim=True)
-    count = (~torch.isnan(values)).sum(dim=dim)
-    squares = torch.nansum((values - mean) ** 2, dim=dim)
-    variance = squares / (count - 1).clamp(min=1)
-    return torch.where(count > 1, variance.sqrt(), torch.full_like(variance, float("nan")))
-
-
-def group_advantages(rewards: torch.Tensor, num_generations: int,
-                     scale_rewards: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO advantages (DeepSeekMath eq. 3 with TRL 1.16's 1e-4): each reward against its group's mean.
-
-    `A_i = (r_i - mean(group)) / (std + 1e-4)`, std of the group (`group`), of the whole batch (`batch`), or
-    no division (`none`, Dr. GRPO). NaN rewards (no function scored the completion) are left out of the mean
-    and std, and get advantage 0.
-
-    Example (G = 2, group): rewards [1, 3, 2, 2] → groups (1, 3) and (2, 2); means 2, 2; stds sqrt(2), 0;
-    A = [-1 / 1.4143, 1 / 1.4143, 0, 0] = [-0.70706, 0.70706, 0, 0]; the second group has std 0.
-
-    Args:
-        rewards: `[N]` combined rewards, groups contiguous (rows i*G .. i*G + G - 1 share a prompt).
-        num_generations: G.
-        scale_rewards: `group`, `batch` or `none`.
-
-    Returns:
-        `(advantages [N], std_is_zero [N] bool)`: the second marks rows whose std (of the group, or of the
-        batch with `batch`) is 0, for the `frac_reward_zero_std` metric.
-    """
-    grouped = rewards.view(-1, num_generations)
-    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
-    if scale_rewards in ("group", "none"):
-        std = nan_std(grouped, dim=1).repeat_interleave(num_generations)
-    elif scale_rewards == "batch":
-        std = nan_std(rewards).expand_as(rewards)
-    else:
-        raise ValueError(f"scale_rewards={scale_rewards!r}: choose group, batch or none.")
-    advantages = rewards - mean
-    if scale_rewards != "none":
-        advantages = advantages / (std + 1e-4)
-    return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
-
-
-def clipped_surrogate(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
-                      epsilon_low: float, epsilon_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7), as a loss.
-
-    `ratio = exp(logps - old_logps)`, `loss = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)`.
-
-    Example (eps 0.2): ratio 1.5, A = 1 → -min(1.5, 1.2) = -1.2; ratio 0.5, A = -1 → -min(-0.5, -0.8) = 0.8.
-
-    Args:
-        logps: `[N, C]` policy log-probs of the completion tokens.
-        old_logps: `[N, C]` log-probs under the policy that sampled them (no gradient).
-        advantages: `[N]` one advantage per completion, or `[N, C]` per token.
-        epsilon_low, epsilon_high: the clipping range.
-
-    Returns:
-        `(per_token_loss [N, C], ratio [N, C])`.
-    """
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    ratio = torch.exp(logps - old_logps)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    return -torch.min(ratio * advantages, clipped * advantages), ratio
-
-
-def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
-    """The k3 estimator of KL(pi || pi_ref) per token (Schulman 2020; DeepSeekMath eq. 4).
-
-    `exp(ref - logp) - (ref - logp) - 1`, >= 0, and 0 where the two agree. Example: ref - logp = ln 2 →
-    2 - 0.693147 - 1 = 0.306853.
-
-    Args:
-        logps, ref_logps: `[N, C]` policy and reference log-probs of the same tokens.
-    """
-    delta = ref_logps - logps
-    return torch.exp(delta) - delta - 1
-
-
-def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, *,
-                   accumulation_steps: int = 1, steps_per_generation: int = 1,
-                   generation_tokens: Optional[float] = None,
-                   max_completion_length: Optional[int] = None,
-                   micro_batch_tokens: Optional[float] = None) -> torch.Tensor:
-    """One micro-batch's share of the step's loss, already divided for gradient accumulation (TRL 1.16).
-
-    With `S = sum(per_token_loss * mask)` over the micro-batch of B rows and `k = accumulation_steps`:
-    - `grpo`: mean over rows of (row sum / row tokens), divided by k;
-    - `bnpo`: S / tokens of the micro-batch (`micro_batch_tokens` when given), divided by k;
-    - `dr_grpo`: S / (B x max_completion_length), divided by k;
-    - `dapo`: S / (generation_tokens x k / steps_per_generation), the tokens of one accumulation window's
-      share of the generation batch.
-    Summed over the k micro-batches of a step, grpo, dr_grpo and dapo give the same number as one micro-batch
-    holding all the rows, so changing k alone leaves the update as it was.
-
-    With N processes, each computes its own rows' share and data parallelism averages the N gradients, so
-    the token counts passed are the counts over all processes divided by N (`generation_tokens`,
-    `micro_batch_tokens`): the average of the N shares is then the one-process loss of all the rows.
-
-    Example: losses [[1, 2], [3, 0]], mask [[1, 1], [1, 0]], k = 2: grpo ((1.5 + 3) / 2) / 2 = 1.125;
-    bnpo (6 / 3) / 2 = 1.0, or with micro_batch_tokens 4 (another process holds 5 tokens: (3 + 5) / 2)
-    (6 / 4) / 2 = 0.75; dr_grpo with length 4: (6 / 8) / 2 = 0.375; dapo with 6 generation tokens and
-    steps_per_generation 2: 6 / (6 x 2 / 2) = 1.0.
-
-    Args:
-        per_token_loss: `[B, C]`.
-        mask: `[B, C]` 1 on tokens that count.
-        loss_type: grpo, bnpo, dr_grpo or dapo.
-        accumulation_steps: micro-batches accumulated into this optimizer step.
-        steps_per_generation: micro-batches the generation batch was cut into (dapo).
-        generation_tokens: tokens that count in the whole generation batch (dapo).
-        max_completion_length: dr_grpo's constant.
-        micro_batch_tokens: tokens that count in the micro-batch (bnpo; default: those of `mask`).
-    """
-    mask = mask.to(per_token_loss.dtype)
-    masked = per_token_loss * mask
-    if loss_type == "grpo":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation_steps
-    if loss_type == "bnpo":
-        tokens = mask.sum() if micro_batch_tokens is None else torch.as_tensor(float(micro_batch_tokens))
-        return masked.sum() / tokens.clamp(min=1.0) / accumulation_steps
-    if loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("loss_type=dr_grpo needs max_completion_length.")
-        return masked.sum() / (per_token_loss.size(0) * max_completion_length) / accumulation_steps
-    if loss_type == "dapo":
-        if generation_tokens is None:
-            raise ValueError("loss_type=dapo needs generation_tokens.")
-        return masked.sum() / (max(float(generation_tokens), 1.0) * accumulation_steps / steps_per_generation)
-    raise ValueError(f"loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}.")
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` over the positions where `mask` is 1 (0 when there are none)."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-# ---------------------------------------------------------------------------------------------------
 # Data: generation batches
 # ---------------------------------------------------------------------------------------------------
 
@@ -436,7 +279,7 @@ def collate_prompt_rows(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------------
 
 
-class GRPOTrainer(StageTrainer):
+class GRPOTrainer(OnlineTrainer):
     """`Trainer` that samples groups of completions, scores them and takes clipped policy-gradient steps.
 
     Args:
@@ -450,14 +293,15 @@ class GRPOTrainer(StageTrainer):
 
     # Each micro-batch's loss is divided for gradient accumulation by `aggregate_loss` itself.
     loss_is_scaled_for_ga = True
+    # Rewards -> advantages: the group-normalised estimator (`alignkit.rl.advantages.ADVANTAGE_ESTIMATORS`).
+    advantage_estimator = "group"
 
     def __init__(self, *args, grpo_args: GRPOArguments, reward_functions, stop_token_ids: Sequence[int],
                  **kwargs) -> None:
         kwargs.setdefault("data_collator", collate_prompt_rows)
-        super().__init__(*args, keep_reference_copy=grpo_args.beta != 0, **kwargs)
+        super().__init__(*args, reward_functions=reward_functions, stop_token_ids=stop_token_ids,
+                         log_completions=grpo_args.log_completions, keep_reference_copy=grpo_args.beta != 0, **kwargs)
         self.grpo_args = grpo_args
-        self.reward_functions = reward_functions
-        self.stop_token_ids = list(stop_token_ids)
         self.num_generations = grpo_args.num_generations
         self.steps_per_generation, self.generation_batch_size = resolve_generation_batch(
             self.args.per_device_train_batch_size, self.accelerator.num_processes, grpo_args.num_generations,
@@ -564,14 +408,8 @@ class GRPOTrainer(StageTrainer):
                                                      generation_kwargs=self.generation_kwargs, seed=seed,
                                                      first_row=first_row)
         else:
-            # Under ZeRO-3/FSDP: the sharded weights gathered once for the whole generation batch (given the
-            # DeepSpeed engine, whose per-module hooks would otherwise release each layer after its forward).
-            engine = self.model_wrapped if self.is_deepspeed_enabled else None
-            with full_weights(self.model, engine) as model:
-                generation = sample_completions(model, self.processing_class, prompt_ids,
-                                                stop_token_ids=self.stop_token_ids,
-                                                generation_kwargs=self.generation_kwargs, seed=seed,
-                                                first_row=first_row)
+            generation = self.sample(prompt_ids, generation_kwargs=self.generation_kwargs, seed=seed,
+                                     first_row=first_row)
         generation_time = time.perf_counter() - start
         self._step_generation_time += generation_time
 
@@ -584,18 +422,16 @@ class GRPOTrainer(StageTrainer):
         if self.grpo_args.mask_truncated_completions:
             completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
 
-        conversational = [bool(row["prompt_conversational"]) for row in rows]
-        prompts = trl_prompts([row["prompt_messages"] for row in rows], conversational)
-        completions = trl_completions(generation.texts, conversational)
         columns = {key: [row[key] for row in rows] for key in rows[0] if key not in PROMPT_COLUMNS}
         completion_id_lists = [ids[:n].tolist() for ids, n in zip(generation.completion_ids, lengths.tolist())]
-        per_function, rewards = score_completions(self.reward_functions, prompts, completions, columns,
-                                                  completion_id_lists, truncated.tolist())
+        prompts, completions, per_function, rewards = self.score(
+            [row["prompt_messages"] for row in rows], [bool(row["prompt_conversational"]) for row in rows],
+            generation.texts, columns, completion_id_lists, truncated.tolist())
         # Groups may straddle processes: normalise over the gathered batch, then keep this process's slice.
         gather = self.accelerator.gather
         all_per_function, all_rewards = gather(per_function.to(device)), gather(rewards.to(device))
-        all_advantages, std_is_zero = group_advantages(all_rewards, self.num_generations,
-                                                       self.grpo_args.scale_rewards)
+        all_advantages, std_is_zero = self.advantages(all_rewards, self.num_generations,
+                                                      self.grpo_args.scale_rewards)
         advantages = all_advantages[first_row:first_row + len(rows)]
 
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
@@ -616,11 +452,8 @@ class GRPOTrainer(StageTrainer):
             torch.stack([prompt_mask.sum() + lengths.sum(), completion_mask.sum()]).long(), reduction="sum")
         self.state.num_input_tokens_seen += int(token_counts[0].item())
         self._record_rollout_metrics(all_per_function, all_rewards, std_is_zero, all_lengths, all_truncated)
-        if self.grpo_args.log_completions:
-            all_prompts, all_completions = gather_object(prompts), gather_object(completions)
-            if self.is_world_process_zero():
-                self._append_completions(round_index, all_prompts, all_completions, all_per_function, all_rewards,
-                                         all_advantages)
+        self.write_completions(self.completion_records(self.state.global_step + 1, prompts, completions,
+                                                       per_function, rewards, advantages))
 
         # Shuffle (seeded per round) so each slice mixes groups, then cut into equal slices.
         generator = torch.Generator().manual_seed(rollout_seed(self.args.seed, round_index) + 1)
@@ -667,20 +500,6 @@ class GRPOTrainer(StageTrainer):
         metrics["frac_reward_zero_std"] = std_is_zero.float().mean().item()
         # A metric that is NaN this round (e.g. every value None) is left out rather than poisoning the mean.
         self.record_metrics({k: v for k, v in metrics.items() if not math.isnan(v)}, 1)
-
-    def _append_completions(self, round_index, prompts, completions, per_function, rewards, advantages) -> None:
-        """`log_completions`: one JSON line per completion in `output_dir/completions.jsonl`."""
-        path = Path(self.args.output_dir) / COMPLETIONS_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        names = self.reward_functions.names
-        with open(path, "a", encoding="utf-8") as f:
-            for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-                scores = {name: (None if math.isnan(v) else v) for name, v in zip(names, per_function[i].tolist())}
-                total = rewards[i].item()
-                f.write(json.dumps({"step": self.state.global_step, "round": round_index, "prompt": prompt,
-                                    "completion": completion, "rewards": scores,
-                                    "reward": None if math.isnan(total) else total,
-                                    "advantage": advantages[i].item()}, ensure_ascii=False) + "\n")
 
     # ---- the loss ----
 
@@ -811,12 +630,6 @@ __all__ = [
     "GRPOArguments",
     "check_config",
     "resolve_generation_batch",
-    "nan_std",
-    "group_advantages",
-    "clipped_surrogate",
-    "k3_kl",
-    "aggregate_loss",
-    "masked_mean",
     "GenerationBatchSampler",
     "GRPOTrainer",
     "run_grpo",

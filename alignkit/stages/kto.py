@@ -42,7 +42,6 @@ What this file simplifies, and why:
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +53,7 @@ from torch import nn
 
 from ..constants import IGNORE_INDEX
 from ..hparams import ConfigError
+from ..jsonl import write_jsonl
 from ..model.logprobs import forward_sequence_logps
 from .base import PREDICTIONS_FILE, StageTrainer, run_stage_trainer
 from .dpo import chosen_nll_loss
@@ -367,18 +367,16 @@ def save_unpaired_predictions(output_dir: str, rewards: Any, desirable: Any, dat
 
     rewards = np.asarray(rewards).reshape(-1).tolist()
     flags = np.asarray(desirable).reshape(-1).tolist()
-    path = Path(output_dir) / PREDICTIONS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for i, (reward, flag) in enumerate(zip(rewards, flags)):
-            row: dict[str, Any] = {}
-            if dataset is not None and tokenizer is not None:
-                prompt_ids, reply_ids = split_prompt_reply(dataset[i]["input_ids"], dataset[i]["labels"])
-                prompt, completion = tokenizer.batch_decode([prompt_ids, reply_ids], skip_special_tokens=True)
-                row = {"prompt": prompt, "completion": completion}
-            row.update(reward=round(reward, 6), desirable=bool(flag))
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return path
+    rows = []
+    for i, (reward, flag) in enumerate(zip(rewards, flags)):
+        row: dict[str, Any] = {}
+        if dataset is not None and tokenizer is not None:
+            prompt_ids, reply_ids = split_prompt_reply(dataset[i]["input_ids"], dataset[i]["labels"])
+            prompt, completion = tokenizer.batch_decode([prompt_ids, reply_ids], skip_special_tokens=True)
+            row = {"prompt": prompt, "completion": completion}
+        row.update(reward=round(reward, 6), desirable=bool(flag))
+        rows.append(row)
+    return write_jsonl(Path(output_dir) / PREDICTIONS_FILE, rows)
 
 
 def run_kto(config: "Config", callbacks: list["TrainerCallback"]) -> None:

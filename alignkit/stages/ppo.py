@@ -19,7 +19,7 @@ One PPO step, top to bottom (`PPOTrainer.train`):
 2. Score: the reward model reads each prompt + response at its last token (and/or `reward_funcs`).
 3. Old log-probs and values of the policy, reference log-probs with the adapter disabled; per-token reward
    `-kl_coef * (logp - ref_logp)` with the score added at the response's last token (`kl_penalty_rewards`).
-4. GAE over the response tokens (`gae_advantages`), advantages whitened.
+4. GAE over the response tokens (`alignkit.rl.advantages.gae_advantages`), advantages whitened.
 5. `ppo_epochs` passes over the rollout in shuffled batches of `per_device_train_batch_size x
    gradient_accumulation_steps` rows (run `mini_batch_size` rows at a time): clipped policy loss + `vf_coef` x
    clipped value loss, gradient clipping at `max_grad_norm`, one optimizer step per batch.
@@ -128,18 +128,20 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import numpy as np
 import torch
-from accelerate.utils import gather_object
 from torch import nn
 
 from ..constants import IGNORE_INDEX
 from ..rewards import RewardFunctionArguments
+from ..rl.record import COMPLETIONS_FILE
 from ..model.distributed import full_weights
-from .base import StageTrainer
-from .grpo import masked_mean  # one masked mean for both RL stages
+from .online import OnlineTrainer
+from ..rl.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
+from ..rl.losses import clipped_policy_loss, clipped_value_loss
+from ..rl.stats import RunningMoments, masked_mean, masked_whiten
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -149,7 +151,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PPO_STATE_FILE = "ppo_state.json"
-COMPLETIONS_FILE = "completions.jsonl"
 CRITIC_ADAPTER = "critic"
 
 
@@ -304,221 +305,8 @@ def check_config(config: "Config") -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Pure tensor functions
+# Response lengths (the length sampler); the pure maths of PPO is in `alignkit.rl`
 # ---------------------------------------------------------------------------------------------------
-
-
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of `values` over the masked positions, Bessel-corrected by default (as TRL 0.x's).
-
-    Example: values [2, 4, 6, 99], mask [1, 1, 1, 0]: mean 4, squared deviations 4, 0, 4;
-    biased 8 / 3, unbiased 8 / 2 = 4.
-
-    Raises:
-        ValueError: `unbiased` with fewer than two masked positions (the correction divides by n - 1).
-    """
-    mean = masked_mean(values, mask)
-    variance = masked_mean((values - mean) ** 2, mask)
-    if unbiased:
-        count = mask.sum()
-        if count < 2:
-            raise ValueError("whitening needs at least two response tokens in the rollout; raise the batch or "
-                             "the response lengths.")
-        variance = variance * count / (count - 1)
-    return variance
-
-
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
-                  reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
-    """Standardise `values` over the masked positions: `(x - mean) / sqrt(var + 1e-8)`, 0 where masked out.
-
-    Args:
-        values: [N, T] float.
-        mask: [N, T], 1 on response tokens.
-        shift_mean: False adds the mean back (scale only), as TRL 0.x whitened rewards.
-        reduce_sum: sums a tensor over all processes (each holding some rows of the batch), so mean and
-            variance are those of the whole batch; None: this batch alone.
-
-    Returns:
-        [N, T]. Example: values [2, 4, 6 | 99 masked]: mean 4, unbiased var 4 (std 2) -> [-1, 0, 1, 0];
-        with shift_mean=False -> [3, 4, 5, 0]. Split over two processes as [2, 4] and [6]: sums 6 + 6 = 12
-        over 2 + 1 = 3 tokens, mean 4; squared deviations 4 + 0 and 4, var 8 / 2 = 4: the same result.
-    """
-    if reduce_sum is None:
-        mean, variance = masked_mean(values, mask), masked_var(values, mask)
-    else:
-        mask_f = mask.to(values.dtype)
-        total, count = reduce_sum(torch.stack([(values * mask_f).sum(), mask_f.sum()])).unbind()
-        mean = total / count.clamp(min=1.0)
-        variance = reduce_sum(((values - mean) ** 2 * mask_f).sum()) / count.clamp(min=1.0)
-        if count < 2:
-            raise ValueError("whitening needs at least two response tokens in the rollout; raise the batch or "
-                             "the response lengths.")
-        variance = variance * count / (count - 1)
-    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened * mask.to(values.dtype)
-
-
-def response_last_index(mask: torch.Tensor) -> torch.Tensor:
-    """[N] position of each row's last response token (mask [N, T]).
-
-    Raises:
-        ValueError: a row has no response token.
-    """
-    if not bool(mask.ne(0).any(dim=1).all()):
-        raise ValueError("every response needs at least one token (a row's response mask is all zero).")
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    return (positions * mask.ne(0).long()).argmax(dim=1)
-
-
-def kl_penalty_rewards(
-    logps: torch.Tensor,
-    ref_logps: torch.Tensor,
-    scores: torch.Tensor,
-    mask: torch.Tensor,
-    kl_coef: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards: the KL penalty at every response token, the score added at the last one.
-
-    `kl_t = logp_t - ref_logp_t` (the sampled token's log-ratio, an unbiased estimate of KL(policy || ref)),
-    `r_t = -kl_coef * kl_t`, and `r_last += score` (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022, eq. 2).
-
-    Args:
-        logps: [N, T] the policy's log-probs of the response tokens at rollout time.
-        ref_logps: [N, T] the reference's.
-        scores: [N] one score per response (reward model and/or reward functions).
-        mask: [N, T] 1 on response tokens; each row needs at least one.
-        kl_coef: the KL coefficient beta.
-
-    Returns:
-        `(rewards, kl)`, both [N, T] and 0 outside the mask.
-
-    Example: logps [-1, -2], ref_logps [-1.5, -1], score 3, beta 0.1: kl = [0.5, -1],
-    rewards = [-0.05, 0.1 + 3] = [-0.05, 3.1].
-    """
-    mask_f = mask.to(logps.dtype)
-    kl = (logps - ref_logps) * mask_f
-    rewards = -kl_coef * kl
-    last = response_last_index(mask)
-    rows = torch.arange(rewards.shape[0], device=rewards.device)
-    rewards = rewards.index_put((rows, last), rewards[rows, last] + scores.to(rewards.dtype))
-    return rewards, kl
-
-
-def gae_advantages(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over the response tokens (Schulman et al. 2016, eqs. 11-16).
-
-    `delta_t = r_t + gamma * V_{t+1} - V_t` and `A_t = delta_t + gamma * lam * A_{t+1}`, where `V_{t+1}` and
-    `A_{t+1}` count as 0 when position t + 1 is not a response token (after the last one: the episode ends).
-    Returns are `A_t + V_t`, the value targets.
-
-    Args:
-        rewards: [N, T] per-token rewards (`kl_penalty_rewards`).
-        values: [N, T] the critic's values at rollout time.
-        mask: [N, T] 1 on response tokens.
-        gamma: discount.
-        lam: GAE's lambda.
-
-    Returns:
-        `(advantages, returns)`, [N, T], 0 outside the mask.
-
-    Example (gamma 1, lam 0.5):
-        row 1: rewards [0, 0, 1], values [0.5, 0.5, 0.5], mask [1, 1, 1]:
-            t=2: delta = 1 + 0 - 0.5 = 0.5, A = 0.5
-            t=1: delta = 0 + 0.5 - 0.5 = 0, A = 0 + 0.5 * 0.5 = 0.25
-            t=0: delta = 0, A = 0.5 * 0.25 = 0.125; returns [0.625, 0.75, 1.0]
-        row 2: rewards [0, 2, 0], values [1, 0.5, 9], mask [1, 1, 0]:
-            t=2 masked: A = 0
-            t=1: delta = 2 + 0 - 0.5 = 1.5 (t=2 is past the end), A = 1.5
-            t=0: delta = 0 + 0.5 - 1 = -0.5, A = -0.5 + 0.5 * 1.5 = 0.25; returns [1.25, 2.0, 0]
-    """
-    mask_f = mask.to(values.dtype)
-    values = values * mask_f
-    length = rewards.shape[1]
-    advantages = torch.zeros_like(values)
-    next_advantage = torch.zeros_like(values[:, 0])
-    next_value = torch.zeros_like(values[:, 0])
-    for t in reversed(range(length)):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = (delta + gamma * lam * next_advantage) * mask_f[:, t]
-        advantages[:, t] = advantage
-        # What position t - 1 sees as "next": this position's value and advantage, or 0 past the end.
-        next_value, next_advantage = values[:, t], advantage
-    returns = (advantages + values) * mask_f
-    return advantages, returns
-
-
-def clipped_policy_loss(
-    logps: torch.Tensor,
-    old_logps: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cliprange: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate (Schulman et al. 2017, eq. 7), as a loss averaged over response tokens.
-
-    `ratio = exp(logp - old_logp)`, `loss = mean_t max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))`.
-
-    Args:
-        logps: [N, T] the policy's log-probs now (differentiable).
-        old_logps: [N, T] at rollout time.
-        advantages: [N, T].
-        mask: [N, T] 1 on response tokens.
-        cliprange: eps.
-
-    Returns:
-        `(loss, clipfrac, approxkl)`: the loss; the share of tokens where the clipped term was taken;
-        `0.5 * mean (logp - old_logp)^2`, the usual estimate of KL(old || new).
-
-    Example (eps 0.2): A [1, -1, 2], ratio [1.5, 0.5, 1]:
-        -A * ratio = [-1.5, 0.5, -2], -A * clip = [-1.2, 0.8, -2], max = [-1.2, 0.8, -2],
-        loss = (-1.2 + 0.8 - 2) / 3 = -0.8; clipped where the second is larger: 2 of 3;
-        approxkl = 0.5 * (ln(1.5)^2 + ln(0.5)^2 + 0) / 3 = 0.5 * (0.164402 + 0.480453) / 3 = 0.107476.
-    """
-    log_ratio = (logps - old_logps) * mask.to(logps.dtype)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
-    clipfrac = masked_mean((clipped > unclipped).to(logps.dtype), mask)
-    approxkl = 0.5 * masked_mean(log_ratio ** 2, mask)
-    return loss, clipfrac.detach(), approxkl.detach()
-
-
-def clipped_value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    cliprange_value: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The clipped value loss of OpenAI's PPO baselines (as in TRL 0.x), averaged over response tokens.
-
-    `v_clip = old_v + clip(v - old_v, -c, c)`, `loss = 0.5 * mean_t max((v - R)^2, (v_clip - R)^2)`.
-
-    Args:
-        values: [N, T] the critic now (differentiable).
-        old_values: [N, T] at rollout time.
-        returns: [N, T] targets (`gae_advantages`).
-        mask: [N, T] 1 on response tokens.
-        cliprange_value: c.
-
-    Returns:
-        `(loss, clipfrac)`: clipfrac is the share of tokens where the clipped error was the larger.
-
-    Example (c 0.2): v [1, 0], old [0.5, 0], R [2, 1]: v_clip = [0.7, 0], errors (v - R)^2 = [1, 1] and
-    (v_clip - R)^2 = [1.69, 1], max = [1.69, 1], loss = 0.5 * 2.69 / 2 = 0.6725, clipfrac 1 / 2 = 0.5.
-    """
-    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
-    unclipped_error = (values - returns) ** 2
-    clipped_error = (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask)
-    clipfrac = masked_mean((clipped_error > unclipped_error).to(values.dtype), mask)
-    return loss, clipfrac.detach()
 
 
 def truncate_to_lengths(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -549,82 +337,6 @@ def sample_response_lengths(low: int, high: int, count: int, seed: int, step: in
         raise ValueError(f"response lengths [{low}, {high}]: need 1 <= low <= high.")
     rng = np.random.default_rng([seed, step])
     return torch.as_tensor(rng.integers(low, high + 1, size=count), dtype=torch.long)
-
-
-class FixedKLController:
-    """A constant KL coefficient (`adap_kl_ctrl: false`)."""
-
-    def __init__(self, kl_coef: float) -> None:
-        self.value = float(kl_coef)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        """Nothing changes."""
-
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = float(state["value"])
-
-
-class AdaptiveKLController(FixedKLController):
-    """Ziegler et al. 2019's adaptive KL coefficient (section 2.2): steer the measured KL towards `target`.
-
-    After each rollout of `n_steps` samples with mean (per-response, summed over tokens) KL `kl`:
-    `err = clip(kl / target - 1, -0.2, 0.2)`, `kl_coef *= 1 + err * n_steps / horizon`.
-
-    Example (init 0.2, target 6, horizon 10000): kl 9, n_steps 256: err = clip(0.5) = 0.2,
-    coef = 0.2 * (1 + 0.2 * 256 / 10000) = 0.2 * 1.00512 = 0.201024; then kl 5.4: err = -0.1,
-    coef = 0.201024 * (1 - 0.1 * 256 / 10000) = 0.201024 * 0.99744 = 0.2005094.
-    """
-
-    def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
-        super().__init__(init_kl_coef)
-        self.target = float(target)
-        self.horizon = int(horizon)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
-
-
-class RunningMoments:
-    """Running mean and (Bessel-corrected) standard deviation of every score seen (`ppo_score_norm`).
-
-    Batches are merged with Chan et al.'s parallel formula, so the result equals the moments of all values
-    at once. Example: [1, 2, 3] -> mean 2, std 1; then [5] -> over 1, 2, 3, 5: mean 2.75, squared deviations
-    3.0625 + 0.5625 + 0.0625 + 5.0625 = 8.75, std sqrt(8.75 / 3) = 1.707825.
-    """
-
-    def __init__(self) -> None:
-        self.mean, self.m2, self.count = 0.0, 0.0, 0
-
-    @property
-    def std(self) -> float:
-        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
-
-    def update(self, values: torch.Tensor) -> None:
-        values = values.detach().double().flatten()
-        n = values.numel()
-        if n == 0:
-            return
-        batch_mean = values.mean().item()
-        batch_m2 = ((values - batch_mean) ** 2).sum().item()
-        total = self.count + n
-        delta = batch_mean - self.mean
-        self.mean += delta * n / total
-        self.m2 += batch_m2 + delta ** 2 * self.count * n / total
-        self.count = total
-
-    def normalize(self, values: torch.Tensor) -> torch.Tensor:
-        """`(values - mean) / (std + 1e-8)` with the moments as they stand."""
-        return (values - self.mean) / (self.std + 1e-8)
-
-    def state_dict(self) -> dict[str, float]:
-        return {"mean": self.mean, "m2": self.m2, "count": self.count}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.mean, self.m2, self.count = float(state["mean"]), float(state["m2"]), int(state["count"])
 
 
 def pack_right(
@@ -753,7 +465,7 @@ class Rollout:
 # ---------------------------------------------------------------------------------------------------
 
 
-class PPOTrainer(StageTrainer):
+class PPOTrainer(OnlineTrainer):
     """PPO's loop on the Trainer's optimizer, scheduler, state, callbacks, checkpoints and logging.
 
     Args:
@@ -766,12 +478,16 @@ class PPOTrainer(StageTrainer):
         *args, **kwargs: as for `transformers.Trainer` (`train_dataset`: prompt rows).
     """
 
+    # Rewards -> advantages: GAE over the critic's values (`alignkit.rl.advantages.ADVANTAGE_ESTIMATORS`).
+    advantage_estimator = "gae"
+
     def __init__(self, *args, ppo_args: PPOArguments, reward_functions, formatter, value_head,
                  max_new_tokens: int, **kwargs) -> None:
         # A full/freeze policy needs a frozen copy as its reference (under LoRA the adapter is disabled instead; under
         # ZeRO-3 the copy is a second, partitioned load, gathered for each reference pass: `StageTrainer`).
         kwargs.setdefault("keep_reference_copy", True)
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, reward_functions=reward_functions, stop_token_ids=formatter.stop_token_ids(),
+                         log_completions=ppo_args.log_completions, **kwargs)
         # As in `check_config`, for set-ups that come from `accelerate launch --config_file` rather than the keys.
         reason = FSDP_REFUSAL if self.is_fsdp_enabled and not self.accelerator.is_fsdp2 else None
         if self.is_deepspeed_enabled:
@@ -781,10 +497,8 @@ class PPOTrainer(StageTrainer):
 
             raise ConfigError(reason)
         self.ppo_args = ppo_args
-        self.reward_functions = reward_functions
         self.formatter = formatter
         self.value_head = value_head
-        self.stop_token_ids = formatter.stop_token_ids()
         low_high = ppo_args.response_length_range
         self.max_response_tokens = low_high[1] if low_high else max_new_tokens
         self.kl_ctl = (AdaptiveKLController(ppo_args.init_kl_coef, ppo_args.ppo_target, ppo_args.horizon)
@@ -928,7 +642,8 @@ class PPOTrainer(StageTrainer):
     def make_rollout(self, step: int) -> tuple[Rollout, dict[str, Any], list[dict[str, Any]]]:
         """Generate, score and evaluate one rollout; returns it, its metrics and its completion records."""
         from ..data.collator import _pad_id
-        from .rollout import rollout_seed, sample_completions, score_completions, trl_completions, trl_prompts
+        from ..rl.rollout import rollout_seed
+        from .online import PROMPT_COLUMNS
 
         rows = self.rollout_rows(step)
         # Under ZeRO-3 the weights are gathered once for the whole rollout (generation, the reward model's
@@ -941,8 +656,8 @@ class PPOTrainer(StageTrainer):
             for reward_model in self._standalone_reward_models():
                 gathered.enter_context(full_weights(reward_model))
             start = time.perf_counter()
-            generation = sample_completions(
-                self.model, self.processing_class, rows["input_ids"], stop_token_ids=self.stop_token_ids,
+            generation = self.sample(
+                rows["input_ids"],
                 # The policy's own distribution: the log-probs, ratios and KL below are those of what was sampled.
                 generation_kwargs={"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
                                    "max_new_tokens": self.max_response_tokens},
@@ -960,14 +675,11 @@ class PPOTrainer(StageTrainer):
             response_ids = [row[m.bool()].tolist()
                             for row, m in zip(generation.completion_ids.cpu(), response_mask.cpu())]
             texts = self.processing_class.batch_decode(response_ids, skip_special_tokens=True)
-            conversational = rows.get("prompt_conversational", [True] * len(texts))
-            prompts = trl_prompts(rows["prompt_messages"], conversational)
-            columns = {k: v for k, v in rows.items()
-                       if k not in ("input_ids", "attention_mask", "prompt_messages", "prompt_conversational")}
+            columns = {k: v for k, v in rows.items() if k not in PROMPT_COLUMNS}
             truncated = [not any(t in self.stop_token_ids for t in ids) for ids in response_ids]
-            per_function, raw_scores = score_completions(self.reward_functions, prompts,
-                                                         trl_completions(texts, conversational), columns,
-                                                         completion_ids=response_ids, truncated=truncated)
+            prompts, completions, per_function, raw_scores = self.score(
+                rows["prompt_messages"], rows.get("prompt_conversational", [True] * len(texts)), texts, columns,
+                response_ids, truncated)
             # The whole rollout's scores (all processes), for the check below, the score moments and the metrics.
             all_scores = self._gather(raw_scores.to(self.args.device))
             if torch.isnan(all_scores).any():
@@ -1002,7 +714,7 @@ class PPOTrainer(StageTrainer):
         reduce_sum = self._sum if self.num_processes > 1 else None
         if self.ppo_args.ppo_whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False, reduce_sum=reduce_sum)
-        advantages, returns = gae_advantages(rewards, values * mask, mask, self.ppo_args.gamma, self.ppo_args.lam)
+        advantages, returns = self.advantages(rewards, values * mask, mask, self.ppo_args.gamma, self.ppo_args.lam)
         if self.ppo_args.whiten_advantages:
             advantages = masked_whiten(advantages, mask, reduce_sum=reduce_sum)
         rollout = Rollout(input_ids, attention_mask, labels, mask, logps, ref_logps, values * mask, advantages,
@@ -1012,23 +724,26 @@ class PPOTrainer(StageTrainer):
         lengths = self._gather(mask.sum(dim=1))
         all_per_function = self._gather(per_function.to(device))
         all_scores = all_scores.float()
+        # The online stages' shared names (TRL's GRPO names) where the concept is the same; PPO's own under `objective/`.
         metrics = {
+            "reward": all_scores.mean().item(),
+            "reward_std": all_scores.std().item() if all_scores.numel() > 1 else 0.0,
+            # KL to the reference per response token (GRPO's `kl` unit), from the sampled tokens' log-ratios.
+            "kl": (all_kl.sum() / lengths.sum().clamp(min=1)).item(),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            # The KL summed over each response, averaged: what the adaptive controller steers to ppo_target.
             "objective/kl": all_kl.mean().item(),
             "objective/kl_coef": kl_coef,
             # TRL 0.x's estimate: the sampled tokens' negative log-probs summed over each response.
             "objective/entropy": all_entropy.mean().item(),
-            "reward/mean": all_scores.mean().item(),
-            "reward/std": all_scores.std().item() if all_scores.numel() > 1 else 0.0,
-            "response_length/mean": lengths.mean().item(),
-            "response_length/min": lengths.min().item(),
-            "response_length/max": lengths.max().item(),
             "time/generation": generation_time,
         }
         for name, column in zip(self.reward_functions.names, all_per_function.T):
             metrics[f"rewards/{name}/mean"] = torch.nanmean(column).item()
-        records = [{"step": step + 1, "prompt": prompt, "completion": text, "reward": raw.item(),
-                    **{name: (None if math.isnan(v) else v) for name, v in zip(self.reward_functions.names, row)}}
-                   for prompt, text, raw, row in zip(prompts, texts, raw_scores, per_function.tolist())]
+        # GAE's advantages are per token: the records carry none.
+        records = self.completion_records(step + 1, prompts, completions, per_function, raw_scores)
         self.state.num_input_tokens_seen += int(self._sum(attention_mask.sum().to(device)).item())
         # Scoring plus the rollout's policy, critic and reference passes.
         metrics["time/scoring"] = time.perf_counter() - start
@@ -1055,7 +770,7 @@ class PPOTrainer(StageTrainer):
                 # (over all processes), so the update is the token mean over the backward batch whatever
                 # mini_batch_size is and however the batch is spread over processes.
                 batch_tokens = self._sum(rollout.mask[batch_index].sum()).clamp(min=1)
-                stats = {k: 0.0 for k in ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "policy/clipfrac",
+                stats = {k: 0.0 for k in ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "clip_ratio/region_mean",
                                           "policy/approxkl", "val/clipfrac", "val/mean")}
                 micro_starts: list[Optional[int]] = list(range(0, len(batch_index), self.mini_batch_size))
                 if self.is_deepspeed_enabled or self.accelerator.is_fsdp2:
@@ -1085,7 +800,7 @@ class PPOTrainer(StageTrainer):
                     else:
                         self.accelerator.backward(loss * share)
                     for key, value in (("ppo/loss/policy", policy_loss), ("ppo/loss/value", value_loss),
-                                       ("ppo/loss/total", loss), ("policy/clipfrac", policy_clipfrac),
+                                       ("ppo/loss/total", loss), ("clip_ratio/region_mean", policy_clipfrac),
                                        ("policy/approxkl", approxkl), ("val/clipfrac", value_clipfrac),
                                        ("val/mean", masked_mean(values.detach(), micro.mask))):
                         stats[key] += value.detach().item() * share.item()
@@ -1148,11 +863,6 @@ class PPOTrainer(StageTrainer):
             self._resume(resume_from_checkpoint)
         self.state.init_training_references(self, max_steps, math.ceil(max_steps / self.steps_per_epoch), trial)
         self.state.max_steps = max_steps
-        if self.is_world_process_zero():
-            from ..callbacks import truncate_log
-
-            # Steps past the checkpoint (or every step, starting afresh) run again: drop what a killed run logged.
-            truncate_log(args.output_dir, self.state.global_step, COMPLETIONS_FILE, "step")
         self._initial_num_input_tokens_seen = self.state.num_input_tokens_seen
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, first_step = time.time(), self.state.global_step
@@ -1168,10 +878,7 @@ class PPOTrainer(StageTrainer):
             # The global mean KL and rollout size: every process updates kl_coef alike.
             self.kl_ctl.update(metrics["objective/kl"], self.global_rollout_size)
             self.lr_scheduler.step()
-            if self.ppo_args.log_completions:
-                records = gather_object(records) if self.num_processes > 1 else records
-                if self.is_world_process_zero():
-                    _append_jsonl(Path(args.output_dir) / COMPLETIONS_FILE, records)
+            self.write_completions(records)
             grad_norm = stats.pop("grad_norm", None)
             # Global values on every process: the cross-process mean in `log()` leaves them as they are.
             self.record_metrics({**metrics, **stats}, self.global_rollout_size)
@@ -1365,13 +1072,6 @@ def _stateless_optimizer_groups(checkpoint: str | os.PathLike) -> Optional[list[
     return None if saved.get("state") else saved["param_groups"]
 
 
-def _append_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-
 # ---------------------------------------------------------------------------------------------------
 # Stage entry point
 # ---------------------------------------------------------------------------------------------------
@@ -1465,19 +1165,8 @@ def run_ppo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
 __all__ = [
     "PPOArguments",
     "check_config",
-    "masked_mean",
-    "masked_var",
-    "masked_whiten",
-    "response_last_index",
-    "kl_penalty_rewards",
-    "gae_advantages",
-    "clipped_policy_loss",
-    "clipped_value_loss",
     "truncate_to_lengths",
     "sample_response_lengths",
-    "FixedKLController",
-    "AdaptiveKLController",
-    "RunningMoments",
     "pack_right",
     "policy_forward",
     "Rollout",

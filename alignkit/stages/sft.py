@@ -23,7 +23,6 @@ module adds to `transformers.Trainer`:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from typing import Any
@@ -34,6 +33,7 @@ from transformers import InfNanRemoveLogitsProcessor, LogitsProcessorList
 
 from ..constants import IGNORE_INDEX
 from ..hparams import Config, ConfigError, GeneratingArguments
+from ..jsonl import write_jsonl
 from ..metrics import argmax_logits, compute_token_accuracy, decode_token_ids, similarity_metrics
 from ..model.generation import generate, stop_token_ids
 from ..model.logprobs import forward_sequence_logps
@@ -181,11 +181,8 @@ class SFTTrainer(StageTrainer):
         prompts = tokenizer.batch_decode(list(dataset["input_ids"]), skip_special_tokens=False)
         predictions = decode_token_ids(tokenizer, predict_results.predictions)
         labels = decode_token_ids(tokenizer, predict_results.label_ids)
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            for prompt, predict, label in zip(prompts, predictions, labels):
-                record = {"prompt": prompt, "predict": predict.strip(), "label": label.strip()}
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        write_jsonl(path, ({"prompt": prompt, "predict": predict.strip(), "label": label.strip()}
+                           for prompt, predict, label in zip(prompts, predictions, labels)))
         return path
 
 

@@ -1,7 +1,7 @@
 """GRPO and PPO under torchrun on the CPU (gloo): 2 processes x batch b must equal 1 process x batch 2b.
 
 Generation samples (temperature 1), but each completion is drawn under a seed of its own, from the round and
-its place in the global batch (`alignkit.stages.rollout.row_seeds`), so the same completions come out
+its place in the global batch (`alignkit.rl.rollout.row_seeds`), so the same completions come out
 however the batch is spread over processes; the comparison is exact up to float summation order. The
 reward is a function of the token ids, so it differs between the completions of a random tiny model (an
 accuracy reward would be 0 everywhere and every advantage 0).

@@ -36,6 +36,14 @@ STAGES = {
     "rm": ["stage=rm", "dataset=demo_pref"],
     "dpo": ["stage=dpo", "dataset=demo_pref"],
 }
+# The online stages, each logging its completions; the reward file is written by `online_reward`.
+ONLINE_STAGES = {
+    "grpo": ["stage=grpo", "dataset=demo_math", "num_generations=2", "max_completion_length=8"],
+    "ppo": ["stage=ppo", "dataset=demo_math", "max_new_tokens=8", "ppo_epochs=1"],
+}
+# A reward that varies between completions of a random model and depends on nothing but the token ids.
+REWARD_SOURCE = ("def token_sum_reward(completions, completion_ids, **kwargs):\n"
+                 "    return [float(sum(ids) % 5) for ids in completion_ids]\n")
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +52,19 @@ def cli(tiny_model_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("fault_home")
     config = home / "empty.yaml"
     config.write_text("{}\n")
+    reward_file = home / "token_reward.py"
+    reward_file.write_text(REWARD_SOURCE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                ALIGNKIT_HOME=str(home), ALIGNKIT_DATA_CACHE=str(home / "data_cache"), HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
 
     def run(out, stage, *overrides, wait=True):
+        stage_keys = STAGES[stage] if stage in STAGES else [*ONLINE_STAGES[stage], "log_completions=true",
+                                                             f"reward_funcs={reward_file}:token_sum_reward"]
         args = [sys.executable, "-m", "alignkit", "train", str(config), f"model_name_or_path={tiny_model_dir}",
                 f"dataset_dir={ROOT / 'data'}", f"output_dir={out}", "do_train=true", "finetuning_type=lora",
                 "cutoff_len=128", "max_samples=24", "per_device_train_batch_size=2", "save_steps=2",
-                f"max_steps={STEPS}", "learning_rate=1e-3", "seed=0", "disable_tqdm=true", *STAGES[stage], *overrides]
+                f"max_steps={STEPS}", "learning_rate=1e-3", "seed=0", "disable_tqdm=true", *stage_keys, *overrides]
         # SIGINT as a terminal delivers it, even where this test process was started with SIGINT ignored (a
         # background job of a non-interactive shell): Python turns it into KeyboardInterrupt only if not ignored.
         proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -284,3 +296,48 @@ def test_divergence_stops_with_an_error_and_leaves_nothing_non_finite(cli, tmp_p
     assert "alignkit: error: training diverged at step" in output and "Traceback" not in output, output
     assert not (out / "adapter_model.safetensors").exists()  # no final model
     assert_clean_outputs(out)
+
+
+def completions(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("stage", list(ONLINE_STAGES))
+def test_online_completions_appear_once_after_kill_and_resume(cli, tmp_path, stage):
+    """An online stage killed after a generation round that lies past its last checkpoint (checkpoint-2; step 3
+    generated, scored, logged its completions and trained) regenerates that round on resume: `completions.jsonl`
+    must then hold it once, as the uninterrupted run does, row for row. A run with overwrite_output_dir over a
+    finished one starts the file afresh."""
+    reference = tmp_path / "reference"
+    rc, output = cli(reference, stage)
+    assert rc == 0, output
+    want = completions(reference)
+
+    out = tmp_path / "killed"
+    kill_when(cli(out, stage, wait=False), step_logged(out, 3), "step 3")
+    assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-4").exists(), "the kill came too late"
+    rc, output = cli(out, stage)
+    assert rc == 0 and "Resuming from" in output, output
+    assert completions(out) == want
+    assert_bit_equal(adapter(out), adapter(reference))
+
+    rc, output = cli(out, stage, "overwrite_output_dir=true")
+    assert rc == 0, output
+    assert completions(out) == want
+    # One schema for every online stage: 1-based steps, each completion's rewards by name.
+    assert sorted({row["step"] for row in want}) == list(range(1, STEPS + 1))
+    assert len(want) == STEPS * 2 and all(set(row["rewards"]) == {"token_sum_reward"} for row in want)
+
+
+def test_a_reward_beyond_float32_stops_the_run_naming_function_and_row(cli, tmp_path):
+    """1e39 is a finite Python float but inf in the float32 rewards are kept in: the run must stop with the
+    function and row named, before anything non-finite is logged or written (issue 31, item 5)."""
+    huge = tmp_path / "huge_reward.py"
+    huge.write_text("def huge(completions, **kwargs):\n    return [1e39] + [0.0] * (len(completions) - 1)\n")
+    out = tmp_path / "huge"
+    rc, output = cli(out, "grpo", f"reward_funcs={huge}:huge")
+    assert rc != 0
+    assert "reward function huge: row 0" in output and "float32" in output, output[-3000:]
+    assert "Traceback" not in output
+    path = out / "completions.jsonl"
+    assert not path.exists() or "Infinity" not in path.read_text()

@@ -23,9 +23,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from alignkit.hparams import parse_config
 from alignkit.rewards import RewardFunction, RewardFunctions
-from alignkit.stages import grpo as grpo_module
+from alignkit.stages import online as online_module
 from alignkit.stages.grpo import GRPOTrainer
-from alignkit.stages.rollout import generation_from_token_lists
+from alignkit.rl.rollout import generation_from_token_lists
 
 pytestmark = pytest.mark.parity
 trl = pytest.importorskip("trl")
@@ -123,7 +123,7 @@ def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, **method):
     def sample(model, tok, prompt_ids, **kwargs):
         return generation_from_token_lists(tokenizer, prompt_ids, injector(prompt_ids), stop_ids)
 
-    monkeypatch.setattr(grpo_module, "sample_completions", sample)
+    monkeypatch.setattr(online_module, "sample_completions", sample)  # what `OnlineTrainer.sample` calls
     dataset = Dataset.from_list([
         {"input_ids": ids, "attention_mask": [1] * len(ids), "prompt_messages": [{"role": "user", "content": p}],
          "prompt_conversational": True} for p, ids in zip(PROMPTS, _prompt_ids(tokenizer))])

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from alignkit.callbacks import read_log
 from alignkit.hparams import parse_config
 from alignkit.stages import grpo as grpo_module
+from alignkit.stages import online as online_module
 from alignkit.train import run_train
 
 # A reward that varies between completions of a random model and depends on nothing but the token ids.
@@ -51,7 +52,8 @@ def count_generations(monkeypatch):
     """Counts calls of the rollout sampler (one per generation batch), and checks that each runs inside one
     `full_weights` block of its own (under ZeRO-3/FSDP: the shards gathered once per generation batch)."""
     calls, blocks = [], []
-    original, original_full_weights = grpo_module.sample_completions, grpo_module.full_weights
+    # The online base class samples for GRPO (`OnlineTrainer.sample`).
+    original, original_full_weights = online_module.sample_completions, online_module.full_weights
 
     @contextlib.contextmanager
     def recording_full_weights(model, engine=None):
@@ -66,8 +68,8 @@ def count_generations(monkeypatch):
         calls.append(len(prompt_ids))
         return original(model, tokenizer, prompt_ids, **kwargs)
 
-    monkeypatch.setattr(grpo_module, "sample_completions", counting)
-    monkeypatch.setattr(grpo_module, "full_weights", recording_full_weights)
+    monkeypatch.setattr(online_module, "sample_completions", counting)
+    monkeypatch.setattr(online_module, "full_weights", recording_full_weights)
     yield calls
     assert blocks == ["closed"] * len(calls)
 
@@ -102,7 +104,8 @@ def test_grpo_trains_logs_and_generates_once_per_generation_batch(tiny_model_dir
     assert any(r["kl"] > 0 for r in records[1:])
 
     lines = [json.loads(line) for line in (out / grpo_module.COMPLETIONS_FILE).read_text().splitlines()]
-    assert len(lines) == 16 and {line["round"] for line in lines} == {0, 1}
+    # One record per completion, under the (1-based) step that first trained on it: rounds at steps 1 and 5.
+    assert len(lines) == 16 and {line["step"] for line in lines} == {1, 5}
     assert set(lines[0]["rewards"]) == {"token_sum_reward", "accuracy"}
     assert lines[0]["prompt"].startswith("What is ")  # a TRL `prompt` string stays a string
     assert isinstance(lines[0]["completion"], str)
@@ -156,10 +159,11 @@ def test_accumulation_alone_does_not_change_the_update(loss_type, tiny_model_dir
 
 
 def _rounds(out: Path) -> dict[int, list]:
+    """Completion records by round (a round's records carry the step that first trained on it)."""
     by_round: dict[int, list] = {}
     for line in (out / grpo_module.COMPLETIONS_FILE).read_text().splitlines():
         record = json.loads(line)
-        by_round.setdefault(record["round"], []).append((record["completion"], record["rewards"],
+        by_round.setdefault(record["step"], []).append((record["completion"], record["rewards"],
                                                          record["advantage"]))
     return by_round
 

@@ -154,13 +154,14 @@ def _assert_rewards_are_alignkit_scores(trainer, reward_dir):
     before = trainer.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.labels, grad=False)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     scorer = RewardScorer(reward_dir)
-    expected = scorer.score([r["prompt"] for r in records], [r["completion"] for r in records])
+    # Records hold completions in TRL's shapes: the assistant message of a conversational prompt.
+    expected = scorer.score([r["prompt"] for r in records], [r["completion"][-1]["content"] for r in records])
     # `alignkit score` merges the adapters into the weights (rounded in fp32), the switched-in adapter adds its
     # delta to the activations: with these deliberately large random adapters that alone reaches ~1e-5 at a
     # reward of 1, so the bound is 1e-5 absolute plus 1e-5 relative, as in test_named_adapters.
     torch.testing.assert_close(torch.tensor([r["reward"] for r in records]), torch.tensor(expected),
                                rtol=1e-5, atol=1e-5)
-    assert metrics["reward/mean"] == pytest.approx(sum(expected) / len(expected), abs=2e-5)
+    assert metrics["reward"] == pytest.approx(sum(expected) / len(expected), abs=2e-5)
     trainer.reward_functions(["Hi"], [[{"role": "assistant", "content": "Hello"}]], {})  # another scoring pass
     after = trainer.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.labels, grad=False)
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
@@ -212,7 +213,7 @@ def test_only_policy_and_critic_change(critic, tiny_model_dir, prompts_file, rew
     assert torch.equal(reward_head, reward_function.reward.head.weight)
 
 
-COMPARED = ("loss", "reward/mean", "objective/kl", "objective/kl_coef", "ppo/loss/value", "val/mean",
+COMPARED = ("loss", "reward", "objective/kl", "objective/kl_coef", "ppo/loss/value", "val/mean",
             "learning_rate", "grad_norm")
 
 
@@ -290,8 +291,9 @@ def test_end_to_end(critic, tiny_model_dir, prompts_file, reward_from_sft_dir, s
     assert (out / "critic").is_dir() == (critic == "adapter")
     record = [r for r in read_log(out) if "loss" in r][-1]
     for key in ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "objective/kl", "objective/kl_coef",
-                "objective/entropy", "reward/mean", "reward/std", "policy/clipfrac", "policy/approxkl",
-                "val/clipfrac", "val/mean", "response_length/mean", "time/generation", "time/training",
+                "objective/entropy", "reward", "reward_std", "kl", "clip_ratio/region_mean", "policy/approxkl",
+                "val/clipfrac", "val/mean", "completions/mean_length", "completions/min_length",
+                "completions/max_length", "time/generation", "time/training",
                 "rewards/rm_sft/mean", "rewards/format/mean"):
         assert key in record and record[key] is not None, key
     state = json.loads((out / "trainer_state.json").read_text())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from alignkit.stages.rollout import completion_logps
+from alignkit.rl.rollout import completion_logps
 
 
 def _batch(completion_len: int):
@@ -83,7 +83,7 @@ def lora_policy(tiny_model_dir, tmp_path, save_perturbed_adapter):
 def test_long_batches_take_the_padded_shared_prompt_pass(lora_policy, monkeypatch):
     """Past `_PACKED_ROW_TOKENS` the padding-free row is not built: the prompt pass (3 distinct prompts of 5
     columns) and the completion pass on its cache run instead, with the same log-probs."""
-    from alignkit.stages import rollout
+    from alignkit.rl import rollout
 
     batch = _batch(6)
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""GRPO's pure functions against hand-computed numbers: advantages, clipping, k3 KL, the four aggregations."""
+"""GRPO's pure functions against hand-computed numbers: advantages, clipping, k3 KL, the four aggregations (their
+home is `alignkit.rl`), and GRPO's generation batches and rollout pieces."""
 
 from __future__ import annotations
 
@@ -8,16 +9,12 @@ import pytest
 import torch
 
 from alignkit.hparams import ConfigError, parse_config
-from alignkit.stages.grpo import (
-    GenerationBatchSampler,
-    aggregate_loss,
-    clipped_surrogate,
-    group_advantages,
-    k3_kl,
-    nan_std,
-    resolve_generation_batch,
-)
-from alignkit.stages.rollout import (
+from alignkit.rl.advantages import ADVANTAGE_ESTIMATORS, group_advantages
+from alignkit.rl.kl import k3_kl
+from alignkit.rl.losses import aggregate_loss, clipped_surrogate
+from alignkit.rl.stats import nan_std
+from alignkit.stages.grpo import GenerationBatchSampler, resolve_generation_batch
+from alignkit.rl.rollout import (
     generation_from_token_lists,
     rollout_seed,
     row_seeds,
@@ -44,6 +41,13 @@ def test_group_advantages_per_group():
     expected = 1 / (math.sqrt(2) + 1e-4)
     assert advantages.tolist() == pytest.approx([-expected, expected, 0.0, 0.0], abs=1e-6)
     assert zero.tolist() == [False, False, True, True]
+
+
+def test_grpo_takes_its_advantages_from_the_estimator_registry():
+    """GRPO names its estimator; the registry entry is the group-normalised one."""
+    from alignkit.stages.grpo import GRPOTrainer
+
+    assert ADVANTAGE_ESTIMATORS[GRPOTrainer.advantage_estimator] is group_advantages
 
 
 def test_group_advantages_batch_and_none():

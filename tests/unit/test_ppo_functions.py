@@ -1,4 +1,5 @@
-"""PPO's pure functions against numbers worked out by hand (the arithmetic is in each docstring)."""
+"""PPO's pure functions against numbers worked out by hand (the arithmetic is in each docstring); the maths lives in
+`alignkit.rl`, the length sampler and the forward in the stage."""
 
 from __future__ import annotations
 
@@ -7,20 +8,11 @@ import math
 import pytest
 import torch
 
-from alignkit.stages.ppo import (
-    AdaptiveKLController,
-    FixedKLController,
-    RunningMoments,
-    clipped_policy_loss,
-    clipped_value_loss,
-    gae_advantages,
-    kl_penalty_rewards,
-    masked_mean,
-    masked_var,
-    masked_whiten,
-    sample_response_lengths,
-    truncate_to_lengths,
-)
+from alignkit.rl.advantages import ADVANTAGE_ESTIMATORS, gae_advantages
+from alignkit.rl.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
+from alignkit.rl.losses import clipped_policy_loss, clipped_value_loss
+from alignkit.rl.stats import RunningMoments, masked_mean, masked_var, masked_whiten
+from alignkit.stages.ppo import sample_response_lengths, truncate_to_lengths
 
 
 def test_masked_mean_and_var():
@@ -78,6 +70,7 @@ def test_gae_matches_hand_computation():
     advantages, returns = gae_advantages(rewards, values, mask, gamma=1.0, lam=0.5)
     torch.testing.assert_close(advantages, torch.tensor([[0.125, 0.25, 0.5], [0.25, 1.5, 0.0]]))
     torch.testing.assert_close(returns, torch.tensor([[0.625, 0.75, 1.0], [1.25, 2.0, 0.0]]))
+    assert ADVANTAGE_ESTIMATORS["gae"] is gae_advantages  # what PPO looks up
 
 
 def test_gae_discount():

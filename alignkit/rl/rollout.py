@@ -436,11 +436,18 @@ def score_completions(
         `(per_function [N, F] float32 with NaN where a function returned None, rewards [N])`: the weighted
         sum ignoring NaN (`alignkit.rewards.combine_rewards`), NaN where every function returned None.
     """
-    from ..rewards import combine_rewards
+    from ..rewards import RewardFunctionError, combine_rewards
 
     per_function = reward_functions(prompts, completions, columns, completion_ids=completion_ids,
                                     truncated=truncated).float()
-    return per_function, combine_rewards(per_function, reward_functions.weights)
+    rewards = combine_rewards(per_function, reward_functions.weights)
+    if torch.isinf(rewards).any():  # each value fits float32 (checked), their weighted sum may not
+        row = int(torch.isinf(rewards).nonzero()[0])
+        values = ", ".join(f"{name} {value:.4g}" for name, value in zip(reward_functions.names, per_function[row].tolist()))
+        raise RewardFunctionError(f"the weighted reward of row {row} ({values}; weights "
+                                  f"{reward_functions.weights.tolist()}) is beyond float32's range: make the rewards "
+                                  "or reward_weights smaller.")
+    return per_function, rewards
 
 
 __all__ = ["rollout_seed", "row_seeds", "sample_completions", "generation_from_token_lists",

@@ -1,0 +1,111 @@
+"""Advantage estimators: how an online stage turns rewards into the advantage its policy loss weighs.
+
+`ADVANTAGE_ESTIMATORS` is the one registry (a plain dict, as `stages.STAGES` is): a stage names its estimator
+(`OnlineTrainer.advantage_estimator`, e.g. GRPO's "group") and looks it up here. Two kinds plug in:
+- outcome estimators, one advantage per completion from the `[N]` rewards of groups laid out contiguously
+  (`num_generations` rows per prompt): `group_advantages` (GRPO: each reward against its group's mean and std).
+  A leave-one-out baseline (RLOO: each reward against the mean of the *other* completions of its prompt) or a
+  batch baseline (REINFORCE++: against the whole batch's mean) is a function of the same signature and one line
+  in the dict;
+- token estimators over a critic's values: `gae_advantages` (PPO).
+Every estimator is a pure tensor function; the shapes are in each docstring.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .stats import nan_std
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int,
+                     scale_rewards: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO advantages (DeepSeekMath eq. 3 with TRL 1.16's 1e-4): each reward against its group's mean.
+
+    `A_i = (r_i - mean(group)) / (std + 1e-4)`, std of the group (`group`), of the whole batch (`batch`), or
+    no division (`none`, Dr. GRPO). NaN rewards (no function scored the completion) are left out of the mean
+    and std, and get advantage 0.
+
+    Example (G = 2, group): rewards [1, 3, 2, 2] → groups (1, 3) and (2, 2); means 2, 2; stds sqrt(2), 0;
+    A = [-1 / 1.4143, 1 / 1.4143, 0, 0] = [-0.70706, 0.70706, 0, 0]; the second group has std 0.
+
+    Args:
+        rewards: `[N]` combined rewards, groups contiguous (rows i*G .. i*G + G - 1 share a prompt).
+        num_generations: G.
+        scale_rewards: `group`, `batch` or `none`.
+
+    Returns:
+        `(advantages [N], std_is_zero [N] bool)`: the second marks rows whose std (of the group, or of the
+        batch with `batch`) is 0, for the `frac_reward_zero_std` metric.
+    """
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    if scale_rewards in ("group", "none"):
+        std = nan_std(grouped, dim=1).repeat_interleave(num_generations)
+    elif scale_rewards == "batch":
+        std = nan_std(rewards).expand_as(rewards)
+    else:
+        raise ValueError(f"scale_rewards={scale_rewards!r}: choose group, batch or none.")
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+def gae_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the response tokens (Schulman et al. 2016, eqs. 11-16).
+
+    `delta_t = r_t + gamma * V_{t+1} - V_t` and `A_t = delta_t + gamma * lam * A_{t+1}`, where `V_{t+1}` and
+    `A_{t+1}` count as 0 when position t + 1 is not a response token (after the last one: the episode ends).
+    Returns are `A_t + V_t`, the value targets.
+
+    Args:
+        rewards: [N, T] per-token rewards (`kl_penalty_rewards`).
+        values: [N, T] the critic's values at rollout time.
+        mask: [N, T] 1 on response tokens.
+        gamma: discount.
+        lam: GAE's lambda.
+
+    Returns:
+        `(advantages, returns)`, [N, T], 0 outside the mask.
+
+    Example (gamma 1, lam 0.5):
+        row 1: rewards [0, 0, 1], values [0.5, 0.5, 0.5], mask [1, 1, 1]:
+            t=2: delta = 1 + 0 - 0.5 = 0.5, A = 0.5
+            t=1: delta = 0 + 0.5 - 0.5 = 0, A = 0 + 0.5 * 0.5 = 0.25
+            t=0: delta = 0, A = 0.5 * 0.25 = 0.125; returns [0.625, 0.75, 1.0]
+        row 2: rewards [0, 2, 0], values [1, 0.5, 9], mask [1, 1, 0]:
+            t=2 masked: A = 0
+            t=1: delta = 2 + 0 - 0.5 = 1.5 (t=2 is past the end), A = 1.5
+            t=0: delta = 0 + 0.5 - 1 = -0.5, A = -0.5 + 0.5 * 1.5 = 0.25; returns [1.25, 2.0, 0]
+    """
+    mask_f = mask.to(values.dtype)
+    values = values * mask_f
+    length = rewards.shape[1]
+    advantages = torch.zeros_like(values)
+    next_advantage = torch.zeros_like(values[:, 0])
+    next_value = torch.zeros_like(values[:, 0])
+    for t in reversed(range(length)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = (delta + gamma * lam * next_advantage) * mask_f[:, t]
+        advantages[:, t] = advantage
+        # What position t - 1 sees as "next": this position's value and advantage, or 0 past the end.
+        next_value, next_advantage = values[:, t], advantage
+    returns = (advantages + values) * mask_f
+    return advantages, returns
+
+
+# name -> estimator. Outcome estimators: `(rewards [N], num_generations, scale_rewards) -> (advantages [N],
+# std_is_zero [N])`; token estimators: `(rewards [N, T], values [N, T], mask [N, T], gamma, lam) -> (advantages,
+# returns)`.
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "group": group_advantages,
+    "gae": gae_advantages,
+}
+
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "group_advantages", "gae_advantages"]

@@ -23,6 +23,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from .errors import TrainingDiverged
 from .jsonl import append_jsonl, keep_jsonl_rows
 
 logger = logging.getLogger(__name__)
@@ -83,10 +84,6 @@ class LogCallback(TrainerCallback):
                 value = None
             record[key] = value
         append_jsonl(Path(args.output_dir) / LOG_FILE, [record])
-
-
-class TrainingDiverged(RuntimeError):
-    """Training produced a non-finite gradient norm, weight or loss; raised by `DivergenceGuard`."""
 
 
 class DivergenceGuard(TrainerCallback):

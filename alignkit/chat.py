@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, TextIO
 import torch
 
 from .data.template import ChatFormatter
-from .hparams import FinetuningArguments, GeneratingArguments, ModelArguments
+from .config import FinetuningArguments, GeneratingArguments, ModelArguments
 from .model.generation import encode_prompts, generate, pad_prompts
 from .model.loader import load_model, load_tokenizer
 

@@ -18,10 +18,8 @@ import logging
 import os
 import sys
 
-from .callbacks import TrainingDiverged
-from .data.errors import DataError
-from .hparams import ConfigError, DataArguments
-from .rewards.functions import RewardFunctionError
+from .config import DataArguments
+from .errors import ConfigError, DataError, RewardFunctionError, TrainingDiverged
 
 
 def _configure_logging() -> None:
@@ -31,7 +29,7 @@ def _configure_logging() -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .hparams import all_keys, read_config
+    from .config.parse import all_keys, read_config
 
     if args.help_keys:
         for group, keys in all_keys().items():
@@ -99,7 +97,7 @@ def _exit_without_teardown() -> None:
 
 
 def _model_args(model: str | None, adapter: str | None, extra: list[str] | None = None):
-    from .hparams import parse_config
+    from .config.parse import parse_config
 
     overrides = [f"model_name_or_path={model}"] if model else []
     if adapter:
@@ -138,7 +136,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
     from .evaluate import default_dataset_dir, evaluate_rewards, reward_arguments
-    from .hparams import parse_override
+    from .config.parse import parse_override
     from .rewards import RewardFunctionArguments
 
     reward_keys = {f.name for f in fields(RewardFunctionArguments)}

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .hparams import ConfigError, parse_config
+from .config.parse import parse_config
+from .errors import ConfigError
 
 DEMO_DATASET = "demo_sft"
 DEMO_EVAL_DATASET = "demo_sft_eval"
@@ -54,7 +55,7 @@ def _held_out_prompts(data_dir: Path, n: int) -> list[dict[str, str]]:
 
 def _answers(model_args, generating_args, prompts: list[dict[str, str]], template: str | None) -> list[str]:
     from .data.template import ChatFormatter
-    from .hparams import FinetuningArguments
+    from .config import FinetuningArguments
     from .model.generation import generate_replies
     from .model.loader import load_model, load_tokenizer
 
@@ -80,12 +81,12 @@ def held_out_loss(model_args, data_dir: Path, cutoff_len: int = DEMO_CUTOFF_LEN,
     from .data.collator import SupervisedCollator
     from .model.loader import load_model, load_tokenizer
     from .model.logprobs import forward_sequence_logps
-    from .hparams import FinetuningArguments
+    from .config import FinetuningArguments
 
     tokenizer = load_tokenizer(model_args)
     config = parse_config({"stage": "sft", "dataset": DEMO_EVAL_DATASET, "dataset_dir": str(data_dir),
                            "cutoff_len": cutoff_len})
-    rows = get_dataset(config, tokenizer, "sft")["train_dataset"]
+    rows = get_dataset(config, tokenizer, "supervised")["train_dataset"]
     model = load_model(model_args, FinetuningArguments(), is_trainable=False)
     collator = SupervisedCollator(tokenizer)
     total_logps, total_tokens = 0.0, 0

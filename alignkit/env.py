@@ -1,4 +1,5 @@
-"""`alignkit env`: the versions and hardware facts to paste into a bug report; where alignkit keeps its files."""
+"""`alignkit env`: the versions and hardware facts to paste into a bug report; where alignkit keeps its files; how many
+processes were launched."""
 
 from __future__ import annotations
 
@@ -14,6 +15,17 @@ LIBRARIES = ("torch", "transformers", "peft", "datasets", "accelerate", "trl")
 def alignkit_home() -> Path:
     """`$ALIGNKIT_HOME`, or `~/.cache/alignkit` when unset: the converted bundled model and data caches live there."""
     return Path(os.environ.get("ALIGNKIT_HOME") or Path.home() / ".cache" / "alignkit").expanduser()
+
+
+def launched_processes() -> int:
+    """How many processes the launcher started (torchrun's, accelerate's or DeepSpeed's `WORLD_SIZE`; 1 alone).
+
+    The one place `WORLD_SIZE` is read: the config parser, the data layer and the stages' checks ask here.
+    """
+    try:
+        return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
 
 
 def _version(distribution: str) -> str | None:
@@ -80,4 +92,4 @@ def format_env(info: dict[str, Any]) -> str:
     return "\n".join(f"- {key.ljust(width)}: {value}" for key, value in info.items())
 
 
-__all__ = ["alignkit_home", "cpu_supports_bf16", "env_info", "format_env"]
+__all__ = ["alignkit_home", "cpu_supports_bf16", "env_info", "format_env", "launched_processes"]

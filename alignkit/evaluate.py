@@ -35,7 +35,7 @@ from .data.loader import convert_dataset, resolve_datasets
 from .constants import IGNORE_INDEX
 from .data.processors import encode_prompt, warn_cut_prompts
 from .data.template import ChatFormatter
-from .hparams import Config, FinetuningArguments
+from .config import Config, FinetuningArguments, convert_value, field_types
 from .jsonl import write_jsonl
 from .rewards import RewardFunctionArguments, build_reward_functions, combine_rewards
 
@@ -98,10 +98,8 @@ def default_dataset_dir(dataset: str, dataset_dir: str = "data") -> str:
 def reward_arguments(reward_funcs: list[str], overrides: dict[str, Any]) -> RewardFunctionArguments:
     """`RewardFunctionArguments` from the specs and `key=value` settings of the reward keys, each value
     converted to its field's type as in a config file."""
-    from .hparams import _convert, _field_types
-
-    types = _field_types(RewardFunctionArguments)
-    values = {key: _convert(key, value, types[key]) for key, value in overrides.items()}
+    types = field_types(RewardFunctionArguments)
+    values = {key: convert_value(key, value, types[key]) for key, value in overrides.items()}
     return RewardFunctionArguments(reward_funcs=reward_funcs, **values)
 
 

@@ -20,7 +20,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .hparams import BUNDLED_MODEL_NAME, ConfigError, FinetuningArguments, ModelArguments
+from .config import BUNDLED_MODEL_NAME, FinetuningArguments, ModelArguments
+from .errors import ConfigError
 from .model.bundled import bundled_model_dir
 from .model.loader import is_reward_adapter, load_model, load_tokenizer, resolve_adapter_chain, split_adapters
 from .train import check_output_dir

@@ -32,7 +32,7 @@ def _device_count() -> int:
 
 
 def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
-    from .hparams import ConfigError
+    from .errors import ConfigError
 
     value = env.get(key, "").strip()
     if not value:
@@ -66,7 +66,7 @@ def torchrun_command(train_args: Sequence[str], nproc: Optional[int], env: Mappi
     Raises:
         ConfigError: a variable that is not a valid number.
     """
-    from .hparams import ConfigError
+    from .errors import ConfigError
 
     if "WORLD_SIZE" in env or "LOCAL_RANK" in env:
         return None
@@ -92,7 +92,7 @@ def torchrun_command(train_args: Sequence[str], nproc: Optional[int], env: Mappi
 
 def asks_for_deepspeed(config_path: str, overrides: Sequence[str]) -> bool:
     """Whether `alignkit train CONFIG key=value ...` sets the `deepspeed` key (a later override wins)."""
-    from .hparams import load_yaml, parse_override
+    from .config.parse import load_yaml, parse_override
 
     value = load_yaml(config_path).get("deepspeed")
     for item in overrides:

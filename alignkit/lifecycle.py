@@ -32,7 +32,7 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .hparams import ConfigError
+from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .constants import IGNORE_INDEX
-from .hparams import ConfigError
+from .errors import ConfigError
 
 SIMILARITY_KEYS = ("bleu-4", "rouge-1", "rouge-2", "rouge-l")
 

@@ -24,10 +24,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from .data.collator import pad_sequences
-from .data.errors import DataError
 from .data.processors import infer_seqlen
 from .data.template import ChatFormatter
-from .hparams import ModelArguments
+from .config import ModelArguments
+from .errors import DataError
 from .model.heads import sequence_rewards
 
 logger = logging.getLogger(__name__)

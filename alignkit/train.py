@@ -17,7 +17,8 @@ from transformers import TrainerCallback, enable_full_determinism, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .callbacks import STOP_FILE, DivergenceGuard, LogCallback, StopOnRequest
-from .hparams import Config, ConfigError
+from .config import Config
+from .errors import ConfigError
 from .lifecycle import (
     STATE_FILE,
     OutputDirLock,

@@ -177,7 +177,7 @@ def summarise_generation(recorder: StepRecorder, measured: list[int], time_measu
 
 def run_alignkit(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Train with `alignkit.train.run_train`; returns (log_history, settings used)."""
-    from alignkit.hparams import parse_config
+    from alignkit.config.parse import parse_config
     from alignkit.train import run_train
 
     values: dict[str, Any] = {
@@ -305,7 +305,7 @@ def ppo_reward_model(model_dir: str, out_dir: str) -> str:
     the weights. Returns its directory."""
     import torch
 
-    from alignkit.hparams import parse_config
+    from alignkit.config.parse import parse_config
     from alignkit.model.loader import load_model, save_base_adapters
 
     config = parse_config({"model_name_or_path": model_dir, "finetuning_type": "lora", "lora_rank": 8,

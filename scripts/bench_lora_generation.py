@@ -16,8 +16,8 @@ import time
 
 import torch
 
+from alignkit.config.parse import parse_config
 from alignkit.data.template import ChatFormatter
-from alignkit.hparams import parse_config
 from alignkit.model.generation import encode_prompts, generate, merged_lora, pad_prompts
 from alignkit.model.loader import load_model, load_tokenizer
 

@@ -79,7 +79,7 @@ def _save_perturbed_adapter(model_dir, out_dir, head="causal_lm", seed=1, over=N
     `over`: adapter_name_or_path merged into the base first, recorded beside the adapter as a run records it."""
     import torch
 
-    from alignkit.hparams import parse_config
+    from alignkit.config.parse import parse_config
     from alignkit.model.loader import load_model, save_base_adapters
 
     config = parse_config({"model_name_or_path": str(model_dir), "adapter_name_or_path": over and str(over)})

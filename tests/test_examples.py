@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from alignkit.hparams import read_config
+from alignkit.config.parse import read_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 

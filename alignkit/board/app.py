@@ -15,7 +15,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from ..hparams import ConfigError
+from ..errors import ConfigError
 from ..train import RUN_CONFIG_FILE
 from . import launch as launching
 from . import runs as reading
@@ -197,7 +197,7 @@ class Board:
     def chat_model(self, model: str, adapters: Optional[str], template: Optional[str]):
         """A chat model and formatter, loaded once and kept (the last `CHAT_MODELS_KEPT`)."""
         from ..chat import load_chat_model
-        from ..hparams import parse_config
+        from ..config.parse import parse_config
 
         key = (model, adapters, template)
         with self.chat_lock:
@@ -238,7 +238,7 @@ class Board:
 
     def reply(self, key: tuple, messages: list[dict[str, str]], max_new_tokens: int) -> Iterator[str]:
         from ..chat import reply_pieces
-        from ..hparams import GeneratingArguments
+        from ..config import GeneratingArguments
 
         model, formatter = self.chat_model(*key)
         yield from reply_pieces(model, formatter, messages, GeneratingArguments(max_new_tokens=int(max_new_tokens)))

@@ -1,7 +1,7 @@
 """Starting, stopping and resuming runs from the board: always `alignkit train` with a checked config.
 
 What the board may start is exactly what `alignkit train CONFIG key=value ...` would run: the YAML and the
-overrides are parsed by `hparams.read_config` first (the command line's checks, the same messages), every
+overrides are parsed by `config.parse.read_config` first (the command line's checks, the same messages), every
 place the run would write to must lie inside the runs folder (`confine_writes`), and the process is
 `python -m alignkit train FILE key=value ...` with an argument list (no shell, so no text from the page is
 ever run as a command). Stopping writes the run's stop file (`STOP_FILE`, as `callbacks.request_stop` does),
@@ -23,10 +23,11 @@ from typing import Optional
 import yaml
 
 from ..callbacks import STOP_FILE
-from ..hparams import Config, ConfigError, parse_override, read_config
+from ..config import Config
+from ..config.parse import parse_override, read_config
+from ..errors import BoardError, ConfigError
 from ..train import RUN_CONFIG_FILE, check_output_dir
-from .runs import (BoardError, check_run_folder, open_to_write, read_run_config, resolve_inside, run_file,
-                   run_status)
+from .runs import check_run_folder, open_to_write, read_run_config, resolve_inside, run_file, run_status
 
 CONSOLE_FILE = "board_console.log"  # the launched process's stdout and stderr, in its output_dir
 LAUNCH_DIR = ".board"  # under the runs folder: the YAML files the board starts runs from

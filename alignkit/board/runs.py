@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, Optional
 import yaml
 
 from ..callbacks import LOG_FILE, STOP_FILE, is_run_summary
+from ..errors import BoardError
 from ..lifecycle import LOCK_FILE, STATE_FILE, checkpoint_step, list_checkpoints, read_state
 from ..train import RUN_CONFIG_FILE
 
@@ -58,10 +59,6 @@ STAGE_METRICS = {
 }
 LAST_REWARD_KEYS = ("reward", "reward/mean", "rewards/margins")
 LAST_ACCURACY_KEYS = ("rewards/accuracies", "accuracy", "eval_rewards/accuracies", "eval_accuracy")
-
-
-class BoardError(ValueError):
-    """A request the board refuses (a path outside the runs folder, a run that is not there); the message says why."""
 
 
 @dataclass

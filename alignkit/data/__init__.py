@@ -2,9 +2,8 @@
 
 from ..constants import IGNORE_INDEX
 from .collator import PairwiseCollator, SupervisedCollator, UnpairedCollator
-from .errors import DataError
 from .loader import get_dataset
 from .template import ChatFormatter
 
-__all__ = ["get_dataset", "DataError", "SupervisedCollator", "PairwiseCollator", "UnpairedCollator",
+__all__ = ["get_dataset", "SupervisedCollator", "PairwiseCollator", "UnpairedCollator",
            "ChatFormatter", "IGNORE_INDEX"]

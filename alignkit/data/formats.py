@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .errors import DataError, RowError, describe_value
+from ..errors import DataError, RowError, describe_value
 from .template import parse_tools
 
 FORMATTINGS = ("alpaca", "sharegpt", "openai")

@@ -33,9 +33,9 @@ from datasets import Dataset, DatasetDict, load_from_disk
 from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
 from . import processors
+from ..env import alignkit_home, launched_processes
+from ..errors import DataError, RowError, describe_value
 from .processors import REPORT_ROWS
-from .errors import DataError, RowError, describe_value
-from ..env import alignkit_home
 from .formats import DATA_KINDS, FORMATTINGS, DatasetAttr, check_columns, convert_row, guess_formatting
 from .template import ChatFormatter
 
@@ -623,18 +623,6 @@ def _as_result(splits: DatasetDict) -> dict[str, Optional[Dataset]]:
 
 
 # ---------------------------------------------------------------------------------------------- entry point
-def resolve_kind(kind_or_stage: str) -> str:
-    """A data kind (`text`, `supervised`, `preference`, `prompt`) as given, or the kind a stage trains on."""
-    if kind_or_stage in DATA_KINDS:
-        return kind_or_stage
-    from ..stages import STAGES
-
-    if kind_or_stage in STAGES:
-        return STAGES[kind_or_stage].data_kind
-    raise DataError(f"{kind_or_stage!r} is neither a data kind ({', '.join(DATA_KINDS)}) nor a stage "
-                    f"({', '.join(STAGES)}).")
-
-
 def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
     """Tokenised train and eval datasets of one kind (see docs/ARCHITECTURE.md for the columns).
 
@@ -645,7 +633,9 @@ def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
         config: the run's `Config` (its `data` section, `finetuning.stage` for messages, and
             `training.seed` / `predict_with_generate`).
         tokenizer: the model's tokenizer.
-        kind: `text`, `supervised`, `preference` or `prompt`, or a stage name meaning the kind it trains on.
+        kind: one of `formats.DATA_KINDS` (`text`, `supervised`, `preference`, `unpaired`, `prompt`). A stage
+            passes its own (`DATA_KIND` in its module, as the registry `alignkit.stages.STAGES` records it);
+            the data layer knows no stages.
 
     Returns:
         `{"train_dataset": Dataset | None, "eval_dataset": Dataset | None}`.
@@ -653,7 +643,9 @@ def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
     Raises:
         DataError: a missing or malformed dataset, with file, row and field named.
     """
-    kind = resolve_kind(kind)
+    if kind not in DATA_KINDS:
+        raise DataError(f"{kind!r} is not a data kind ({', '.join(DATA_KINDS)}); a stage's is "
+                        "`alignkit.stages.STAGES[stage].data_kind`.")
     d = config.data
     formatter = ChatFormatter(tokenizer, d.template)
     if formatter.jinja_template() is not None:
@@ -706,8 +698,6 @@ def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
 def _main_process_first(config, desc: str) -> Iterator[bool]:
     """`TrainingArguments.main_process_first` (per node) for a run launched with several processes; yields
     whether this process is the one that goes first."""
-    from ..hparams import launched_processes
-
     args = config.training
     if launched_processes() <= 1 or not hasattr(args, "main_process_first"):
         yield True

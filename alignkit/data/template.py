@@ -46,7 +46,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .errors import DataError
+from ..errors import DataError
 
 Message = dict[str, Any]
 

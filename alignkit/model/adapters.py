@@ -36,7 +36,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..hparams import ConfigError
+from ..errors import ConfigError
 from .heads import head_rewards
 from .loader import (check_adapter_base, is_reward_adapter, merged_adapters, read_adapter_config, read_base_adapters,
                      same_adapters)

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..env import alignkit_home
-from ..hparams import BUNDLED_MODEL_NAME, ConfigError
+from ..config import BUNDLED_MODEL_NAME
+from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

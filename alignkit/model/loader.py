@@ -36,7 +36,8 @@ from typing import Literal, Optional, Sequence
 import torch
 from torch import nn
 
-from ..hparams import BUNDLED_MODEL_NAME, ConfigError, FinetuningArguments, ModelArguments
+from ..config import BUNDLED_MODEL_NAME, FinetuningArguments, ModelArguments
+from ..errors import ConfigError
 from ..env import alignkit_home
 from .bundled import build_folder_once, ensure_bundled_model
 from .distributed import zero3_enabled, zero3_switched_off

@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
-from ..hparams import ConfigError
+from ..errors import ConfigError
 
 # What `from_pretrained` looks for, in its order of preference: safetensors before pickles.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",

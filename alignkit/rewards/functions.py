@@ -35,12 +35,8 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 
-from ..hparams import ConfigError
+from ..errors import ConfigError, RewardFunctionError
 from .builtin import BUILTIN_NAMES, DEFAULT_FORMAT_PATTERN, accuracy_reward, format_reward, length_reward
-
-
-class RewardFunctionError(ValueError):
-    """A reward function failed or returned something unusable; the message names it, the row and the fix."""
 
 
 @dataclass

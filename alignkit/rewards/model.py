@@ -29,7 +29,7 @@ import torch
 
 from ..data.collator import _pad_id
 from ..data.template import ChatFormatter
-from ..hparams import ConfigError
+from ..errors import ConfigError
 from .builtin import completion_text
 
 logger = logging.getLogger(__name__)

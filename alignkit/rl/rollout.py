@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.collator import _pad_id
+from ..errors import RewardFunctionError
 from ..model.generation import Generation, generate_with_decode, pad_prompts
 from ..model.logprobs import selective_log_softmax
 from ..model.padding_free import model_config
@@ -436,7 +437,7 @@ def score_completions(
         `(per_function [N, F] float32 with NaN where a function returned None, rewards [N])`: the weighted
         sum ignoring NaN (`alignkit.rewards.combine_rewards`), NaN where every function returned None.
     """
-    from ..rewards import RewardFunctionError, combine_rewards
+    from ..rewards import combine_rewards
 
     per_function = reward_functions(prompts, completions, columns, completion_ids=completion_ids,
                                     truncated=truncated).float()

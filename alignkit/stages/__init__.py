@@ -2,9 +2,10 @@
 
 Each stage is one module (`sft.py`, `rm.py`, `dpo.py`, `grpo.py`, `ppo.py`) holding its own keys (a dataclass),
 its pure loss functions, its Trainer subclass and its `run_<stage>(config, callbacks)`. This table is what the
-rest of alignkit reads: the config parser (which keys exist, what to check), the data layer (what kind of example
-the stage trains on) and `alignkit train` (what to run). Adding a stage means writing its module and one
-line here; the imports are explicit, so an error inside a stage module surfaces as itself.
+rest of alignkit reads: the config parser (`alignkit.config.parse`: which stages and keys exist, what to check)
+and `alignkit train` (what to run). The data layer is below the stages and never reads it: a stage hands
+`get_dataset` its data kind. Adding a stage means writing its module and one line here; the imports are
+explicit, so an error inside a stage module surfaces as itself.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ class Stage:
         name: the value of the `stage` key.
         data_kind: the examples the data layer builds for it: `text` (pretraining blocks), `supervised`
             (prompt + reply with a label mask), `preference` (chosen / rejected pairs), `unpaired` (one reply
-            flagged desirable or not) or `prompt` (RL prompts).
+            flagged desirable or not) or `prompt` (RL prompts). The stage module's `DATA_KIND`, which its run
+            function hands to `data.get_dataset` (the data layer knows kinds, not stages).
         run: `run(config, callbacks)` trains / evaluates / predicts as the config says.
         arguments: the dataclass of the stage's own config keys (None: it has none); an instance arrives as
             `Config.method`.
@@ -38,13 +40,13 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {
-    "pt": Stage("pt", "text", sft.run_pt, check=sft.check_config),
-    "sft": Stage("sft", "supervised", sft.run_sft, check=sft.check_config),
-    "rm": Stage("rm", "preference", rm.run_rm, arguments=rm.RewardArguments),
-    "dpo": Stage("dpo", "preference", dpo.run_dpo, arguments=dpo.DPOArguments, check=dpo.check_config),
-    "kto": Stage("kto", "unpaired", kto.run_kto, arguments=kto.KTOArguments, check=kto.check_config),
-    "grpo": Stage("grpo", "prompt", grpo.run_grpo, arguments=grpo.GRPOArguments, check=grpo.check_config),
-    "ppo": Stage("ppo", "prompt", ppo.run_ppo, arguments=ppo.PPOArguments, check=ppo.check_config),
+    "pt": Stage("pt", sft.PT_DATA_KIND, sft.run_pt, check=sft.check_config),
+    "sft": Stage("sft", sft.SFT_DATA_KIND, sft.run_sft, check=sft.check_config),
+    "rm": Stage("rm", rm.DATA_KIND, rm.run_rm, arguments=rm.RewardArguments),
+    "dpo": Stage("dpo", dpo.DATA_KIND, dpo.run_dpo, arguments=dpo.DPOArguments, check=dpo.check_config),
+    "kto": Stage("kto", kto.DATA_KIND, kto.run_kto, arguments=kto.KTOArguments, check=kto.check_config),
+    "grpo": Stage("grpo", grpo.DATA_KIND, grpo.run_grpo, arguments=grpo.GRPOArguments, check=grpo.check_config),
+    "ppo": Stage("ppo", ppo.DATA_KIND, ppo.run_ppo, arguments=ppo.PPOArguments, check=ppo.check_config),
 }
 
 __all__ = ["Stage", "STAGES"]

@@ -42,7 +42,7 @@ from ..model.distributed import full_weights, sharding_of, zero3_enabled
 if TYPE_CHECKING:
     from transformers.trainer_utils import PredictionOutput
 
-    from ..hparams import Config
+    from ..config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +332,7 @@ def check_splits(config: "Config", datasets: dict[str, Any]) -> None:
     Raises:
         ConfigError: saying which keys decide the split's size.
     """
-    from ..hparams import ConfigError
+    from ..errors import ConfigError
 
     t = config.training
     eval_dataset = datasets.get("eval_dataset")

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..hparams import ConfigError
+from ..errors import ConfigError
 from ..model.logprobs import forward_sequence_logps
 from ..model.distributed import full_weights
 from .base import StageTrainer, run_stage_trainer, save_pair_predictions
@@ -51,9 +51,12 @@ if TYPE_CHECKING:
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    from ..hparams import Config
+    from ..config import Config
 
 logger = logging.getLogger(__name__)
+
+# The examples `data.get_dataset` builds for this stage (`formats.DATA_KINDS`); the registry records it too.
+DATA_KIND = "preference"
 
 REFERENCE_FREE_LOSSES = ("orpo", "simpo")
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -521,7 +524,7 @@ def run_dpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     from .base import check_splits
 
     tokenizer = load_tokenizer(config.model)
-    datasets = get_dataset(config, tokenizer, "dpo")
+    datasets = get_dataset(config, tokenizer, DATA_KIND)
     check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
     trainer = DPOTrainer(

@@ -74,7 +74,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Sequence
 import torch
 from torch.utils.data import Sampler
 
-from ..hparams import ConfigError, check_sampling_knobs
+from ..config import check_sampling_knobs
+from ..errors import ConfigError
 from ..rewards import RewardFunctionArguments
 from ..rl.kl import k3_kl
 from ..rl.losses import aggregate_loss, clipped_surrogate
@@ -87,9 +88,12 @@ from .online import PROMPT_COLUMNS, OnlineTrainer
 if TYPE_CHECKING:
     from transformers import TrainerCallback
 
-    from ..hparams import Config
+    from ..config import Config
 
 logger = logging.getLogger(__name__)
+
+# The examples `data.get_dataset` builds for this stage (`formats.DATA_KINDS`); the registry records it too.
+DATA_KIND = "prompt"
 
 ROLLOUT_BUFFER_FILE = "grpo_rollout_buffer.pt"
 
@@ -606,7 +610,7 @@ def run_grpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     from .base import check_splits
 
     tokenizer = load_tokenizer(config.model)
-    datasets = get_dataset(config, tokenizer, "grpo")
+    datasets = get_dataset(config, tokenizer, DATA_KIND)
     check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
     formatter = ChatFormatter(tokenizer, config.data.template)

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from ..constants import IGNORE_INDEX
-from ..hparams import ConfigError
+from ..errors import ConfigError
 from ..jsonl import write_jsonl
 from ..model.logprobs import forward_sequence_logps
 from .base import PREDICTIONS_FILE, StageTrainer, run_stage_trainer
@@ -62,9 +62,12 @@ if TYPE_CHECKING:
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    from ..hparams import Config
+    from ..config import Config
 
 logger = logging.getLogger(__name__)
+
+# The examples `data.get_dataset` builds for this stage (`formats.DATA_KINDS`); the registry records it too.
+DATA_KIND = "unpaired"
 
 KL_LOSSES = ("kto",)  # the loss types whose reference point is the KL estimate
 
@@ -390,7 +393,7 @@ def run_kto(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     from .base import check_splits
 
     tokenizer = load_tokenizer(config.model)
-    datasets = get_dataset(config, tokenizer, "kto")
+    datasets = get_dataset(config, tokenizer, DATA_KIND)
     check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
     trainer = KTOTrainer(

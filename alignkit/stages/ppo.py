@@ -146,9 +146,12 @@ from ..rl.stats import RunningMoments, masked_mean, masked_whiten
 if TYPE_CHECKING:
     from transformers import TrainerCallback
 
-    from ..hparams import Config
+    from ..config import Config
 
 logger = logging.getLogger(__name__)
+
+# The examples `data.get_dataset` builds for this stage (`formats.DATA_KINDS`); the registry records it too.
+DATA_KIND = "prompt"
 
 PPO_STATE_FILE = "ppo_state.json"
 CRITIC_ADAPTER = "critic"
@@ -221,7 +224,7 @@ class PPOArguments(RewardFunctionArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from ..hparams import ConfigError
+        from ..errors import ConfigError
 
         if self.response_length_range is not None:
             try:
@@ -277,7 +280,7 @@ def deepspeed_refusal(ds_config: dict[str, Any]) -> Optional[str]:
 
 def check_config(config: "Config") -> None:
     """What only PPO forbids, before the model loads."""
-    from ..hparams import ConfigError
+    from ..errors import ConfigError
 
     m, t = config.method, config.training
     if t.do_train and not m.reward_model and not m.reward_funcs:
@@ -493,7 +496,7 @@ class PPOTrainer(OnlineTrainer):
         if self.is_deepspeed_enabled:
             reason = deepspeed_refusal(self.accelerator.state.deepspeed_plugin.deepspeed_config)
         if reason:
-            from ..hparams import ConfigError
+            from ..errors import ConfigError
 
             raise ConfigError(reason)
         self.ppo_args = ppo_args
@@ -836,7 +839,7 @@ class PPOTrainer(OnlineTrainer):
         from transformers.trainer_callback import ExportableState, TrainerState
         from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_metrics
 
-        from ..hparams import ConfigError
+        from ..errors import ConfigError
 
         args = self.args
         self.is_in_train = True
@@ -1128,7 +1131,7 @@ def build_ppo_trainer(config: "Config", callbacks: list["TrainerCallback"]) -> P
     from .base import check_splits
 
     tokenizer = load_tokenizer(config.model)
-    datasets = get_dataset(config, tokenizer, "ppo")
+    datasets = get_dataset(config, tokenizer, DATA_KIND)
     check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=True)
     if model.config.pad_token_id is None:

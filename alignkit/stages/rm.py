@@ -41,9 +41,12 @@ from .base import StageTrainer, run_stage_trainer, save_pair_predictions
 if TYPE_CHECKING:
     from transformers import TrainerCallback
 
-    from ..hparams import Config
+    from ..config import Config
 
 logger = logging.getLogger(__name__)
+
+# The examples `data.get_dataset` builds for this stage (`formats.DATA_KINDS`); the registry records it too.
+DATA_KIND = "preference"
 
 
 @dataclass
@@ -56,7 +59,7 @@ class RewardArguments:
     )
 
     def __post_init__(self) -> None:
-        from ..hparams import ConfigError
+        from ..errors import ConfigError
 
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
             raise ConfigError(f"center_rewards_coefficient={self.center_rewards_coefficient} must be >= 0 "
@@ -195,7 +198,7 @@ def run_rm(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     from .base import check_splits
 
     tokenizer = load_tokenizer(config.model)
-    datasets = get_dataset(config, tokenizer, "rm")
+    datasets = get_dataset(config, tokenizer, DATA_KIND)
     check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train, head="reward")
     # Plain-transformers batched scoring of the saved model needs a pad id in its config.

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from transformers import InfNanRemoveLogitsProcessor, LogitsProcessorList
 
 from ..constants import IGNORE_INDEX
-from ..hparams import Config, ConfigError, GeneratingArguments
+from ..config import Config, GeneratingArguments
+from ..errors import ConfigError
 from ..jsonl import write_jsonl
 from ..metrics import argmax_logits, compute_token_accuracy, decode_token_ids, similarity_metrics
 from ..model.generation import generate, stop_token_ids
@@ -48,6 +49,10 @@ from ..model.padding_free import (
 from .base import PREDICTIONS_FILE, StageTrainer, check_splits, run_stage_trainer
 
 logger = logging.getLogger(__name__)
+
+# The examples `data.get_dataset` builds for these stages (`formats.DATA_KINDS`); the registry records it too.
+PT_DATA_KIND = "text"  # pretraining blocks
+SFT_DATA_KIND = "supervised"  # prompt + reply with a label mask
 
 
 def sft_loss(
@@ -199,7 +204,7 @@ def check_config(config: Config) -> None:
         )
 
 
-def _run_causal_lm(config: Config, callbacks: list, stage: str) -> None:
+def _run_causal_lm(config: Config, callbacks: list, data_kind: str) -> None:
     """What sft and pt share: load, (pack), train, evaluate, predict."""
     from ..data import get_dataset
     from ..data.collator import SupervisedCollator
@@ -208,7 +213,7 @@ def _run_causal_lm(config: Config, callbacks: list, stage: str) -> None:
 
     t = config.training
     tokenizer = load_tokenizer(config.model)
-    datasets = get_dataset(config, tokenizer, stage)
+    datasets = get_dataset(config, tokenizer, data_kind)
     check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=t.do_train)
 
@@ -247,12 +252,12 @@ def _run_causal_lm(config: Config, callbacks: list, stage: str) -> None:
 
 def run_sft(config: Config, callbacks: list) -> None:
     """`stage: sft`: loss on response tokens, optional generation-based evaluation and prediction."""
-    _run_causal_lm(config, callbacks, stage="sft")
+    _run_causal_lm(config, callbacks, data_kind=SFT_DATA_KIND)
 
 
 def run_pt(config: Config, callbacks: list) -> None:
     """`stage: pt`: causal-LM training on raw text blocks of `cutoff_len` tokens (every token a target)."""
-    _run_causal_lm(config, callbacks, stage="pt")
+    _run_causal_lm(config, callbacks, data_kind=PT_DATA_KIND)
 
 
 __all__ = ["sft_loss", "SFTTrainer", "check_config", "run_sft", "run_pt"]

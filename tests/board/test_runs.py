@@ -16,7 +16,8 @@ from transformers import TrainerCallback
 
 from alignkit.board import launch, runs
 from alignkit.callbacks import LOG_FILE, STOP_FILE, read_log, request_stop
-from alignkit.hparams import ConfigError, parse_config
+from alignkit.config.parse import parse_config
+from alignkit.errors import ConfigError
 from alignkit.lifecycle import LOCK_FILE, STATE_FILE
 from alignkit.train import RUN_CONFIG_FILE, run_train
 

@@ -128,7 +128,7 @@ def test_answers_kl_equals_a_forward_of_each_answer_alone(tiny_model_dir, tmp_pa
     import torch
 
     from alignkit.evaluate import answer_kl, answers_kl
-    from alignkit.hparams import parse_config
+    from alignkit.config.parse import parse_config
     from alignkit.model.generation import generate, pad_prompts
     from alignkit.model.loader import load_model, load_tokenizer
 

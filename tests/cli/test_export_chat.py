@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from alignkit.chat import chat
+from alignkit.config.parse import parse_config
 from alignkit.env import env_info, format_env
+from alignkit.errors import ConfigError
 from alignkit.export import export_model
-from alignkit.hparams import ConfigError, parse_config
 from alignkit.model import load_model
 
 

@@ -80,9 +80,9 @@ def test_out_of_range_training_numbers_exit_2_naming_the_key(tmp_path, tiny_mode
 
 
 def test_fp16_on_a_cpu_exits_2(tmp_path, tiny_model_dir, capsys, no_model_load, monkeypatch):
-    import alignkit.hparams as hparams
+    import alignkit.config.parse as parse
 
-    monkeypatch.setattr(hparams, "_has_accelerator", lambda: False)  # also on a machine that has a GPU
+    monkeypatch.setattr(parse, "_has_accelerator", lambda: False)  # also on a machine that has a GPU
     code, err = _train(capsys, _config(tmp_path, tiny_model_dir), "fp16=true")
     assert code == 2 and "fp16=true needs a GPU" in err
 
@@ -153,7 +153,7 @@ def test_sharded_model_that_is_whole_passes_the_check(tmp_path, tiny_model_dir):
 def test_truncated_pytorch_bin_is_reported(tmp_path, tiny_model_dir):
     import torch
 
-    from alignkit.hparams import ConfigError
+    from alignkit.errors import ConfigError
     from alignkit.model.weight_files import check_model_files
 
     model = _copy_model(tiny_model_dir, tmp_path)

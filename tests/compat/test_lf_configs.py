@@ -22,7 +22,7 @@ NO_WORKERS = {"dataloader_num_workers": 0}
 # What stderr may say beyond progress bars and INFO lines: the bf16 decision for a CPU without bf16 hardware,
 # and torch's note that 4 DataLoader workers exceed the cores of a small machine (the user can act on both).
 EXPECTED_WARNINGS = (
-    re.compile(r"^\[WARNING\|alignkit\.hparams\] bf16=true: this CPU has no bf16 hardware"),
+    re.compile(r"^\[WARNING\|alignkit\.config\.parse\] bf16=true: this CPU has no bf16 hardware"),
     re.compile(r"UserWarning: This DataLoader will create 4 worker processes in total"),
 )
 
@@ -95,7 +95,7 @@ def test_deepspeed_without_deepspeed_names_the_extra(lf_config, run_alignkit, tm
 def test_every_key_of_the_examples_parses(lf_config, lf_data):
     """The union of the keys in LLaMA-Factory's current and llama3-era LoRA / full examples for these stages
     (the eval block's alternative `eval_dataset` included), parsed in-process without running."""
-    from alignkit.hparams import read_config
+    from alignkit.config.parse import read_config
 
     config = lf_config("dpo", "pairs_demo", eval_dataset="pairs_demo", drop=("val_size",))
     keys = set(yaml.safe_load(config.read_text()))

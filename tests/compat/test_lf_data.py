@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from alignkit.data import ChatFormatter, DataError
-from alignkit.hparams import ModelArguments, read_config
+from alignkit.config import ModelArguments
+from alignkit.config.parse import read_config
+from alignkit.data import ChatFormatter
+from alignkit.errors import DataError
 from alignkit.model.loader import load_tokenizer
 from alignkit.train import run_train
 

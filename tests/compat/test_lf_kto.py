@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from alignkit.hparams import read_config
+from alignkit.config.parse import read_config
 
 pytestmark = pytest.mark.compat
 

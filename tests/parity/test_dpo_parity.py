@@ -12,8 +12,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
+from alignkit.config.parse import parse_config
 from alignkit.data import PairwiseCollator
-from alignkit.hparams import parse_config
 from alignkit.model.tiny import build_tiny_model
 from alignkit.stages.dpo import DPOTrainer
 

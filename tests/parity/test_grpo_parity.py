@@ -21,7 +21,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from alignkit.hparams import parse_config
+from alignkit.config.parse import parse_config
 from alignkit.rewards import RewardFunction, RewardFunctions
 from alignkit.stages import online as online_module
 from alignkit.stages.grpo import GRPOTrainer

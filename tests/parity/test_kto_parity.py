@@ -13,8 +13,8 @@ import pytest
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
+from alignkit.config.parse import parse_config
 from alignkit.data import UnpairedCollator
-from alignkit.hparams import parse_config
 from alignkit.model.tiny import build_tiny_model
 from alignkit.stages.kto import KTOTrainer
 
@@ -124,7 +124,7 @@ def test_unpaired_rows_tokenise_to_trls_ids(policy_dir, tiny_model_dir, tiny_tok
                                         "completion": [{"role": "assistant", "content": c}], "label": label}) + "\n"
                             for p, c, label in ROWS))
     ours = get_dataset(parse_config({"stage": "kto", "dataset": str(data), "cutoff_len": 1024}), tiny_tokenizer,
-                       "kto")["train_dataset"]
+                       "unpaired")["train_dataset"]
     for i, row in enumerate(theirs.train_dataset):
         assert ours[i]["input_ids"] == row["prompt_ids"] + row["completion_ids"]
         assert ours[i]["labels"] == [-100] * len(row["prompt_ids"]) + row["completion_ids"]

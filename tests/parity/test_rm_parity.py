@@ -14,8 +14,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, EvalPrediction
 
+from alignkit.config.parse import parse_config
 from alignkit.data import PairwiseCollator
-from alignkit.hparams import parse_config
 from alignkit.stages.rm import RewardTrainer, compute_reward_eval_metrics
 
 trl = pytest.importorskip("trl")

@@ -20,9 +20,9 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
+from alignkit.config.parse import parse_config
 from alignkit.data import get_dataset
 from alignkit.data.collator import SupervisedCollator
-from alignkit.hparams import parse_config
 from alignkit.stages.sft import SFTTrainer
 
 pytestmark = pytest.mark.parity
@@ -49,7 +49,7 @@ def _ours(tiny_model_dir, tiny_tokenizer, tmp_path, padding_free, **training):
     config = parse_config({"stage": "sft", "do_train": True, "finetuning_type": "full",
                            "model_name_or_path": tiny_model_dir, "dataset": str(data),
                            "output_dir": str(tmp_path / "ours"), "padding_free": padding_free, **TRAINING, **training})
-    dataset = get_dataset(config, tiny_tokenizer, "sft")["train_dataset"]
+    dataset = get_dataset(config, tiny_tokenizer, "supervised")["train_dataset"]
     return SFTTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), args=config.training,
                       data_collator=SupervisedCollator(tiny_tokenizer), train_dataset=dataset,
                       processing_class=tiny_tokenizer)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from alignkit.hparams import parse_config
+from alignkit.config.parse import parse_config
 from alignkit.train import run_train
 
 pytestmark = pytest.mark.slow

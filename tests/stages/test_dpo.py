@@ -10,8 +10,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from alignkit.callbacks import read_log
+from alignkit.config.parse import parse_config
 from alignkit.data import PairwiseCollator
-from alignkit.hparams import parse_config
 from alignkit.model.logprobs import forward_token_logps
 from alignkit.model.tiny import build_tiny_tokenizer
 from alignkit.stages import dpo as dpo_module
@@ -38,7 +38,7 @@ def _encode(tokenizer, prompt: str, response: str) -> dict[str, list[int]]:
 
 
 def pair_dataset(tokenizer, pairs=PAIRS) -> Dataset:
-    """The `get_dataset(..., "dpo")` columns, built by hand from chat-templated pairs."""
+    """The `get_dataset(..., "preference")` columns, built by hand from chat-templated pairs."""
     columns: dict[str, list] = {}
     for prompt, chosen, rejected in pairs:
         for side, response in (("chosen", chosen), ("rejected", rejected)):
@@ -346,7 +346,7 @@ def test_run_train_dpo_end_to_end(tiny_model_dir, tmp_path):
 
     from alignkit.data import get_dataset
 
-    eval_rows = get_dataset(config, AutoTokenizer.from_pretrained(tiny_model_dir), "dpo")["eval_dataset"]
+    eval_rows = get_dataset(config, AutoTokenizer.from_pretrained(tiny_model_dir), "preference")["eval_dataset"]
     policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(out)).eval()
     expected = dpo_eval_by_hand(policy, AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), eval_rows,
                                 beta=config.method.pref_beta)

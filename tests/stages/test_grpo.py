@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from alignkit.callbacks import read_log
-from alignkit.hparams import parse_config
+from alignkit.config.parse import parse_config
 from alignkit.stages import grpo as grpo_module
 from alignkit.stages import online as online_module
 from alignkit.train import run_train

@@ -10,8 +10,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from alignkit.callbacks import read_log
+from alignkit.config.parse import parse_config
 from alignkit.data import UnpairedCollator
-from alignkit.hparams import parse_config
 from alignkit.model.logprobs import forward_sequence_logps
 from alignkit.model.tiny import build_tiny_tokenizer
 from alignkit.stages.kto import KTOTrainer

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from alignkit.callbacks import read_log
-from alignkit.hparams import ConfigError, parse_config
+from alignkit.config.parse import parse_config
+from alignkit.errors import ConfigError
 from alignkit.model.adapters import POLICY_ADAPTER
 from alignkit.model.heads import VALUE_HEAD_FILE
 from alignkit.model.loader import load_model
@@ -100,7 +101,7 @@ def test_config_checks():
 
 
 def test_shared_reward_keys_reach_the_running_stage():
-    """`log_completions` and `reward_funcs` belong to GRPO and PPO alike (hparams._owners): each run's class gets them."""
+    """`log_completions` and `reward_funcs` belong to GRPO and PPO alike (config.parse._owners): each run's class gets them."""
     from alignkit.stages.grpo import GRPOArguments
     from alignkit.stages.ppo import PPOArguments
 
@@ -305,7 +306,7 @@ def test_end_to_end(critic, tiny_model_dir, prompts_file, reward_from_sft_dir, s
     assert isinstance(policy, PeftModel)
     if critic == "head":  # `alignkit export` merges it like any causal-LM adapter
         from alignkit.export import export_model
-        from alignkit.hparams import ModelArguments
+        from alignkit.config import ModelArguments
 
         exported = export_model(ModelArguments(model_name_or_path=tiny_model_dir, adapter_name_or_path=str(out)),
                                 str(tmp_path / "export"))

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from alignkit.data.errors import DataError
-from alignkit.hparams import ConfigError, parse_config
+from alignkit.config.parse import parse_config
+from alignkit.errors import DataError
+from alignkit.errors import ConfigError
 from alignkit.train import last_complete_checkpoint, resolve_resume, run_train
 
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from alignkit.callbacks import read_log
-from alignkit.hparams import parse_config
+from alignkit.config.parse import parse_config
 from alignkit.train import run_train
 
 STEPS, CHECKPOINT_STEP, BATCH = 6, 3, 4

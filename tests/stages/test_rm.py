@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
 from alignkit.callbacks import read_log
-from alignkit.data.errors import DataError
-from alignkit.hparams import parse_config
+from alignkit.config.parse import parse_config
+from alignkit.errors import DataError
 from alignkit.score import RewardScorer, score_file
 from alignkit.train import run_train
 
@@ -240,7 +240,7 @@ def test_score_file_names_the_line_and_missing_field(tmp_path, tiny_model_dir):
 
 def test_exported_reward_adapter_scores_the_same(tmp_path, tiny_model_dir):
     from alignkit.export import export_model
-    from alignkit.hparams import ModelArguments
+    from alignkit.config import ModelArguments
 
     config = _config(tmp_path, tiny_model_dir, do_eval=False, max_steps=2)
     run_train(config)

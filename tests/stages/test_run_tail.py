@@ -9,7 +9,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from alignkit.callbacks import read_log
-from alignkit.hparams import parse_config
+from alignkit.config.parse import parse_config
 from alignkit.train import run_train
 
 

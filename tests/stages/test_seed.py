@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignkit.hparams import parse_config
+from alignkit.config.parse import parse_config
 from alignkit.train import run_train
 
 DATA = Path(__file__).resolve().parents[2] / "data"

@@ -10,7 +10,8 @@ import torch
 from transformers import TrainerCallback
 
 from alignkit.callbacks import read_log
-from alignkit.hparams import ConfigError, parse_config
+from alignkit.config.parse import parse_config
+from alignkit.errors import ConfigError
 from alignkit.metrics import similarity_scores
 from alignkit.train import run_train
 
@@ -110,7 +111,7 @@ def test_sft_eval_loss_and_accuracy_with_packing(tiny_model_dir, tmp_path):
 
     from alignkit.data import get_dataset
 
-    eval_rows = get_dataset(config, AutoTokenizer.from_pretrained(tiny_model_dir), "sft")["eval_dataset"]
+    eval_rows = get_dataset(config, AutoTokenizer.from_pretrained(tiny_model_dir), "supervised")["eval_dataset"]
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     total, correct, count = 0.0, 0, 0
     for ids, labels in zip(eval_rows["input_ids"], eval_rows["labels"]):
@@ -151,7 +152,7 @@ def test_pt_trains_on_raw_text(tiny_model_dir, tmp_path):
     assert (Path(config.training.output_dir) / "adapter_model.safetensors").is_file()
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    blocks = get_dataset(config, tokenizer, "pt")["train_dataset"]
+    blocks = get_dataset(config, tokenizer, "text")["train_dataset"]
     stream = [token for text in texts for token in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
     assert [len(ids) for ids in blocks["input_ids"]] == [32] * (len(stream) // 32) + [len(stream) % 32]
     assert sum(blocks["input_ids"], []) == stream and blocks["labels"] == blocks["input_ids"]
@@ -197,7 +198,7 @@ def test_sft_settings_and_empty_splits_are_refused_before_loading(tiny_model_dir
 @pytest.mark.parametrize("name", ["sft_lora.yaml", "sft_full.yaml", "pt_lora.yaml"])
 def test_example_yaml_runs(name, tiny_model_dir, tmp_path):
     """Each shipped example parses and runs a step on the tiny model with its own dataset and settings."""
-    from alignkit.hparams import read_config
+    from alignkit.config.parse import read_config
 
     root = Path(__file__).resolve().parents[2]
     path = root / "examples" / name

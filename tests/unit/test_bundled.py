@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from alignkit.hparams import ConfigError, parse_config
+from alignkit.config.parse import parse_config
+from alignkit.errors import ConfigError
 from alignkit.model import bundled
 from alignkit.model.bundled import COMPLETE_MARKER, bundled_model_dir, ensure_bundled_model
 

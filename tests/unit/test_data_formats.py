@@ -8,8 +8,10 @@ import json
 
 import pytest
 
-from alignkit.data import IGNORE_INDEX, ChatFormatter, DataError, get_dataset
-from alignkit.hparams import parse_config
+from alignkit.config.parse import parse_config
+from alignkit.data import IGNORE_INDEX, ChatFormatter, get_dataset
+from alignkit.errors import DataError
+from alignkit.stages import STAGES
 
 EOS = 2
 
@@ -20,7 +22,7 @@ def load(tmp_path, tokenizer, rows, stage="sft", name="d.json", kind=None, **key
     path = tmp_path / name
     path.write_text(rows if isinstance(rows, str) else json.dumps(rows, ensure_ascii=False), encoding="utf-8")
     values = {"dataset": str(path), "dataset_dir": str(tmp_path), "stage": stage, "cutoff_len": 256, **keys}
-    return get_dataset(parse_config(values), tokenizer, kind or stage)
+    return get_dataset(parse_config(values), tokenizer, kind or STAGES[stage].data_kind)
 
 
 def trained_spans(tokenizer, row, prefix=""):

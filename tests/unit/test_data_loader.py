@@ -10,9 +10,12 @@ import time
 
 import pytest
 
-from alignkit.data import DataError, get_dataset, processors
+from alignkit.config.parse import parse_config
+from alignkit.data import get_dataset, processors
+from alignkit.data.formats import DATA_KINDS
 from alignkit.data.loader import split_examples
-from alignkit.hparams import parse_config
+from alignkit.errors import DataError
+from alignkit.stages import STAGES
 
 SFT_ROWS = [{"instruction": f"What is {i} plus 2?", "output": f"{i} plus 2 is {i + 2}."} for i in range(10)]
 
@@ -29,7 +32,7 @@ def write(tmp_path, name, content):
 
 def load(tmp_path, tokenizer, rows, stage="sft", name="d.json", **keys):
     path = write(tmp_path, name, rows)
-    return get_dataset(config(tmp_path, str(path), stage, **keys), tokenizer, stage)
+    return get_dataset(config(tmp_path, str(path), stage, **keys), tokenizer, STAGES[stage].data_kind)
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -43,14 +46,14 @@ def test_jsonl_csv_and_parquet_files_give_the_same_examples(tmp_path, tiny_token
         writer.writeheader()
         writer.writerows([dict(r, input="") for r in SFT_ROWS[:3]])
     pq.write_table(pa.Table.from_pylist(SFT_ROWS[:3]), tmp_path / "a.parquet")
-    results = [get_dataset(config(tmp_path, str(tmp_path / n)), tiny_tokenizer, "sft")["train_dataset"]["input_ids"]
-               for n in ("a.jsonl", "a.csv", "a.parquet")]
+    results = [get_dataset(config(tmp_path, str(tmp_path / n)), tiny_tokenizer,
+                           "supervised")["train_dataset"]["input_ids"] for n in ("a.jsonl", "a.csv", "a.parquet")]
     assert results[0] == results[1] == results[2] and len(results[0]) == 3
 
 
 def test_several_datasets_are_concatenated_and_max_samples_applies_to_each(tmp_path, tiny_tokenizer):
     a, b = write(tmp_path, "a.json", SFT_ROWS[:5]), write(tmp_path, "b.json", SFT_ROWS[5:])
-    out = get_dataset(config(tmp_path, f"{a},{b}", max_samples=2), tiny_tokenizer, "sft")["train_dataset"]
+    out = get_dataset(config(tmp_path, f"{a},{b}", max_samples=2), tiny_tokenizer, "supervised")["train_dataset"]
     decoded = [tiny_tokenizer.decode(ids) for ids in out["input_ids"]]
     assert len(decoded) == 4
     assert ["What is 0 " in decoded[0], "What is 1 " in decoded[1], "What is 5 " in decoded[2]] == [True] * 3
@@ -63,7 +66,7 @@ def test_registry_columns_and_tags(tmp_path, tiny_tokenizer):
         "qa": {"file_name": "qa.json", "columns": {"prompt": "question", "response": "answer", "system": "persona"}},
         "chat": {"file_name": "chat.json", "formatting": "sharegpt", "columns": {"messages": "dialog"},
                  "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "U", "assistant_tag": "A"}}})
-    out = get_dataset(config(tmp_path, "qa,chat"), tiny_tokenizer, "sft")["train_dataset"]
+    out = get_dataset(config(tmp_path, "qa,chat"), tiny_tokenizer, "supervised")["train_dataset"]
     first, second = (tiny_tokenizer.decode(ids) for ids in out["input_ids"])
     assert first == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
                      "<|im_start|>assistant\nHello!<|im_end|>\n")
@@ -73,14 +76,22 @@ def test_registry_columns_and_tags(tmp_path, tiny_tokenizer):
 def test_registry_file_relative_to_dataset_dir_and_missing_file(tmp_path, tiny_tokenizer):
     write(tmp_path, "dataset_info.json", {"gone": {"file_name": "nowhere.json"}})
     with pytest.raises(DataError, match="nowhere.json.*does not exist"):
-        get_dataset(config(tmp_path, "gone"), tiny_tokenizer, "sft")
+        get_dataset(config(tmp_path, "gone"), tiny_tokenizer, "supervised")
+
+
+def test_the_data_layer_takes_a_data_kind_not_a_stage_name(tmp_path, tiny_tokenizer):
+    """It sits below the stage registry: a stage hands it `STAGES[stage].data_kind` (its module's DATA_KIND)."""
+    path = write(tmp_path, "d.json", SFT_ROWS)
+    with pytest.raises(DataError, match=r"'sft' is not a data kind \(text, supervised, .*STAGES\[stage\]\.data_kind"):
+        get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")
+    assert {stage.data_kind for stage in STAGES.values()} <= set(DATA_KINDS)
 
 
 def test_hub_id_fails_at_once_when_offline(tmp_path, tiny_tokenizer, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.monotonic()
     with pytest.raises(DataError, match="someorg/somedata.*offline"):
-        get_dataset(config(tmp_path, "someorg/somedata"), tiny_tokenizer, "sft")
+        get_dataset(config(tmp_path, "someorg/somedata"), tiny_tokenizer, "supervised")
     assert time.monotonic() - start < 5
 
 
@@ -88,7 +99,7 @@ def test_unknown_name_lists_the_registry(tmp_path, tiny_tokenizer):
     write(tmp_path, "dataset_info.json", {"known": {"file_name": "k.json"}})
     write(tmp_path, "k.json", SFT_ROWS)
     with pytest.raises(DataError, match=r"'unknwon'.*known: known"):
-        get_dataset(config(tmp_path, "unknwon"), tiny_tokenizer, "sft")
+        get_dataset(config(tmp_path, "unknwon"), tiny_tokenizer, "supervised")
 
 
 def test_bundled_demo_registry_loads_for_every_kind(tiny_tokenizer):
@@ -211,30 +222,31 @@ def test_identical_pairs_are_dropped_with_a_warning(tmp_path, tiny_tokenizer, ca
 def test_second_run_hits_the_cache_and_key_changes_retokenise(tmp_path, tiny_tokenizer, monkeypatch):
     tiny_tokenizer = copy.deepcopy(tiny_tokenizer)  # `template: plain` below is installed into the tokenizer
     path = write(tmp_path, "d.json", SFT_ROWS)
-    first = get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")["train_dataset"]
+    first = get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "supervised")["train_dataset"]
 
     def fail(*args, **kwargs):
         raise AssertionError("tokenised again")
 
     monkeypatch.setattr(processors, "tokenize_examples", fail)
-    again = get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")["train_dataset"]
+    again = get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "supervised")["train_dataset"]
     assert again["input_ids"] == first["input_ids"]
     for changed in ({"cutoff_len": 128}, {"overwrite_cache": True}, {"train_on_prompt": True}, {"max_samples": 3},
                     {"template": "plain"}):
         with pytest.raises(AssertionError, match="tokenised again"):
-            get_dataset(config(tmp_path, str(path), **changed), tiny_tokenizer, "sft")
+            get_dataset(config(tmp_path, str(path), **changed), tiny_tokenizer, "supervised")
     write(tmp_path, "d.json", SFT_ROWS[:9])  # new contents
     with pytest.raises(AssertionError, match="tokenised again"):
-        get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")
+        get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "supervised")
 
 
 def test_tokenized_path_saves_then_loads_without_the_source(tmp_path, tiny_tokenizer):
     path = write(tmp_path, "d.json", SFT_ROWS)
     saved = tmp_path / "tok"
-    first = get_dataset(config(tmp_path, str(path), tokenized_path=str(saved), val_size=2), tiny_tokenizer, "sft")
+    first = get_dataset(config(tmp_path, str(path), tokenized_path=str(saved), val_size=2), tiny_tokenizer,
+                        "supervised")
     assert (saved / "train").is_dir() and (saved / "eval").is_dir()
     path.unlink()
-    again = get_dataset(config(tmp_path, str(path), tokenized_path=str(saved)), tiny_tokenizer, "sft")
+    again = get_dataset(config(tmp_path, str(path), tokenized_path=str(saved)), tiny_tokenizer, "supervised")
     assert again["train_dataset"]["input_ids"] == first["train_dataset"]["input_ids"]
     assert again["eval_dataset"]["input_ids"] == first["eval_dataset"]["input_ids"]
 
@@ -261,14 +273,14 @@ def test_val_size_too_large_is_an_error():
 
 def test_eval_dataset_key_loads_a_separate_set(tmp_path, tiny_tokenizer):
     train, held = write(tmp_path, "t.json", SFT_ROWS[:6]), write(tmp_path, "e.json", SFT_ROWS[6:])
-    out = get_dataset(config(tmp_path, str(train), eval_dataset=str(held), val_size=0.5), tiny_tokenizer, "sft")
+    out = get_dataset(config(tmp_path, str(train), eval_dataset=str(held), val_size=0.5), tiny_tokenizer, "supervised")
     assert (len(out["train_dataset"]), len(out["eval_dataset"])) == (6, 4)
 
 
 def test_bare_file_name_is_found_in_dataset_dir(tmp_path, tiny_tokenizer, monkeypatch):
     write(tmp_path, "only_here.jsonl", "\n".join(json.dumps(r) for r in SFT_ROWS[:2]))
     monkeypatch.chdir(tmp_path.parent)  # not found relative to the working directory
-    out = get_dataset(config(tmp_path, "only_here.jsonl"), tiny_tokenizer, "sft")["train_dataset"]
+    out = get_dataset(config(tmp_path, "only_here.jsonl"), tiny_tokenizer, "supervised")["train_dataset"]
     assert len(out) == 2
 
 
@@ -298,8 +310,8 @@ def test_byte_order_mark_selects_the_encoding(tmp_path, tiny_tokenizer, suffix, 
     path = tmp_path / f"d{suffix}"
     path.write_bytes(data)
     plain = write(tmp_path, f"plain{suffix}", _encoded(rows, suffix, "utf-8").decode())
-    got = get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")["train_dataset"]
-    expected = get_dataset(config(tmp_path, str(plain)), tiny_tokenizer, "sft")["train_dataset"]
+    got = get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "supervised")["train_dataset"]
+    expected = get_dataset(config(tmp_path, str(plain)), tiny_tokenizer, "supervised")["train_dataset"]
     assert got["input_ids"] == expected["input_ids"]
 
 
@@ -307,9 +319,9 @@ def test_bad_bytes_in_a_csv_row_name_the_row_and_column_and_can_be_skipped(tmp_p
     path = tmp_path / "d.csv"
     path.write_bytes(b"instruction,output\nWhat is 1?,one\nWhat is 2?,caf\xe9\nWhat is 3?,three\n")
     with pytest.raises(DataError, match=r"d\.csv, row 2: field `output`: holds bytes that are not UTF-8 \(file line 3"):
-        get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")
+        get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "supervised")
     with caplog.at_level(logging.WARNING):
-        out = get_dataset(config(tmp_path, str(path), skip_invalid_rows=True), tiny_tokenizer, "sft")
+        out = get_dataset(config(tmp_path, str(path), skip_invalid_rows=True), tiny_tokenizer, "supervised")
     assert len(out["train_dataset"]) == 2 and "Skipped 1 invalid row(s)" in caplog.text
 
 
@@ -318,7 +330,8 @@ def test_bad_bytes_in_a_jsonl_line_are_skipped_and_the_other_lines_kept(tmp_path
     lines[2] = b'{"instruction": "\xff\xfe", "output": "x"}'
     (tmp_path / "d.jsonl").write_bytes(b"\n".join(lines))
     with caplog.at_level(logging.WARNING):
-        out = get_dataset(config(tmp_path, str(tmp_path / "d.jsonl"), skip_invalid_rows=True), tiny_tokenizer, "sft")
+        out = get_dataset(config(tmp_path, str(tmp_path / "d.jsonl"), skip_invalid_rows=True), tiny_tokenizer,
+                          "supervised")
     assert len(out["train_dataset"]) == 3
     assert "d.jsonl, line 3: column 18" in caplog.text and "is not UTF-8" in caplog.text
 
@@ -327,13 +340,13 @@ def test_utf16_without_a_byte_order_mark_is_hinted(tmp_path, tiny_tokenizer):
     path = tmp_path / "d.json"
     path.write_bytes(json.dumps([{"instruction": "Où?", "output": "Ici"}], ensure_ascii=False).encode("utf-16-le"))
     with pytest.raises(DataError, match="is not UTF-8. The file holds NUL bytes, so it may be UTF-16"):
-        get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")
+        get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "supervised")
 
 
 def test_line_separator_characters_inside_a_jsonl_string_do_not_split_the_line(tmp_path, tiny_tokenizer):
     rows = [{"instruction": "first\u2028second\x0cthird", "output": "ok\u2029done"}]
     path = write(tmp_path, "d.jsonl", "\n".join(json.dumps(r, ensure_ascii=False) for r in rows))
-    out = get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")["train_dataset"]
+    out = get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "supervised")["train_dataset"]
     assert len(out) == 1
     assert "first\u2028second" in tiny_tokenizer.decode(out[0]["input_ids"])
 
@@ -341,18 +354,18 @@ def test_line_separator_characters_inside_a_jsonl_string_do_not_split_the_line(t
 def test_unpaired_surrogate_escape_is_a_row_error(tmp_path, tiny_tokenizer):
     path = write(tmp_path, "d.jsonl", '{"instruction": "a \\ud800 b", "output": "x"}')
     with pytest.raises(DataError, match=r"line 1: field `instruction`: holds an unpaired surrogate"):
-        get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")
+        get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "supervised")
 
 
 # ---------------------------------------------------------------------------------------------- predict on dataset
 def test_evaluating_without_training_uses_dataset_as_the_eval_set(tmp_path, tiny_tokenizer):
     path = write(tmp_path, "d.json", SFT_ROWS)
-    out = get_dataset(config(tmp_path, str(path), do_predict=True), tiny_tokenizer, "sft")
+    out = get_dataset(config(tmp_path, str(path), do_predict=True), tiny_tokenizer, "supervised")
     assert out["train_dataset"] is None and len(out["eval_dataset"]) == 10
     # val_size or eval_dataset still decide the evaluation set, and training keeps `dataset` to train on.
-    out = get_dataset(config(tmp_path, str(path), do_eval=True, val_size=3), tiny_tokenizer, "sft")
+    out = get_dataset(config(tmp_path, str(path), do_eval=True, val_size=3), tiny_tokenizer, "supervised")
     assert len(out["eval_dataset"]) == 3
-    out = get_dataset(config(tmp_path, str(path), do_train=True, do_predict=True), tiny_tokenizer, "sft")
+    out = get_dataset(config(tmp_path, str(path), do_train=True, do_predict=True), tiny_tokenizer, "supervised")
     assert len(out["train_dataset"]) == 10 and out["eval_dataset"] is None
 
 
@@ -395,11 +408,11 @@ def test_a_cache_write_cleans_up_after_a_killed_run(tmp_path, tiny_tokenizer, mo
     from alignkit.data.loader import cache_root
 
     path = write(tmp_path, "d.json", SFT_ROWS)
-    get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "sft")
+    get_dataset(config(tmp_path, str(path)), tiny_tokenizer, "supervised")
     (key,) = [p.name for p in cache_root().iterdir()]
     left = cache_root() / f".{key}.tmp-{socket.gethostname()}-999999999-abcd1234"  # no such pid
     (left / "train").mkdir(parents=True)
-    get_dataset(config(tmp_path, str(path), overwrite_cache=True), tiny_tokenizer, "sft")
+    get_dataset(config(tmp_path, str(path), overwrite_cache=True), tiny_tokenizer, "supervised")
     assert [p.name for p in cache_root().iterdir()] == [key]
 
 

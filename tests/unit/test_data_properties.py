@@ -24,9 +24,10 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from alignkit.data import DataError, get_dataset
+from alignkit.config.parse import parse_config
+from alignkit.data import get_dataset
 from alignkit.data.loader import convert_dataset, resolve_datasets
-from alignkit.hparams import parse_config
+from alignkit.errors import DataError
 
 BOUNDED = settings(max_examples=80, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

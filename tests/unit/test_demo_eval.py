@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from alignkit.config.parse import parse_config
 from alignkit.data import get_dataset
 from alignkit.demo import DEMO_EVAL_DATASET, held_out_loss
-from alignkit.hparams import parse_config
 from alignkit.model.loader import load_tokenizer
 
 ROWS = [{"instruction": "What is 3 plus 4?", "output": "3 plus 4 is 7."},
@@ -30,7 +30,7 @@ def test_held_out_loss_is_the_token_weighted_mean_of_per_row_losses(tiny_model_d
     sum(l_i * n_i) / sum(n_i): the mean over every reply token, not the mean of the row means."""
     config = parse_config({"model_name_or_path": tiny_model_dir, "dataset": DEMO_EVAL_DATASET,
                            "dataset_dir": str(data_dir), "cutoff_len": 256})
-    rows = get_dataset(config, load_tokenizer(config.model), "sft")["train_dataset"]
+    rows = get_dataset(config, load_tokenizer(config.model), "supervised")["train_dataset"]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     weighted, tokens = 0.0, 0
     with torch.no_grad():

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from alignkit.config.parse import parse_config
 from alignkit.data.loader import get_dataset
-from alignkit.hparams import parse_config
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_math_eval.py"

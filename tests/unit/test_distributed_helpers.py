@@ -12,7 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from alignkit.hparams import ConfigError, launched_processes, parse_config
+from alignkit.config.parse import parse_config
+from alignkit.env import launched_processes
+from alignkit.errors import ConfigError
 from alignkit.launch import asks_for_deepspeed, single_process_rendezvous, torchrun_command
 from alignkit.model import distributed
 from alignkit.model.distributed import full_weights, sharding_of
@@ -87,7 +89,7 @@ def test_launched_processes_reads_world_size(monkeypatch):
 @pytest.mark.parametrize("keys, env", [({"fsdp": "full_shard auto_wrap"}, {}), ({"fsdp": True}, {}),
                                        ({}, {"ACCELERATE_USE_FSDP": "true"})])
 def test_fsdp_on_a_cpu_is_refused_instead_of_silently_running_ddp(keys, env, monkeypatch, tmp_path):
-    monkeypatch.setattr("alignkit.hparams._has_accelerator", lambda: False)
+    monkeypatch.setattr("alignkit.config.parse._has_accelerator", lambda: False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError, match="FSDP .* needs GPUs.*plain data parallel"):
@@ -100,7 +102,7 @@ def test_fsdp_on_a_cpu_passes_where_accelerate_was_made_to_run_it(monkeypatch, t
     mark it on AcceleratorState: then FSDP really runs on the CPU, and the config is not refused."""
     from accelerate.state import AcceleratorState
 
-    monkeypatch.setattr("alignkit.hparams._has_accelerator", lambda: False)
+    monkeypatch.setattr("alignkit.config.parse._has_accelerator", lambda: False)
     monkeypatch.setattr(AcceleratorState, "fsdp_on_cpu", True, raising=False)
     config = parse_config({"output_dir": str(tmp_path), "fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2}})
     assert config.training.fsdp

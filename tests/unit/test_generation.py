@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from alignkit.data.errors import DataError
+from alignkit.config.parse import parse_config
 from alignkit.data.template import ChatFormatter
-from alignkit.hparams import parse_config
+from alignkit.errors import DataError
 from alignkit.model.generation import (completion_mask, decode, encode_prompts, generate, generate_with_decode,
                                        left_pad, merged_lora, packed_linears, pad_prompts, sample_from_probs,
                                        sampling_processors, stop_token_ids)

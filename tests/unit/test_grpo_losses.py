@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from alignkit.hparams import ConfigError, parse_config
+from alignkit.config.parse import parse_config
+from alignkit.errors import ConfigError
 from alignkit.rl.advantages import ADVANTAGE_ESTIMATORS, group_advantages
 from alignkit.rl.kl import k3_kl
 from alignkit.rl.losses import aggregate_loss, clipped_surrogate

@@ -11,10 +11,12 @@ import pytest
 import torch
 from datasets import Dataset
 
-from alignkit.data import DataError, UnpairedCollator, get_dataset
+from alignkit.config.parse import parse_config
+from alignkit.data import UnpairedCollator, get_dataset
 from alignkit.data.formats import DatasetAttr, convert_row
-from alignkit.data.errors import RowError
-from alignkit.hparams import ConfigError, parse_config
+from alignkit.errors import DataError
+from alignkit.errors import RowError
+from alignkit.errors import ConfigError
 from alignkit.stages.kto import kl_estimate, kto_loss, rotated_partners, with_mismatched_rows
 
 
@@ -161,7 +163,7 @@ def _config(tmp_path, dataset, **keys):
 def test_get_dataset_tokenises_unpaired_rows(tmp_path, tiny_tokenizer):
     data = _write(tmp_path / "kto.jsonl", [{"prompt": "Hi", "completion": "Hello!", "label": True},
                                           {"prompt": "Name a colour.", "completion": "apple", "label": False}])
-    out = get_dataset(_config(tmp_path, data), tiny_tokenizer, "kto")["train_dataset"]
+    out = get_dataset(_config(tmp_path, data), tiny_tokenizer, "unpaired")["train_dataset"]
     assert out["desirable"] == [True, False]
     first = out[0]
     reply = [t for t in first["labels"] if t != -100]
@@ -172,14 +174,14 @@ def test_get_dataset_tokenises_unpaired_rows(tmp_path, tiny_tokenizer):
 def test_missing_flag_column_names_the_file_and_the_fix(tmp_path, tiny_tokenizer):
     data = _write(tmp_path / "sft.jsonl", [{"prompt": "Hi", "completion": "Hello!"}])
     with pytest.raises(DataError, match=r"sft.jsonl: stage kto needs a desirable/undesirable flag.*`label`.*kto_tag"):
-        get_dataset(_config(tmp_path, data), tiny_tokenizer, "kto")
+        get_dataset(_config(tmp_path, data), tiny_tokenizer, "unpaired")
 
 
 def test_bad_flag_names_file_row_and_field(tmp_path, tiny_tokenizer):
     data = _write(tmp_path / "kto.jsonl", [{"prompt": "Hi", "completion": "Hello!", "label": True},
                                           {"prompt": "Yo", "completion": "Hey", "label": "good"}])
     with pytest.raises(DataError, match=r"kto.jsonl, line 2: .*label.*expected true \(desirable\).*'good'"):
-        get_dataset(_config(tmp_path, data), tiny_tokenizer, "kto")
+        get_dataset(_config(tmp_path, data), tiny_tokenizer, "unpaired")
 
 
 def test_registry_kto_tag_and_csv_flags(tmp_path, tiny_tokenizer):
@@ -190,7 +192,7 @@ def test_registry_kto_tag_and_csv_flags(tmp_path, tiny_tokenizer):
                           {"instruction": "Yo", "output": "nonsense", "tag": "false"}])
     (tmp_path / "dataset_info.json").write_text(json.dumps({"k": {"file_name": "kto.csv", "columns": {
         "prompt": "instruction", "response": "output", "kto_tag": "tag"}}}))
-    out = get_dataset(_config(tmp_path, "k"), tiny_tokenizer, "kto")["train_dataset"]
+    out = get_dataset(_config(tmp_path, "k"), tiny_tokenizer, "unpaired")["train_dataset"]
     assert out["desirable"] == [True, False]
 
 

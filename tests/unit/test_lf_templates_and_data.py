@@ -10,12 +10,15 @@ import re
 
 import pytest
 
-from alignkit.data import IGNORE_INDEX, ChatFormatter, DataError, get_dataset
+from alignkit.config import ModelArguments
+from alignkit.config.parse import parse_config
+from alignkit.data import IGNORE_INDEX, ChatFormatter, get_dataset
 from alignkit.data.formats import DatasetAttr, convert_row
 from alignkit.data.loader import convert_dataset, resolve_datasets
 from alignkit.data.template import BUILTIN_TEMPLATES, TEMPLATE_ALIASES, missing_special_tokens
-from alignkit.hparams import ModelArguments, parse_config
+from alignkit.errors import DataError
 from alignkit.model.loader import load_tokenizer
+from alignkit.stages import STAGES
 
 LLAMA3_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 TOOLS = [{"name": "get_weather", "description": "Weather of a city",
@@ -60,7 +63,7 @@ def write_registry(tmp_path, entries: dict, files: dict):
 
 def load(tmp_path, tokenizer, dataset, stage="sft", **keys):
     values = {"dataset": dataset, "dataset_dir": str(tmp_path), "stage": stage, "cutoff_len": 2048, **keys}
-    return get_dataset(parse_config(values), tokenizer, stage)
+    return get_dataset(parse_config(values), tokenizer, STAGES[stage].data_kind)
 
 
 # ---------------------------------------------------------------------------------------------- templates

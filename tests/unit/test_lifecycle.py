@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from alignkit.callbacks import DivergenceGuard, TrainingDiverged, read_log, truncate_log
-from alignkit.hparams import ConfigError
+from alignkit.callbacks import DivergenceGuard, read_log, truncate_log
+from alignkit.errors import TrainingDiverged
+from alignkit.errors import ConfigError
 from alignkit.lifecycle import (
     LOCK_FILE,
     OutputDirLock,

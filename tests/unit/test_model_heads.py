@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from alignkit.config.parse import parse_config
 from alignkit.data.collator import pad_sequences
-from alignkit.hparams import ConfigError, parse_config
+from alignkit.errors import ConfigError
 from alignkit.model.heads import (
     VALUE_HEAD_FILE,
     ValueHead,

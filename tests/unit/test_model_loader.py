@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from alignkit.hparams import ConfigError, parse_config
+from alignkit.config.parse import parse_config
+from alignkit.errors import ConfigError
 from alignkit.model import load_model, load_tokenizer, resolve_model_path
 from alignkit.model.loader import count_parameters, find_linear_modules, resolve_dtype
 

@@ -8,8 +8,9 @@ import logging
 import pytest
 import torch
 
+from alignkit.config.parse import parse_config
 from alignkit.data.collator import pad_sequences
-from alignkit.hparams import ConfigError, parse_config
+from alignkit.errors import ConfigError
 from alignkit.model.adapters import (
     adapters_disabled,
     load_reward_adapter,

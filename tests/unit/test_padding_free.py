@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from alignkit.hparams import TrainingArguments, parse_config
+from alignkit.config import TrainingArguments
+from alignkit.config.parse import parse_config
 from alignkit.model.logprobs import forward_sequence_logps, forward_token_logps
 from alignkit.model.padding_free import (
     first_token_unlabelled,
@@ -22,8 +23,8 @@ from alignkit.model.padding_free import (
     segment_sum,
     unflatten_to_padded,
 )
-from alignkit.stages.dpo import DPOTrainer
 from alignkit.model.heads import sequence_rewards
+from alignkit.stages.dpo import DPOTrainer
 from alignkit.stages.sft import SFTTrainer
 
 PAD = 2

@@ -8,8 +8,9 @@ import logging
 import pytest
 import torch
 
+from alignkit.config.parse import parse_config
 from alignkit.data.template import ChatFormatter
-from alignkit.hparams import ConfigError, parse_config
+from alignkit.errors import ConfigError
 from alignkit.model.loader import load_model, load_tokenizer
 from alignkit.model.logprobs import forward_token_logps
 from alignkit.rewards import RewardFunctionArguments, build_reward_functions

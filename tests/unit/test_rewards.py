@@ -11,7 +11,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from alignkit.hparams import ConfigError
+from alignkit.errors import ConfigError
 from alignkit.rewards import (
     RewardFunction,
     RewardFunctionArguments,

@@ -36,7 +36,7 @@ def test_deepspeed_config_gets_every_auto_value_from_the_training_arguments(name
     from transformers import AutoModelForCausalLM
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    from alignkit.hparams import parse_config
+    from alignkit.config.parse import parse_config
 
     args = parse_config({"output_dir": str(tmp_path), "per_device_train_batch_size": 2,
                          "gradient_accumulation_steps": 4, "max_grad_norm": 0.5}).training

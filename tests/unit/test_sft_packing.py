@@ -10,8 +10,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
+from alignkit.config import TrainingArguments
 from alignkit.data.packing import PackedCollator, pack_dataset, pack_lengths
-from alignkit.hparams import TrainingArguments
 from alignkit.stages.sft import SFTTrainer
 
 

@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from alignkit.hparams import GeneratingArguments, TrainingArguments
+from alignkit.config import GeneratingArguments, TrainingArguments
 from alignkit.stages.sft import SFTTrainer, sft_loss
 
 

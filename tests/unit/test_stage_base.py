@@ -7,7 +7,9 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from alignkit.hparams import ConfigError, TrainingArguments, all_keys, parse_config
+from alignkit.config import TrainingArguments
+from alignkit.config.parse import all_keys, parse_config
+from alignkit.errors import ConfigError
 from alignkit.stages import STAGES
 from alignkit.stages.base import StageTrainer, weighted_means
 

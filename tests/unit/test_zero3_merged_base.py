@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from alignkit.hparams import ConfigError, FinetuningArguments, parse_config
+from alignkit.config import FinetuningArguments
+from alignkit.config.parse import parse_config
+from alignkit.errors import ConfigError
 from alignkit.model import loader
 from alignkit.model.distributed import full_weights, sharding_of, zero3_enabled, zero3_switched_off
 from alignkit.model.loader import (MERGED_BASE_FILE, count_parameters, ensure_merged_base, load_model, merged_adapters,
@@ -156,7 +158,9 @@ def test_zero3_switched_off_restores_the_switch(zero3_loading):
 _RACE = """
 import sys, time
 from pathlib import Path
-from alignkit.hparams import ConfigError, FinetuningArguments, parse_config
+from alignkit.config import FinetuningArguments
+from alignkit.config.parse import parse_config
+from alignkit.errors import ConfigError
 from alignkit.model import loader
 
 start, log = Path(sys.argv[1]), Path(sys.argv[2])

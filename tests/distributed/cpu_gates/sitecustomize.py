@@ -10,12 +10,12 @@ transformers is changed. Both gates are in accelerate 1.15:
   types that become FSDP, so on a CPU the run stays plain data parallel (DDP). torch's FSDP2 (`fully_shard`) trains
   on the CPU with gloo, so after accelerate has set its state up, a multi-process CPU state given an FSDP plugin
   becomes FSDP with that plugin, exactly what the GPU branch does. The patch also marks
-  `AcceleratorState.fsdp_on_cpu = True`, which `alignkit.hparams` reads so that it does not refuse FSDP on this
+  `AcceleratorState.fsdp_on_cpu = True`, which `alignkit.config.parse` reads so that it does not refuse FSDP on this
   CPU-only machine (without the patch the refusal stands: a user's run would silently be DDP).
 - DeepSpeed: `PartialState._prepare_backend` picks a process-group backend only for GPU-like devices, or for the
   CPU under `use_cpu`, and under `use_cpu` it leaves DeepSpeed out. A DeepSpeed run on a CPU-only machine therefore
   gets no backend and counts one process, while DeepSpeed (which joins the launched processes itself, over gloo
-  with its CPU accelerator) counts them all; alignkit refuses that (`hparams._check_deepspeed_processes`). Here the
+  with its CPU accelerator) counts them all; alignkit refuses that (`config.parse._check_deepspeed_processes`). Here the
   missing backend of a launched worker becomes `gloo`, what accelerate would hand DeepSpeed as `nccl` on GPUs.
   Runs that are not DeepSpeed runs are untouched: alignkit sets `use_cpu` for them, and then accelerate picks gloo
   itself.

@@ -2,7 +2,8 @@
 
 import pytest
 
-from alignkit.hparams import ConfigError, load_yaml, parse_config, parse_override, read_config
+from alignkit.config.parse import load_yaml, parse_config, parse_override, read_config
+from alignkit.errors import ConfigError
 
 
 def test_overrides_win_over_yaml_and_strings_are_converted():
@@ -142,12 +143,12 @@ def test_positive_steps_override_a_zero_epoch_count():
 
 
 def test_fp16_is_refused_on_a_cpu_and_accepted_with_a_gpu(monkeypatch):
-    import alignkit.hparams as hparams
+    import alignkit.config.parse as parse
 
-    monkeypatch.setattr(hparams, "_has_accelerator", lambda: False)
+    monkeypatch.setattr(parse, "_has_accelerator", lambda: False)
     with pytest.raises(ConfigError, match="fp16=true needs a GPU.*fp32"):
         parse_config({"dataset": "demo_sft", "do_train": True, "fp16": True})
-    monkeypatch.setattr(hparams, "_has_accelerator", lambda: True)
+    monkeypatch.setattr(parse, "_has_accelerator", lambda: True)
     with pytest.raises(ConfigError, match="fp16=true needs a GPU"):  # use_cpu forces the CPU on a GPU machine
         parse_config({"dataset": "demo_sft", "do_train": True, "fp16": True, "use_cpu": True})
 
@@ -179,7 +180,7 @@ def test_config_file_that_is_not_utf8_names_the_byte(tmp_path):
 
 def test_stage_error_and_help_list_exactly_the_registered_stages(monkeypatch):
     """Derived from the registry: a stage registered later appears in both, none that is not registered."""
-    from alignkit.hparams import all_keys
+    from alignkit.config.parse import all_keys
     from alignkit.stages import STAGES, Stage
 
     with pytest.raises(ConfigError) as err:
@@ -193,7 +194,7 @@ def test_stage_error_and_help_list_exactly_the_registered_stages(monkeypatch):
 
 def test_warmup_ratio_becomes_warmup_steps_said_once(caplog):
     """transformers 5 has no warmup_ratio: a warmup_steps below 1 is the share of the training steps."""
-    with caplog.at_level("INFO", logger="alignkit.hparams"):
+    with caplog.at_level("INFO", logger="alignkit.config.parse"):
         config = parse_config({"warmup_ratio": 0.1})
     assert config.training.warmup_steps == 0.1
     assert config.training.get_warmup_steps(50) == 5  # ceil(50 * 0.1): what the scheduler gets
@@ -216,11 +217,11 @@ def test_warmup_ratio_conflicts_and_range_are_errors(values, pattern):
 
 
 def _stub_hardware(monkeypatch, *, accelerator: bool, accelerator_bf16: bool, cpu_bf16: bool) -> None:
-    import alignkit.hparams as hparams
+    import alignkit.config.parse as parse
 
-    monkeypatch.setattr(hparams, "_has_accelerator", lambda: accelerator)
-    monkeypatch.setattr(hparams, "_accelerator_has_bf16", lambda: accelerator_bf16)
-    monkeypatch.setattr(hparams, "_cpu_has_bf16", lambda: cpu_bf16)
+    monkeypatch.setattr(parse, "_has_accelerator", lambda: accelerator)
+    monkeypatch.setattr(parse, "_accelerator_has_bf16", lambda: accelerator_bf16)
+    monkeypatch.setattr(parse, "_cpu_has_bf16", lambda: cpu_bf16)
 
 
 @pytest.mark.parametrize("hardware, given, expected, warns", [
@@ -242,11 +243,11 @@ def _stub_hardware(monkeypatch, *, accelerator: bool, accelerator_bf16: bool, cp
     (dict(accelerator=False, accelerator_bf16=False, cpu_bf16=False), {"bf16": False}, {"bf16": False}, False),
 ])
 def test_bf16_is_honoured_where_the_hardware_has_it(monkeypatch, caplog, hardware, given, expected, warns):
-    from alignkit.hparams import choose_precision
+    from alignkit.config.parse import choose_precision
 
     _stub_hardware(monkeypatch, **hardware)
     kwargs = dict(given)
-    with caplog.at_level("INFO", logger="alignkit.hparams"):
+    with caplog.at_level("INFO", logger="alignkit.config.parse"):
         choose_precision(kwargs)
     assert kwargs == expected
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
@@ -261,7 +262,7 @@ def test_bf16_config_on_a_cpu_parses_either_way(monkeypatch, caplog, cpu_bf16):
     """The whole parse, with the capability check stubbed each way (transformers refuses bf16 on a CPU
     unless use_cpu is set, so both outcomes must get past its check)."""
     _stub_hardware(monkeypatch, accelerator=False, accelerator_bf16=False, cpu_bf16=cpu_bf16)
-    with caplog.at_level("WARNING", logger="alignkit.hparams"):
+    with caplog.at_level("WARNING", logger="alignkit.config.parse"):
         training = parse_config({"dataset": "demo_sft", "do_train": True, "bf16": True}).training
     assert (training.bf16, training.use_cpu) == ((True, True) if cpu_bf16 else (False, False))
     assert len([r for r in caplog.records if "bf16" in r.getMessage()]) == (0 if cpu_bf16 else 1)
@@ -305,7 +306,7 @@ def test_deepspeed_config_file_must_exist(monkeypatch):
 
 def test_do_eval_false_turns_in_loop_evaluation_off(caplog):
     """transformers turns do_eval back on for any eval_strategy but `no`; an explicit do_eval: false wins."""
-    with caplog.at_level("INFO", logger="alignkit.hparams"):
+    with caplog.at_level("INFO", logger="alignkit.config.parse"):
         config = parse_config({"do_eval": False, "eval_strategy": "steps", "eval_steps": 5})
     assert (config.training.do_eval, config.training.eval_strategy) == (False, "no")
     assert any("do_eval=false: no evaluation during training either" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,393 @@
+"""The config parser: YAML and `key=value` overrides to a checked `Config` (above the stage registry).
+
+`alignkit train CONFIG.yaml key=value ...` merges the YAML mapping with the overrides (overrides win), hands
+each key to the dataclass that owns it, converts strings to the field's type (`alignkit.config.values`), and
+builds the dataclasses. The shared sections are the schema (`alignkit.config.schema`); each stage's own keys
+are a dataclass in its stage module (`alignkit.stages.dpo.DPOArguments`, ...), found through the stage
+registry (`alignkit.stages.STAGES`), and arrive as `Config.method`. Anything wrong (an unknown key, a value of
+the wrong type, an invalid combination) raises `ConfigError` with a message that names the key and says how
+to fix it, before any model is loaded: each dataclass checks its own fields in `__post_init__`, this module
+whether `stage` is a stage and the settings that involve several sections (`check_combinations`), and the
+stage's `check` what only that stage forbids.
+
+This module imports the stage registry, so nothing the stages import may import it (the import-graph test,
+`tests/unit/test_import_graph.py`, holds every module to that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from ..env import launched_processes
+from ..errors import ConfigError
+from ..stages import STAGES
+from .schema import (
+    ARG_CLASSES,
+    BOTH_WARMUP_KEYS,
+    STAGE_NAMES,
+    TRAINING_DEFAULTS,
+    Config,
+    DataArguments,
+    FinetuningArguments,
+    GeneratingArguments,
+    ModelArguments,
+    TrainingArguments,
+)
+from .values import convert_value, field_types
+
+logger = logging.getLogger(__name__)
+
+
+def stage_names() -> str:
+    """The registered stages (`alignkit.stages.STAGES`), comma-separated, for messages and help text."""
+    return ", ".join(STAGES)
+
+
+def check_stage(stage: str) -> None:
+    """Raise a ConfigError unless `stage` names a registered stage, suggesting the closest one."""
+    if stage not in STAGES:
+        close = difflib.get_close_matches(stage, list(STAGES), n=1, cutoff=0.5)
+        hint = f" Did you mean `{close[0]}`?" if close else ""
+        raise ConfigError(f"stage={stage!r} is not a stage; choose one of {stage_names()}.{hint}")
+
+
+def _check_deepspeed_processes(training: TrainingArguments, where: str) -> None:
+    """Refuse a DeepSpeed run whose processes accelerate did not join into one DeepSpeed world.
+
+    accelerate (1.15) gives DeepSpeed a process-group backend only on GPU-like devices: on a CPU-only machine
+    each of N launched processes ends up with a world of 1, and DeepSpeed then fails deep inside its batch-size
+    check while the model loads. (The test suite lifts that gate to run DeepSpeed on the CPU with gloo; see
+    tests/distributed/cpu_gates.) One process: nothing to check.
+    """
+    launched = launched_processes()
+    if not training.deepspeed or launched == 1 or training.world_size == launched:
+        return
+    raise ConfigError(f"deepspeed{where}: {launched} processes were launched, but accelerate set DeepSpeed up for "
+                      f"{training.world_size}. On a machine without GPUs accelerate (1.15) does not start "
+                      "DeepSpeed's process group; run DeepSpeed on GPUs, or remove the `deepspeed` key to train "
+                      "data parallel on the CPU (torchrun with the gloo backend).")
+
+
+
+def _asks_for_fsdp(train_kwargs: dict[str, Any]) -> bool:
+    """Whether the `fsdp` key asks for FSDP (`true`, or transformers' strings such as `full_shard auto_wrap`)."""
+    value = train_kwargs.get("fsdp")
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "false", "no", "none")
+    return bool(value)
+
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def _accelerate_runs_fsdp_here() -> bool:
+    """Whether accelerate turns an FSDP request into FSDP on this machine.
+
+    accelerate 1.15 does so on GPU-like devices only (`AcceleratorState.__init__`: the multi-process CPU type
+    `MULTI_CPU` is not among the types that become `DistributedType.FSDP`), although torch's FSDP2 trains on a
+    CPU with gloo. The distributed tests lift that gate in their worker processes
+    (`tests/distributed/cpu_gates/sitecustomize.py`) and mark accelerate's `AcceleratorState.fsdp_on_cpu`;
+    this reads the mark rather than assuming the device decides, so that those runs are not refused while a
+    user's CPU run (which would silently be DDP) still is. Read from the class, not from a state, because
+    accelerate's state does not exist yet when the config is parsed.
+    """
+    if _has_accelerator():
+        return True
+    from accelerate.state import AcceleratorState
+
+    return getattr(AcceleratorState, "fsdp_on_cpu", False) is True
+
+
+def _accelerator_has_bf16() -> bool:
+    """Whether the accelerator transformers would train on (CUDA, XPU, MPS, ...) computes in bf16."""
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    return is_torch_bf16_gpu_available()
+
+
+def _cpu_has_bf16() -> bool:
+    from ..env import cpu_supports_bf16
+
+    return cpu_supports_bf16()
+
+
+def choose_precision(train_kwargs: dict[str, Any]) -> None:
+    """Settle `fp16` / `bf16` for the device the run will use, before transformers checks them.
+
+    Every LLaMA-Factory example says `bf16: true`, meaning "mixed precision where the hardware has it":
+
+    - an accelerator with bf16 (an Ampere or newer GPU, ...): bf16 as asked;
+    - the CPU (no accelerator, or `use_cpu: true`) with hardware bf16 (AVX512-BF16 or AMX, see
+      `alignkit.env.cpu_supports_bf16`): bf16 autocast on the CPU (`use_cpu` is set, which transformers
+      requires for bf16 without a GPU);
+    - the CPU without it: fp32, with one warning, because emulated bf16 runs about 3x slower than fp32;
+    - a GPU without bf16: left to transformers, whose error says which GPU is needed.
+
+    `fp16: true` on the CPU stays an error: it is never in LLaMA-Factory's examples, so it is a deliberate
+    choice, and CPU autocast in float16 has no hardware support (about 3x slower than fp32) and underflows
+    gradients that fp32 keeps.
+
+    Args:
+        train_kwargs: the `TrainingArguments` keys of the config; `bf16`, `bf16_full_eval` and `use_cpu` are
+            updated in place.
+
+    Raises:
+        ConfigError: fp16 on the CPU.
+    """
+    use_cpu = bool(train_kwargs.get("use_cpu"))
+    on_cpu = use_cpu or not _has_accelerator()
+    if train_kwargs.get("fp16") and on_cpu:
+        raise ConfigError("fp16=true needs a GPU: this run is on the CPU, where float16 gives no speed (about 3x "
+                          "slower than fp32) and loses precision. Remove fp16 (alignkit trains in fp32 on a CPU, "
+                          "or in bf16 with bf16=true where the CPU has bf16 hardware).")
+    asked = [key for key in ("bf16", "bf16_full_eval") if train_kwargs.get(key)]
+    if not asked or (not use_cpu and _accelerator_has_bf16()) or not on_cpu:
+        return
+    if _cpu_has_bf16():
+        train_kwargs["use_cpu"] = True
+        logger.info("bf16=true: training on the CPU in bf16 (this CPU has AVX512-BF16 or AMX).")
+        return
+    for key in asked:
+        train_kwargs[key] = False
+    logger.warning("%s=true: this CPU has no bf16 hardware (AVX512-BF16 or AMX) and runs bf16 about 3x slower than "
+                   "fp32, so this run trains in fp32. Remove the key to silence this; on a GPU or a CPU with bf16 "
+                   "hardware it is used as asked.", " and ".join(asked))
+
+
+def _stage_argument_classes() -> dict[str, type]:
+    """Stage name → the dataclass of its own keys, for every registered stage that has some."""
+    return {name: stage.arguments for name, stage in STAGES.items() if stage.arguments is not None}
+
+
+def _owners(stage: Optional[str] = None) -> dict[str, type]:
+    """Key → the dataclass that receives it.
+
+    A key may belong to several stages' classes (GRPO and PPO share the reward-function keys); it goes to
+    the class of `stage` when that class has it, else to the first stage class that does (so the error
+    can name a stage it applies to).
+    """
+    stage_classes = _stage_argument_classes()
+    owners: dict[str, type] = {}
+    preferred = stage_classes.get(stage) if stage is not None else None
+    if preferred is not None:
+        for name in field_types(preferred):
+            owners[name] = preferred
+    for cls in (*ARG_CLASSES, *dict.fromkeys(stage_classes.values())):
+        for name in field_types(cls):
+            owners.setdefault(name, cls)
+    return owners
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split one `key=value` command-line override; the value stays a string unless it is YAML-structured."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. learning_rate=1e-4).")
+    key, value = text.split("=", 1)
+    key = key.strip().lstrip("-").replace("-", "_")
+    if not key:
+        raise ConfigError(f"override {text!r} has no key before '='.")
+    stripped = value.strip()
+    if stripped.startswith(("{", "[")):
+        try:
+            return key, yaml.safe_load(stripped)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{key}: cannot parse {value!r}: {err}") from None
+    return key, value
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML config into a flat mapping, with errors that name the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist.")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: byte {err.start} (0x{err.object[err.start]:02x}) is not UTF-8; save the file "
+                          "as UTF-8.") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of key: value, got {type(data).__name__}.")
+    return data
+
+
+def parse_config(
+    values: dict[str, Any] | None = None, overrides: list[str] | None = None, source: str | None = None
+) -> Config:
+    """Build a `Config` from a mapping (e.g. a loaded YAML) and `key=value` overrides.
+
+    Raises:
+        ConfigError: unknown key (with the closest valid one), bad type, or an invalid combination.
+    """
+    merged: dict[str, Any] = dict(values or {})
+    for item in overrides or []:
+        key, value = parse_override(item)
+        merged[key] = value
+
+    owners = _owners(str(merged.get("stage", FinetuningArguments.stage)))
+    where = f" in {source}" if source else ""
+    per_class: dict[type, dict[str, Any]] = {cls: {} for cls in set(owners.values())}
+    for key, value in merged.items():
+        if key not in owners:
+            close = difflib.get_close_matches(key, list(owners), n=1, cutoff=0.6)
+            hint = f" Did you mean `{close[0]}`?" if close else " See `alignkit train --help-keys` for every key."
+            raise ConfigError(f"unknown key `{key}`{where}.{hint}")
+        cls = owners[key]
+        per_class[cls][key] = convert_value(key, value, field_types(cls)[key])
+
+    for key, value in TRAINING_DEFAULTS.items():
+        per_class[TrainingArguments].setdefault(key, value)
+    # Pinned memory only helps host-to-GPU copies; on a CPU-only machine torch warns about it each epoch.
+    per_class[TrainingArguments].setdefault("dataloader_pin_memory", _has_accelerator())
+    fsdp_asked = _asks_for_fsdp(per_class[TrainingArguments]) or \
+        os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    if fsdp_asked and not _accelerate_runs_fsdp_here():
+        # accelerate (1.15) switches to FSDP only on GPU-like devices; on a CPU the run silently falls back to
+        # plain data parallelism with a whole model per process, which is not what was asked for.
+        raise ConfigError(f"FSDP (the `fsdp` key or an `accelerate launch` FSDP config){where} needs GPUs: on this "
+                          "CPU-only machine accelerate would train plain data parallel (DDP) with the whole model in "
+                          "every process. Remove `fsdp`/`fsdp_config` (or launch with torchrun or a non-FSDP "
+                          "accelerate config) to train data parallel on the CPU.")
+    deepspeed_asked = bool(per_class[TrainingArguments].get("deepspeed"))
+    if deepspeed_asked and per_class[TrainingArguments].get("use_cpu"):
+        raise ConfigError(f"deepspeed and use_cpu: true{where}: accelerate does not start DeepSpeed with use_cpu "
+                          "(the run would crash inside DeepSpeed's set-up). Remove use_cpu, or remove deepspeed to "
+                          "train data parallel on the CPU.")
+    if launched_processes() > 1 and not _has_accelerator() and not deepspeed_asked:
+        # Under torchrun on a CPU-only machine accelerate sets up gloo data parallelism only with `use_cpu`;
+        # without it every worker silently trains alone on the whole data set (each one its own "rank 0").
+        # (Not under DeepSpeed: with use_cpu accelerate leaves DeepSpeed out; see `_check_deepspeed_processes`.)
+        per_class[TrainingArguments].setdefault("use_cpu", True)
+    if per_class[DataArguments].get("group_by_length"):
+        # LLaMA-Factory's key; transformers 5 names the same sampler `train_sampling_strategy`.
+        per_class[TrainingArguments].setdefault("train_sampling_strategy", "group_by_length")
+
+    train_kwargs = per_class[TrainingArguments]
+    if train_kwargs.get("fp16") and train_kwargs.get("bf16"):
+        raise ConfigError(f"fp16 and bf16 are both true{where}; choose one.")
+    choose_precision(train_kwargs)
+    if train_kwargs.get("warmup_ratio") is not None and "warmup_steps" in train_kwargs:
+        raise ConfigError(f"{BOTH_WARMUP_KEYS[:-1]}{where}.")
+    if train_kwargs.get("do_eval") is False and train_kwargs.get("eval_strategy", "no") != "no":
+        # transformers switches do_eval back on for any eval_strategy but `no`, so `do_eval: false` alone would
+        # still evaluate every eval_steps.
+        logger.info("do_eval=false: no evaluation during training either (eval_strategy=%s set to no).",
+                    train_kwargs["eval_strategy"])
+        train_kwargs["eval_strategy"] = "no"
+
+    def build(cls: type) -> Any:
+        try:
+            if cls is FinetuningArguments:
+                check_stage(str(per_class.get(cls, {}).get("stage", FinetuningArguments.stage)))
+            return cls(**per_class.get(cls, {}))
+        except ConfigError as err:
+            raise ConfigError(f"{err}{' (' + source + ')' if source else ''}") from None
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"invalid {cls.__name__} settings{where}: {err}") from None
+
+    built = {cls: build(cls) for cls in ARG_CLASSES}
+    _check_deepspeed_processes(built[TrainingArguments], where)
+    if built[TrainingArguments].warmup_ratio is not None:
+        logger.info("warmup_ratio=%s is read as warmup_steps=%s (transformers 5 takes a warmup_steps below 1 as "
+                    "a share of the training steps).", built[TrainingArguments].warmup_ratio,
+                    built[TrainingArguments].warmup_steps)
+    stage = built[FinetuningArguments].stage
+    stage_classes = _stage_argument_classes()
+    method_cls = stage_classes.get(stage)
+    for other_stage, cls in stage_classes.items():
+        if cls is not method_cls and per_class.get(cls):
+            keys = sorted(per_class[cls])
+            verb, pronoun = ("applies", "it") if len(keys) == 1 else ("apply", "them")
+            raise ConfigError(f"{', '.join(keys)} {verb} to stage {other_stage}, not {stage}{where}; remove "
+                              f"{pronoun} (or set stage: {other_stage}).")
+    config = Config(
+        model=built[ModelArguments],
+        data=built[DataArguments],
+        training=built[TrainingArguments],
+        finetuning=built[FinetuningArguments],
+        generating=built[GeneratingArguments],
+        method=build(method_cls) if method_cls is not None else None,
+        source=source,
+        values=merged,
+    )
+    check_combinations(config)
+    return config
+
+
+def read_config(path: str | os.PathLike, overrides: list[str] | None = None) -> Config:
+    """Parse `alignkit train PATH key=value ...`.
+
+    A config silent on all of `do_train`, `do_eval` and `do_predict` trains: `alignkit train` is the
+    command, and LLaMA-Factory configs always say `do_train: true` anyway. Settings that switch all
+    three off are refused, since such a run would load nothing and write nothing.
+    """
+    values = load_yaml(path)
+    given = set(values) | {parse_override(item)[0] for item in overrides or []}
+    if not given & {"do_train", "do_eval", "do_predict"}:
+        values["do_train"] = True
+    config = parse_config(values, overrides, source=str(path))
+    t = config.training
+    if not (t.do_train or t.do_eval or t.do_predict):
+        raise ConfigError(f"{path}: do_train, do_eval and do_predict are all false, so there is nothing to do; "
+                          "set one of them to true.")
+    return config
+
+
+def check_combinations(config: Config) -> None:
+    """Reject settings that are valid alone but not together, saying how to fix them.
+
+    Settings of one section are checked by its dataclass; this checks those that span sections, then
+    hands the config to the stage's own `check` (what only that stage forbids).
+    """
+    t, d, f = config.training, config.data, config.finetuning
+    stage = STAGES[f.stage]
+    if t.do_train and not d.dataset and not d.tokenized_path:
+        raise ConfigError("do_train=true needs `dataset` (or a `tokenized_path` saved earlier).")
+    if (t.do_eval or t.do_predict) and not (d.eval_dataset or d.val_size or d.dataset or d.tokenized_path):
+        raise ConfigError("evaluation needs `eval_dataset` or `val_size` > 0.")
+    if d.packing and stage.data_kind not in ("text", "supervised"):
+        raise ConfigError(f"packing=true applies to stage sft or pt, not {f.stage}; remove it.")
+    if t.predict_with_generate and stage.data_kind not in ("text", "supervised"):
+        raise ConfigError(f"predict_with_generate applies to stage sft, not {f.stage}; remove it.")
+    if stage.check is not None:
+        stage.check(config)
+
+
+def all_keys() -> dict[str, dict[str, str]]:
+    """Every accepted key with its help text, grouped (for `alignkit train --help-keys`).
+
+    Returns:
+        Group title → {key: help}. The shared sections first, then one group per stage with keys of its own.
+    """
+    groups: dict[str, dict[str, str]] = {}
+    seen: set[str] = set()
+    names = stage_names()
+    titles = [(cls.__name__, cls) for cls in ARG_CLASSES]
+    for name, stage in STAGES.items():
+        if stage.arguments is not None:
+            titles.append((f"stage {name} ({stage.arguments.__name__})", stage.arguments))
+    for title, cls in titles:
+        keys = {}
+        for f in dataclasses.fields(cls):
+            if f.init and f.name not in seen:
+                seen.add(f.name)
+                keys[f.name] = f.metadata.get("help", "").replace(STAGE_NAMES, names)
+        if keys:
+            groups[title] = keys
+    return groups
+
+
+__all__ = ["all_keys", "check_combinations", "check_stage", "choose_precision", "load_yaml", "parse_config",
+           "parse_override", "read_config", "stage_names"]

@@ -1,0 +1,348 @@
+"""The config schema: one dataclass per concern, each checking its own fields (the low floor of the config).
+
+A run's settings arrive as flat `key: value` pairs (YAML and `key=value` overrides); `alignkit.config.parse`
+hands each key to the dataclass here that owns it (or to the stage's own dataclass, `Config.method`) and
+builds them. Each dataclass checks its own fields in `__post_init__` and raises `ConfigError` naming the key
+and the fix, before any model is loaded. Checks that span sections, or need the stage registry (whether
+`stage` names a stage, which keys a stage has, what a stage refuses), are the parser's: this module sits
+below the stages, which import it, so it imports none of them.
+
+Key names follow LLaMA-Factory where it has the feature and TRL otherwise; every field of
+`transformers.Seq2SeqTrainingArguments` is accepted as is.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from transformers import Seq2SeqTrainingArguments
+
+from ..errors import ConfigError
+
+BUNDLED_MODEL_NAME = "smollm2-135m-instruct"
+# Stands for the registered stage names in help text, filled in from `alignkit.stages.STAGES` when shown
+# (`alignkit.config.parse.all_keys`), so the help lists exactly the stages that exist.
+STAGE_NAMES = "<registered stages>"
+
+@dataclass
+class ModelArguments:
+    """Which model to load and how."""
+
+    model_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Local directory, hub id, or `smollm2-135m-instruct` (the bundled default, also used when "
+            "the key is absent)."
+        },
+    )
+    adapter_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "PEFT adapter(s) to start from, comma-separated. For a new stage they are merged into the "
+            "base in memory and a fresh adapter is trained on top, so the reference model includes them. An "
+            "adapter trained that way records them (base_adapters.json) and brings them along: give the last one."
+        },
+    )
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "Where hub downloads are cached."})
+    model_revision: str = field(default="main", metadata={"help": "Hub revision (branch, tag or commit)."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow model code from the hub to run. Off unless you trust the repo."}
+    )
+    infer_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto",
+        metadata={"help": "Weights dtype. `auto`: float32 on CPU, bfloat16 on GPUs that support it, else float16."},
+    )
+    attn_implementation: Optional[str] = field(
+        default=None, metadata={"help": "Attention kernel passed to from_pretrained (`sdpa`, `eager`, ...)."}
+    )
+    low_cpu_mem_usage: bool = field(default=True, metadata={"help": "Load weights lazily to save host memory."})
+
+
+@dataclass
+class DataArguments:
+    """Which data to use and how to turn it into tokens."""
+
+    dataset: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Training data, comma-separated: names from `dataset_dir/dataset_info.json`, local "
+            ".json/.jsonl/.csv/.parquet files, or hub dataset ids."
+        },
+    )
+    eval_dataset: Optional[str] = field(default=None, metadata={"help": "Evaluation data, same forms as `dataset`."})
+    dataset_dir: str = field(
+        default="data", metadata={"help": "Folder holding `dataset_info.json` and the files it names."}
+    )
+    template: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Chat template: unset uses the tokenizer's own; built-in ones are `chatml`, `qwen`, `qwen3`, "
+            "`smollm2`, `llama3`, `default`, `plain` (for base models without a template), and LLaMA-Factory's "
+            "`qwen3_nothink` and `smollm` (ChatML). A template whose special tokens the tokenizer lacks is refused."
+        },
+    )
+    cutoff_len: int = field(default=2048, metadata={"help": "Maximum tokens per example after tokenisation."})
+    train_on_prompt: bool = field(default=False, metadata={"help": "Also compute the loss on prompt tokens."})
+    max_samples: Optional[int] = field(default=None, metadata={"help": "Keep only the first N rows of each dataset."})
+    val_size: float = field(
+        default=0.0, metadata={"help": "Held-out share (< 1) or count (>= 1) of the training data for evaluation."}
+    )
+    packing: bool = field(
+        default=False, metadata={"help": "SFT: pack several examples per row, attention kept inside each example."}
+    )
+    group_by_length: bool = field(
+        default=False, metadata={"help": "Batch examples of similar length together to reduce padding."}
+    )
+    overwrite_cache: bool = field(default=False, metadata={"help": "Re-tokenise even if a cached copy exists."})
+    tokenized_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Save the tokenised dataset here, or load it from here when it already exists."},
+    )
+    preprocessing_num_workers: Optional[int] = field(
+        default=None, metadata={"help": "Processes used for tokenisation."}
+    )
+    skip_invalid_rows: bool = field(
+        default=False, metadata={"help": "Skip malformed rows (and report them) instead of stopping."}
+    )
+    streaming: bool = field(default=False, metadata={"help": "Not supported yet; kept for LLaMA-Factory configs."})
+
+    def __post_init__(self) -> None:
+        if self.val_size < 0:
+            raise ConfigError(f"val_size={self.val_size} is negative: give a share in [0, 1) or a row count >= 1.")
+        if self.cutoff_len < 2:
+            raise ConfigError(f"cutoff_len={self.cutoff_len} leaves no room for a prompt and a response.")
+        if self.streaming:
+            raise ConfigError("streaming=true is not supported; remove the key (datasets are loaded in full).")
+        _check_positive(self, "max_samples", "preprocessing_num_workers")
+
+
+@dataclass
+class FinetuningArguments:
+    """Which stage runs and what it trains: the finetuning method (LoRA, full, freeze) and its settings."""
+
+    stage: str = field(
+        default="sft",
+        metadata={"help": f"Training stage, one of {STAGE_NAMES}."},
+    )
+    finetuning_type: Literal["lora", "full", "freeze"] = field(
+        default="lora", metadata={"help": "LoRA adapter (default), full fine-tuning, or only the last layers."}
+    )
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r."})
+    lora_alpha: Optional[int] = field(default=None, metadata={"help": "LoRA scaling alpha (default: 2 * lora_rank)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
+    lora_target: str = field(
+        default="all",
+        metadata={"help": "Modules to adapt, comma-separated, or `all` = every linear layer but the output head."},
+    )
+    additional_target: Optional[str] = field(
+        default=None, metadata={"help": "Modules trained in full beside the adapter, comma-separated."}
+    )
+    freeze_trainable_layers: int = field(
+        default=2, metadata={"help": "finetuning_type=freeze: how many of the last layers are trained."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.lora_alpha is None:
+            self.lora_alpha = 2 * self.lora_rank
+        # Whether `stage` names a registered stage is checked by the parser (`alignkit.config.parse`), which
+        # sits above the stage registry; constructed directly (chat, export, tests), the default `sft` is used.
+        if self.lora_rank < 1:
+            raise ConfigError(f"lora_rank={self.lora_rank} must be >= 1.")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout={self.lora_dropout} must be in [0, 1).")
+        if self.freeze_trainable_layers < 1:
+            raise ConfigError(f"freeze_trainable_layers={self.freeze_trainable_layers} must be >= 1.")
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha={self.lora_alpha} must be > 0 (default: 2 * lora_rank).")
+
+
+@dataclass
+class GeneratingArguments:
+    """How text is generated for prediction, evaluation and chat."""
+
+    do_sample: bool = field(default=False, metadata={"help": "Sample instead of greedy/beam decoding."})
+    temperature: float = field(default=0.95, metadata={"help": "Sampling temperature."})
+    top_p: float = field(default=0.7, metadata={"help": "Nucleus sampling: keep the smallest set with this mass."})
+    top_k: int = field(default=50, metadata={"help": "Sample among the k most likely tokens."})
+    num_beams: int = field(default=1, metadata={"help": "Beam search width (1 = no beam search)."})
+    max_new_tokens: int = field(default=512, metadata={"help": "Most tokens generated per prompt."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Penalty > 1 discourages repetition."})
+    length_penalty: float = field(default=1.0, metadata={"help": "Beam search length penalty."})
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: generation needs at least 1 new token.")
+        if self.temperature <= 0 and self.do_sample:
+            raise ConfigError("temperature must be > 0 when do_sample=true (use do_sample=false for greedy).")
+        _check_positive(self, "num_beams")
+        check_sampling_knobs(self)
+
+    def to_generation_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `model.generate` (sampling knobs only when sampling)."""
+        kwargs: dict[str, Any] = {
+            "do_sample": self.do_sample,
+            "num_beams": self.num_beams,
+            "max_new_tokens": self.max_new_tokens,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        if self.do_sample:
+            kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        if self.num_beams > 1:
+            kwargs["length_penalty"] = self.length_penalty
+        return kwargs
+
+
+@dataclass
+class TrainingArguments(Seq2SeqTrainingArguments):
+    """`transformers.Seq2SeqTrainingArguments`, plus the keys transformers 5 dropped that users still write
+    (`overwrite_output_dir`) and how alignkit runs and reports a step (`padding_free`, `plot_loss`)."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start afresh even if output_dir holds checkpoints. Otherwise a run resumes from the last "
+            "complete checkpoint there."
+        },
+    )
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Train on the real tokens only: run each batch as its sequences laid end to end, position ids "
+            "restarting per sequence (no padding computed). Set false for models whose attention ignores "
+            "position-id resets."
+        },
+    )
+    plot_loss: bool = field(default=False, metadata={"help": "Write training_<metric>.png for each logged series."})
+    warmup_ratio: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "Warm up over this share of the training steps, in [0, 1) (LLaMA-Factory's and transformers "
+            "4's key). transformers 5 folded it into `warmup_steps`, where a value below 1 is a share; it is "
+            "copied there, so give one of the two."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        # Checked before transformers' own __post_init__ and long before the model loads: otherwise these
+        # values surface as torch tracebacks (`Invalid learning rate`, a DataLoader refusing batch_size=0,
+        # a ZeroDivisionError from gradient_accumulation_steps=0) after the weights are in memory.
+        _check_positive(self, "per_device_train_batch_size", "per_device_eval_batch_size",
+                        "gradient_accumulation_steps")
+        if not math.isfinite(self.learning_rate) or self.learning_rate < 0:
+            raise ConfigError(f"learning_rate={self.learning_rate} must be a finite number >= 0 (e.g. 2e-4 for "
+                              "LoRA, 1e-5 for full fine-tuning).")
+        if self.weight_decay < 0 or not math.isfinite(self.weight_decay):
+            raise ConfigError(f"weight_decay={self.weight_decay} must be >= 0 (0 turns it off).")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"{key}={getattr(self, key)} must be in [0, 1) (defaults: 0.9 and 0.999).")
+        if self.adam_epsilon < 0:
+            raise ConfigError(f"adam_epsilon={self.adam_epsilon} must be >= 0 (default 1e-8).")
+        if self.max_steps < -1:
+            raise ConfigError(f"max_steps={self.max_steps}: give a positive number of optimizer steps, or -1 "
+                              "(the default) to train for num_train_epochs.")
+        if self.max_steps <= 0 and not (self.num_train_epochs > 0 and math.isfinite(self.num_train_epochs)):
+            raise ConfigError(f"num_train_epochs={self.num_train_epochs} must be > 0 (or set max_steps to a "
+                              "positive number of steps).")
+        for key, strategy in (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy"),
+                              ("eval_steps", "eval_strategy")):
+            value = getattr(self, key)
+            if getattr(self, strategy) == "steps" and value is not None and value <= 0 \
+                    and not (key == "eval_steps" and value == 0):  # eval_steps 0/None: use logging_steps
+                raise ConfigError(f"{key}={value} must be > 0 with {strategy}=steps (a step count, or a "
+                                  "share of the run below 1).")
+        if self.dataloader_num_workers < 0:
+            raise ConfigError(f"dataloader_num_workers={self.dataloader_num_workers} must be >= 0.")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"seed={self.seed} must be in [0, 2**32) (numpy's range).")
+        if self.warmup_ratio is not None:
+            # transformers 5 reads warmup_steps >= 1 as a step count, so a ratio of 1 (warm up for the whole
+            # run) cannot be carried over: int(1.0) would be one step.
+            if not 0 <= self.warmup_ratio < 1:
+                raise ConfigError(f"warmup_ratio={self.warmup_ratio} must be in [0, 1); for a warm-up counted in "
+                                  "steps give warmup_steps instead.")
+            if self.warmup_steps not in (0, self.warmup_ratio):
+                raise ConfigError(BOTH_WARMUP_KEYS)
+            self.warmup_steps = self.warmup_ratio
+        if self.deepspeed:
+            _check_deepspeed(self.deepspeed)
+        super().__post_init__()
+
+
+BOTH_WARMUP_KEYS = ("warmup_ratio and warmup_steps are both given; keep one (transformers 5 reads warmup_steps "
+                     "below 1 as a share of the training steps, so warmup_ratio: 0.1 is warmup_steps: 0.1).")
+
+
+def _check_deepspeed(deepspeed: Any) -> None:
+    """Refuse a `deepspeed` config that cannot run here, before transformers fails on it with a traceback.
+
+    transformers checks the package with `importlib.metadata` (a missing one raises `PackageNotFoundError`
+    from deep inside `TrainingArguments`), so the same check is made here first.
+    """
+    try:
+        importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(
+            f"deepspeed={deepspeed!r} needs DeepSpeed, which is not installed: pip install 'alignkit[deepspeed]' "
+            "(DeepSpeed runs on CUDA GPUs; on a CPU remove the `deepspeed` key)."
+        ) from None
+    if isinstance(deepspeed, str) and not Path(deepspeed).is_file():
+        raise ConfigError(f"deepspeed={deepspeed!r}: no such file; give the path of a DeepSpeed JSON config.")
+
+
+
+def check_sampling_knobs(args: Any) -> None:
+    """Raise a ConfigError for a `top_p`, `top_k` or `repetition_penalty` out of range (generation and the
+    online stages' sampling keys)."""
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"top_p={args.top_p} must be in (0, 1] (1 turns nucleus sampling off).")
+    if args.top_k < 0:
+        raise ConfigError(f"top_k={args.top_k} must be >= 0 (0 turns top-k sampling off).")
+    if not args.repetition_penalty > 0:
+        raise ConfigError(f"repetition_penalty={args.repetition_penalty} must be > 0 (1 means none).")
+
+
+def _check_positive(args: Any, *keys: str) -> None:
+    """Raise a ConfigError naming the first of `keys` whose value is below 1."""
+    for key in keys:
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1.")
+
+
+ARG_CLASSES = (ModelArguments, DataArguments, TrainingArguments, FinetuningArguments, GeneratingArguments)
+
+# Our defaults where transformers' do not suit this toolkit: logging often enough to see a curve,
+# no third-party reporters, and keep our own columns (collators decide what reaches the model).
+TRAINING_DEFAULTS: dict[str, Any] = {
+    "output_dir": "outputs/run",
+    "logging_steps": 1,
+    "report_to": "none",
+    "remove_unused_columns": False,
+    "save_strategy": "steps",
+    "save_steps": 500,
+    "include_num_input_tokens_seen": "non_padding",  # tokens/s in trainer_log.jsonl counts real tokens
+}
+
+
+@dataclass
+class Config:
+    """Everything one run needs, as parsed from YAML and overrides."""
+
+    model: ModelArguments
+    data: DataArguments
+    training: TrainingArguments
+    finetuning: FinetuningArguments
+    generating: GeneratingArguments
+    method: Any = None  # the stage's own arguments (e.g. `DPOArguments`), None for a stage without keys
+    source: Optional[str] = None  # the YAML path, for messages
+    values: dict[str, Any] = field(default_factory=dict)  # the keys as given (YAML merged with overrides)
+
+
+__all__ = ["ARG_CLASSES", "BOTH_WARMUP_KEYS", "BUNDLED_MODEL_NAME", "Config", "DataArguments", "FinetuningArguments",
+           "GeneratingArguments", "ModelArguments", "STAGE_NAMES", "TRAINING_DEFAULTS", "TrainingArguments",
+           "check_sampling_knobs"]

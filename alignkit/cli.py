@@ -19,6 +19,7 @@ import os
 import sys
 
 from .config import DataArguments
+from .env import launched_processes
 from .errors import ConfigError, DataError, RewardFunctionError, TrainingDiverged
 
 
@@ -57,7 +58,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 130  # 128 + SIGINT, as a shell reports a Ctrl-C
     finally:
         _close_process_group()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if launched_processes() > 1:
         _exit_without_teardown()
     return 0
 

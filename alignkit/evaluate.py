@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from .data.collator import _pad_id
+from .data.collator import padding_token_id
 from .data.loader import convert_dataset, resolve_datasets
 from .constants import IGNORE_INDEX
 from .data.processors import encode_prompt, warn_cut_prompts
@@ -226,7 +226,7 @@ def evaluate_rewards(
                                      config_dir=config_dir, max_completion_length=max_new_tokens)
     generating = replace(config.generating, do_sample=False, num_beams=1)
     stop_ids = formatter.stop_token_ids()
-    pad_id = _pad_id(tokenizer)
+    pad_id = padding_token_id(tokenizer)
 
     per_function, rows, kls = [], [], []
     for start in range(0, len(examples), batch_size):

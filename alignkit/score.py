@@ -28,6 +28,7 @@ from .data.processors import infer_seqlen
 from .data.template import ChatFormatter
 from .config import ModelArguments
 from .errors import DataError
+from .files import parse_mapping
 from .model.heads import sequence_rewards
 
 logger = logging.getLogger(__name__)
@@ -159,12 +160,8 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path} line {line_no}: not valid JSON ({err.msg}); write one object per line.") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path} line {line_no}: expected a JSON object, got {type(row).__name__}.")
+            row = parse_mapping(line, f"{path} line {line_no}", syntax="json", error=DataError,
+                                expected="expected a JSON object", hint="Write one object per line.")
             rows.append((line_no, row))
     return rows
 

@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import yaml
-
 from ..callbacks import STOP_FILE
 from ..config import Config
 from ..config.parse import parse_override, read_config
 from ..errors import BoardError, ConfigError
+from ..files import parse_mapping
 from ..train import RUN_CONFIG_FILE, check_output_dir
 from .runs import check_run_folder, open_to_write, read_run_config, resolve_inside, run_file, run_status
 
@@ -129,12 +128,7 @@ def check_launch(runs_root: str | os.PathLike, yaml_text: str, overrides: list[s
         BoardError: a place it writes outside the runs folder (`confine_writes`), or a run already running
             in its output_dir.
     """
-    try:
-        values = yaml.safe_load(yaml_text) if yaml_text.strip() else {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"the config is not valid YAML: {err}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"the top level of the config must be a mapping of key: value, got {type(values).__name__}.")
+    parse_mapping(yaml_text, "the config")  # refused before a launch file is written
     path = write_launch_file(runs_root, "launch", yaml_text)
     cwd = os.getcwd()
     try:

@@ -27,6 +27,7 @@ import yaml
 
 from ..env import launched_processes
 from ..errors import ConfigError
+from ..files import parse_mapping
 from ..stages import STAGES
 from .schema import (
     ARG_CLASSES,
@@ -212,15 +213,11 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist.")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError(f"{p}: byte {err.start} (0x{err.object[err.start]:02x}) is not UTF-8; save the file "
                           "as UTF-8.") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{p}: not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping of key: value, got {type(data).__name__}.")
-    return data
+    return parse_mapping(text, str(p))
 
 
 def parse_config(

@@ -37,7 +37,11 @@ def pad_sequences(sequences: list[list[int]], value: int, side: str = "right",
     return out
 
 
-def _pad_id(tokenizer) -> int:
+def padding_token_id(tokenizer) -> int:
+    """The id that pads `tokenizer`'s sequences: its pad token, else its eos token (as `load_tokenizer` sets it).
+
+    Padding is always masked out by position, never found by comparing with this id (pad == eos in SmolLM2).
+    """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise ValueError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token.")
@@ -62,7 +66,7 @@ class SupervisedCollator:
     """
 
     def __init__(self, tokenizer, label_pad_token_id: int = IGNORE_INDEX, pad_to_multiple_of: Optional[int] = None):
-        self.pad_id = _pad_id(tokenizer)
+        self.pad_id = padding_token_id(tokenizer)
         self.label_pad_token_id = label_pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
 
@@ -91,7 +95,7 @@ class PairwiseCollator:
     """
 
     def __init__(self, tokenizer, pad_to_multiple_of: Optional[int] = None):
-        self.pad_id = _pad_id(tokenizer)
+        self.pad_id = padding_token_id(tokenizer)
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ from datasets.utils import are_progress_bars_disabled, disable_progress_bars, en
 from . import processors
 from ..env import alignkit_home, launched_processes
 from ..errors import DataError, RowError, describe_value
+from ..files import parse_mapping
 from .processors import REPORT_ROWS
 from .formats import DATA_KINDS, FORMATTINGS, DatasetAttr, check_columns, convert_row, guess_formatting
 from .template import ChatFormatter
@@ -53,13 +54,8 @@ def _read_registry(dataset_dir: str) -> Optional[dict[str, Any]]:
     path = Path(dataset_dir) / _REGISTRY
     if not path.is_file():
         return None
-    try:
-        registry = json.loads(decode_text(path.read_bytes(), str(path)))
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}: invalid JSON at line {err.lineno} column {err.colno} ({err.msg}).") from None
-    if not isinstance(registry, dict):
-        raise DataError(f"{path}: expected an object mapping dataset names to entries.")
-    return registry
+    return parse_mapping(decode_text(path.read_bytes(), str(path)), str(path), syntax="json", error=DataError,
+                         expected="expected an object mapping dataset names to entries")
 
 
 def _is_offline() -> bool:

@@ -41,7 +41,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
-from ..data.collator import _pad_id, pad_sequences
+from ..data.collator import pad_sequences, padding_token_id
 from ..data.template import ChatFormatter, Message
 
 
@@ -305,7 +305,7 @@ def generate(
         the prompts are repeated to match.
     """
     kwargs = dict(generation_kwargs or {})
-    pad_token_id = _pad_id(tokenizer)
+    pad_token_id = padding_token_id(tokenizer)
     stop_token_ids = list(stop_token_ids)
     prompt_ids, prompt_mask = left_pad(input_ids, attention_mask, pad_token_id)
     device = next(model.parameters()).device
@@ -370,7 +370,7 @@ def generate_with_decode(
     if unknown:
         raise ValueError(f"generation keys {unknown} are not supported by the rollout decoder (it takes "
                          f"{', '.join(DECODE_KEYS)}); use alignkit.model.generation.generate for them.")
-    pad_token_id = _pad_id(tokenizer)
+    pad_token_id = padding_token_id(tokenizer)
     stop_token_ids = list(stop_token_ids)
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = (t.to(device) for t in left_pad(input_ids, attention_mask, pad_token_id))
@@ -603,7 +603,7 @@ def generate_replies(
 ) -> list[str]:
     """Answer each conversation (messages ending with a user turn) in batches; replies stripped of
     surrounding whitespace. Prompts go through `formatter`'s template and stop at its end of turn."""
-    pad_token_id = _pad_id(formatter.tokenizer)
+    pad_token_id = padding_token_id(formatter.tokenizer)
     stop_ids = formatter.stop_token_ids()
     replies: list[str] = []
     for start in range(0, len(conversations), batch_size):

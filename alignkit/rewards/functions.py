@@ -36,6 +36,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 import torch
 
 from ..errors import ConfigError, RewardFunctionError
+from ..files import resolve_config_path
 from .builtin import BUILTIN_NAMES, DEFAULT_FORMAT_PATTERN, accuracy_reward, format_reward, length_reward
 
 
@@ -150,17 +151,11 @@ def _check_spec_syntax(spec: str) -> None:
 
 
 def _resolve_file(path_text: str, spec: str, config_dir: Optional[str]) -> Path:
-    path = Path(path_text).expanduser()
-    if path.is_absolute():
-        candidates = [path]
-    else:
-        candidates = ([Path(config_dir) / path] if config_dir else []) + [Path.cwd() / path]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate.resolve()
-    looked = " and ".join(str(c) for c in candidates)
-    raise RewardFunctionError(f"reward function {spec!r}: file not found (looked at {looked}). Relative paths are "
-                              "resolved against the config file's folder, then the current directory.")
+    try:
+        return resolve_config_path(path_text, config_dir)
+    except FileNotFoundError as err:
+        raise RewardFunctionError(f"reward function {spec!r}: file not found ({err}). Relative paths are "
+                                  "resolved against the config file's folder, then the current directory.") from None
 
 
 def _import_file(path: Path, spec: str):

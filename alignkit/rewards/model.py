@@ -27,9 +27,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..data.collator import _pad_id
+from ..data.collator import padding_token_id
 from ..data.template import ChatFormatter
 from ..errors import ConfigError
+from ..files import resolve_config_path
 from .builtin import completion_text
 
 logger = logging.getLogger(__name__)
@@ -40,14 +41,11 @@ SCORING_BATCH_SIZE = 8
 
 def resolve_reward_model_dir(spec: str, config_dir: Optional[str] = None) -> Path:
     """The reward model directory a spec names: absolute, or relative to the config file's folder, then cwd."""
-    path = Path(spec).expanduser()
-    candidates = [path] if path.is_absolute() else ([Path(config_dir) / path] if config_dir else []) + [path]
-    for candidate in candidates:
-        if candidate.is_dir():
-            return candidate.resolve()
-    looked = " and ".join(str(c) for c in candidates)
-    raise ConfigError(f"reward_funcs: {spec!r} is not a built-in, a `module:function`, a `file.py:function`, nor a "
-                      f"reward model directory (looked at {looked}). Give the output_dir of a `stage: rm` run.")
+    try:
+        return resolve_config_path(spec, config_dir, directory=True)
+    except FileNotFoundError as err:
+        raise ConfigError(f"reward_funcs: {spec!r} is not a built-in, a `module:function`, a `file.py:function`, nor "
+                          f"a reward model directory ({err}). Give the output_dir of a `stage: rm` run.") from None
 
 
 def _as_prompt(prompt: Any) -> Any:
@@ -80,7 +78,8 @@ class AdapterRewardModel:
         sequences = [encode_scored(self.formatter, _as_prompt(p), completion_text(c))
                      for p, c in zip(prompts, completions, strict=True)]
         return score_sequences(lambda ids, mask: _adapter_scores(self.policy, self.reward, ids, mask),
-                               sequences, _pad_id(self.formatter.tokenizer), next(self.policy.parameters()).device,
+                               sequences, padding_token_id(self.formatter.tokenizer),
+                               next(self.policy.parameters()).device,
                                batch_size=SCORING_BATCH_SIZE)
 
 

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..data.collator import _pad_id
+from ..data.collator import padding_token_id
 from ..errors import RewardFunctionError
 from ..model.generation import Generation, generate_with_decode, pad_prompts
 from ..model.logprobs import selective_log_softmax
@@ -93,7 +93,7 @@ def sample_completions(
     Returns:
         A `Generation` (see `alignkit.model.generation`).
     """
-    input_ids, attention_mask = pad_prompts(prompt_ids, _pad_id(tokenizer))
+    input_ids, attention_mask = pad_prompts(prompt_ids, padding_token_id(tokenizer))
     device = next(model.parameters()).device
     generators = [torch.Generator(device=device).manual_seed(row_seed)
                   for row_seed in row_seeds(seed, first_row, len(prompt_ids))]
@@ -120,7 +120,7 @@ def generation_from_token_lists(tokenizer, prompt_ids: Sequence[Sequence[int]],
         ids = [int(t) for t in ids]
         end = next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))
         rows.append(ids[:end])
-    pad_id = _pad_id(tokenizer)
+    pad_id = padding_token_id(tokenizer)
     width = max(1, max(len(r) for r in rows))
     completion_ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
     lengths = torch.tensor([len(r) for r in rows])

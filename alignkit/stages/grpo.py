@@ -75,6 +75,7 @@ import torch
 from torch.utils.data import Sampler
 
 from ..config import check_sampling_knobs
+from ..env import launched_processes
 from ..errors import ConfigError
 from ..rewards import RewardFunctionArguments
 from ..rl.kl import k3_kl
@@ -213,10 +214,9 @@ def check_config(config: "Config") -> None:
     if t.do_eval or t.do_predict:
         raise ConfigError("stage grpo trains only: remove do_eval/do_predict, and measure a reward on held-out "
                           "prompts with `alignkit eval` (greedy) before and after training.")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    g.steps_per_generation, g.generation_batch_size = resolve_generation_batch(
-        t.per_device_train_batch_size, world_size, g.num_generations, g.steps_per_generation,
-        g.generation_batch_size, t.gradient_accumulation_steps)
+    # Checked only (the Trainer derives them again from its process count): a check leaves the config as given.
+    resolve_generation_batch(t.per_device_train_batch_size, launched_processes(), g.num_generations,
+                             g.steps_per_generation, g.generation_batch_size, t.gradient_accumulation_steps)
     if g.use_vllm and importlib.util.find_spec("vllm") is None:
         raise ConfigError("use_vllm: true needs vLLM, which is not installed: pip install 'alignkit[vllm]' (on a "
                           "machine with a GPU), or set use_vllm: false to generate with transformers.")

@@ -644,7 +644,7 @@ class PPOTrainer(OnlineTrainer):
 
     def make_rollout(self, step: int) -> tuple[Rollout, dict[str, Any], list[dict[str, Any]]]:
         """Generate, score and evaluate one rollout; returns it, its metrics and its completion records."""
-        from ..data.collator import _pad_id
+        from ..data.collator import padding_token_id
         from ..rl.rollout import rollout_seed
         from .online import PROMPT_COLUMNS
 
@@ -695,7 +695,7 @@ class PPOTrainer(OnlineTrainer):
             device = self.args.device
             input_ids, attention_mask, labels = pack_right(
                 generation.prompt_ids.to(device), generation.prompt_mask.to(device),
-                generation.completion_ids.to(device), response_mask.to(device), _pad_id(self.processing_class))
+                generation.completion_ids.to(device), response_mask.to(device), padding_token_id(self.processing_class))
             mask = (labels[:, 1:] != IGNORE_INDEX).float()
             was_training = self.model.training
             self.model.eval()

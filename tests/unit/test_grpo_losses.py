@@ -183,6 +183,16 @@ def test_config_errors_name_the_fix(monkeypatch):
         parse_config({**base, "per_device_train_batch_size": 8, "use_vllm": True})
 
 
+def test_config_check_counts_the_launched_processes(monkeypatch):
+    """The generation batch holds whole groups over all processes: batch 4 x 2 processes = one group of 8."""
+    base = {"stage": "grpo", "dataset": "demo_math", "reward_funcs": "accuracy", "per_device_train_batch_size": 4}
+    monkeypatch.setattr("alignkit.stages.grpo.launched_processes", lambda: 2)
+    assert parse_config(base).method.steps_per_generation is None  # checked, left as given
+    monkeypatch.setattr("alignkit.stages.grpo.launched_processes", lambda: 1)
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        parse_config(base)
+
+
 def test_config_defaults_are_trl_116():
     """Every GRPO key left unset has TRL 1.16 GRPOConfig's default."""
     from trl import GRPOConfig
@@ -193,8 +203,12 @@ def test_config_defaults_are_trl_116():
     for key in ("num_generations", "num_iterations", "max_completion_length", "temperature", "top_p", "top_k",
                 "repetition_penalty", "beta", "epsilon", "loss_type", "scale_rewards", "mask_truncated_completions",
                 "use_bias_correction_kl", "shuffle_dataset", "use_vllm", "vllm_gpu_memory_utilization",
-                "log_completions", "steps_per_generation", "generation_batch_size"):
+                "log_completions"):
         assert getattr(method, key) == getattr(trl, key), key
+    # Both unset: the config keeps them so (checks do not change it); the Trainer derives TRL's values.
+    assert method.steps_per_generation is None and method.generation_batch_size is None
+    assert resolve_generation_batch(8, 1, method.num_generations, None, None, 1) == (trl.steps_per_generation,
+                                                                                     trl.generation_batch_size)
     assert method.epsilon_high == trl.epsilon  # TRL leaves None meaning "= epsilon"; we write the value
 
 

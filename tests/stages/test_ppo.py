@@ -101,7 +101,8 @@ def test_config_checks():
 
 
 def test_shared_reward_keys_reach_the_running_stage():
-    """`log_completions` and `reward_funcs` belong to GRPO and PPO alike (config.parse._owners): each run's class gets them."""
+    """`log_completions` and `reward_funcs` belong to GRPO and PPO alike (config.parse._owners): each run's class
+    gets them."""
     from alignkit.stages.grpo import GRPOArguments
     from alignkit.stages.ppo import PPOArguments
 

@@ -1086,9 +1086,9 @@ def build_critic(model: nn.Module, ppo_args: PPOArguments, config_dir: Optional[
     Returns:
         The `ValueHead` (float32, trainable).
     """
-    from ..model.adapters import load_reward_adapter
     from ..model.heads import ValueHead, attach_value_head
     from ..rewards.model import resolve_reward_model_dir
+    from ..rewards.reward_model import load_reward_adapter
 
     if ppo_args.ppo_critic == "head":
         return attach_value_head(model)

@@ -303,7 +303,7 @@ def test_no_missing_score_table_where_the_head_is_trained_or_loaded(tiny_model_d
     (scoring), and the head then really is the adapter's."""
     from safetensors.torch import load_file
 
-    from alignkit.model.loader import load_reward_model
+    from alignkit.rewards.reward_model import load_reward_model
 
     config = _config(tiny_model_dir)
     load_model(config.model, config.finetuning, is_trainable=True, head="reward")

@@ -19,6 +19,7 @@ from .functions import (
     RewardFunctionError,
     RewardFunctions,
     build_reward_functions,
+    check_reward_functions,
     combine_rewards,
     load_user_function,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "RewardFunctions",
     "accuracy_reward",
     "build_reward_functions",
+    "check_reward_functions",
     "combine_rewards",
     "extract_final_answer",
     "format_reward",

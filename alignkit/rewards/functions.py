@@ -472,6 +472,42 @@ def _unique_names(names: list[str]) -> list[str]:
     return out
 
 
+def check_reward_functions(args: RewardFunctionArguments, *, config_dir: Optional[str] = None,
+                           max_completion_length: Optional[int] = None, key: str = "reward_funcs") -> None:
+    """What `build_reward_functions` would refuse that needs no model: call it before the model loads.
+
+    Each built-in gets its settings checked, each user function is imported and looked up (module, file,
+    function name, `**kwargs`), and each reward model folder is found and checked for a trained score head
+    (`reward_model.check_reward_model_dir`); so does PPO's `reward_model` when `args` has one, under that key.
+
+    Args:
+        args: the stage's arguments (a `RewardFunctionArguments` subclass).
+        config_dir: folder of the config file, where relative paths are looked up first.
+        max_completion_length: L_max of the `length` reward, as `build_reward_functions` takes it.
+        key: the key or flag that gave `reward_funcs`, for the messages (`alignkit eval` gives `--reward`).
+
+    Raises:
+        ConfigError: a bad setting, no such reward model folder, or one without a trained score head.
+        RewardFunctionError: a user function does not import.
+    """
+    from .model import resolve_reward_model_dir
+    from .reward_model import check_reward_model_dir
+
+    reward_model = getattr(args, "reward_model", None)
+    if reward_model:
+        check_reward_model_dir(resolve_reward_model_dir(reward_model, config_dir, key="reward_model"),
+                               key="reward_model")
+    if max_completion_length is None:
+        max_completion_length = getattr(args, "max_completion_length", None)
+    for spec in args.reward_funcs:
+        if spec in BUILTIN_NAMES:
+            _builtin(spec, args, max_completion_length)
+        elif ":" in spec:
+            load_user_function(spec, config_dir)
+        else:
+            check_reward_model_dir(resolve_reward_model_dir(spec, config_dir, key=key), key=key)
+
+
 def build_reward_functions(
     args: RewardFunctionArguments,
     *,
@@ -527,6 +563,7 @@ __all__ = [
     "RewardFunctionError",
     "RewardFunctions",
     "build_reward_functions",
+    "check_reward_functions",
     "check_reward_values",
     "combine_rewards",
     "load_user_function",

@@ -30,7 +30,7 @@ from ..data.template import ChatFormatter
 from ..hparams import ConfigError
 from ..model.loader import is_reward_adapter, resolve_dtype
 from .builtin import completion_text
-from .reward_model import REWARD_ADAPTER, load_reward_adapter, reward_base_mismatch
+from .reward_model import REWARD_ADAPTER, check_reward_model_dir, load_reward_adapter, reward_base_mismatch
 from .scoring import RewardScorer, encode_scored, reward_adapter_rewards, score_sequences
 
 logger = logging.getLogger(__name__)
@@ -39,16 +39,29 @@ logger = logging.getLogger(__name__)
 SCORING_BATCH_SIZE = 8
 
 
-def resolve_reward_model_dir(spec: str, config_dir: Optional[str] = None) -> Path:
-    """The reward model directory a spec names: absolute, or relative to the config file's folder, then cwd."""
+def resolve_reward_model_dir(spec: str, config_dir: Optional[str] = None, key: str = "reward_funcs") -> Path:
+    """The reward model directory a spec names: absolute, or relative to the config file's folder, then cwd.
+
+    Args:
+        spec: the folder as given.
+        config_dir: the config file's folder.
+        key: the key that gave it, for the message: `reward_model` (PPO's, only ever a folder), or
+            `reward_funcs` (`--reward` for `alignkit eval`), where a spec may also be a function.
+
+    Raises:
+        ConfigError: no such folder; the message names the key and each place looked at.
+    """
     path = Path(spec).expanduser()
     candidates = [path] if path.is_absolute() else ([Path(config_dir) / path] if config_dir else []) + [path]
     for candidate in candidates:
         if candidate.is_dir():
             return candidate.resolve()
-    looked = " and ".join(str(c) for c in candidates)
-    raise ConfigError(f"reward_funcs: {spec!r} is not a built-in, a `module:function`, a `file.py:function`, nor a "
-                      f"reward model directory (looked at {looked}). Give the output_dir of a `stage: rm` run.")
+    looked = " and ".join(dict.fromkeys(str(c.absolute()) for c in candidates))  # once each, as one folder may be both
+    if key == "reward_model":
+        raise ConfigError(f"reward_model: no folder {spec!r} (looked at {looked}). Give the output_dir of a `stage: rm` "
+                          "run.")
+    raise ConfigError(f"{key}: {spec!r} is not a built-in, a `module:function`, a `file.py:function`, nor a reward "
+                      f"model directory (looked at {looked}). Give the output_dir of a `stage: rm` run.")
 
 
 def _as_prompt(prompt: Any) -> Any:
@@ -123,10 +136,11 @@ def load_reward_function(spec: str, args, *, model=None, formatter: Optional[Cha
         config_dir: folder of the config file, for relative directories.
 
     Raises:
-        ConfigError: not a directory, `reward_model_type: lora` where it cannot apply, or an adapter that
-            does not fit the policy.
+        ConfigError: not a directory, not a reward model with a trained score head (`check_reward_model_dir`),
+            `reward_model_type: lora` where it cannot apply, or an adapter that does not fit the policy.
     """
     model_dir = resolve_reward_model_dir(spec, config_dir)
+    check_reward_model_dir(model_dir)  # a folder without a trained score head would score with a random one
     name = model_dir.name
     kind = getattr(args, "reward_model_type", "auto")
     is_adapter = (model_dir / "adapter_config.json").is_file() and is_reward_adapter(model_dir)

@@ -22,6 +22,7 @@ policy's base, and `load_reward_adapter` refuses a mismatch; such a reward model
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -34,11 +35,107 @@ from ..hparams import ConfigError, FinetuningArguments, ModelArguments
 from ..model.adapters import as_peft_model, requires_grad_kept
 from ..model.loader import (REWARD_HEADS, check_adapter_base, is_reward_adapter, load_model, merged_adapters,
                             read_adapter_config, read_base_adapters, same_adapters)
+from ..model.weight_files import WEIGHT_FILES
 
 logger = logging.getLogger(__name__)
 
 # The name a reward model's adapter gets on the policy's PEFT model.
 REWARD_ADAPTER = "reward"
+
+
+def check_reward_model_dir(model_dir: str | os.PathLike, key: str | None = None) -> None:
+    """Refuse a folder that is not a reward model before anything loads: the one check of every entry point.
+
+    A causal-LM folder loads as `AutoModelForSequenceClassification` without complaint: transformers initialises
+    the missing `score` head at random (its load report says `score.weight MISSING`) and every score is noise.
+    So the folder's weights must hold the trained head: a full or exported RM its `score.weight` (or
+    `classifier.weight`) in its weights file or shard index; an rm run's LoRA output, a reward adapter (task_type
+    SEQ_CLS or `score` in modules_to_save) whose saved weights hold the head (or whose local base's weights do: a
+    LoRA over a full RM). Only tensor names are read (safetensors headers, shard indexes), no weights. A folder
+    whose weights cannot be read here is left to the loader, which names what is wrong with them.
+
+    Args:
+        model_dir: the reward model's folder.
+        key: the config key or flag that named it, put first in the message (e.g. `reward_model`).
+
+    Raises:
+        ConfigError: not a directory, an adapter that is not a reward model's, or no trained score head; the
+            message names the folder and how to train a reward model.
+    """
+    prefix = f"{key}: " if key else ""
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        raise ConfigError(f"{prefix}reward model {str(model_dir)!r} is not a directory; give an rm run's output_dir "
+                          "(or an exported reward model).")
+    if (folder / "adapter_config.json").is_file():
+        if not is_reward_adapter(folder):
+            raise ConfigError(f"{prefix}reward model {str(model_dir)!r} holds an adapter without a score head "
+                              "(task_type SEQ_CLS); give the output_dir of a `stage: rm` run.")
+        problem = _adapter_head_problem(folder)
+    else:
+        problem = _head_problem(folder, WEIGHT_FILES)
+    if problem:
+        raise ConfigError(f"{prefix}reward model {model_dir} has no trained score head: {problem}, so it would score "
+                          "with a randomly initialised head. Train a reward model with `stage: rm` (e.g. `alignkit "
+                          "train examples/rm_lora.yaml`) and give its output_dir, or an `alignkit export` of it.")
+
+
+# Where a PEFT adapter keeps its weights, in the order PEFT looks.
+_ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def _adapter_head_problem(adapter_dir: Path) -> str | None:
+    problem = _head_problem(adapter_dir, _ADAPTER_WEIGHT_FILES)
+    if problem is None:
+        return None
+    # A SEQ_CLS LoRA over a full reward model need not save the head: the base brings it.
+    base = read_adapter_config(adapter_dir).get("base_model_name_or_path")
+    if base and Path(base).is_dir() and _head_problem(Path(base), WEIGHT_FILES) is None:
+        return None
+    saved = read_adapter_config(adapter_dir).get("modules_to_save")
+    return f"{problem} (modules_to_save: {saved}), and its base {base} has none either"
+
+
+def _head_problem(folder: Path, weight_files: tuple[str, ...]) -> str | None:
+    """What says `folder`'s weights hold no score head, or None when they hold one (or cannot be read here)."""
+    names = None
+    for name in weight_files:
+        if (folder / name).is_file():
+            names = _tensor_names(folder / name)
+            break
+    if names is None or any(_is_head_weight(n) for n in names):
+        return None
+    architectures = _read_json(folder / "config.json").get("architectures") or []
+    kind = f"; it is a {', '.join(map(str, architectures))}" if architectures else ""
+    return f"its weights ({name}) hold no `score.weight`{kind}"
+
+
+def _is_head_weight(tensor_name: str) -> bool:
+    parts = tensor_name.split(".")
+    return len(parts) >= 2 and parts[-2] in REWARD_HEADS and parts[-1] == "weight"
+
+
+def _tensor_names(path: Path) -> set[str] | None:
+    """The tensor names a weights file or shard index lists, or None when it cannot be read (damaged)."""
+    try:
+        if path.name.endswith(".index.json"):
+            return set(json.loads(path.read_text(encoding="utf-8"))["weight_map"])
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return set(f.keys())
+        return set(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    except Exception:  # noqa: BLE001 - a damaged file is the loader's to report, with its own message
+        return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def reward_model_arguments(model_dir: str | os.PathLike, like: ModelArguments | None = None) -> ModelArguments:
@@ -50,19 +147,14 @@ def reward_model_arguments(model_dir: str | os.PathLike, like: ModelArguments | 
     `like` (the running stage's model arguments) when given.
 
     Raises:
-        ConfigError: `model_dir` is not a directory, or its adapter is not a reward model's.
+        ConfigError: `model_dir` is not a reward model's folder (`check_reward_model_dir`).
     """
     from dataclasses import replace
 
+    check_reward_model_dir(model_dir)
     model_dir = str(model_dir)
-    if not Path(model_dir).is_dir():
-        raise ConfigError(f"reward model {model_dir!r} is not a directory; give an rm run's output_dir "
-                          "(or an exported reward model).")
     base_args = like if like is not None else ModelArguments()
     if (Path(model_dir) / "adapter_config.json").is_file():
-        if not is_reward_adapter(model_dir):
-            raise ConfigError(f"reward model {model_dir!r} holds an adapter without a score head (task_type "
-                              "SEQ_CLS); give the output_dir of an rm run.")
         base = read_adapter_config(model_dir).get("base_model_name_or_path")
         return replace(base_args, model_name_or_path=base, adapter_name_or_path=model_dir)
     return replace(base_args, model_name_or_path=model_dir, adapter_name_or_path=None)
@@ -226,6 +318,7 @@ def load_reward_adapter(
 __all__ = [
     "REWARD_ADAPTER",
     "RewardAdapter",
+    "check_reward_model_dir",
     "load_reward_adapter",
     "load_reward_model",
     "reward_base_mismatch",

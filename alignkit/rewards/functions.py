@@ -105,7 +105,6 @@ class RewardFunctionArguments:
             "base); `full`: on its own; `auto`: `lora` when possible, else `full`."
         },
     )
-
     reward_timeout: Optional[float] = field(
         default=300.0,
         metadata={

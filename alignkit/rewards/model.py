@@ -58,8 +58,8 @@ def resolve_reward_model_dir(spec: str, config_dir: Optional[str] = None, key: s
             return candidate.resolve()
     looked = " and ".join(dict.fromkeys(str(c.absolute()) for c in candidates))  # once each, as one folder may be both
     if key == "reward_model":
-        raise ConfigError(f"reward_model: no folder {spec!r} (looked at {looked}). Give the output_dir of a `stage: rm` "
-                          "run.")
+        raise ConfigError(f"reward_model: no folder {spec!r} (looked at {looked}). Give the output_dir of a "
+                          "`stage: rm` run.")
     raise ConfigError(f"{key}: {spec!r} is not a built-in, a `module:function`, a `file.py:function`, nor a reward "
                       f"model directory (looked at {looked}). Give the output_dir of a `stage: rm` run.")
 

@@ -165,7 +165,8 @@ def load_reward_model(model_dir: str | os.PathLike, like: ModelArguments | None 
 
     `AutoModelForSequenceClassification` with one label, from a full rm output dir, an exported one, or a
     LoRA rm output dir (its adapter and score head merged into the base it names, after the adapters its
-    `base_adapters.json` records, so it scores as in training). Score it with `alignkit.rewards.scoring.sequence_rewards`.
+    `base_adapters.json` records, so it scores as in training). Score it with
+    `alignkit.rewards.scoring.sequence_rewards`.
 
     Args:
         model_dir: the reward model's directory.

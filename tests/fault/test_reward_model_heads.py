@@ -59,7 +59,8 @@ def _assert_refused(code: int, err: str, folder) -> None:
     assert "no trained score head" in err and "stage: rm" in err
 
 
-STAGE_KEYS = {"ppo": "max_new_tokens: 4\nmini_batch_size: 2\n", "grpo": "max_completion_length: 4\nnum_generations: 4\n"}
+STAGE_KEYS = {"ppo": "max_new_tokens: 4\nmini_batch_size: 2\n",
+              "grpo": "max_completion_length: 4\nnum_generations: 4\n"}
 
 
 def _train(tmp_path, tiny_model_dir, prompts_file, stage: str, **keys) -> list[str]:

@@ -397,10 +397,10 @@ def test_a_reward_function_that_does_not_return_stops_with_the_rows_it_held(slow
 
     rewards = slow_module("waits", reward_timeout=0.3)
     start = time.monotonic()
-    with pytest.raises(RewardFunctionError, match=r"reward function waits did not return within reward_timeout=0\.3 s, "
-                                                  r"scoring rows 0-2 of 3 \(prompt of row 0: 'q0'\).*left running in "
-                                                  r"a background thread.*last checkpoint resumes.*slow_rewards\.py:waits"
-                                                  r".*raise reward_timeout"):
+    expected = (r"reward function waits did not return within reward_timeout=0\.3 s, scoring rows 0-2 of 3 \(prompt "
+                r"of row 0: 'q0'\).*left running in a background thread.*last checkpoint resumes.*"
+                r"slow_rewards\.py:waits.*raise reward_timeout")
+    with pytest.raises(RewardFunctionError, match=expected):
         rewards(["q0", "q1", "q2"], ["ok", "hang", "ok"], {})
     assert time.monotonic() - start < 10
 

@@ -33,9 +33,9 @@ from torch import nn
 
 from ..hparams import ConfigError, FinetuningArguments, ModelArguments
 from ..model.adapters import as_peft_model, requires_grad_kept
-from ..model.loader import (REWARD_HEADS, check_adapter_base, is_reward_adapter, load_model, merged_adapters,
-                            read_adapter_config, read_base_adapters, same_adapters)
-from ..model.weight_files import WEIGHT_FILES
+from ..model.loader import (REWARD_HEADS, check_adapter_base, is_reward_adapter, merged_adapters, read_adapter_config,
+                            read_base_adapters, same_adapters)
+from ..model.weight_files import ADAPTER_WEIGHT_FILES, WEIGHT_FILES
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +80,8 @@ def check_reward_model_dir(model_dir: str | os.PathLike, key: str | None = None)
                           "train examples/rm_lora.yaml`) and give its output_dir, or an `alignkit export` of it.")
 
 
-# Where a PEFT adapter keeps its weights, in the order PEFT looks.
-_ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-
-
 def _adapter_head_problem(adapter_dir: Path) -> str | None:
-    problem = _head_problem(adapter_dir, _ADAPTER_WEIGHT_FILES)
+    problem = _head_problem(adapter_dir, ADAPTER_WEIGHT_FILES)
     if problem is None:
         return None
     # A SEQ_CLS LoRA over a full reward model need not save the head: the base brings it.
@@ -172,6 +168,9 @@ def load_reward_model(model_dir: str | os.PathLike, like: ModelArguments | None 
         model_dir: the reward model's directory.
         like: the running stage's `ModelArguments`, for dtype, attention kernel and hub settings.
     """
+    # Looked up at call time, as the stages do: tests stand in for `loader.load_model` to prove nothing loads early.
+    from ..model.loader import load_model
+
     return load_model(reward_model_arguments(model_dir, like), FinetuningArguments(), is_trainable=False,
                       head="reward")
 

@@ -37,7 +37,7 @@ from .data.processors import encode_prompt, warn_cut_prompts
 from .data.template import ChatFormatter
 from .config import Config, FinetuningArguments, convert_value, field_types
 from .jsonl import write_jsonl
-from .rewards import RewardFunctionArguments, build_reward_functions, combine_rewards
+from .rewards import RewardFunctionArguments, build_reward_functions, check_reward_functions, combine_rewards
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,8 @@ def evaluate_rewards(
                                                                d.skip_invalid_rows)]
     if d.max_samples is not None:
         examples = examples[:d.max_samples]
+    check_reward_functions(reward_args, config_dir=config_dir, max_completion_length=config.generating.max_new_tokens,
+                           key="--reward")
     tokenizer = load_tokenizer(config.model)
     formatter = ChatFormatter(tokenizer, d.template)
     encoded, cut = [], []

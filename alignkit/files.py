@@ -81,7 +81,7 @@ def resolve_config_path(text: str, config_dir: Optional[str], *, directory: bool
     for candidate in candidates:
         if candidate.is_dir() if directory else candidate.is_file():
             return candidate.resolve()
-    raise FileNotFoundError("looked at " + " and ".join(str(c) for c in candidates))
+    raise FileNotFoundError("looked at " + " and ".join(dict.fromkeys(str(c) for c in candidates)))  # a folder once
 
 
 __all__ = ["TOP_LEVEL_MAPPING", "parse_mapping", "resolve_config_path"]

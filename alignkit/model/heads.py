@@ -1,17 +1,11 @@
-"""Heads on a decoder's hidden states: reward scores at each sequence's last token, and per-token values.
+"""Heads on a decoder's hidden states: where the last real token is, the decoder's last hidden state, the
+score head of a sequence-classification model, and PPO's per-token value head.
 
-Two ways a reward is read, one rule for where:
-- `sequence_rewards(model, ...)`: `model` is a sequence-classification model (the rm stage's, the
-  `alignkit score` one, a full reward model). Its own `score` head runs inside its forward at every
-  position (a forward hook captures that output, so any wrapper -- PEFT, DDP -- still runs its own
-  forward), and the reward is the score at the sequence's *last real token*, found from the attention
-  mask. transformers' own pooling picks the rightmost token that is not `pad_token_id`, which with
-  pad == eos (SmolLM2) is one token early for a sequence ending in eos.
-- `head_rewards(model, head, ...)`: `model` is a causal LM (e.g. the policy's PEFT model with a reward
-  adapter switched in, see `alignkit.model.adapters`) and `head` a separate `nn.Linear`: the decoder
-  runs without its LM head (no vocabulary-sized logits) and `head` reads the same last real token.
-
-Values for PPO's critic come from `ValueHead` on the same hidden states (`token_values`), one per token.
+Reading a reward model's score from these (`sequence_rewards`, `head_rewards`) is the reward models' own
+code, in `alignkit.rewards.scoring`; what lives here is what the rm stage, the reward models and PPO's critic
+share: `last_token_index` (the last real token of a left- or right-padded row), `last_hidden_states` (the
+decoder without its output head, padded or padding-free), `find_score_head`, and `ValueHead` with
+`token_values`, one value per token.
 
 All of these take left- or right-padded batches; with `padding_free=True` the batch runs as one row of
 its real tokens with position ids restarting per sequence (`alignkit.model.padding_free`), giving the
@@ -31,7 +25,6 @@ from .padding_free import (
     FlatBatch,
     attention_slot_cost,
     flatten_padded,
-    last_token_per_sequence,
     packed_attention,
     row_token_bound,
     unflatten_to_padded,
@@ -135,7 +128,7 @@ def last_hidden_states(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Rewards
+# The score head of a sequence-classification model
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -154,77 +147,6 @@ def find_score_head(model: nn.Module) -> nn.Module:
             "`AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)`)."
         )
     return head
-
-
-def sequence_rewards(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, padding_free: bool = False
-) -> torch.Tensor:
-    """One forward pass; each row's reward is the score at its last real token.
-
-    Args:
-        model: a sequence-classification model with `num_labels=1` (may be wrapped by PEFT or DDP).
-        input_ids: [N, L] token ids, left- or right-padded.
-        attention_mask: [N, L], 1 on real tokens.
-        padding_free: run the batch's real tokens packed into rows (`alignkit.model.padding_free`) and read
-            each score at its sequence's last token; the same rewards without computing padding.
-
-    Returns:
-        [N] float32 rewards (differentiable when grad is enabled).
-    """
-    flat = None
-    if padding_free:
-        flat = flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(model),
-                              slot_cost=attention_slot_cost(model))
-    captured: list[torch.Tensor] = []
-    handle = find_score_head(model).register_forward_hook(lambda _module, _args, output: captured.append(output))
-    try:
-        if flat is None:
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        else:
-            # The model's own pad-id pooling result is ignored (with several rows it needs
-            # `config.pad_token_id`, which the loader sets); the hook reads every position's score.
-            with packed_attention(model, flat):
-                model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False)
-    finally:
-        handle.remove()
-    expected = input_ids.shape if flat is None else flat.input_ids.shape
-    if len(captured) != 1 or captured[0].shape[:2] != expected:
-        raise RuntimeError("the score head did not run once on per-token hidden states; unsupported model layout.")
-    if flat is None:
-        return gather_last_token_scores(captured[0], attention_mask).float()
-    scores = flat.from_rows(captured[0][..., 0])  # flat order
-    return scores[last_token_per_sequence(flat.lengths)].float()
-
-
-def head_rewards(
-    model: nn.Module,
-    head: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    *,
-    padding_free: bool = False,
-) -> torch.Tensor:
-    """Rewards from a separate one-output `head` on `model`'s decoder, read at each last real token.
-
-    Only the last token's hidden state goes through `head`, so this costs one decoder pass and N head rows.
-
-    Args:
-        model: causal-LM or sequence-classification model (wrappers allowed); its active adapter applies.
-        head: module mapping [..., H] hidden states to [..., 1] (e.g. a reward adapter's score head).
-        input_ids: [N, L], left- or right-padded.
-        attention_mask: [N, L], 1 on real tokens.
-        padding_free: run the real tokens as one row.
-
-    Returns:
-        [N] float32 rewards.
-    """
-    hidden, flat = last_hidden_states(model, input_ids, attention_mask, padding_free=padding_free)
-    if flat is None:
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        last = hidden[rows, last_token_index(attention_mask).to(hidden.device)]
-    else:
-        last = hidden[0, last_token_per_sequence(flat.lengths)]
-    return head(last.to(_param_dtype(head))).squeeze(-1).float()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -389,10 +311,6 @@ def load_value_head(directory: str | os.PathLike, hidden_size: Optional[int] = N
     return head
 
 
-def _param_dtype(module: nn.Module) -> torch.dtype:
-    return next(module.parameters()).dtype
-
-
 __all__ = [
     "VALUE_HEAD_FILE",
     "last_token_index",
@@ -401,8 +319,6 @@ __all__ = [
     "decoder_of",
     "last_hidden_states",
     "find_score_head",
-    "sequence_rewards",
-    "head_rewards",
     "VALUE_HEAD_NAME",
     "ValueHead",
     "attach_value_head",

@@ -286,48 +286,6 @@ def load_frozen_copy(model):
     return load_model(model_args, FinetuningArguments(), is_trainable=False, head=head)
 
 
-def reward_model_arguments(model_dir: str | os.PathLike, like: ModelArguments | None = None) -> ModelArguments:
-    """`ModelArguments` that load the reward model an rm run wrote to `model_dir` (or an exported one).
-
-    A LoRA output dir names its base in `adapter_config.json` and becomes `adapter_name_or_path` over it
-    (`load_model` then merges the adapters its `base_adapters.json` records first, e.g. the SFT adapter an
-    RM was trained from); any other dir is a full model. dtype, attention kernel, cache and remote-code settings come from
-    `like` (the running stage's model arguments) when given.
-
-    Raises:
-        ConfigError: `model_dir` is not a directory, or its adapter is not a reward model's.
-    """
-    from dataclasses import replace
-
-    model_dir = str(model_dir)
-    if not Path(model_dir).is_dir():
-        raise ConfigError(f"reward model {model_dir!r} is not a directory; give an rm run's output_dir "
-                          "(or an exported reward model).")
-    base_args = like if like is not None else ModelArguments()
-    if (Path(model_dir) / "adapter_config.json").is_file():
-        if not is_reward_adapter(model_dir):
-            raise ConfigError(f"reward model {model_dir!r} holds an adapter without a score head (task_type "
-                              "SEQ_CLS); give the output_dir of an rm run.")
-        base = read_adapter_config(model_dir).get("base_model_name_or_path")
-        return replace(base_args, model_name_or_path=base, adapter_name_or_path=model_dir)
-    return replace(base_args, model_name_or_path=model_dir, adapter_name_or_path=None)
-
-
-def load_reward_model(model_dir: str | os.PathLike, like: ModelArguments | None = None):
-    """A reward model on its own (`reward_model_type: full`, `alignkit score`): frozen, eval mode.
-
-    `AutoModelForSequenceClassification` with one label, from a full rm output dir, an exported one, or a
-    LoRA rm output dir (its adapter and score head merged into the base it names, after the adapters its
-    `base_adapters.json` records, so it scores as in training). Score it with `heads.sequence_rewards`.
-
-    Args:
-        model_dir: the reward model's directory.
-        like: the running stage's `ModelArguments`, for dtype, attention kernel and hub settings.
-    """
-    return load_model(reward_model_arguments(model_dir, like), FinetuningArguments(), is_trainable=False,
-                      head="reward")
-
-
 def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = False):
     """The base model with `head`.
 

@@ -5,6 +5,11 @@ The contract the stages code against (docs/ARCHITECTURE.md, "Rewards"):
 model_args=) -> RewardFunctions`, whose call gives `[N, F]` rewards (NaN for None), `combine_rewards`
 (their weighted sum, NaN-aware as TRL), and `RewardFunctionError` for a function that fails or returns
 something unusable.
+
+Reward models live here too, imported by module (they pull in the model layer): `reward_model` loads one from
+its folder (on its own, or as a named adapter on the policy's base, with the base-chain check), `scoring`
+reads its scores (`RewardScorer`, `sequence_rewards`, `encode_scored`), and `model` wraps either as a reward
+function.
 """
 
 from .builtin import BUILTIN_NAMES, accuracy_reward, extract_final_answer, format_reward, length_reward
@@ -14,6 +19,7 @@ from .functions import (
     RewardFunctionError,
     RewardFunctions,
     build_reward_functions,
+    check_reward_functions,
     combine_rewards,
     load_user_function,
 )
@@ -26,6 +32,7 @@ __all__ = [
     "RewardFunctions",
     "accuracy_reward",
     "build_reward_functions",
+    "check_reward_functions",
     "combine_rewards",
     "extract_final_answer",
     "format_reward",

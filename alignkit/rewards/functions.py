@@ -16,6 +16,17 @@ tensor (NaN where a function returned None), and `combine_rewards` their weighte
 function returns is checked as it comes back: a function that raises, returns the wrong number of values,
 or something that is not a finite number or None stops the run with a `RewardFunctionError` naming the
 function and the first bad row.
+
+A user function that never returns would hang the run: each call of one runs in a worker thread that is given
+`reward_timeout` seconds (`call_with_timeout`). A call that takes longer stops the run with a
+`RewardFunctionError` naming the function and the rows it was scoring; the run's last checkpoint stays as it
+was, so the same command resumes once the function is fixed. Python cannot stop a thread, so the stuck call is
+left running in a daemon thread, which does not keep the process alive: `alignkit train` and `alignkit eval`
+exit as soon as the error is reported. A worker thread rather than a subprocess because a function does not
+have to be picklable (a `file.py:function` is imported under a private module name), may close over large
+objects, and keeps its module's state between calls, as it does without a timeout; the cost is a thread start
+per call, microseconds against a generation round. Built-ins and reward models are alignkit's own code and run
+in the calling thread, untimed.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import math
 import numbers
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Sequence
@@ -90,6 +102,18 @@ class RewardFunctionArguments:
             "base); `full`: on its own; `auto`: `lora` when possible, else `full`."
         },
     )
+    reward_timeout: Optional[float] = field(
+        default=300.0,
+        metadata={
+            "help": "Seconds one call of a user reward function (`module:function`, `file.py:function`) may take; "
+            "a call that takes longer stops the run with an error naming the function and the rows it was scoring, "
+            "and the last checkpoint resumes. The call runs in a worker thread, which Python cannot stop: it is "
+            "left behind and the process exits. Generous by default, so that a slow judge or code runner over a "
+            "whole batch never trips it. 0 or null: no limit, the call runs in the training thread (for a "
+            "function that installs signal handlers, which only the main thread may do). Built-ins and reward "
+            "models are not timed."
+        },
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.reward_funcs, str):
@@ -116,6 +140,9 @@ class RewardFunctionArguments:
             raise ConfigError(f"length_reward_max_tokens={self.length_reward_max_tokens} must be >= 1.")
         if self.length_reward_window is not None and self.length_reward_window < 1:
             raise ConfigError(f"length_reward_window={self.length_reward_window} must be >= 1.")
+        if self.reward_timeout is not None and not (math.isfinite(self.reward_timeout) and self.reward_timeout >= 0):
+            raise ConfigError(f"reward_timeout={self.reward_timeout} must be a number of seconds >= 0 (0 or null: no "
+                              "limit).")
         if not math.isfinite(self.length_reward_truncated):
             raise ConfigError(f"length_reward_truncated={self.length_reward_truncated} must be a finite number.")
         try:
@@ -290,6 +317,47 @@ def check_reward_values(name: str, values: Any, num_rows: int, prompts: Sequence
     return out
 
 
+class CallTimedOut(Exception):
+    """`call_with_timeout`: the call did not return in time (it is still running in its thread)."""
+
+
+def call_with_timeout(function: Callable[..., Any], kwargs: dict[str, Any], timeout: Optional[float],
+                      name: str = "call") -> Any:
+    """`function(**kwargs)` in a daemon worker thread given `timeout` seconds; None or 0: called here, untimed.
+
+    Python cannot stop a thread, so a call that overruns is abandoned: it goes on running (a daemon thread does
+    not keep the process alive) and the caller gets `CallTimedOut`, on which it should stop. What the function
+    returns, or raises, is handed back as if it had been called here, and it runs with the caller's per-thread
+    torch state (grad mode, current CUDA device).
+
+    Raises:
+        CallTimedOut: no return within `timeout` seconds.
+    """
+    if not timeout:
+        return function(**kwargs)
+    outcome: dict[str, Any] = {}
+    grad = torch.is_grad_enabled()
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def run() -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            with torch.set_grad_enabled(grad):
+                outcome["value"] = function(**kwargs)
+        except BaseException as err:  # noqa: BLE001 - handed back to the caller's thread below
+            outcome["error"] = err
+
+    worker = threading.Thread(target=run, name=f"alignkit {name}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise CallTimedOut(f"{name} did not return within {timeout:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 @dataclass
 class RewardFunction:
     """One named reward function and how to call it.
@@ -298,18 +366,22 @@ class RewardFunction:
         name: used in metric names (`rewards/<name>/mean`) and errors.
         spec: what the user wrote in `reward_funcs`.
         function: called as `function(prompts=..., completions=..., completion_ids=..., **columns)`.
+        timeout: seconds a call may take (`reward_timeout`, `call_with_timeout`); None: untimed.
     """
 
     name: str
     spec: str
     function: Callable[..., Any]
+    timeout: Optional[float] = None
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Optional[list],
                  columns: dict[str, list], shared: Optional[dict[str, Any]] = None) -> list[float]:
         kwargs = {"prompts": list(prompts), "completions": list(completions), "completion_ids": completion_ids,
                   **columns, **(shared or {})}
         try:
-            values = self.function(**kwargs)
+            values = self._call(kwargs)
+        except CallTimedOut:
+            raise self._timed_out(kwargs, range(len(prompts)), len(prompts)) from None
         except RewardFunctionError:
             raise
         except Exception as err:
@@ -317,16 +389,34 @@ class RewardFunction:
             raise self._locate_failure(err, kwargs, len(prompts), per_row) from err
         return check_reward_values(self.name, values, len(prompts), prompts, completions)
 
+    def _call(self, kwargs: dict[str, Any]) -> Any:
+        return call_with_timeout(self.function, kwargs, self.timeout, name=f"reward function {self.name}")
+
+    def _timed_out(self, kwargs: dict[str, Any], rows: range, num_rows: int) -> RewardFunctionError:
+        where = f"row {rows[0]}" if len(rows) == 1 else f"rows {rows[0]}-{rows[-1]}"
+        return RewardFunctionError(
+            f"reward function {self.name} did not return within reward_timeout={self.timeout:g} s, scoring {where} "
+            f"of {num_rows} (prompt of row {rows[0]}: {_preview(kwargs['prompts'][rows[0]])}). Python cannot stop "
+            "the call, so it is left running in a background thread and the run stops here; its last checkpoint "
+            f"resumes with the same command. Fix the function ({self.spec}) if it hangs (an endless loop, a network "
+            "call without a timeout of its own), or raise reward_timeout if it is only slow.")
+
     def _locate_failure(self, err: Exception, kwargs: dict[str, Any], num_rows: int,
                         per_row: set[str]) -> RewardFunctionError:
         """The batch call raised: call the function on one row at a time to name the first row that fails."""
         first = f"{type(err).__name__}: {err}"
         for row in range(num_rows):
             try:
-                self.function(**_row_kwargs(kwargs, row, per_row))
+                self._call(_row_kwargs(kwargs, row, per_row))
+            except CallTimedOut:
+                return self._timed_out(kwargs, range(row, row + 1), num_rows)
             except Exception as row_err:  # noqa: BLE001 - any exception is the user's bug to report
+                hint = ""
+                if self.timeout and "main thread" in str(row_err):  # e.g. signal.alarm, refused in a worker thread
+                    hint = (" (the call runs in a worker thread, for reward_timeout; reward_timeout: 0 calls it in the "
+                            "main thread, untimed)")
                 return RewardFunctionError(
-                    f"reward function {self.name} raised {type(row_err).__name__}: {row_err} on row {row} of "
+                    f"reward function {self.name} raised {type(row_err).__name__}: {row_err}{hint} on row {row} of "
                     f"{num_rows} (prompt {_preview(kwargs['prompts'][row])}, completion "
                     f"{_preview(kwargs['completions'][row])}{_column_preview(kwargs, row, per_row)}). Fix the "
                     f"function ({self.spec}) or return None for rows it cannot score.")
@@ -463,6 +553,42 @@ def _unique_names(names: list[str]) -> list[str]:
     return out
 
 
+def check_reward_functions(args: RewardFunctionArguments, *, config_dir: Optional[str] = None,
+                           max_completion_length: Optional[int] = None, key: str = "reward_funcs") -> None:
+    """What `build_reward_functions` would refuse that needs no model: call it before the model loads.
+
+    Each built-in gets its settings checked, each user function is imported and looked up (module, file,
+    function name, `**kwargs`), and each reward model folder is found and checked for a trained score head
+    (`reward_model.check_reward_model_dir`); so does PPO's `reward_model` when `args` has one, under that key.
+
+    Args:
+        args: the stage's arguments (a `RewardFunctionArguments` subclass).
+        config_dir: folder of the config file, where relative paths are looked up first.
+        max_completion_length: L_max of the `length` reward, as `build_reward_functions` takes it.
+        key: the key or flag that gave `reward_funcs`, for the messages (`alignkit eval` gives `--reward`).
+
+    Raises:
+        ConfigError: a bad setting, no such reward model folder, or one without a trained score head.
+        RewardFunctionError: a user function does not import.
+    """
+    from .model import resolve_reward_model_dir
+    from .reward_model import check_reward_model_dir
+
+    reward_model = getattr(args, "reward_model", None)
+    if reward_model:
+        check_reward_model_dir(resolve_reward_model_dir(reward_model, config_dir, key="reward_model"),
+                               key="reward_model")
+    if max_completion_length is None:
+        max_completion_length = getattr(args, "max_completion_length", None)
+    for spec in args.reward_funcs:
+        if spec in BUILTIN_NAMES:
+            _builtin(spec, args, max_completion_length)
+        elif ":" in spec:
+            load_user_function(spec, config_dir)
+        else:
+            check_reward_model_dir(resolve_reward_model_dir(spec, config_dir, key=key), key=key)
+
+
 def build_reward_functions(
     args: RewardFunctionArguments,
     *,
@@ -492,7 +618,7 @@ def build_reward_functions(
                           "accuracy,format` (built-ins: " + ", ".join(BUILTIN_NAMES) + ").")
     if max_completion_length is None:
         max_completion_length = getattr(args, "max_completion_length", None)
-    functions, names = [], []
+    functions, names, timeouts = [], [], []
     for spec in args.reward_funcs:
         if spec in BUILTIN_NAMES:
             function, name = _builtin(spec, args, max_completion_length), spec
@@ -507,17 +633,21 @@ def build_reward_functions(
             name = function.name
         functions.append(function)
         names.append(name)
+        timeouts.append(args.reward_timeout if ":" in spec else None)  # only the user's code is timed
     weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(functions)
-    return RewardFunctions([RewardFunction(name, spec, function) for name, spec, function
-                            in zip(_unique_names(names), args.reward_funcs, functions)], weights)
+    return RewardFunctions([RewardFunction(name, spec, function, timeout) for name, spec, function, timeout
+                            in zip(_unique_names(names), args.reward_funcs, functions, timeouts)], weights)
 
 
 __all__ = [
+    "CallTimedOut",
     "RewardFunction",
     "RewardFunctionArguments",
     "RewardFunctionError",
     "RewardFunctions",
     "build_reward_functions",
+    "call_with_timeout",
+    "check_reward_functions",
     "check_reward_values",
     "combine_rewards",
     "load_user_function",

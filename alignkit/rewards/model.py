@@ -3,18 +3,18 @@
 Two ways to hold one (`reward_model_type`):
 
 - `lora`: the rm run's LoRA adapter and score head loaded as a named, frozen second adapter on the
-  policy's PeftModel (`alignkit.model.adapters.load_reward_adapter`) and switched in only while scoring
-  (`reward_adapter_rewards`, which switches back and restores every `requires_grad`). No second copy of
-  the base is made. It needs the policy under LoRA and the RM trained on the same base: the same model,
+  policy's PeftModel (`reward_model.load_reward_adapter`) and switched in only while scoring
+  (`scoring.reward_adapter_rewards`, which switches back and restores every `requires_grad`). No second copy
+  of the base is made. It needs the policy under LoRA and the RM trained on the same base: the same model,
   and the same adapters merged into it (the RM's `base_adapters.json` against the policy's
-  `adapter_name_or_path`, `alignkit.model.adapters.reward_base_mismatch`).
-- `full`: the reward model loaded on its own (`alignkit.score.RewardScorer`, which is `alignkit score`,
+  `adapter_name_or_path`, `reward_model.reward_base_mismatch`).
+- `full`: the reward model loaded on its own (`scoring.RewardScorer`, the scorer of `alignkit score`,
   with the adapters the RM was trained over merged first): a full or exported RM, an RM on another base,
   or a policy that is not a PeftModel. It costs a second copy of the base in memory.
 - `auto` (default): `lora` when the directory holds a reward adapter and the policy is a PeftModel on a
   base the adapter fits, else `full`, with a log line saying why and what it costs.
 
-Either way the text is rendered as `alignkit score` renders it (`alignkit.score.encode_scored`: the
+Either way the text is rendered as `alignkit score` renders it (`scoring.encode_scored`: the
 prompt, a user message when it is a string, then the completion as the assistant reply closed by the
 template's end of turn), so a reward equals `alignkit score` on the same text.
 """
@@ -25,13 +25,14 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import torch
-
 from ..data.collator import padding_token_id
 from ..data.template import ChatFormatter
 from ..errors import ConfigError
 from ..files import resolve_config_path
+from ..model.loader import is_reward_adapter, resolve_dtype
 from .builtin import completion_text
+from .reward_model import REWARD_ADAPTER, check_reward_model_dir, load_reward_adapter, reward_base_mismatch
+from .scoring import RewardScorer, encode_scored, reward_adapter_rewards, score_sequences
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +40,26 @@ logger = logging.getLogger(__name__)
 SCORING_BATCH_SIZE = 8
 
 
-def resolve_reward_model_dir(spec: str, config_dir: Optional[str] = None) -> Path:
-    """The reward model directory a spec names: absolute, or relative to the config file's folder, then cwd."""
+def resolve_reward_model_dir(spec: str, config_dir: Optional[str] = None, key: str = "reward_funcs") -> Path:
+    """The reward model directory a spec names: absolute, or relative to the config file's folder, then cwd.
+
+    Args:
+        spec: the folder as given.
+        config_dir: the config file's folder.
+        key: the key that gave it, for the message: `reward_model` (PPO's, only ever a folder), or
+            `reward_funcs` (`--reward` for `alignkit eval`), where a spec may also be a function.
+
+    Raises:
+        ConfigError: no such folder; the message names the key and each place looked at.
+    """
     try:
         return resolve_config_path(spec, config_dir, directory=True)
     except FileNotFoundError as err:
-        raise ConfigError(f"reward_funcs: {spec!r} is not a built-in, a `module:function`, a `file.py:function`, nor "
-                          f"a reward model directory ({err}). Give the output_dir of a `stage: rm` run.") from None
+        if key == "reward_model":
+            raise ConfigError(f"reward_model: no folder {spec!r} ({err}). Give the output_dir of a `stage: rm` "
+                              "run.") from None
+        raise ConfigError(f"{key}: {spec!r} is not a built-in, a `module:function`, a `file.py:function`, nor a "
+                          f"reward model directory ({err}). Give the output_dir of a `stage: rm` run.") from None
 
 
 def _as_prompt(prompt: Any) -> Any:
@@ -73,20 +87,12 @@ class AdapterRewardModel:
         self.__name__ = name
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
-        from ..score import encode_scored, score_sequences
-
         sequences = [encode_scored(self.formatter, _as_prompt(p), completion_text(c))
                      for p, c in zip(prompts, completions, strict=True)]
-        return score_sequences(lambda ids, mask: _adapter_scores(self.policy, self.reward, ids, mask),
+        return score_sequences(lambda ids, mask: reward_adapter_rewards(self.policy, self.reward, ids, mask),
                                sequences, padding_token_id(self.formatter.tokenizer),
                                next(self.policy.parameters()).device,
                                batch_size=SCORING_BATCH_SIZE)
-
-
-def _adapter_scores(policy, reward, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    from ..model.adapters import reward_adapter_rewards
-
-    return reward_adapter_rewards(policy, reward, input_ids, attention_mask)
 
 
 class FullRewardModel:
@@ -108,8 +114,6 @@ def _is_peft_model(model) -> bool:
 
 
 def _free_adapter_name(model) -> str:
-    from ..model.adapters import REWARD_ADAPTER
-
     taken = set(getattr(model, "module", model).peft_config)
     name, n = REWARD_ADAPTER, 1
     while name in taken:
@@ -131,12 +135,11 @@ def load_reward_function(spec: str, args, *, model=None, formatter: Optional[Cha
         config_dir: folder of the config file, for relative directories.
 
     Raises:
-        ConfigError: not a directory, `reward_model_type: lora` where it cannot apply, or an adapter that
-            does not fit the policy.
+        ConfigError: not a directory, not a reward model with a trained score head (`check_reward_model_dir`),
+            `reward_model_type: lora` where it cannot apply, or an adapter that does not fit the policy.
     """
-    from ..model.loader import is_reward_adapter
-
     model_dir = resolve_reward_model_dir(spec, config_dir)
+    check_reward_model_dir(model_dir)  # a folder without a trained score head would score with a random one
     name = model_dir.name
     kind = getattr(args, "reward_model_type", "auto")
     is_adapter = (model_dir / "adapter_config.json").is_file() and is_reward_adapter(model_dir)
@@ -151,8 +154,6 @@ def load_reward_function(spec: str, args, *, model=None, formatter: Optional[Cha
         raise ValueError("a reward model needs the run's ChatFormatter (formatter=...) to render the scored text.")
     why_alone = None
     if kind != "full" and is_adapter and model is not None and _is_peft_model(model):
-        from ..model.adapters import load_reward_adapter, reward_base_mismatch
-
         # A reward adapter on another base than the one it was trained on scores something else: load it with
         # its own base then (explicit `lora` gets load_reward_adapter's error instead).
         why_alone = reward_base_mismatch(model, model_dir) if kind == "auto" else None
@@ -167,15 +168,11 @@ def load_reward_function(spec: str, args, *, model=None, formatter: Optional[Cha
                 logger.info("Reward model %s: LoRA adapter %r on the policy's base.", model_dir, reward.name)
                 return AdapterRewardModel(model, reward, formatter, name)
 
-    from ..score import RewardScorer
-
     device = next(model.parameters()).device if model is not None else None
     template = None if formatter.name == "tokenizer" else formatter.name
     scorer = RewardScorer(model_dir, template=template, batch_size=SCORING_BATCH_SIZE,
                           device=str(device) if device is not None else None)
     if model_args is not None and model_args.infer_dtype != "auto":
-        from ..model.loader import resolve_dtype
-
         scorer.model.to(resolve_dtype(model_args.infer_dtype))
     if why_alone is None:
         logger.info("Reward model %s loaded on its own.", model_dir)

@@ -606,17 +606,18 @@ def run_grpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     """Train the policy with GRPO as `config` says; outputs (adapter, logs, completions.jsonl) go to `output_dir`."""
     from ..data import ChatFormatter, get_dataset
     from ..model.loader import load_model, load_tokenizer
-    from ..rewards import build_reward_functions
+    from ..rewards import build_reward_functions, check_reward_functions
     from .base import check_splits
 
+    config_dir = str(Path(config.source).parent) if config.source else None
+    check_reward_functions(config.method, config_dir=config_dir)  # before anything loads
     tokenizer = load_tokenizer(config.model)
     datasets = get_dataset(config, tokenizer, DATA_KIND)
     check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
     formatter = ChatFormatter(tokenizer, config.data.template)
     reward_functions = build_reward_functions(
-        config.method, model=model, formatter=formatter, model_args=config.model,
-        config_dir=str(Path(config.source).parent) if config.source else None)
+        config.method, model=model, formatter=formatter, model_args=config.model, config_dir=config_dir)
     trainer = GRPOTrainer(
         model=model,
         args=config.training,

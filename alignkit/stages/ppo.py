@@ -1089,9 +1089,9 @@ def build_critic(model: nn.Module, ppo_args: PPOArguments, config_dir: Optional[
     Returns:
         The `ValueHead` (float32, trainable).
     """
-    from ..model.adapters import load_reward_adapter
     from ..model.heads import ValueHead, attach_value_head
     from ..rewards.model import resolve_reward_model_dir
+    from ..rewards.reward_model import load_reward_adapter
 
     if ppo_args.ppo_critic == "head":
         return attach_value_head(model)
@@ -1127,9 +1127,12 @@ def build_ppo_trainer(config: "Config", callbacks: list["TrainerCallback"]) -> P
     from ..data import get_dataset
     from ..data.template import ChatFormatter
     from ..model.loader import load_model, load_tokenizer
-    from ..rewards import build_reward_functions
+    from ..rewards import build_reward_functions, check_reward_functions
     from .base import check_splits
 
+    config_dir = str(Path(config.source).parent) if config.source else None
+    check_reward_functions(config.method, config_dir=config_dir,  # before anything loads
+                           max_completion_length=config.generating.max_new_tokens)
     tokenizer = load_tokenizer(config.model)
     datasets = get_dataset(config, tokenizer, DATA_KIND)
     check_splits(config, datasets)
@@ -1137,7 +1140,6 @@ def build_ppo_trainer(config: "Config", callbacks: list["TrainerCallback"]) -> P
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     formatter = ChatFormatter(tokenizer, config.data.template)
-    config_dir = str(Path(config.source).parent) if config.source else None
     ppo_args = config.method
     # The critic before the reward model: its adapter is a second load of the same rm output.
     value_head = build_critic(model, ppo_args, config_dir)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers import EvalPrediction
 
-from ..model.heads import sequence_rewards
+from ..rewards.scoring import sequence_rewards
 from .base import StageTrainer, run_stage_trainer, save_pair_predictions
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from alignkit.model.adapters import POLICY_ADAPTER
 from alignkit.model.heads import VALUE_HEAD_FILE
 from alignkit.model.loader import load_model
 from alignkit.model.logprobs import forward_token_logps
-from alignkit.score import RewardScorer
+from alignkit.rewards.scoring import RewardScorer
 from alignkit.stages import ppo
 from alignkit.stages.ppo import (COMPLETIONS_FILE, FSDP_REFUSAL, PPOTrainer, build_ppo_trainer, check_config,
                                   deepspeed_refusal)
@@ -140,8 +140,8 @@ def test_reward_with_an_sft_policy_equals_alignkit_score(rm_from_sft, tiny_model
     assert ("loaded on its own, not as an adapter on the policy's base" in caplog.text) == (not rm_from_sft)
     records = _assert_rewards_are_alignkit_scores(trainer, rm)
     if not rm_from_sft:  # what sharing the base would have scored (the old behaviour): not the RM's scores
-        from alignkit.model.adapters import load_reward_adapter
         from alignkit.rewards.model import AdapterRewardModel
+        from alignkit.rewards.reward_model import load_reward_adapter
 
         wrong = AdapterRewardModel(trainer.model, load_reward_adapter(trainer.model, rm, name="shared",
                                                                       check_base=False), trainer.formatter, "shared")

@@ -14,7 +14,8 @@ from transformers import AutoModelForSequenceClassification
 from alignkit.callbacks import read_log
 from alignkit.config.parse import parse_config
 from alignkit.errors import DataError
-from alignkit.score import RewardScorer, score_file
+from alignkit.rewards.scoring import RewardScorer
+from alignkit.score import score_file
 from alignkit.train import run_train
 
 PAIRS = [

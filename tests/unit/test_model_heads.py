@@ -14,16 +14,16 @@ from alignkit.model.heads import (
     ValueHead,
     attach_value_head,
     gather_last_token_scores,
-    head_rewards,
     last_hidden_states,
     last_token_index,
     load_value_head,
     save_value_head,
-    sequence_rewards,
     token_values,
     values_from_hidden,
 )
-from alignkit.model.loader import find_linear_modules, load_model, load_reward_model
+from alignkit.model.loader import find_linear_modules, load_model
+from alignkit.rewards.reward_model import load_reward_model
+from alignkit.rewards.scoring import head_rewards, sequence_rewards
 
 PAD = 2
 ROWS = [[5, 17, 40, 2, 9], [7, 8], [30, 31, 32, 33, 34, 35, 36]]

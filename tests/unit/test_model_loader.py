@@ -304,7 +304,7 @@ def test_no_missing_score_table_where_the_head_is_trained_or_loaded(tiny_model_d
     (scoring), and the head then really is the adapter's."""
     from safetensors.torch import load_file
 
-    from alignkit.model.loader import load_reward_model
+    from alignkit.rewards.reward_model import load_reward_model
 
     config = _config(tiny_model_dir)
     load_model(config.model, config.finetuning, is_trainable=True, head="reward")
@@ -322,8 +322,11 @@ def test_no_missing_score_table_where_the_head_is_trained_or_loaded(tiny_model_d
     assert len(saved) == 1
     torch.testing.assert_close(scorer.score.weight, next(iter(saved.values())), atol=0, rtol=0)
 
-    # A plain causal LM loaded as a reward model to score with: its head is random, and the report says so.
-    load_reward_model(tiny_model_dir)
+    # A plain causal LM as a reward model to score with would get a random head: refused before it loads
+    # (tests/fault/test_reward_model_heads.py); loaded as a classifier anyway, the report says so.
+    with pytest.raises(ConfigError, match="no trained score head"):
+        load_reward_model(tiny_model_dir)
+    load_model(config.model, config.finetuning, is_trainable=False, head="reward")
     assert len(load_reports) == 1 and "score.weight" in load_reports[0] and "MISSING" in load_reports[0]
 
 

@@ -11,15 +11,11 @@ import torch
 from alignkit.config.parse import parse_config
 from alignkit.data.collator import pad_sequences
 from alignkit.errors import ConfigError
-from alignkit.model.adapters import (
-    adapters_disabled,
-    load_reward_adapter,
-    reward_adapter_rewards,
-    use_adapter,
-)
-from alignkit.model.heads import sequence_rewards
+from alignkit.model.adapters import adapters_disabled, use_adapter
 from alignkit.model.loader import load_model, merged_adapters
 from alignkit.model.logprobs import forward_token_logps
+from alignkit.rewards.reward_model import load_reward_adapter
+from alignkit.rewards.scoring import reward_adapter_rewards, sequence_rewards
 
 PAD = 2
 # Rows ending in a non-pad token, as ChatML turns do; one of them contains the pad id as a real token.
@@ -228,7 +224,7 @@ def test_reward_adapter_trained_from_the_sft_adapter(tiny_model_dir, tmp_path, s
     with pytest.raises(ConfigError, match=r"rm_from_sft was trained on the bare base, the policy's base is the base "
                                           r"\+ .*/sft \(adapter_name_or_path\).*Load it on its own"):
         load_reward_adapter(policy, rm_dir, name="other")
-    with caplog.at_level(logging.INFO, logger="alignkit.model.adapters"):
+    with caplog.at_level(logging.INFO, logger="alignkit.rewards.reward_model"):
         load_reward_adapter(policy, rm_dir, name="critic", check_base=False)
     assert "'critic' starts from the reward model's weights, on another base" in caplog.text
 

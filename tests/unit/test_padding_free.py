@@ -23,7 +23,7 @@ from alignkit.model.padding_free import (
     segment_sum,
     unflatten_to_padded,
 )
-from alignkit.model.heads import sequence_rewards
+from alignkit.rewards.scoring import sequence_rewards
 from alignkit.stages.dpo import DPOTrainer
 from alignkit.stages.sft import SFTTrainer
 

@@ -15,7 +15,7 @@ from alignkit.model.loader import load_model, load_tokenizer
 from alignkit.model.logprobs import forward_token_logps
 from alignkit.rewards import RewardFunctionArguments, build_reward_functions
 from alignkit.rewards.model import AdapterRewardModel, FullRewardModel
-from alignkit.score import RewardScorer
+from alignkit.rewards.scoring import RewardScorer
 
 PROMPTS = ["How many legs does a cat have?", [{"role": "system", "content": "Be brief."},
                                               {"role": "user", "content": "What is 2 + 2?"}], "Name a colour."]

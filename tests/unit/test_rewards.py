@@ -344,3 +344,88 @@ def test_reward_arguments_convert_command_line_strings():
                                                      "length_reward_truncated": "-2"})
     assert args.reward_weights == [1.0, 0.5] and args.length_reward_window == 4
     assert args.length_reward_truncated == -2.0
+
+
+# ------------------------------------------------------------------------------------------------- timeouts
+
+SLOW_FILE = """
+    import signal
+    import threading
+
+    import torch
+
+    release = threading.Event()  # the test sets it, so no worker thread outlives the test
+    calls = []
+
+    def waits(prompts, completions, **kwargs):
+        calls.append((threading.current_thread() is threading.main_thread(), torch.is_grad_enabled()))
+        if any(c == "hang" for c in completions):
+            release.wait(60)
+        return [1.0] * len(completions)
+
+    def raises_then_hangs_on_its_row(prompts, completions, **kwargs):
+        if len(completions) > 1:
+            raise ValueError("batch")
+        if completions[0] == "hang":
+            release.wait(60)
+        return [1.0]
+
+    def sets_an_alarm(prompts, completions, **kwargs):
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        return [1.0] * len(completions)
+"""
+
+
+@pytest.fixture
+def slow_module(tmp_path):
+    (tmp_path / "slow_rewards.py").write_text(textwrap.dedent(SLOW_FILE), encoding="utf-8")
+    modules = []
+
+    def build(function, **keys):
+        rewards = build_reward_functions(RewardFunctionArguments(reward_funcs=[f"slow_rewards.py:{function}"], **keys),
+                                         config_dir=str(tmp_path))
+        modules.append(sys.modules[rewards.functions[0].function.__module__])
+        return rewards
+
+    yield build
+    for module in modules:
+        module.release.set()
+
+
+def test_a_reward_function_that_does_not_return_stops_with_the_rows_it_held(slow_module):
+    import time
+
+    rewards = slow_module("waits", reward_timeout=0.3)
+    start = time.monotonic()
+    expected = (r"reward function waits did not return within reward_timeout=0\.3 s, scoring rows 0-2 of 3 \(prompt "
+                r"of row 0: 'q0'\).*left running in a background thread.*last checkpoint resumes.*"
+                r"slow_rewards\.py:waits.*raise reward_timeout")
+    with pytest.raises(RewardFunctionError, match=expected):
+        rewards(["q0", "q1", "q2"], ["ok", "hang", "ok"], {})
+    assert time.monotonic() - start < 10
+
+
+def test_timed_calls_run_in_a_worker_with_the_callers_grad_mode_and_untimed_ones_here(slow_module):
+    timed = slow_module("waits")  # the default reward_timeout
+    assert RewardFunctionArguments().reward_timeout == 300.0
+    with torch.no_grad():
+        assert timed(["q"], ["ok"], {}).tolist() == [[1.0]]
+    untimed = slow_module("waits", reward_timeout=0)
+    assert untimed(["q"], ["ok"], {}).tolist() == [[1.0]]
+    calls = sys.modules[timed.functions[0].function.__module__].calls
+    assert calls == [(False, False), (True, True)]
+    assert build_reward_functions(RewardFunctionArguments(reward_funcs=["accuracy"])).functions[0].timeout is None
+    with pytest.raises(ConfigError, match="reward_timeout=-1.0 must be a number of seconds >= 0"):
+        RewardFunctionArguments(reward_funcs=["accuracy"], reward_timeout=-1.0)
+
+
+def test_the_row_search_after_an_error_is_timed_too(slow_module):
+    rewards = slow_module("raises_then_hangs_on_its_row", reward_timeout=0.3)
+    with pytest.raises(RewardFunctionError, match=r"did not return within reward_timeout=0\.3 s, scoring row 1 of 2"):
+        rewards(["q0", "q1"], ["ok", "hang"], {})
+
+
+def test_a_function_that_needs_the_main_thread_is_told_how(slow_module):
+    with pytest.raises(RewardFunctionError, match=r"sets_an_alarm raised ValueError: .*main thread.*reward_timeout: 0"):
+        slow_module("sets_an_alarm")(["q"], ["ok"], {})
+    assert slow_module("sets_an_alarm", reward_timeout=None)(["q"], ["ok"], {}).tolist() == [[1.0]]

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from alignkit.model.heads import find_score_head, sequence_rewards
+from alignkit.model.heads import find_score_head
+from alignkit.rewards.scoring import sequence_rewards
 
 PAD = 2  # the tiny tokenizer's pad == eos == <|im_end|>
 

@@ -43,6 +43,7 @@ import torch
 
 from ..data.collator import pad_sequences, padding_token_id
 from ..data.template import ChatFormatter, Message
+from .lora_fused import shadowed_forward
 
 
 @dataclass
@@ -247,8 +248,7 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
     # Merged weights are built in one reused buffer per shape: a fresh 1-5 MB tensor per layer costs its page
     # faults each round (a third of the packing time of the bundled model).
     scratch: dict[tuple[int, ...], torch.Tensor] = {}
-    patched = []
-    try:
+    with ExitStack() as patched:
         for module in modules:
             if type(module) is LoraLinear:
                 base = module.get_base_layer()
@@ -267,12 +267,9 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
             else:
                 continue
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_size)
-            module.forward = partial(_packed_forward, packed, None if bias is None else bias.detach())
-            patched.append(module)
+            patched.enter_context(shadowed_forward(
+                module, partial(_packed_forward, packed, None if bias is None else bias.detach())))
         yield True
-    finally:
-        for module in patched:
-            del module.forward
 
 
 def generate(

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ..constants import IGNORE_INDEX
 from .distributed import is_zero3_partitioned
+from .lora_fused import shadowed_forward
 from .padding_free import (
     FlatBatch,
     attention_slot_cost,
@@ -277,11 +278,8 @@ def _fusable_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
 @contextlib.contextmanager
 def _hidden_instead_of_logits(head: torch.nn.Linear) -> Iterator[None]:
     """Within the block, the output layer passes its input through: the model returns hidden states as `logits`."""
-    head.forward = lambda hidden: hidden  # an instance attribute shadows Linear.forward; hooks still run
-    try:
+    with shadowed_forward(head, lambda hidden: hidden):  # hooks still run
         yield
-    finally:
-        del head.forward
 
 
 @contextlib.contextmanager

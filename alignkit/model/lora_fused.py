@@ -22,8 +22,9 @@ calls PEFT's own forward, unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import types
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -133,4 +134,22 @@ def fuse_lora_linears(model: nn.Module) -> int:
     return count
 
 
-__all__ = ["lora_linear", "fuse_lora_linears"]
+@contextlib.contextmanager
+def shadowed_forward(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, `module` runs `forward` (an instance attribute shadowing its class's); after it, the
+    forward it had comes back, including an instance one such as `fuse_lora_linears`' (deleting the attribute
+    instead would drop the fused path for the rest of the run: training after a GRPO round then took PEFT's
+    unfused forward, and a resumed run, fused until its first round, did not train bit-equal to the straight one).
+    """
+    previous = vars(module).get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
+
+
+__all__ = ["lora_linear", "fuse_lora_linears", "shadowed_forward"]

@@ -253,10 +253,12 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reas
 def test_packed_linears_equal_the_merged_model_and_write_no_weight(lora_model):
     """Inside the block every LoRA layer and the plain head run oneDNN-packed copies with the adapter merged in:
     the logits equal the merged model's up to float rounding; with the adapter disabled (the reference policy)
-    they equal the base model's. Afterwards no forward is left patched and every weight is bit-for-bit as before."""
+    they equal the base model's. Afterwards every layer has the forward it had (the fused LoRA one included) and
+    every weight is bit-for-bit as before."""
     from peft.tuners.lora import LoraLayer
 
     before = _snapshot(lora_model)
+    forwards = {name: m.__dict__.get("forward") for name, m in lora_model.named_modules()}
     lora_model.eval()
     batch = torch.tensor([[5, 17, 30, 44, 9], [7, 8, 40, 41, 42]])
     patched = [m for m in lora_model.modules() if isinstance(m, LoraLayer)] + [lora_model.get_output_embeddings()]
@@ -274,7 +276,7 @@ def test_packed_linears_equal_the_merged_model_and_write_no_weight(lora_model):
     assert (merged - base).abs().max() > 1e-3  # the adapter changes the logits: the comparison means something
     torch.testing.assert_close(got, merged, atol=1e-5, rtol=0)
     torch.testing.assert_close(got_base, base, atol=1e-5, rtol=0)
-    assert not any("forward" in m.__dict__ for m in lora_model.modules())
+    assert {name: m.__dict__.get("forward") for name, m in lora_model.named_modules()} == forwards
     assert all(torch.equal(before[name], t) for name, t in _snapshot(lora_model).items())
 
 

@@ -119,3 +119,27 @@ def test_autocast_takes_peft_path(tiny_model_dir, monkeypatch):
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert calls == [] and torch.isfinite(loss)
+
+
+def test_the_fused_forward_comes_back_after_a_generation_round(tiny_model_dir, monkeypatch):
+    """Decoding shadows every linear layer's forward with a packed one (`packed_linears`); after it, the LoRA layers
+    train through the fused path again. (It was deleted: after a GRPO/PPO round training took PEFT's forward.)"""
+    from alignkit.model.generation import packed_linears
+    from alignkit.model.lora_fused import shadowed_forward
+
+    fused = _peft(tiny_model_dir)
+    fuse_lora_linears(fused)
+    lora_layers = [m for m in fused.modules() if "forward" in vars(m)]
+    before = [vars(m)["forward"] for m in lora_layers]
+    with torch.no_grad(), packed_linears(fused.eval(), batch_size=2) as packed:
+        assert packed and all(vars(m)["forward"] is not f for m, f in zip(lora_layers, before))
+    assert [vars(m)["forward"] for m in lora_layers] == before
+    calls = []
+    original = lora_linear.__globals__["_LoraLinear"].apply
+    monkeypatch.setattr(lora_linear.__globals__["_LoraLinear"], "apply", lambda *a: calls.append(1) or original(*a))
+    _loss_and_grads(fused.train(), torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(1)))
+    assert len(calls) == 14
+    plain = torch.nn.Linear(2, 2)  # a layer without an instance forward gets its class's back
+    with shadowed_forward(plain, lambda x: x):
+        assert "forward" in vars(plain)
+    assert "forward" not in vars(plain)

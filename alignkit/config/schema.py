@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+import torch
 from transformers import Seq2SeqTrainingArguments
 
+from ..env import launched_processes
 from ..errors import ConfigError
+from .deepspeed import check_deepspeed_config
 
 BUNDLED_MODEL_NAME = "smollm2-135m-instruct"
 # Stands for the registered stage names in help text, filled in from `alignkit.stages.STAGES` when shown
@@ -270,6 +274,10 @@ class TrainingArguments(Seq2SeqTrainingArguments):
             self.warmup_steps = self.warmup_ratio
         if self.deepspeed:
             _check_deepspeed(self.deepspeed)
+            check_deepspeed_config(
+                self.deepspeed, micro_batch=self.per_device_train_batch_size, grad_accum=self.gradient_accumulation_steps,
+                processes=launched_processes() if "WORLD_SIZE" in os.environ else None,
+                on_gpu=torch.cuda.is_available())
         super().__post_init__()
 
 

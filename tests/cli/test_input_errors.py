@@ -8,6 +8,7 @@ test if any stage calls it.
 from __future__ import annotations
 
 import errno
+import logging
 import json
 import shutil
 import tempfile
@@ -261,3 +262,51 @@ def test_a_broken_adapter_folder_exits_2_naming_it(tmp_path, tiny_model_dir, cap
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("alignkit: error:") == 1 and str(adapter) in err and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed JSON
+DS_OK = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+         "zero_optimization": {"stage": 2}}
+
+
+@pytest.fixture
+def one_process_env(monkeypatch):
+    """The variables `alignkit train` gives a DeepSpeed run started alone, restored after the test."""
+    for key, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize("case, body, keys, expected", [
+    ("a JSON list", "[1, 2]", "", r"ds\.json: a DeepSpeed config must be a JSON object, got list"),
+    ("not JSON", '{"zero_optimization": {"stage": 2}', "", r"ds\.json: invalid JSON at column 35"),
+    ("ZeRO stage 7", {**DS_OK, "zero_optimization": {"stage": 7}}, "", r"ds\.json: zero_optimization\.stage=7"),
+    ("fp16 on a CPU", {**DS_OK, "fp16": {"enabled": True}}, "", r"ds\.json: fp16\.enabled is true, but there is no GPU"),
+    ("micro batch", {**DS_OK, "train_micro_batch_size_per_gpu": 4}, "",
+     r"ds\.json: train_micro_batch_size_per_gpu=4 but per_device_train_batch_size=2"),
+    ("no accumulation key", {k: v for k, v in DS_OK.items() if k != "gradient_accumulation_steps"},
+     "gradient_accumulation_steps: 8\n", r"ds\.json has no gradient_accumulation_steps.*sets gradient_accumulation_steps=8"),
+    ("total batch", {**DS_OK, "train_batch_size": 16}, "",
+     r"ds\.json: train_batch_size=16, but .* = 2 x 1 x 1 = 2"),
+])
+def test_a_deepspeed_json_that_disagrees_exits_2_naming_the_file_and_key(
+        tmp_path, tiny_model_dir, capsys, no_model_load, one_process_env, case, body, keys, expected):
+    """What DeepSpeed answered with an assertion traceback from each process after the model loaded."""
+    import re
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(body if isinstance(body, str) else json.dumps(body), encoding="utf-8")
+    code, err = _train(capsys, _config(tmp_path, tiny_model_dir, body=f"do_train: true\ndeepspeed: {ds}\n{keys}"))
+    assert code == 2, (case, err)
+    assert re.search(expected, err) and "Traceback" not in err, (case, err)
+
+
+def test_a_deepspeed_scheduler_block_is_said_to_replace_the_configs_schedule(tmp_path, caplog, one_process_env):
+    from alignkit.config.parse import parse_config
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({**DS_OK, "scheduler": {"type": "WarmupLR", "params": {}}}), encoding="utf-8")
+    caplog.set_level(logging.WARNING, logger="alignkit.config.deepspeed")
+    parse_config({"stage": "sft", "deepspeed": str(ds)})
+    assert f"{ds} has a scheduler block: DeepSpeed's WarmupLR schedule replaces the config's lr_scheduler_type" \
+        in caplog.text

@@ -168,6 +168,7 @@ def _rounds(out: Path) -> dict[int, list]:
     return by_round
 
 
+@pytest.mark.fault  # issue 31 item 4: a resume inside a generation round, bit-exact
 @pytest.mark.parametrize("checkpoint_step", [3, 4])
 def test_resume_mid_generation_batch_equals_the_straight_run(checkpoint_step, tiny_model_dir, tmp_path,
                                                             crash_before_step):

@@ -23,6 +23,8 @@ from alignkit.callbacks import LOG_FILE, STOP_FILE
 from alignkit.lifecycle import LOCK_FILE, STATE_FILE
 from alignkit.train import RUN_CONFIG_FILE
 
+pytestmark = pytest.mark.fault  # issue 31's bad case 2: also in the fault tier (-m fault)
+
 SECRET = "SECRET-outside-the-runs-folder"
 # What each linked file holds outside: something the board would show, if it read it.
 OUTSIDE_TEXT = {

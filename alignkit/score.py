@@ -9,7 +9,6 @@ evaluation.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any, Optional
 
 from .errors import DataError
 from .files import parse_mapping
+from .jsonl import write_jsonl
 from .rewards.scoring import Messages, RewardScorer, as_messages
 
 logger = logging.getLogger(__name__)
@@ -84,10 +84,7 @@ def score_file(
     pairs = [_row_to_pair(input_path, line_no, row) for line_no, row in rows]
     scorer = RewardScorer(model_dir, template=template, cutoff_len=cutoff_len, batch_size=batch_size)
     scores = scorer.score([p for p, _ in pairs], [r for _, r in pairs])
-    output_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(output_path, "w", encoding="utf-8") as f:
-        for (_, row), score in zip(rows, scores):
-            f.write(json.dumps({**row, "score": score}, ensure_ascii=False) + "\n")
+    write_jsonl(output_path, ({**row, "score": score} for (_, row), score in zip(rows, scores)))
     logger.info("Scored %d rows from %s into %s", len(rows), input_path, output_path)
     return len(rows)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any
 
 import torch
 import torch.nn.functional as F

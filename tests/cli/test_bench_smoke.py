@@ -219,7 +219,7 @@ def test_summarise_ppo_step_split():
     recorder.train_begin, recorder.step_ends = 0.0, [10.0, 20.0, 34.0]
     recorder.batch_tokens = [None, None, None]
     history = [{"loss": 0.5, "time/generation": g, "time/scoring": 1.0, "time/training": t,
-                "response_length/mean": n, "ppo/loss/total": loss}
+                "completions/mean_length": n, "ppo/loss/total": loss}
                for g, t, n, loss in ((4.0, 5.0, 30.0, 0.5), (4.0, 4.0, 10.0, 0.4), (6.0, 6.0, 20.0, 0.3))]
     out = summarise_ppo(recorder, history + [{"train_runtime": 34.0}], warmup=1, prompts_per_step=8)
     assert out["measured_steps"] == 2 and out["step_time_s"] == pytest.approx(12.0)

@@ -301,12 +301,13 @@ def test_a_deepspeed_json_that_disagrees_exits_2_naming_the_file_and_key(
     assert re.search(expected, err) and "Traceback" not in err, (case, err)
 
 
-def test_a_deepspeed_scheduler_block_is_said_to_replace_the_configs_schedule(tmp_path, caplog, one_process_env):
-    from alignkit.config.parse import parse_config
+def test_a_deepspeed_scheduler_block_is_said_to_replace_the_configs_schedule(tmp_path, caplog):
+    """The check alone: a whole config with `deepspeed` would also start DeepSpeed's process group here."""
+    from alignkit.config.deepspeed import check_deepspeed_config
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({**DS_OK, "scheduler": {"type": "WarmupLR", "params": {}}}), encoding="utf-8")
     caplog.set_level(logging.WARNING, logger="alignkit.config.deepspeed")
-    parse_config({"stage": "sft", "deepspeed": str(ds)})
+    check_deepspeed_config(str(ds), micro_batch=2, grad_accum=1, processes=1, on_gpu=False)
     assert f"{ds} has a scheduler block: DeepSpeed's WarmupLR schedule replaces the config's lr_scheduler_type" \
         in caplog.text

@@ -54,7 +54,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     try:
         run_train(config)
     except KeyboardInterrupt:
-        print(f"alignkit: interrupted. {_resume_hint(config.training.output_dir)}", file=sys.stderr)
+        print(f"alignkit: interrupted. {_resume_hint(config.training)}", file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports a Ctrl-C
     finally:
         _close_process_group()
@@ -63,14 +63,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume_hint(output_dir: str) -> str:
+def _resume_hint(training) -> str:
     """What an interrupted run keeps and how to go on: the last checkpoint in `output_dir`, if any."""
     from .lifecycle import checkpoint_problem, list_checkpoints
 
-    # The newest checkpoint a rerun would resume from (one cut short by the interrupt is passed over).
-    last = next((c for c in list_checkpoints(output_dir) if checkpoint_problem(c) is None), None)
+    # The newest checkpoint a rerun would resume from, by the rerun's rule (`train.resolve_resume`: the optimizer
+    # state is needed unless save_only_model), passing over one the interrupt cut short; nothing is moved here.
+    need_optimizer = not training.save_only_model
+    last = next((c for c in list_checkpoints(training.output_dir) if checkpoint_problem(c, need_optimizer) is None),
+                None)
     if last is None:
-        return f"No checkpoint was saved in {output_dir} yet; re-running the same command starts the run again."
+        return (f"No checkpoint was saved in {training.output_dir} yet; re-running the same command starts the run "
+                "again.")
     return f"{last} is kept; re-running the same command resumes from it."
 
 

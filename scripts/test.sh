@@ -11,4 +11,8 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   set -- tests/unit -m "not slow and not distributed" "$@"
 fi
-exec "${ALIGNKIT_VENV:-$root/.venv}/bin/python" -m pytest -q "$@"
+# Tests run in parallel worker processes (pytest-xdist), one per core up to 4: most tests spend their time in
+# single-threaded work (subprocess start-up, imports, Python overhead around a tiny model), so two cores halve the
+# suite. ALIGNKIT_TEST_WORKERS=0 runs everything in this one process (e.g. to use a debugger).
+workers="${ALIGNKIT_TEST_WORKERS:-$(n="$(nproc)"; echo $(( n < 4 ? n : 4 )))}"
+exec "${ALIGNKIT_VENV:-$root/.venv}/bin/python" -m pytest -q -n "$workers" --dist worksteal "$@"

@@ -121,14 +121,12 @@ def answer_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
     return (logp.exp() * (logp - ref_logp)).sum(dim=-1)
 
 
-def _answer_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   selected: torch.Tensor) -> torch.Tensor:
-    """[S, V] logits of the positions `selected` ([N, L - 1], True where column t predicts an answer token): only
-    they go through the output layer, so no [N, L, V] tensor is made."""
-    from .model.heads import last_hidden_states, unwrap_model
+def _answer_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[S, V] logits of the positions that predict an answer token (`labels` not -100 on the next position), from
+    the per-token forward every stage shares: only they go through the output layer, so no [N, L, V] tensor."""
+    from .model.logprobs import labelled_forward
 
-    hidden, _ = last_hidden_states(model, input_ids, attention_mask)
-    return unwrap_model(model).get_output_embeddings()(hidden[:, :-1][selected])
+    return labelled_forward(model, input_ids, attention_mask, labels, logits=True).values
 
 
 def answers_kl(model, reference, generation, pad_id: int) -> torch.Tensor:
@@ -148,8 +146,8 @@ def answers_kl(model, reference, generation, pad_id: int) -> torch.Tensor:
         generation.completion_mask.to(device), pad_id)
     selected = labels[:, 1:] != IGNORE_INDEX
     with torch.no_grad():
-        per_position = answer_kl(_answer_logits(model, input_ids, attention_mask, selected),
-                                 _answer_logits(reference, input_ids, attention_mask, selected))
+        per_position = answer_kl(_answer_logits(model, input_ids, attention_mask, labels),
+                                 _answer_logits(reference, input_ids, attention_mask, labels))
     return torch.zeros(selected.shape, device=device).masked_scatter(selected, per_position).sum(dim=1).cpu()
 
 

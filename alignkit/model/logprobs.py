@@ -26,6 +26,7 @@ neither padding nor prompt costs a vocabulary projection.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
@@ -42,7 +43,6 @@ from .padding_free import (
     packed_attention,
     row_token_bound,
     segment_sum,
-    unflatten_to_padded,
 )
 
 # Rows per chunk are chosen so one chunk holds about this many logits (64 MiB in float32).
@@ -234,23 +234,6 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return logps.sum(-1), mask.sum(-1)
 
 
-def _padded_forward_token_logps(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    length = input_ids.size(1)
-    labelled = labels != IGNORE_INDEX
-    # The first labelled token is predicted by the position before it; keep logits from there on.
-    first = int(labelled.any(0).float().argmax()) if labelled.any() else 0
-    keep = min(length, length - first + 1)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep).logits
-    logps, mask = token_logps(logits, labels[:, length - keep :])
-    skipped = length - keep
-    if skipped:
-        logps = F.pad(logps, (skipped, 0), value=0.0)
-        mask = F.pad(mask, (skipped, 0), value=False)
-    return logps, mask
-
-
 # Model families whose logits are exactly `lm_head(hidden)`: no soft-capping (Gemma 2/3), logit scale (Cohere) or
 # division (Granite) after the head, which the fused log-probs (`head_log_softmax`) would leave out.
 _PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
@@ -283,7 +266,8 @@ def _hidden_instead_of_logits(head: torch.nn.Linear) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _output_layer_on(model: torch.nn.Module, slots: torch.Tensor) -> Iterator[None]:
+def _output_layer_on(model: torch.nn.Module, slots: torch.Tensor,
+                     seen: Optional[dict[str, torch.Tensor]] = None) -> Iterator[None]:
     """Within the block, the model's output layer sees only the hidden states at `slots`.
 
     `logits_to_keep` selects the same columns in every row, which cannot pick scattered positions of a
@@ -294,6 +278,7 @@ def _output_layer_on(model: torch.nn.Module, slots: torch.Tensor) -> Iterator[No
     Args:
         model: a causal LM, possibly wrapped by PEFT or DDP.
         slots: `[K]` long positions in the model input flattened to `R * W`.
+        seen: where given, `seen["hidden"]` receives the whole `[R, W, H]` input of the output layer.
     """
     inner = getattr(model, "module", model)  # DDP / DataParallel; PeftModel forwards the lookup itself
     head = inner.get_output_embeddings()
@@ -303,6 +288,8 @@ def _output_layer_on(model: torch.nn.Module, slots: torch.Tensor) -> Iterator[No
 
     def select(_module, args):
         hidden = args[0]
+        if seen is not None:
+            seen["hidden"] = hidden
         return (hidden.reshape(-1, hidden.size(-1))[slots].unsqueeze(0), *args[1:])
 
     handle = head.register_forward_pre_hook(select)
@@ -312,31 +299,118 @@ def _output_layer_on(model: torch.nn.Module, slots: torch.Tensor) -> Iterator[No
         handle.remove()
 
 
-def _flat_forward_logps(
+@dataclass
+class LabelledForward:
+    """What one call of a causal LM gives at the K positions whose next token is labelled.
+
+    Attributes:
+        values: `[K]` float32 log-probabilities of the targets, or `[K, V]` logits (`labelled_forward(logits=True)`).
+        targets: `[K]` the token each kept position predicts.
+        place: `[K]` long, each kept position in the padded `[N, L]` layout, flattened (`row * L + column`); the
+            position at column t predicts the token at t + 1.
+        shape: `(N, L)` of the padded batch.
+        hidden: with `keep_hidden`, the hidden states entering the output layer, as
+            `alignkit.model.heads.last_hidden_states` returns them: `[N, L, H]` padded, or `[1, T, H]` in flat order
+            with `flat`; else None.
+        flat: the `FlatBatch` of a padding-free call, else None.
+    """
+
+    values: torch.Tensor
+    targets: torch.Tensor
+    place: torch.Tensor
+    shape: tuple[int, int]
+    hidden: Optional[torch.Tensor] = None
+    flat: Optional[FlatBatch] = None
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(logps, mask)`, both `[N, L - 1]`: column t holds `log p(token t + 1)`, 0 where `mask` is False."""
+        rows, length = self.shape
+        logps = self.values.new_zeros(rows * length).index_put((self.place,), self.values).view(rows, length)
+        mask = torch.zeros(rows * length, dtype=torch.bool, device=self.place.device)
+        mask[self.place] = True
+        return logps[:, :-1], mask.view(rows, length)[:, :-1]
+
+    def sequence_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(logps, lengths)`: `[N]` float32 sums of the kept log-probs of each row, `[N]` int64 counts."""
+        rows, length = self.shape
+        sequences = torch.div(self.place, length, rounding_mode="floor")
+        return segment_sum(self.values, sequences, rows), torch.bincount(sequences, minlength=rows)
+
+
+def labelled_forward(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     labels: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, FlatBatch]:
-    """Padding-free forward; returns `(logps [K], positions [K], targets [T], flat)` for the K scored positions.
+    *,
+    padding_free: bool = False,
+    call: Optional[torch.nn.Module] = None,
+    keep_hidden: bool = False,
+    logits: bool = False,
+) -> LabelledForward:
+    """The one per-token forward: run a causal LM once and score only the positions whose next token is labelled.
 
-    `positions` and `targets` are in flat order (see `FlatBatch`). Only the positions whose next token
-    (in the same sequence) is labelled go through the output layer, so prompt and padding cost no
-    vocabulary projection at all.
+    Every stage that needs `log p(token | prefix)` of given tokens goes through here: DPO, KTO and SFT's sequence
+    log-probs, PPO's policy and reference log-probs (with the hidden states its value head reads), `alignkit eval`'s
+    KL logits, and GRPO's rollout scoring where it does not share prompts (`alignkit.rl.rollout.completion_logps`,
+    whose shared-prompt layouts are strategies on top). The model runs as a whole (`call`, e.g. a DeepSpeed engine
+    around `model`, or `model` itself), so PEFT, DDP and ZeRO-3 hooks run as in a training step. A pre-hook on the
+    output layer passes it only the kept positions (`_output_layer_on`), so no `[N, L, V]` logits exist; where the
+    head is a plain linear layer of a family that does nothing after it (`_fusable_head`) the log-probs come from
+    its weight chunk by chunk (`head_log_softmax`) and no `[K, V]` logits exist either.
+
+    Layouts: padded (the batch as given) or padding-free (`padding_free=True`: the real tokens packed into rows no
+    wider than the longest sequence, `alignkit.model.padding_free`). Both score the same positions.
+
+    Args:
+        model: a causal LM (PEFT/DDP wrapper allowed).
+        input_ids, attention_mask: `[N, L]`, left or right padded.
+        labels: `[N, L]` aligned with `input_ids`, `-100` on positions without loss (all -100: nothing is scored,
+            e.g. when only `keep_hidden` is wanted).
+        padding_free: pack the real tokens into rows for the call.
+        call: what to call instead of `model` (a wrapper whose forward runs `model`'s); None: `model`.
+        keep_hidden: also return the hidden states entering the output layer (`LabelledForward.hidden`).
+        logits: return the kept positions' `[K, V]` logits instead of their log-probs (e.g. for a temperature, an
+            entropy or a KL over the whole vocabulary).
     """
-    flat = flatten_padded(input_ids, attention_mask, labels, max_row_tokens=row_token_bound(model),
-                          slot_cost=attention_slot_cost(model))
-    targets = next_token_targets(flat.from_rows(flat.labels), flat.sequence_index)
-    positions = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
-    head = _fusable_head(model)
-    with (_output_layer_on(model, flat.slots[positions]), packed_attention(model, flat),
-          _hidden_instead_of_logits(head) if head is not None else contextlib.nullcontext()):
-        outputs = model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False).logits
-    if head is not None:  # `outputs` are the selected hidden states: no [K, V] logits, in forward or backward
-        logps = head_log_softmax(outputs[0], head.weight, head.bias, targets[positions])
+    inner = getattr(model, "module", model)  # DDP / DataParallel; PeftModel forwards the lookup itself
+    if not isinstance(inner.get_output_embeddings(), torch.nn.Module):
+        raise TypeError(f"{type(inner).__name__} has no output layer (get_output_embeddings() is None): per-token "
+                        "log-probs need a causal LM.")
+    rows, length = input_ids.shape
+    flat = None
+    if padding_free:
+        flat = flatten_padded(input_ids, attention_mask, labels, max_row_tokens=row_token_bound(model),
+                              slot_cost=attention_slot_cost(model))
+        targets = next_token_targets(flat.from_rows(flat.labels), flat.sequence_index)
+        positions = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
+        slots = flat.slots[positions]
+        place = flat.real.reshape(-1).nonzero().squeeze(-1)[positions]
     else:
-        logps = selective_log_softmax(outputs[0], targets[positions])
-    return logps, positions, targets, flat
+        next_tokens = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+        place = (next_tokens != IGNORE_INDEX).nonzero().squeeze(-1)
+        slots, targets, positions = place, next_tokens, place
+    targets = targets[positions]
+    head = None if logits else _fusable_head(model)
+    seen: dict[str, torch.Tensor] = {}
+    call = model if call is None else call
+    with (_output_layer_on(model, slots, seen if keep_hidden else None),
+          packed_attention(model, flat) if flat is not None else contextlib.nullcontext(),
+          _hidden_instead_of_logits(head) if head is not None else contextlib.nullcontext()):
+        if flat is None:
+            outputs = call(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        else:
+            outputs = call(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False).logits
+    if logits:
+        values = outputs[0]
+    elif head is not None:  # `outputs` are the selected hidden states: no [K, V] logits, in forward or backward
+        values = head_log_softmax(outputs[0], head.weight, head.bias, targets)
+    else:
+        values = selective_log_softmax(outputs[0], targets)
+    hidden = seen.get("hidden")
+    if hidden is not None and flat is not None:
+        hidden = flat.from_rows(hidden).unsqueeze(0)
+    return LabelledForward(values, targets, place, (rows, length), hidden, flat)
 
 
 def forward_token_logps(
@@ -349,13 +423,10 @@ def forward_token_logps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a causal LM and return `token_logps` for `labels`, computing logits only where needed.
 
-    Padded (default): the output layer is skipped for the positions before the earliest labelled token
-    of the batch (`logits_to_keep`), since a prompt's logits carry no loss. Padding-free: the batch's real
-    tokens run packed into rows (`alignkit.model.padding_free`) and only labelled positions get logits;
-    the result is scattered back to the padded layout, so both modes return the same tensors.
+    Both layouts (padded, padding-free) return the same tensors (`labelled_forward`).
 
     Args:
-        model: a causal LM (or a PEFT model around one) accepting `logits_to_keep`.
+        model: a causal LM (or a PEFT model around one).
         input_ids: `[N, L]`.
         attention_mask: `[N, L]`, 1 on real tokens (left or right padding).
         labels: `[N, L]`, `-100` on positions without loss.
@@ -365,14 +436,7 @@ def forward_token_logps(
     Returns:
         `(logps, mask)`, both `[N, L - 1]`, as `token_logps` returns them for the whole sequence.
     """
-    if not padding_free:
-        return _padded_forward_token_logps(model, input_ids, attention_mask, labels)
-    kept, positions, targets, flat = _flat_forward_logps(model, input_ids, attention_mask, labels)
-    flat_logps = kept.new_zeros(targets.shape).index_put((positions,), kept)
-    logps = unflatten_to_padded(flat_logps, flat.real)
-    mask = unflatten_to_padded(targets != IGNORE_INDEX, flat.real, fill=False)
-    # A flat position predicts the next token of its own row, i.e. the padded column t scores t + 1.
-    return logps[:, :-1], mask[:, :-1]
+    return labelled_forward(model, input_ids, attention_mask, labels, padding_free=padding_free).padded()
 
 
 def forward_sequence_logps(
@@ -391,13 +455,7 @@ def forward_sequence_logps(
     Returns:
         `(logps, lengths)`: `[N]` float32 sums of `log p(token)` over labelled tokens, `[N]` int64 counts.
     """
-    if not padding_free:
-        logps, mask = _padded_forward_token_logps(model, input_ids, attention_mask, labels)
-        return logps.sum(-1), mask.sum(-1)
-    kept, positions, _, flat = _flat_forward_logps(model, input_ids, attention_mask, labels)
-    sequences = flat.sequence_index[positions]
-    lengths = torch.bincount(sequences, minlength=flat.num_sequences)
-    return segment_sum(kept, sequences, flat.num_sequences), lengths
+    return labelled_forward(model, input_ids, attention_mask, labels, padding_free=padding_free).sequence_sums()
 
 
 __all__ = [
@@ -406,6 +464,8 @@ __all__ = [
     "head_log_softmax",
     "token_logps",
     "sequence_logps",
+    "LabelledForward",
+    "labelled_forward",
     "forward_token_logps",
     "forward_sequence_logps",
 ]

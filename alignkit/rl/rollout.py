@@ -22,12 +22,12 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
+from ..constants import IGNORE_INDEX
 from ..data.collator import padding_token_id
 from ..errors import RewardFunctionError
 from ..model.generation import Generation, generate_with_decode, pad_prompts
-from ..model.logprobs import selective_log_softmax
+from ..model.logprobs import labelled_forward, selective_log_softmax
 from ..model.padding_free import model_config
 
 # Rows of logits per entropy chunk: bounds the softmax temporary to about this many elements.
@@ -285,25 +285,38 @@ def completion_logps(
         shared = _shared_prompt_logits(model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows],
                                        completion_mask[rows]) if share_prompts else None
         if shared is None:
-            input_ids = torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1)
-            attention_mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                           logits_to_keep=length + 1).logits
-            # The last kept position predicts past the completion: give it a dummy index and drop it.
-            parts = [(logits, F.pad(completion_ids[rows], (0, 1), value=0), slice(None, -1))]
-        else:
-            # Position P - 1 (the prompt's last, shared) predicts token 0; completion positions predict 1 .. C - 1.
-            first, rest = shared
-            parts = [(first, completion_ids[rows, :1], slice(None))]
-            if rest is not None:
-                parts.append((rest, completion_ids[rows, 1:], slice(None)))
+            # The shared per-token forward on [prompt; completion], scoring the completion's real tokens only.
+            prompt_length = prompt_ids.size(1)
+            scored = labelled_forward(
+                model, torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1),
+                torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1),
+                torch.cat([torch.full_like(prompt_ids[rows], IGNORE_INDEX),
+                           completion_ids[rows].masked_fill(completion_mask[rows] == 0, IGNORE_INDEX)], dim=1),
+                logits=True)
+            logits = scored.values if temperature == 1.0 else scored.values / temperature
+            count, width = scored.shape
+            # Column P - 1 + j of the [N, P + C] layout predicts completion token j.
+            columns = slice(prompt_length - 1, prompt_length - 1 + length)
+            logps = torch.zeros(count * width, dtype=torch.float32, device=logits.device)
+            all_logps.append(logps.index_put((scored.place,), selective_log_softmax(logits, scored.targets))
+                             .view(count, width)[:, columns])
+            if with_entropy:
+                entropy = torch.zeros(count * width, dtype=torch.float32, device=logits.device)
+                all_entropy.append(entropy.index_put((scored.place,), token_entropy(logits))
+                                   .view(count, width)[:, columns])
+            continue
+        # Position P - 1 (the prompt's last, shared) predicts token 0; completion positions predict 1 .. C - 1.
+        first, rest = shared
+        parts = [(first, completion_ids[rows, :1])]
+        if rest is not None:
+            parts.append((rest, completion_ids[rows, 1:]))
         logps, entropy = [], []
-        for logits, index, keep in parts:
+        for logits, index in parts:
             if temperature != 1.0:
                 logits = logits / temperature
-            logps.append(selective_log_softmax(logits, index)[:, keep])
+            logps.append(selective_log_softmax(logits, index))
             if with_entropy:
-                entropy.append(token_entropy(logits)[:, keep])
+                entropy.append(token_entropy(logits))
         all_logps.append(torch.cat(logps, dim=1))
         if with_entropy:
             all_entropy.append(torch.cat(entropy, dim=1))

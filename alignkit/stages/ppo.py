@@ -136,7 +136,6 @@ from torch import nn
 
 from ..constants import IGNORE_INDEX
 from ..rewards import RewardFunctionArguments
-from ..rl.record import COMPLETIONS_FILE
 from ..model.distributed import full_weights
 from .online import OnlineTrainer
 from ..rl.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
@@ -381,13 +380,14 @@ def policy_forward(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, *,
     padding_free: bool = False, call: Optional[nn.Module] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """Log-probs of the labelled tokens and the decoder's last hidden states, from one call of the whole model.
+    """Log-probs of the labelled tokens and the decoder's last hidden states, from one call of the whole model
+    (`alignkit.model.logprobs.labelled_forward`, the per-token forward every stage shares).
 
     The model runs as a whole (`call`, e.g. a DeepSpeed engine around `model`, or `model` itself), so every weight
     is used inside a module's forward: under DeepSpeed ZeRO-3 each module's hooks gather its weights for its
     forward and again for its backward, and the engine's own forward bookkeeping runs, as in a Trainer's training
-    step. A pre-hook on the output layer records the hidden states it receives (for the value head) and passes it
-    only the positions that predict a labelled token, so no `[N, L, V]` logits are formed.
+    step. The hidden states entering the output layer feed the value head; the output layer sees only the
+    positions that predict a labelled token, so no `[N, L, V]` logits are formed.
 
     Args:
         model: the causal LM (PEFT wrapper allowed); its output layer and decoder are found in it.
@@ -402,38 +402,11 @@ def policy_forward(
         unlabelled; hidden and flat as `alignkit.model.heads.last_hidden_states` returns them ([N, L, H] and None,
         or [1, T, H] in flat order and the `FlatBatch`).
     """
-    from ..model.heads import decoder_of
-    from ..model.logprobs import selective_log_softmax
-    from ..model.padding_free import (attention_slot_cost, flatten_padded, packed_attention, row_token_bound,
-                                      unflatten_to_padded)
+    from ..model.logprobs import labelled_forward
 
-    flat = None
-    if padding_free:
-        decoder = decoder_of(model)
-        flat = flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(decoder),
-                              slot_cost=attention_slot_cost(decoder))
-    targets = labels[:, 1:]
-    selected = targets != IGNORE_INDEX
-    seen: dict[str, torch.Tensor] = {}
-
-    def labelled_positions(_module, args):
-        hidden = args[0] if flat is None else flat.from_rows(args[0]).unsqueeze(0)
-        seen["hidden"] = hidden
-        padded = hidden if flat is None else unflatten_to_padded(hidden[0], flat.real)
-        return (padded[:, :-1][selected], *args[1:])
-
-    handle = getattr(model, "module", model).get_output_embeddings().register_forward_pre_hook(labelled_positions)
-    call = model if call is None else call
-    try:
-        if flat is None:
-            logits = call(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        else:
-            with packed_attention(model, flat):
-                logits = call(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False).logits
-    finally:
-        handle.remove()
-    kept = selective_log_softmax(logits.reshape(-1, logits.size(-1)), targets[selected])
-    return kept.new_zeros(targets.shape).masked_scatter(selected, kept), seen["hidden"], flat
+    scored = labelled_forward(model, input_ids, attention_mask, labels, padding_free=padding_free, call=call,
+                              keep_hidden=True)
+    return scored.padded()[0], scored.hidden, scored.flat
 
 
 @dataclass

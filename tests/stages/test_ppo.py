@@ -26,8 +26,8 @@ from alignkit.model.loader import load_model
 from alignkit.model.logprobs import forward_token_logps
 from alignkit.rewards.scoring import RewardScorer
 from alignkit.stages import ppo
-from alignkit.stages.ppo import (COMPLETIONS_FILE, FSDP_REFUSAL, PPOTrainer, build_ppo_trainer, check_config,
-                                  deepspeed_refusal)
+from alignkit.rl.record import COMPLETIONS_FILE
+from alignkit.stages.ppo import FSDP_REFUSAL, PPOTrainer, build_ppo_trainer, check_config, deepspeed_refusal
 from alignkit.train import run_train
 
 PROMPTS = ["What is the capital of France?", "What is 12 plus 7?", "Name a colour.", "List three fruits.",

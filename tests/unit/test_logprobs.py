@@ -222,9 +222,9 @@ def test_head_log_softmax_hand_computed():
     assert hidden.grad.item() == pytest.approx(0.25, abs=1e-6)
 
 
-def test_padding_free_log_probs_use_the_fused_head_without_vocabulary_logits(tiny_model_dir, monkeypatch):
-    """On a llama model the padding-free forward never calls the output layer's own forward (no [K, V] logits),
-    and its log-probs and hidden-state gradients equal the padded forward's (full logits)."""
+def test_labelled_log_probs_use_the_fused_head_without_vocabulary_logits(tiny_model_dir, monkeypatch):
+    """On a llama model neither layout of the shared per-token forward calls the output layer's own forward (no
+    [K, V] logits), and both give the log-probs and hidden-state gradients of the plain full-logits forward."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -236,14 +236,22 @@ def test_padding_free_log_probs_use_the_fused_head_without_vocabulary_logits(tin
     attention_mask = torch.tensor([[1] * 9, [1] * 7 + [0, 0], [1] * 4 + [0] * 5])
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     labels[:, :3] = -100
-    results = []
+    vocab = model.config.vocab_size
+
+    def gradient():
+        return model.model.layers[0].mlp.down_proj.weight.grad.clone()
+
+    model.zero_grad()
+    calls.clear()
+    want, _ = sequence_logps(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
+    want.sum().backward()
+    want_grad = gradient()
+    assert vocab in calls  # the plain forward does form the logits
     for padding_free in (False, True):
         model.zero_grad()
         calls.clear()
         sums, _ = forward_sequence_logps(model, input_ids, attention_mask, labels, padding_free=padding_free)
         sums.sum().backward()
-        results.append((sums.detach(), model.model.layers[0].mlp.down_proj.weight.grad.clone(), list(calls)))
-    vocab = model.config.vocab_size
-    assert vocab in results[0][2] and vocab not in results[1][2]
-    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-6)
-    torch.testing.assert_close(results[1][1], results[0][1], atol=1e-5, rtol=1e-4)
+        assert vocab not in calls, padding_free
+        torch.testing.assert_close(sums, want, atol=1e-5, rtol=1e-6)
+        torch.testing.assert_close(gradient(), want_grad, atol=1e-5, rtol=1e-4)

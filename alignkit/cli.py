@@ -4,6 +4,7 @@
     alignkit train --nproc N CONFIG.yaml          the same in N processes (through torchrun)
     alignkit chat [--model DIR] [--adapter DIR] [--prompt TEXT]
     alignkit export --model DIR [--adapter DIR] --export-dir DIR [--force]
+    alignkit api [--model DIR] [--adapter NAME=DIR ...] [--host H] [--port N] [--api-key KEY]   OpenAI-compatible
     alignkit score --model DIR --input FILE.jsonl [--output FILE.jsonl]
     alignkit eval --dataset NAME --reward SPEC [--model DIR] [--adapter DIR]   mean rewards, greedy (before/after RL)
     alignkit board [--runs DIR] [--host H] [--port N]  web page: launch, watch, compare, stop runs, chat
@@ -127,6 +128,20 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_api(args: argparse.Namespace) -> int:
+    from .serve import check_installed, parse_adapters, serve
+
+    check_installed()
+    adapters = parse_adapters(args.adapter or [])
+    config = _model_args(args.model, None, args.overrides)
+    base_id = args.model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
+                                  else "SmolLM2-135M-Instruct")
+    serve(config.model, adapters, template=config.data.template, base_id=base_id, host=args.host, port=args.port,
+          api_key=args.api_key or os.environ.get("ALIGNKIT_API_KEY") or None,
+          max_tokens=config.generating.max_new_tokens, max_batch_rows=args.max_batch_rows, max_queue=args.max_queue)
+    return 0
+
+
 def _cmd_score(args: argparse.Namespace) -> int:
     from .score import score_file
 
@@ -231,6 +246,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace the model files of a non-empty export directory (its other files stay)")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("api", help="an OpenAI-compatible server (/v1/chat/completions) for a model and its adapters")
+    p.add_argument("--model", help="base model directory or hub id (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--adapter", action="append", metavar="NAME=DIR",
+                   help="serve a LoRA adapter as model id NAME (repeatable)")
+    p.add_argument("--model-name", help="the base model's id (default: the --model folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` (default: $ALIGNKIT_API_KEY, else none)")
+    p.add_argument("--max-batch-rows", type=int, default=16, help="most completions decoded together "
+                   "(default %(default)s)")
+    p.add_argument("--max-queue", type=int, default=64, help="most requests waiting; more get HTTP 429 "
+                   "(default %(default)s)")
+    p.add_argument("overrides", nargs="*", help="settings as key=value: template=chatml, max_new_tokens=256 (a "
+                   "request's max_tokens when it gives none), infer_dtype=...")
+    p.set_defaults(func=_cmd_api)
 
     p = sub.add_parser("score", help="score prompt/response pairs with a trained reward model")
     p.add_argument("--model", required=True, help="reward model directory (adapter or exported model)")

@@ -3,7 +3,7 @@
     alignkit train CONFIG.yaml [key=value ...]   run the stage named by `stage:`
     alignkit train --nproc N CONFIG.yaml          the same in N processes (through torchrun)
     alignkit chat [--model DIR] [--adapter DIR] [--prompt TEXT]
-    alignkit export --model DIR [--adapter DIR] --export-dir DIR [--force]
+    alignkit export --model DIR [--adapter DIR] --export-dir DIR [--force] [--format gguf [--gguf-type T]]
     alignkit api [--model DIR] [--adapter NAME=DIR ...] [--host H] [--port N] [--api-key KEY]   OpenAI-compatible
     alignkit score --model DIR --input FILE.jsonl [--output FILE.jsonl]
     alignkit eval --dataset NAME --reward SPEC [--model DIR] [--adapter DIR]   mean rewards, greedy (before/after RL)
@@ -123,7 +123,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .export import export_model
 
     config = _model_args(args.model, args.adapter)
-    path = export_model(config.model, args.export_dir, force=args.force)
+    gguf_type = args.gguf_type if args.format == "gguf" else None
+    if args.gguf_type != "f16" and args.format != "gguf":
+        raise ConfigError("--gguf-type applies to --format gguf; add --format gguf.")
+    path = export_model(config.model, args.export_dir, force=args.force, gguf_type=gguf_type)
     print(f"Exported to {path}")
     return 0
 
@@ -245,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-dir", required=True, help="where to write the merged model")
     p.add_argument("--force", action="store_true",
                    help="replace the model files of a non-empty export directory (its other files stay)")
+    p.add_argument("--format", choices=["hf", "gguf"], default="hf",
+                   help="hf: a transformers model folder; gguf: that folder and one GGUF file for llama.cpp/Ollama "
+                   "(llama/SmolLM2, qwen2, qwen3)")
+    p.add_argument("--gguf-type", choices=["f32", "f16", "q8_0"], default="f16",
+                   help="tensor type of the GGUF file (default %(default)s)")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("api", help="an OpenAI-compatible server (/v1/chat/completions) for a model and its adapters")

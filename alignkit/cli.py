@@ -3,7 +3,7 @@
     alignkit train CONFIG.yaml [key=value ...]   run the stage named by `stage:`
     alignkit train --nproc N CONFIG.yaml          the same in N processes (through torchrun)
     alignkit chat [--model DIR] [--adapter DIR] [--prompt TEXT]
-    alignkit export --model DIR [--adapter DIR] --export-dir DIR [--force] [--format gguf [--gguf-type T]]
+    alignkit export --model DIR [--adapter DIR] --export-dir DIR [--force] [--format gguf [--gguf-type T] [--ollama]]
     alignkit api [--model DIR] [--adapter NAME=DIR ...] [--host H] [--port N] [--api-key KEY]   OpenAI-compatible
     alignkit score --model DIR --input FILE.jsonl [--output FILE.jsonl]
     alignkit eval --dataset NAME --reward SPEC [--model DIR] [--adapter DIR]   mean rewards, greedy (before/after RL)
@@ -126,7 +126,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     gguf_type = args.gguf_type if args.format == "gguf" else None
     if args.gguf_type != "f16" and args.format != "gguf":
         raise ConfigError("--gguf-type applies to --format gguf; add --format gguf.")
-    path = export_model(config.model, args.export_dir, force=args.force, gguf_type=gguf_type)
+    path = export_model(config.model, args.export_dir, force=args.force, gguf_type=gguf_type, ollama=args.ollama)
     print(f"Exported to {path}")
     return 0
 
@@ -253,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(llama/SmolLM2, qwen2, qwen3)")
     p.add_argument("--gguf-type", choices=["f32", "f16", "q8_0"], default="f16",
                    help="tensor type of the GGUF file (default %(default)s)")
+    p.add_argument("--ollama", action="store_true",
+                   help="with --format gguf, also write an Ollama Modelfile (chat template and stop tokens)")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("api", help="an OpenAI-compatible server (/v1/chat/completions) for a model and its adapters")

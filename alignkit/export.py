@@ -37,12 +37,12 @@ _MODEL_FILE_PATTERNS = (
     "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
     "pytorch_model*.bin", "pytorch_model.bin.index.json", "adapter_config.json", "adapter_model.*",
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "*.gguf",
+    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "*.gguf", "Modelfile",
 )
 
 
 def export_model(model_args: ModelArguments, export_dir: str, *, force: bool = False, head: str | None = None,
-                 gguf_type: str | None = None) -> Path:
+                 gguf_type: str | None = None, ollama: bool = False) -> Path:
     """Load the base and the adapters of `model_args.adapter_name_or_path`, merge them, and save.
 
     Args:
@@ -54,6 +54,8 @@ def export_model(model_args: ModelArguments, export_dir: str, *, force: bool = F
             model, else `causal_lm`.
         gguf_type: also write the merged model as one GGUF file, `<export_dir name>-<gguf_type>.gguf`, of tensor
             type `f32`, `f16` or `q8_0` (`alignkit.gguf_export`; causal LMs of its `SUPPORTED` architectures).
+        ollama: with `gguf_type`, also write an Ollama `Modelfile` for that file (its chat template as an Ollama
+            template and its stop tokens: `gguf_export.ollama_modelfile`).
 
     Returns:
         The export directory.
@@ -74,8 +76,17 @@ def export_model(model_args: ModelArguments, export_dir: str, *, force: bool = F
         )
     if head is None:
         head = "reward" if adapters and is_reward_adapter(adapters[-1]) else "causal_lm"
+    if ollama and gguf_type is None:
+        raise ConfigError("--ollama writes a Modelfile for the GGUF file; add --format gguf.")
+    gguf_name = f"{Path(os.path.realpath(out)).name}-{gguf_type}.gguf"
+    modelfile = None
     if gguf_type is not None:
         _check_gguf(model_args, head, gguf_type)
+        if ollama:  # the template is checked before the model loads
+            from .data.template import ChatFormatter
+            from .gguf_export import ollama_modelfile
+
+            modelfile = ollama_modelfile(ChatFormatter(load_tokenizer(model_args)), gguf_name)
 
     # Beside the target, on its file system (a symlinked target counts where it points): moving in is renames.
     target = Path(os.path.realpath(out))
@@ -96,7 +107,9 @@ def export_model(model_args: ModelArguments, export_dir: str, *, force: bool = F
             if gguf_type is not None:
                 from .gguf_export import write_gguf
 
-                write_gguf(model, built, built / f"{target.name}-{gguf_type}.gguf", gguf_type)
+                write_gguf(model, built, built / gguf_name, gguf_type)
+            if modelfile is not None:
+                (built / "Modelfile").write_text(modelfile, encoding="utf-8")
         except OSError as err:
             raise ConfigError(f"export_dir {out}: writing the export beside it failed ({err}); {out} is as it was. "
                               "Free space for one copy of the model there, or choose another --export-dir.") from None

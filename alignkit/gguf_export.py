@@ -18,6 +18,7 @@ transformers reads the file back (`from_pretrained(dir, gguf_file=...)`), which 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -168,8 +169,6 @@ def _add_tokenizer(writer, tokenizer, folder: str | Path, pre: str, vocab_size: 
 
 
 def json_model_type(tokenizer) -> Any:
-    import json
-
     return json.loads(tokenizer.backend_tokenizer.to_str())["model"]["type"]
 
 
@@ -178,4 +177,74 @@ def _is_control(tokenizer, token: str) -> bool:
     return any(added.content == token and added.special for added in decoder.values())
 
 
-__all__ = ["SUPPORTED", "GGUF_TYPES", "check_supported", "permute_qk", "write_gguf"]
+_MARK = "\x1fcontent\x1f"  # stands for a message's content while the chat template is probed
+
+
+def ollama_template(formatter) -> str:
+    """The chat template as an Ollama (Go) template, derived by rendering probe conversations through it.
+
+    Templates of the common shape are covered: each message written as `prefix(role) + content + suffix`, the same
+    for every role up to the role's name (ChatML and its family: SmolLM2, Qwen), text before the first message
+    (a BOS), an optional default system message written when the conversation has none (SmolLM2's, Qwen's), and
+    the generation prompt after the last message. The result reads
+
+        LEAD{{ if ne (index .Messages 0).Role "system" }}DEFAULT{{ end }}{{ range .Messages }}PREFIX{{ .Content }}SUFFIX{{ end }}GENERATION
+
+    with `{{ .Role }}` in PREFIX where the role's name is.
+
+    Raises:
+        ConfigError: a template of another shape (per-role layouts beyond the name), which would need a hand-made
+            Ollama template.
+    """
+    render = formatter.render
+
+    def added(history: list[dict[str, str]], role: str) -> str:
+        before, full = render(history), render(history + [{"role": role, "content": _MARK}])
+        if not full.startswith(before):
+            raise _unsupported(formatter, "a message changes how earlier ones are written")
+        return full[len(before):]
+
+    system_text = {"role": "system", "content": "S"}
+    user_prefix, _, suffix = added([system_text], "user").partition(_MARK)
+    assistant_prefix, _, assistant_suffix = added([system_text, {"role": "user", "content": "U"}],
+                                                  "assistant").partition(_MARK)
+    if "user" not in user_prefix or user_prefix.replace("user", "assistant") != assistant_prefix \
+            or assistant_suffix != suffix:
+        raise _unsupported(formatter, "user and assistant messages are laid out differently beyond the role's name")
+    only_system = render([{"role": "system", "content": _MARK}])
+    system_prefix = user_prefix.replace("user", "system")
+    head, _, tail = only_system.partition(_MARK)
+    if not head.endswith(system_prefix) or tail != suffix:
+        raise _unsupported(formatter, "system messages are laid out differently from the others")
+    lead = head[:len(head) - len(system_prefix)]
+    user_block = user_prefix + _MARK + suffix
+    no_system = render([{"role": "user", "content": _MARK}])
+    if not (no_system.startswith(lead) and no_system.endswith(user_block)):
+        raise _unsupported(formatter, "a conversation without a system message is written in another way")
+    default = no_system[len(lead):len(no_system) - len(user_block)]
+    question = [{"role": "user", "content": "U"}]
+    generation = render(question, add_generation_prompt=True)[len(render(question)):]
+    body = user_prefix.replace("user", "{{ .Role }}") + "{{ .Content }}" + suffix
+    default_part = f'{{{{ if ne (index .Messages 0).Role "system" }}}}{default}{{{{ end }}}}' if default else ""
+    return f"{lead}{default_part}{{{{ range .Messages }}}}{body}{{{{ end }}}}{generation}"
+
+
+def _unsupported(formatter, why: str) -> ConfigError:
+    return ConfigError(f"--ollama: the chat template {formatter.name!r} cannot be written as an Ollama template here "
+                       f"({why}); export with --format gguf alone and write the Modelfile's TEMPLATE by hand.")
+
+
+def ollama_modelfile(formatter, gguf_name: str) -> str:
+    """An Ollama Modelfile for the GGUF file `gguf_name` beside it: FROM, the TEMPLATE (`ollama_template`) and a
+    `stop` PARAMETER per end-of-turn token of the template (`ChatFormatter.stop_token_ids`)."""
+    template = ollama_template(formatter)
+    if '"""' in template:
+        raise _unsupported(formatter, 'it contains """')
+    stops = [formatter.tokenizer.decode([token]) for token in formatter.stop_token_ids()]
+    lines = [f"FROM ./{gguf_name}", f'TEMPLATE """{template}"""']
+    lines += [f"PARAMETER stop {json.dumps(stop)}" for stop in dict.fromkeys(stops) if stop]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["SUPPORTED", "GGUF_TYPES", "check_supported", "permute_qk", "write_gguf", "ollama_template",
+           "ollama_modelfile"]

@@ -8,6 +8,7 @@ receives the same scalars as `trainer_log.jsonl` (docs/trackers.md lists the nam
 What transformers leaves late is the missing package: it fails when the Trainer is built, after the data and the
 model have loaded, and a comma-separated `report_to=tensorboard,wandb` from the command line is read there as
 one integration's name. `check_report_to` splits the list and names the install command first.
+`WandbCompletionsTable` adds what transformers does not send: GRPO's and PPO's completions as a wandb Table.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import importlib.util
 import os
 from typing import Any
+
+from transformers import TrainerCallback
 
 from .errors import ConfigError
 
@@ -95,4 +98,54 @@ def check_mlflow_store(environ) -> None:
                           "stores unless MLFLOW_ALLOW_FILE_STORE=true; set it (or use a database or server URI).")
 
 
-__all__ = ["TRACKERS", "check_report_to", "check_mlflow_store"]
+class WandbCompletionsTable(TrainerCallback):
+    """GRPO's and PPO's `completions.jsonl` rows (`log_completions: true`) as a wandb Table at each logging step.
+
+    Reads the rows appended since its last logging step from the file the online stages write
+    (`alignkit.rl.record`), so it needs nothing from the stages; logged as `completions` with the step in
+    `train/global_step`, the step axis `WandbCallback` sets up. Added by `train.run_train` when `report_to` names
+    wandb.
+    """
+
+    def __init__(self) -> None:
+        self._offset = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._offset = 0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        import json
+        from pathlib import Path
+
+        path = Path(args.output_dir) / "completions.jsonl"
+        if not state.is_world_process_zero or not path.is_file():
+            return
+        with open(path, "rb") as stream:
+            stream.seek(self._offset)
+            text = stream.read()
+        complete = text[:text.rfind(b"\n") + 1]  # a row being written is read next time
+        self._offset += len(complete)
+        rows = [json.loads(line) for line in complete.decode("utf-8").splitlines() if line.strip()]
+        import wandb
+
+        if not rows or wandb.run is None:
+            return
+        names = sorted({name for row in rows for name in row.get("rewards") or {}})
+        columns = ["step", "prompt", "completion", "reward", "advantage"] + names
+        data = [[row.get("step"), json.dumps(row.get("prompt"), ensure_ascii=False)
+                 if not isinstance(row.get("prompt"), str) else row.get("prompt"),
+                 json.dumps(row.get("completion"), ensure_ascii=False)
+                 if not isinstance(row.get("completion"), str) else row.get("completion"),
+                 row.get("reward"), row.get("advantage")] + [(row.get("rewards") or {}).get(n) for n in names]
+                for row in rows]
+        wandb.run.log({"completions": wandb.Table(columns=columns, data=data),
+                       "train/global_step": state.global_step})
+
+
+def tracker_callbacks(report_to: Any) -> list[TrainerCallback]:
+    """alignkit's own additions to transformers' reporting for the trackers `report_to` names."""
+    names = report_to if isinstance(report_to, (list, tuple)) else [report_to]
+    return [WandbCompletionsTable()] if "wandb" in names else []
+
+
+__all__ = ["TRACKERS", "check_report_to", "check_mlflow_store", "WandbCompletionsTable", "tracker_callbacks"]

@@ -50,9 +50,9 @@ def tracked_runs(tiny_model_dir, tmp_path_factory):
         "sft": {"stage": "sft", "dataset": str(qa), "val_size": 4, "do_eval": True, "eval_strategy": "steps",
                 "eval_steps": 2, "per_device_eval_batch_size": 4},
         "grpo": {"stage": "grpo", "dataset": str(prompts), "reward_funcs": ["accuracy", "length"],
-                 "num_generations": 4, "max_completion_length": 6},
+                 "num_generations": 4, "max_completion_length": 6, "log_completions": True},
         "ppo": {"stage": "ppo", "dataset": str(prompts), "reward_funcs": ["accuracy", "length"], "max_new_tokens": 6,
-                "ppo_epochs": 1, "mini_batch_size": 2},
+                "ppo_epochs": 1, "mini_batch_size": 2, "log_completions": True},
     }
     outputs = {}
     with pytest.MonkeyPatch.context() as mp:
@@ -140,6 +140,13 @@ def test_wandb_offline_run_holds_the_stage_metrics(tracked_runs, stage):
     for metric in STAGE_METRICS[stage]:
         name = f"eval/{metric[5:]}" if metric.startswith("eval_") else f"train/{metric}"
         assert name in keys, f"{name} not in {sorted(keys)}"
+    if stage in ("grpo", "ppo"):  # the completions as a wandb Table, one per logging step
+        # wandb writes a logged Table's reference flattened: completions/_type, completions/nrows, ...
+        tables = [table for row in rows
+                  if (table := {key[len("completions/"):]: value for key, value in row.items()
+                                if key.startswith("completions/")})]
+        assert len(tables) == 2 and all(table["_type"] == "table-file" for table in tables)
+        assert tables[0]["ncols"] >= 5 and tables[0]["nrows"] == 4
     logged = json.loads((tracked_runs[stage] / "trainer_log.jsonl").read_text().splitlines()[0])
     first = next(row for row in rows if "train/loss" in row)
     assert first["train/loss"] == pytest.approx(logged["loss"])

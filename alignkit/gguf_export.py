@@ -188,7 +188,8 @@ def ollama_template(formatter) -> str:
     (a BOS), an optional default system message written when the conversation has none (SmolLM2's, Qwen's), and
     the generation prompt after the last message. The result reads
 
-        LEAD{{ if ne (index .Messages 0).Role "system" }}DEFAULT{{ end }}{{ range .Messages }}PREFIX{{ .Content }}SUFFIX{{ end }}GENERATION
+        LEAD{{ if ne (index .Messages 0).Role "system" }}DEFAULT{{ end }}
+        {{ range .Messages }}PREFIX{{ .Content }}SUFFIX{{ end }}GENERATION      (one line)
 
     with `{{ .Role }}` in PREFIX where the role's name is.
 

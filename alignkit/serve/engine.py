@@ -275,8 +275,9 @@ class BatchEngine:
             return finished
 
         with self.models.weights_for(served):
-            self.decode_fn(self.models.model, tokenizer, input_ids, attention_mask, stop_token_ids=served.stop_token_ids,
-                           generation_kwargs=_generation_kwargs(batch), generator=generators, on_step=on_step)
+            self.decode_fn(self.models.model, tokenizer, input_ids, attention_mask,
+                           stop_token_ids=served.stop_token_ids, generation_kwargs=_generation_kwargs(batch),
+                           generator=generators, on_step=on_step)
         for job, choice in rows:
             if choice.finish_reason is None:  # the decoder ended at its own limit
                 choice.finish_reason = "length"

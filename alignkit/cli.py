@@ -3,9 +3,11 @@
     alignkit train CONFIG.yaml [key=value ...]   run the stage named by `stage:`
     alignkit train --nproc N CONFIG.yaml          the same in N processes (through torchrun)
     alignkit chat [--model DIR] [--adapter DIR] [--prompt TEXT]
-    alignkit export --model DIR [--adapter DIR] --export-dir DIR [--force]
+    alignkit export --model DIR [--adapter DIR] --export-dir DIR [--force] [--format gguf [--gguf-type T] [--ollama]]
+    alignkit api [--model DIR] [--adapter NAME=DIR ...] [--host H] [--port N] [--api-key KEY]   OpenAI-compatible
     alignkit score --model DIR --input FILE.jsonl [--output FILE.jsonl]
     alignkit eval --dataset NAME --reward SPEC [--model DIR] [--adapter DIR]   mean rewards, greedy (before/after RL)
+    alignkit eval --tasks NAME|task.yaml [--model DIR] [--adapter DIR]        lm-eval benchmarks (the lm-eval extra)
     alignkit board [--runs DIR] [--host H] [--port N]  web page: launch, watch, compare, stop runs, chat
     alignkit demo                                 a short LoRA SFT of the bundled model, before/after
     alignkit env                                  versions and device
@@ -122,8 +124,25 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .export import export_model
 
     config = _model_args(args.model, args.adapter)
-    path = export_model(config.model, args.export_dir, force=args.force)
+    gguf_type = args.gguf_type if args.format == "gguf" else None
+    if args.gguf_type != "f16" and args.format != "gguf":
+        raise ConfigError("--gguf-type applies to --format gguf; add --format gguf.")
+    path = export_model(config.model, args.export_dir, force=args.force, gguf_type=gguf_type, ollama=args.ollama)
     print(f"Exported to {path}")
+    return 0
+
+
+def _cmd_api(args: argparse.Namespace) -> int:
+    from .serve import check_installed, parse_adapters, serve
+
+    check_installed()
+    adapters = parse_adapters(args.adapter or [])
+    config = _model_args(args.model, None, args.overrides)
+    base_id = args.model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
+                                  else "SmolLM2-135M-Instruct")
+    serve(config.model, adapters, template=config.data.template, base_id=base_id, host=args.host, port=args.port,
+          api_key=args.api_key or os.environ.get("ALIGNKIT_API_KEY") or None,
+          max_tokens=config.generating.max_new_tokens, max_batch_rows=args.max_batch_rows, max_queue=args.max_queue)
     return 0
 
 
@@ -138,6 +157,11 @@ def _cmd_score(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    if args.tasks:
+        return _eval_tasks(args)
+    if not args.dataset or not args.reward:
+        raise ConfigError("alignkit eval needs --dataset and --reward (mean rewards), or --tasks (lm-eval "
+                          "benchmarks).")
     from dataclasses import fields
 
     from .evaluate import default_dataset_dir, evaluate_rewards, reward_arguments
@@ -169,6 +193,25 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(result.summary())
     if args.output:
         print(f"Per-row completions and rewards written to {args.output}")
+    return 0
+
+
+def _eval_tasks(args: argparse.Namespace) -> int:
+    from .benchmark import check_installed, run_tasks
+
+    check_installed()
+    tasks = [task.strip() for item in args.tasks for task in item.split(",") if task.strip()]
+    config = _model_args(args.model, args.adapter, args.overrides)
+    scores = run_tasks(config.model, tasks, limit=args.max_samples, batch_size=args.batch_size,
+                       output_dir=args.output_dir)
+    adapter = f" + {args.adapter}" if args.adapter else ""
+    print(f"eval: lm-eval tasks on model {config.model.model_name_or_path or 'bundled'}{adapter}"
+          + (f", first {args.max_samples} documents each" if args.max_samples else ""))
+    for task, metrics in scores.items():
+        shown = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items() if name != "sample_len")
+        print(f"  {task}: {shown}")
+    if args.output_dir:
+        print(f"Scores written to {os.path.join(args.output_dir, 'eval_results.json')}")
     return 0
 
 
@@ -230,7 +273,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-dir", required=True, help="where to write the merged model")
     p.add_argument("--force", action="store_true",
                    help="replace the model files of a non-empty export directory (its other files stay)")
+    p.add_argument("--format", choices=["hf", "gguf"], default="hf",
+                   help="hf: a transformers model folder; gguf: that folder and one GGUF file for llama.cpp/Ollama "
+                   "(llama/SmolLM2, qwen2, qwen3)")
+    p.add_argument("--gguf-type", choices=["f32", "f16", "q8_0"], default="f16",
+                   help="tensor type of the GGUF file (default %(default)s)")
+    p.add_argument("--ollama", action="store_true",
+                   help="with --format gguf, also write an Ollama Modelfile (chat template and stop tokens)")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("api", help="an OpenAI-compatible server (/v1/chat/completions) for a model and its adapters")
+    p.add_argument("--model", help="base model directory or hub id (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--adapter", action="append", metavar="NAME=DIR",
+                   help="serve a LoRA adapter as model id NAME (repeatable)")
+    p.add_argument("--model-name", help="the base model's id (default: the --model folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` (default: $ALIGNKIT_API_KEY, else none)")
+    p.add_argument("--max-batch-rows", type=int, default=16, help="most completions decoded together "
+                   "(default %(default)s)")
+    p.add_argument("--max-queue", type=int, default=64, help="most requests waiting; more get HTTP 429 "
+                   "(default %(default)s)")
+    p.add_argument("overrides", nargs="*", help="settings as key=value: template=chatml, max_new_tokens=256 (a "
+                   "request's max_tokens when it gives none), infer_dtype=...")
+    p.set_defaults(func=_cmd_api)
 
     p = sub.add_parser("score", help="score prompt/response pairs with a trained reward model")
     p.add_argument("--model", required=True, help="reward model directory (adapter or exported model)")
@@ -245,17 +311,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="mean reward of a model or adapter on held-out prompts, greedy (before/after RL)")
     p.add_argument("--model", help="model directory or hub id (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--adapter", help="LoRA adapter directory to evaluate (e.g. a grpo run's output_dir)")
-    p.add_argument("--dataset", required=True, help="prompts: a name in dataset_info.json or a file "
+    p.add_argument("--tasks", action="append", help="instead of rewards: lm-evaluation-harness tasks (the lm-eval "
+                   "extra), names or task YAML files, comma-separated or repeated; demo_reply_choice is shipped")
+    p.add_argument("--output-dir", help="with --tasks: write eval_results.json there")
+    p.add_argument("--dataset", help="prompts: a name in dataset_info.json or a file "
                    "(e.g. demo_math_eval); every other column (answer) reaches the reward functions")
     p.add_argument("--dataset-dir", help="folder with dataset_info.json (default: ./data, else the checkout's data/)")
-    p.add_argument("--reward", action="append", required=True,
+    p.add_argument("--reward", action="append",
                    help="reward spec, repeatable: accuracy, format, length, module:function, file.py:function, "
                    "or a reward model directory")
     p.add_argument("--reward-weights", help="comma-separated weights of the weighted sum (default all 1)")
     p.add_argument("--max-new-tokens", type=int, help="most tokens per completion; use the run's "
                    "max_completion_length (default: max_new_tokens' default, 512)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default %(default)s)")
-    p.add_argument("--max-samples", type=int, help="evaluate only the first N prompts")
+    p.add_argument("--max-samples", type=int, help="evaluate only the first N prompts (with --tasks: documents "
+                   "of each task)")
     p.add_argument("--cutoff-len", type=int, help="most prompt tokens (default: cutoff_len's default)")
     p.add_argument("--template", help="chat template (default: the tokenizer's own)")
     p.add_argument("--output", help="write one jsonl line per prompt: completion, columns, rewards")

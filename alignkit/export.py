@@ -1,4 +1,5 @@
-"""`alignkit export`: merge adapters into their base and write a standalone model directory.
+"""`alignkit export`: merge adapters into their base and write a standalone model directory (and, with
+`--format gguf`, the same model as one GGUF file beside it: `alignkit.gguf_export`).
 
 The result is what plain transformers loads with `AutoModelForCausalLM.from_pretrained(dir)` (or
 `AutoModelForSequenceClassification` for a reward model): safetensors weights, the tokenizer with its
@@ -36,11 +37,12 @@ _MODEL_FILE_PATTERNS = (
     "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
     "pytorch_model*.bin", "pytorch_model.bin.index.json", "adapter_config.json", "adapter_model.*",
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "*.gguf", "Modelfile",
 )
 
 
-def export_model(model_args: ModelArguments, export_dir: str, *, force: bool = False, head: str | None = None) -> Path:
+def export_model(model_args: ModelArguments, export_dir: str, *, force: bool = False, head: str | None = None,
+                 gguf_type: str | None = None, ollama: bool = False) -> Path:
     """Load the base and the adapters of `model_args.adapter_name_or_path`, merge them, and save.
 
     Args:
@@ -50,6 +52,10 @@ def export_model(model_args: ModelArguments, export_dir: str, *, force: bool = F
             earlier export's or a training run's) are replaced; other files and subfolders stay.
         head: `causal_lm` or `reward`; by default `reward` when the (last) adapter belongs to a reward
             model, else `causal_lm`.
+        gguf_type: also write the merged model as one GGUF file, `<export_dir name>-<gguf_type>.gguf`, of tensor
+            type `f32`, `f16` or `q8_0` (`alignkit.gguf_export`; causal LMs of its `SUPPORTED` architectures).
+        ollama: with `gguf_type`, also write an Ollama `Modelfile` for that file (its chat template as an Ollama
+            template and its stop tokens: `gguf_export.ollama_modelfile`).
 
     Returns:
         The export directory.
@@ -70,6 +76,17 @@ def export_model(model_args: ModelArguments, export_dir: str, *, force: bool = F
         )
     if head is None:
         head = "reward" if adapters and is_reward_adapter(adapters[-1]) else "causal_lm"
+    if ollama and gguf_type is None:
+        raise ConfigError("--ollama writes a Modelfile for the GGUF file; add --format gguf.")
+    gguf_name = f"{Path(os.path.realpath(out)).name}-{gguf_type}.gguf"
+    modelfile = None
+    if gguf_type is not None:
+        _check_gguf(model_args, head, gguf_type)
+        if ollama:  # the template is checked before the model loads
+            from .data.template import ChatFormatter
+            from .gguf_export import ollama_modelfile
+
+            modelfile = ollama_modelfile(ChatFormatter(load_tokenizer(model_args)), gguf_name)
 
     # Beside the target, on its file system (a symlinked target counts where it points): moving in is renames.
     target = Path(os.path.realpath(out))
@@ -87,6 +104,12 @@ def export_model(model_args: ModelArguments, export_dir: str, *, force: bool = F
         try:
             model.save_pretrained(built)
             tokenizer.save_pretrained(built)
+            if gguf_type is not None:
+                from .gguf_export import write_gguf
+
+                write_gguf(model, built, built / gguf_name, gguf_type)
+            if modelfile is not None:
+                (built / "Modelfile").write_text(modelfile, encoding="utf-8")
         except OSError as err:
             raise ConfigError(f"export_dir {out}: writing the export beside it failed ({err}); {out} is as it was. "
                               "Free space for one copy of the model there, or choose another --export-dir.") from None
@@ -96,6 +119,22 @@ def export_model(model_args: ModelArguments, export_dir: str, *, force: bool = F
     logger.info("Exported %s%s to %s (%s).", model_args.model_name_or_path or "the bundled model",
                 f" + {model_args.adapter_name_or_path}" if model_args.adapter_name_or_path else "", out, head)
     return out
+
+
+def _check_gguf(model_args: ModelArguments, head: str, gguf_type: str) -> None:
+    """Refuse a GGUF export that cannot be written, before the model loads: a reward model, an architecture or a
+    type `gguf_export` does not write."""
+    from transformers import AutoConfig
+
+    from .gguf_export import GGUF_TYPES, check_supported
+    from .model.loader import resolve_model_path
+
+    if gguf_type not in GGUF_TYPES:
+        raise ConfigError(f"--gguf-type {gguf_type}: choose one of {', '.join(GGUF_TYPES)}.")
+    if head == "reward":
+        raise ConfigError("--format gguf writes causal language models; this is a reward model (export it without "
+                          "--format gguf).")
+    check_supported(AutoConfig.from_pretrained(resolve_model_path(model_args)).model_type)
 
 
 def _refuse_a_source(out: Path, model_args: ModelArguments, adapters: list[str]) -> None:

@@ -17,6 +17,7 @@ from transformers import TrainerCallback, enable_full_determinism, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .callbacks import STOP_FILE, DivergenceGuard, LogCallback, StopOnRequest
+from .trackers import tracker_callbacks
 from .config import Config
 from .errors import ConfigError
 from .lifecycle import (
@@ -214,7 +215,8 @@ def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) ->
         enable_full_determinism(t.seed) if t.full_determinism else set_seed(t.seed)
         if t.do_train and _is_main_process():
             write_run_config(config)
-        all_callbacks = [LogCallback(), DivergenceGuard(), StopOnRequest()] + list(callbacks or [])
+        all_callbacks = [LogCallback(), DivergenceGuard(), StopOnRequest()] + tracker_callbacks(
+            config.training.report_to) + list(callbacks or [])
         stage.run(config, all_callbacks)
 
 

@@ -29,6 +29,7 @@ from ..env import launched_processes
 from ..errors import ConfigError
 from ..files import parse_mapping
 from ..stages import STAGES
+from ..trackers import check_report_to
 from .schema import (
     ARG_CLASSES,
     BOTH_WARMUP_KEYS,
@@ -246,6 +247,8 @@ def parse_config(
 
     for key, value in TRAINING_DEFAULTS.items():
         per_class[TrainingArguments].setdefault(key, value)
+    # A tracker that is not installed fails here, not after the model has loaded (`alignkit.trackers`).
+    per_class[TrainingArguments]["report_to"] = check_report_to(per_class[TrainingArguments]["report_to"])
     # Pinned memory only helps host-to-GPU copies; on a CPU-only machine torch warns about it each epoch.
     per_class[TrainingArguments].setdefault("dataloader_pin_memory", _has_accelerator())
     fsdp_asked = _asks_for_fsdp(per_class[TrainingArguments]) or \

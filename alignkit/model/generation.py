@@ -37,7 +37,7 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -350,6 +350,7 @@ def generate_with_decode(
     generation_kwargs: dict[str, Any],
     generator: Generators = None,
     merge_lora: bool = True,
+    on_step: Optional[StepHook] = None,
 ) -> Generation:
     """`generate`'s contract with the lean loop `decode` in place of `model.generate` (the online stages' rollouts).
 
@@ -359,6 +360,7 @@ def generate_with_decode(
             `packed_linears` applies (fp32 on a CPU with oneDNN, plain LoRA), else with `merged_lora`.
         generation_kwargs: only the keys of `DECODE_KEYS` (`max_new_tokens` required).
         generator: random stream for sampling, or one per row (see `sample_from_probs`).
+        on_step: `decode`'s per-step callback (streaming, rows stopped by the caller).
 
     Raises:
         ValueError: a key `decode` does not implement (beams, streamers, extra processors belong to `generate`).
@@ -379,7 +381,8 @@ def generate_with_decode(
             if merge_lora and not weights.enter_context(packed_linears(model, prompt_ids.size(0))):
                 weights.enter_context(merged_lora(model))
             completion_ids = decode(model, prompt_ids, prompt_mask, stop_token_ids=stop_token_ids,
-                                    pad_token_id=pad_token_id, generator=generator, **generation_kwargs)
+                                    pad_token_id=pad_token_id, generator=generator, on_step=on_step,
+                                    **generation_kwargs)
     finally:
         model.train(was_training)
     return _generation(tokenizer, prompt_ids, prompt_mask, completion_ids, stop_token_ids)
@@ -421,6 +424,8 @@ def sampling_processors(prompt_mask: torch.Tensor, *, do_sample: bool, temperatu
 
 
 Generators = Union[torch.Generator, Sequence[torch.Generator], None]
+# `decode`'s per-step callback: (step, tokens) -> rows to stop now, or None.
+StepHook = Callable[[int, torch.Tensor], Optional[torch.Tensor]]
 
 
 def sample_from_probs(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
@@ -517,6 +522,7 @@ def decode(
     top_k: int = 0,
     repetition_penalty: float = 1.0,
     generator: Generators = None,
+    on_step: Optional[StepHook] = None,
 ) -> torch.Tensor:
     """New tokens for left-padded prompts: a lean decode loop over the model's forward with the KV cache.
 
@@ -540,6 +546,9 @@ def decode(
         pad_token_id: written after a row's stop token.
         do_sample, temperature, top_p, top_k, repetition_penalty: as in `model.generate`.
         generator: random stream for sampling (None: torch's global one), or one per row (`sample_from_probs`).
+        on_step: called after each step with the step's tokens, (batch,) long (the pad id in rows that had
+            stopped); it may return a (batch,) bool tensor of rows to stop now (the server's stop strings and
+            per-request token limits), their token of this step kept. `alignkit api` streams through it.
 
     Returns:
         (batch, new_len) long new tokens, `new_len <= max_new_tokens` (the loop ends when every row stopped).
@@ -583,6 +592,10 @@ def decode(
         steps = step + 1
         if stops.numel():
             unfinished &= ~torch.isin(tokens, stops)
+        if on_step is not None:
+            finished = on_step(step, tokens)
+            if finished is not None:
+                unfinished &= ~finished.to(device)
         if steps == max_new_tokens or not bool(unfinished.any()):
             break
         logits = model(input_ids=tokens[:, None], attention_mask=mask[:, :prompt_len + steps] if padded else None,

@@ -875,13 +875,15 @@ class PPOTrainer(OnlineTrainer):
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
             if self.control.should_training_stop:
                 break
-        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         done = self.state.global_step - first_step
         metrics = speed_metrics("train", start_time, num_samples=done * self.global_rollout_size, num_steps=done)
         metrics["train_loss"] = total_loss / max(done, 1)
         metrics["total_flos"] = self.state.total_flos
         self.is_in_train = False
         self.log(metrics)
+        # After the summary, as `Trainer.train` orders them: trackers (MLflow, TensorBoard) close their run at
+        # train end, and a log after it would open a second run holding only the summary.
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _prepare_deepspeed(self, max_steps: int) -> None:

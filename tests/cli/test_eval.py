@@ -96,8 +96,8 @@ def test_reward_settings_as_key_value(workspace, tiny_model_dir, capsys):
                  "length_reward_window=2")
     printed = capsys.readouterr().out
     assert code == 0 and "format: 1.0000 (mean over 4 of 4 rows)" in printed
-    with pytest.raises(SystemExit):
-        main(["eval", "--dataset", "x"])  # --reward is required
+    assert main(["eval", "--dataset", "x"]) == 2  # --reward is required (or --tasks)
+    assert "needs --dataset and --reward" in capsys.readouterr().err
     assert _eval(workspace, tiny_model_dir, "--reward", "format", "length_reward_window=0") == 2
     assert "length_reward_window=0 must be >= 1" in capsys.readouterr().err
 

@@ -83,6 +83,27 @@ def _config(tiny_model_dir, prompts_file, out, **overrides):
     return parse_config(values)
 
 
+def test_the_trainer_internals_ppo_relies_on_exist():
+    """Every private `Trainer` member PPO's loop uses is listed once (`TRAINER_INTERNALS`) and exists in the installed
+    transformers; the PPO modules use no other private member of the Trainer."""
+    import inspect
+    import re
+
+    from transformers import Trainer
+
+    from alignkit.stages.ppo import TRAINER_INTERNALS, trainer
+
+    trainer_source = inspect.getsource(Trainer)
+    for name in TRAINER_INTERNALS:
+        assert hasattr(Trainer, name) or f"self.{name} =" in trainer_source, name
+    used = set()
+    for module in ppo.__path__:
+        for path in sorted(Path(module).glob("*.py")):
+            used |= set(re.findall(r"(?:self|super\(\))\.(_[a-z][a-z0-9_]*)", path.read_text()))
+    private_trainer_members = {name for name in used if name in trainer_source and name not in vars(trainer.PPOTrainer)}
+    assert private_trainer_members <= set(TRAINER_INTERNALS), private_trainer_members - set(TRAINER_INTERNALS)
+
+
 def test_config_checks():
     with pytest.raises(ConfigError, match="needs a reward"):
         parse_config({"stage": "ppo", "do_train": True, "dataset": "x"})
@@ -488,7 +509,7 @@ def counted_gathers(monkeypatch):
         with real(model, engine) as inner:
             yield inner
 
-    monkeypatch.setattr(ppo, "full_weights", counting)
+    monkeypatch.setattr(ppo.trainer, "full_weights", counting)
     return entered
 
 

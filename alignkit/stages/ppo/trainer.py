@@ -1,31 +1,4 @@
-"""PPO against a reward model, the classic RLHF third stage, with LoRA on one shared base model.
-
-The design is the original PPO-with-PEFT one (Ziegler et al. 2019's loop, as TRL 0.x and LLaMA-Factory's
-old PPO ran it): the policy is a LoRA adapter; its reference is the same base with that adapter disabled
-(an SFT adapter given as `adapter_name_or_path` is merged into the base when the model loads, so it belongs
-to the reference); the reward model is the rm stage's LoRA output loaded as a second, frozen, named adapter
-with its score head and switched in only to score (when it was trained over the same merged adapters as the
-policy, as `examples/ppo_lora.yaml`'s RM from the SFT adapter is; otherwise it is loaded on its own with its own
-base, see `alignkit.rewards.model`); the critic is a value head on the policy's hidden states
-(or, `ppo_critic: adapter`, a third adapter with its own head). One copy of the base weights in memory serves
-every role.
-
-One PPO step, top to bottom (`PPOTrainer.train`):
-
-1. Rollout: take the next `per_device_train_batch_size x gradient_accumulation_steps x ppo_buffer_size`
-   prompts; sample one response each from the policy (temperature 1, no top-k/top-p: the log-probs and the
-   KL below are those of the distribution actually sampled), each cut to a length drawn from
-   `response_length_range` or stopping at the template's end of turn within `max_new_tokens`.
-2. Score: the reward model reads each prompt + response at its last token (and/or `reward_funcs`).
-3. Old log-probs and values of the policy, reference log-probs with the adapter disabled; per-token reward
-   `-kl_coef * (logp - ref_logp)` with the score added at the response's last token (`kl_penalty_rewards`).
-4. GAE over the response tokens (`alignkit.rl.advantages.gae_advantages`), advantages whitened.
-5. `ppo_epochs` passes over the rollout in shuffled batches of `per_device_train_batch_size x
-   gradient_accumulation_steps` rows (run `mini_batch_size` rows at a time): clipped policy loss + `vf_coef` x
-   clipped value loss, gradient clipping at `max_grad_norm`, one optimizer step per batch.
-6. The KL coefficient adapts to the rollout's KL (`AdaptiveKLController`), the scheduler steps once.
-
-What this simplifies, and why:
+"""PPO's loop (`PPOTrainer`), built from the Trainer's parts. What it simplifies, and why:
 - A Trainer "step" (`global_step`, `max_steps`, `save_steps`, `logging_steps`, the scheduler) is one PPO step
   (one rollout and its `ppo_epochs` passes), as in LLaMA-Factory's PPO; the optimizer steps several times in
   it. The loop is our own, but built from the Trainer's parts (optimizer, scheduler, `TrainerState`,
@@ -71,7 +44,8 @@ What this simplifies, and why:
     records the hidden states it receives, and the value head runs as a module on those (it is H + 1 numbers,
     under DeepSpeed's default `stage3_param_persistence_threshold` of 10 x H, so it stays whole anyway). The
     fused paths that read weights outside their module step aside under ZeRO-3: `lora_fused` (the LoRA layer
-    read its base layer's weight) and the fused output-layer log-probs of `logprobs` (not used by PPO).
+    read its base layer's weight) and the fused output-layer log-probs of `logprobs` (`_fusable_head` returns None
+    for a partitioned head).
   - The LoRA adapter switches (the reward adapter, the critic adapter, the reference with adapters off) are not a
     problem: they flip flags (the active adapter's name, PEFT's disable flag, `requires_grad`), never copy or
     replace a tensor; an inactive adapter's weights stay partitioned and unused, an active one's are gathered by
@@ -126,320 +100,37 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..constants import IGNORE_INDEX
-from ..rewards import RewardFunctionArguments
-from ..model.distributed import full_weights
-from .online import OnlineTrainer
-from ..rl.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
-from ..rl.losses import clipped_policy_loss, clipped_value_loss
-from ..rl.stats import RunningMoments, masked_mean, masked_whiten
-
-if TYPE_CHECKING:
-    from transformers import TrainerCallback
-
-    from ..config import Config
+from ...constants import IGNORE_INDEX
+from ...model.distributed import full_weights
+from ...rl.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
+from ...rl.losses import clipped_policy_loss, clipped_value_loss
+from ...rl.stats import RunningMoments, masked_mean, masked_whiten
+from ..online import OnlineTrainer
+from .config import CRITIC_ADAPTER, FSDP_REFUSAL, PPO_STATE_FILE, PPOArguments, deepspeed_refusal
+from .layout import Rollout, pack_right, policy_forward, sample_response_lengths, truncate_to_lengths
 
 logger = logging.getLogger(__name__)
 
-# The examples `data.get_dataset` builds for this stage (`formats.DATA_KINDS`); the registry records it too.
-DATA_KIND = "prompt"
-
-PPO_STATE_FILE = "ppo_state.json"
-CRITIC_ADAPTER = "critic"
-
-
-@dataclass
-class PPOArguments(RewardFunctionArguments):
-    """The keys of `stage: ppo` (plus the reward keys it shares with GRPO: `reward_funcs`, `reward_weights`,
-    `reward_model_type`, `log_completions`, ...).
-
-    Defaults are those of TRL 0.x's `PPOConfig` (the last TRL with this PPO) and LLaMA-Factory's PPO keys,
-    except where a help text says otherwise.
-    """
-
-    reward_model: Optional[str] = field(
-        default=None,
-        metadata={"help": "Reward model: an rm run's output_dir (LLaMA-Factory's key). Its score is added to any "
-                  "`reward_funcs` (weight 1). `reward_model_type` says how it is held: `lora` a second adapter "
-                  "on the policy's base, `full` on its own, `auto` (default) lora when it fits."},
-    )
-    ppo_critic: Literal["head", "adapter"] = field(
-        default="head",
-        metadata={"help": "`head` (default): a value head on the policy's hidden states (the original PPO-with-PEFT "
-                  "design); `adapter`: the critic gets its own LoRA adapter and head, both initialised from the "
-                  "LoRA reward model (InstructGPT style; one more decoder pass per update)."},
-    )
-    ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout (TRL 0.x and LLaMA-Factory: 4)."})
-    ppo_buffer_size: int = field(
-        default=1,
-        metadata={"help": "Rollout size in optimizer steps: a rollout holds per_device_train_batch_size x "
-                  "gradient_accumulation_steps x ppo_buffer_size prompts (LLaMA-Factory's key, default 1)."},
-    )
-    ppo_score_norm: bool = field(
-        default=False,
-        metadata={"help": "Normalise scores by the running mean and std of all scores so far (LLaMA-Factory's key)."},
-    )
-    ppo_whiten_rewards: bool = field(
-        default=False, metadata={"help": "Whiten the per-token rewards (scale only) before GAE (LLaMA-Factory's key)."}
-    )
-    ppo_target: float = field(
-        default=6.0, metadata={"help": "Target KL (nats per response) of the adaptive KL controller (TRL: 6)."}
-    )
-    init_kl_coef: float = field(
-        default=0.2, metadata={"help": "Initial (or, with adap_kl_ctrl false, fixed) KL coefficient (TRL: 0.2)."}
-    )
-    adap_kl_ctrl: bool = field(
-        default=True, metadata={"help": "Adapt the KL coefficient towards ppo_target (Ziegler et al.; TRL: true)."}
-    )
-    horizon: int = field(default=10000, metadata={"help": "Horizon of the adaptive KL controller (TRL: 10000)."})
-    gamma: float = field(default=1.0, metadata={"help": "Discount over response tokens (TRL: 1)."})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda (TRL: 0.95)."})
-    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range (TRL: 0.2)."})
-    cliprange_value: float = field(default=0.2, metadata={"help": "Value clip range (TRL: 0.2)."})
-    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss (TRL: 0.1)."})
-    mini_batch_size: Optional[int] = field(
-        default=None,
-        metadata={"help": "Rows per forward/backward pass in the PPO update (default per_device_train_batch_size). "
-                  "One optimizer step covers per_device_train_batch_size x gradient_accumulation_steps rows; TRL "
-                  "0.x's default of 128 (with batch 128) is a GPU size, so it follows the batch here instead."},
-    )
-    whiten_advantages: bool = field(
-        default=True, metadata={"help": "Whiten the advantages over the rollout's response tokens (TRL: always)."}
-    )
-    response_length_range: Optional[list[int]] = field(
-        default=None,
-        metadata={"help": "`min,max` (both included): each response is cut to a length drawn uniformly from this "
-                  "range (the length sampler), or ends at its end of turn before. Unset (default): responses end at "
-                  "their end of turn or at max_new_tokens."},
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        from ..errors import ConfigError
-
-        if self.response_length_range is not None:
-            try:
-                self.response_length_range = [int(v) for v in self.response_length_range]
-            except (TypeError, ValueError):
-                raise ConfigError(f"response_length_range={self.response_length_range!r}: give two integers "
-                                  "`min,max`.") from None
-            if len(self.response_length_range) != 2 or not 1 <= self.response_length_range[0] \
-                    <= self.response_length_range[1]:
-                raise ConfigError(f"response_length_range={self.response_length_range}: give `min,max` with "
-                                  "1 <= min <= max (e.g. 16,64).")
-        for key in ("ppo_epochs", "ppo_buffer_size", "horizon"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key}={getattr(self, key)} must be at least 1.")
-        if self.mini_batch_size is not None and self.mini_batch_size < 1:
-            raise ConfigError(f"mini_batch_size={self.mini_batch_size} must be at least 1.")
-        for key in ("ppo_target", "cliprange", "cliprange_value"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"{key}={getattr(self, key)} must be > 0.")
-        for key in ("init_kl_coef", "vf_coef"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{key}={getattr(self, key)} must be >= 0.")
-        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
-            raise ConfigError(f"gamma={self.gamma} and lam={self.lam} must lie in [0, 1].")
-
-
-# Why PPO refuses FSDP1 (see the module docstring).
-FSDP_REFUSAL = (
-    "stage ppo does not run under FSDP1 (fsdp_config version 1, or fsdp_version: 1 in an accelerate config): its "
-    "loop is written for FSDP2 (torch's fully_shard), where the value head, read on the hidden states after the "
-    "model's call, is a whole tensor from the root unit's forward to its backward; FSDP1 flattens the root unit's "
-    "parameters (embeddings, final norm, output layer, value head) into one buffer that it gathers only inside the "
-    "wrapper's own forward, and no FSDP1 path is written or tested. Use FSDP2 (fsdp_config: {version: 2}, "
-    "transformers' default, or fsdp_version: 2 in the accelerate config), DeepSpeed, or plain data parallelism.")
-
-
-def deepspeed_refusal(ds_config: dict[str, Any]) -> Optional[str]:
-    """Why PPO's loop cannot run under this DeepSpeed config, or None when it can.
-
-    A `scheduler` block is refused: DeepSpeed steps its scheduler at each optimizer step, while PPO's learning-rate
-    schedule advances once per PPO step (several optimizer steps). ZeRO-3 runs with every finetuning_type and with
-    `adapter_name_or_path` (module docstring).
-
-    Args:
-        ds_config: the DeepSpeed JSON as a dict (`TrainingArguments.hf_deepspeed_config.config`).
-    """
-    if "scheduler" in ds_config:
-        return ("stage ppo: remove the `scheduler` block of the DeepSpeed config. DeepSpeed would step it at every "
-                "optimizer step; PPO advances its learning-rate schedule (lr_scheduler_type, warmup_steps) once "
-                "per PPO step, with the Trainer's scheduler.")
-    return None
-
-
-def check_config(config: "Config") -> None:
-    """What only PPO forbids, before the model loads."""
-    from ..errors import ConfigError
-
-    m, t = config.method, config.training
-    if t.do_train and not m.reward_model and not m.reward_funcs:
-        raise ConfigError("stage ppo needs a reward: set `reward_model` (an rm run's output_dir) and/or "
-                          "`reward_funcs`.")
-    if m.ppo_critic == "adapter":
-        if config.finetuning.finetuning_type != "lora" or not m.reward_model or m.reward_model_type == "full":
-            raise ConfigError("ppo_critic=adapter initialises the critic from a LoRA reward model: it needs "
-                              "finetuning_type lora, `reward_model` set to an rm run's LoRA output and "
-                              "reward_model_type lora or auto. Use ppo_critic: head otherwise.")
-    if t.fsdp and int((t.fsdp_config or {}).get("version", 2)) != 2:  # transformers' default version is 2
-        raise ConfigError(FSDP_REFUSAL)
-    if t.deepspeed:
-        # Before the model loads: under ZeRO-3, transformers would load it partitioned.
-        reason = deepspeed_refusal(t.hf_deepspeed_config.config)
-        if reason:
-            raise ConfigError(reason)
-    if t.do_eval or t.do_predict:
-        raise ConfigError("stage ppo trains only: set do_eval and do_predict to false (score the trained policy "
-                          "with `alignkit score`).")
-    batch = t.per_device_train_batch_size * t.gradient_accumulation_steps
-    if m.mini_batch_size is not None and batch % m.mini_batch_size:
-        raise ConfigError(f"mini_batch_size={m.mini_batch_size} must divide per_device_train_batch_size x "
-                          f"gradient_accumulation_steps = {batch}.")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Response lengths (the length sampler); the pure maths of PPO is in `alignkit.rl`
-# ---------------------------------------------------------------------------------------------------
-
-
-def truncate_to_lengths(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Cut each row's response mask to its first `lengths[i]` tokens.
-
-    Args:
-        mask: [N, T] response mask (1 up to and including the stop token).
-        lengths: [N] most tokens each response keeps.
-
-    Returns:
-        [N, T] same dtype. Example: mask [[1, 1, 1, 0], [1, 1, 1, 1]], lengths [2, 3] ->
-        [[1, 1, 0, 0], [1, 1, 1, 0]].
-    """
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    return mask * (positions.unsqueeze(0) < lengths.to(mask.device).unsqueeze(1)).to(mask.dtype)
-
-
-def sample_response_lengths(low: int, high: int, count: int, seed: int, step: int) -> torch.Tensor:
-    """The length sampler: `count` response lengths drawn uniformly from `[low, high]` (both included).
-
-    Seeded by `(seed, step)` alone (numpy's `SeedSequence`), so step k draws the same lengths in a resumed
-    run as in an uninterrupted one, without any state to save, and the global RNG is not touched.
-
-    Returns:
-        [count] long tensor.
-    """
-    if not 1 <= low <= high:
-        raise ValueError(f"response lengths [{low}, {high}]: need 1 <= low <= high.")
-    rng = np.random.default_rng([seed, step])
-    return torch.as_tensor(rng.integers(low, high + 1, size=count), dtype=torch.long)
-
-
-def pack_right(
-    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, response_mask: torch.Tensor,
-    pad_token_id: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lay each prompt + response out contiguously from column 0, right-padded, with the response labelled.
-
-    Generation leaves `[left-padded prompt | response + filler]`; here each row's real tokens move to the left
-    end (a stable sort of the mask keeps their order), so position ids 0, 1, ... are each token's true position
-    in the padded and the padding-free forward alike (`alignkit.model.generation.left_pad` is the mirror image).
-
-    Args:
-        prompt_ids, prompt_mask: [N, P] left-padded prompts.
-        completion_ids, response_mask: [N, C] responses; the mask is 1 on the response's tokens.
-        pad_token_id: written into the padding.
-
-    Returns:
-        `(input_ids, attention_mask, labels)`, each [N, P + C]; labels are the response tokens, -100 elsewhere.
-        Example: prompt [pad, 5, 6] (mask [0, 1, 1]), response [7, 8] (mask [1, 0]), pad 0 ->
-        input_ids [5, 6, 7, 0, 0], attention_mask [1, 1, 1, 0, 0], labels [-100, -100, 7, -100, -100].
-    """
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
-    labelled = torch.cat([torch.zeros_like(prompt_mask), response_mask.to(prompt_mask.dtype)], dim=1)
-    order = torch.sort(mask, dim=1, descending=True, stable=True).indices
-    mask = torch.gather(mask, 1, order)
-    ids = torch.gather(ids, 1, order).masked_fill(mask == 0, pad_token_id)
-    labels = ids.masked_fill(torch.gather(labelled, 1, order) == 0, IGNORE_INDEX)
-    return ids, mask, labels
-
-
-# ---------------------------------------------------------------------------------------------------
-# Forward passes of the policy, the reference and the critic
-# ---------------------------------------------------------------------------------------------------
-
-
-def policy_forward(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, *,
-    padding_free: bool = False, call: Optional[nn.Module] = None,
-) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """Log-probs of the labelled tokens and the decoder's last hidden states, from one call of the whole model
-    (`alignkit.model.logprobs.labelled_forward`, the per-token forward every stage shares).
-
-    The model runs as a whole (`call`, e.g. a DeepSpeed engine around `model`, or `model` itself), so every weight
-    is used inside a module's forward: under DeepSpeed ZeRO-3 each module's hooks gather its weights for its
-    forward and again for its backward, and the engine's own forward bookkeeping runs, as in a Trainer's training
-    step. The hidden states entering the output layer feed the value head; the output layer sees only the
-    positions that predict a labelled token, so no `[N, L, V]` logits are formed.
-
-    Args:
-        model: the causal LM (PEFT wrapper allowed); its output layer and decoder are found in it.
-        input_ids, attention_mask: [N, L] sequences laid out by `pack_right`.
-        labels: [N, L], -100 where no log-prob is wanted (all -100: only the hidden states are wanted; the output
-            layer then runs on no position).
-        padding_free: run the real tokens packed into rows (`alignkit.model.padding_free`).
-        call: what to call instead of `model` (a wrapper whose forward runs `model`'s); None: `model`.
-
-    Returns:
-        `(logps, hidden, flat)`: logps [N, L - 1] float32, column t holding `log p(labels[:, t + 1])`, 0 where
-        unlabelled; hidden and flat as `alignkit.model.heads.last_hidden_states` returns them ([N, L, H] and None,
-        or [1, T, H] in flat order and the `FlatBatch`).
-    """
-    from ..model.logprobs import labelled_forward
-
-    scored = labelled_forward(model, input_ids, attention_mask, labels, padding_free=padding_free, call=call,
-                              keep_hidden=True)
-    return scored.padded()[0], scored.hidden, scored.flat
-
-
-@dataclass
-class Rollout:
-    """One rollout, laid out by `pack_right`; per-token tensors are [N, L - 1], column t scoring token t + 1.
-
-    Attributes:
-        input_ids, attention_mask, labels: [N, L] the prompt + response sequences.
-        mask: [N, L - 1] float, 1 where column t scores a response token.
-        logps, ref_logps, values: at rollout time, of the policy, the reference and the critic.
-        advantages, returns: from GAE (advantages whitened when asked).
-        scores: [N] the combined score of each response (normalised with ppo_score_norm).
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor
-    mask: torch.Tensor
-    logps: torch.Tensor
-    ref_logps: torch.Tensor
-    values: torch.Tensor
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    scores: torch.Tensor
-
-    def rows(self, index: torch.Tensor) -> "Rollout":
-        return Rollout(**{name: getattr(self, name)[index] for name in self.__dataclass_fields__})
-
-
-# ---------------------------------------------------------------------------------------------------
-# Trainer
-# ---------------------------------------------------------------------------------------------------
-
+# The private members of `transformers.Trainer` this loop relies on, where no public API does the job, each named
+# here once. Checked against transformers 5.24.0 (`tests/stages/test_ppo.py` fails if one disappears).
+TRAINER_INTERNALS: dict[str, str] = {
+    "_save": "overridden: writes the policy adapter, the critic adapter and the value head",
+    "_save_checkpoint": "overridden, then called: the Trainer's checkpoint files after ppo_state.json",
+    "_get_output_dir": "the run folder a checkpoint goes to (as `_save_checkpoint` computes it)",
+    "_load_from_checkpoint": "a full/freeze policy's weights, or accelerate's FSDP2 model state, on resume",
+    "_load_optimizer_and_scheduler": "optimizer and scheduler state on resume",
+    "_load_rng_state": "the RNG states on resume",
+    "_load_callback_state": "the stateful callbacks' state on resume",
+    "_get_learning_rate": "the learning rate that `log` reports (DeepSpeed-aware)",
+    "_initial_num_input_tokens_seen": "the attribute `log` reads for the tokens-seen metric",
+}
 
 class PPOTrainer(OnlineTrainer):
     """PPO's loop on the Trainer's optimizer, scheduler, state, callbacks, checkpoints and logging.
@@ -469,7 +160,7 @@ class PPOTrainer(OnlineTrainer):
         if self.is_deepspeed_enabled:
             reason = deepspeed_refusal(self.accelerator.state.deepspeed_plugin.deepspeed_config)
         if reason:
-            from ..errors import ConfigError
+            from ...errors import ConfigError
 
             raise ConfigError(reason)
         self.ppo_args = ppo_args
@@ -566,8 +257,8 @@ class PPOTrainer(OnlineTrainer):
                        call: Optional[nn.Module]) -> torch.Tensor:
         """[N, L - 1] values of the critic adapter + head, aligned with the log-prob columns (`call`: as for
         `policy_forward`)."""
-        from ..model.adapters import use_adapter
-        from ..model.heads import values_from_hidden
+        from ...model.adapters import use_adapter
+        from ...model.heads import values_from_hidden
 
         with use_adapter(self.model, CRITIC_ADAPTER):
             if grad:
@@ -584,7 +275,7 @@ class PPOTrainer(OnlineTrainer):
     def _standalone_reward_models(self) -> list[nn.Module]:
         """The reward models loaded with their own base (`reward_model_type: full`, or an RM that does not fit the
         policy's base as an adapter), which the rollout runs outside the policy's engine."""
-        from ..rewards.model import FullRewardModel
+        from ...rewards.model import FullRewardModel
 
         functions = self.reward_functions.functions if self.reward_functions is not None else []
         return [f.scorer.model for f in functions if isinstance(f, FullRewardModel)]
@@ -598,7 +289,7 @@ class PPOTrainer(OnlineTrainer):
         through `model_wrapped` (the DeepSpeed engine, whose forward and module hooks gather ZeRO-3 partitions);
         without (the rollout, whose weights `full_weights` has gathered) through the model itself.
         """
-        from ..model.heads import values_from_hidden
+        from ...model.heads import values_from_hidden
 
         call = self.model_wrapped if grad else None
         logps, hidden, flat = policy_forward(self.model, input_ids, attention_mask, labels,
@@ -617,9 +308,9 @@ class PPOTrainer(OnlineTrainer):
 
     def make_rollout(self, step: int) -> tuple[Rollout, dict[str, Any], list[dict[str, Any]]]:
         """Generate, score and evaluate one rollout; returns it, its metrics and its completion records."""
-        from ..data.collator import padding_token_id
-        from ..rl.rollout import rollout_seed
-        from .online import PROMPT_COLUMNS
+        from ...data.collator import padding_token_id
+        from ...rl.rollout import rollout_seed
+        from ..online import PROMPT_COLUMNS
 
         rows = self.rollout_rows(step)
         # Under ZeRO-3 the weights are gathered once for the whole rollout (generation, the reward model's
@@ -812,7 +503,7 @@ class PPOTrainer(OnlineTrainer):
         from transformers.trainer_callback import ExportableState, TrainerState
         from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_metrics
 
-        from ..errors import ConfigError
+        from ...errors import ConfigError
 
         args = self.args
         self.is_in_train = True
@@ -923,10 +614,10 @@ class PPOTrainer(OnlineTrainer):
         True)`, the trainable tensors whole on the main process; otherwise `accelerator.get_state_dict`), and
         everything is saved from it: under ZeRO-3 the module's own tensors hold only this process's partition.
         """
-        from ..model.adapters import POLICY_ADAPTER
-        from ..model.distributed import sharding_of
-        from ..model.heads import VALUE_HEAD_NAME, ValueHead, save_value_head
-        from .base import is_peft_model
+        from ...model.adapters import POLICY_ADAPTER
+        from ...model.distributed import sharding_of
+        from ...model.heads import VALUE_HEAD_NAME, ValueHead, save_value_head
+        from ..base import is_peft_model
 
         output_dir = output_dir or self.args.output_dir
         if not self.args.should_save:
@@ -988,9 +679,9 @@ class PPOTrainer(OnlineTrainer):
         from peft.utils import load_peft_weights, set_peft_model_state_dict
         from transformers.trainer_callback import TrainerState
 
-        from ..model.adapters import POLICY_ADAPTER
-        from ..model.heads import load_value_head
-        from .base import is_peft_model
+        from ...model.adapters import POLICY_ADAPTER
+        from ...model.heads import load_value_head
+        from ..base import is_peft_model
 
         if self.is_deepspeed_enabled:
             from transformers.integrations.deepspeed import deepspeed_load_checkpoint
@@ -1048,111 +739,3 @@ def _stateless_optimizer_groups(checkpoint: str | os.PathLike) -> Optional[list[
         return None
     saved = torch.load(path, map_location="cpu", weights_only=True)
     return None if saved.get("state") else saved["param_groups"]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Stage entry point
-# ---------------------------------------------------------------------------------------------------
-
-
-def build_critic(model: nn.Module, ppo_args: PPOArguments, config_dir: Optional[str] = None):
-    """The critic's value head, attached to the policy; with `ppo_critic: adapter` also its own LoRA adapter.
-
-    `adapter`: the reward model's LoRA weights are loaded a second time as the trainable adapter `critic`, and the
-    value head starts from its score head (the critic starts out predicting the reward model's score).
-
-    Returns:
-        The `ValueHead` (float32, trainable).
-    """
-    from ..model.heads import ValueHead, attach_value_head
-    from ..rewards.model import resolve_reward_model_dir
-    from ..rewards.reward_model import load_reward_adapter
-
-    if ppo_args.ppo_critic == "head":
-        return attach_value_head(model)
-    reward_dir = resolve_reward_model_dir(ppo_args.reward_model, config_dir)
-    # The critic only starts from the RM's weights and trains from there: another base is no error here.
-    critic = load_reward_adapter(model, reward_dir, name=CRITIC_ADAPTER, check_base=False)
-    for name, param in model.named_parameters():
-        if f".{CRITIC_ADAPTER}." in name:
-            param.requires_grad_(True)
-    head = ValueHead(critic.head.in_features)
-    with torch.no_grad():
-        head.weight.copy_(critic.head.weight.float())
-        if critic.head.bias is not None:
-            head.bias.copy_(critic.head.bias.float())
-    return attach_value_head(model, head)
-
-
-def reward_arguments(ppo_args: PPOArguments) -> PPOArguments:
-    """`ppo_args` with `reward_model` put first in `reward_funcs` (weight 1), so one `RewardFunctions` scores."""
-    import dataclasses
-
-    if not ppo_args.reward_model:
-        return ppo_args
-    weights = None
-    if ppo_args.reward_weights is not None:
-        weights = [1.0] + list(ppo_args.reward_weights)
-    return dataclasses.replace(ppo_args, reward_funcs=[ppo_args.reward_model] + list(ppo_args.reward_funcs),
-                               reward_weights=weights)
-
-
-def build_ppo_trainer(config: "Config", callbacks: list["TrainerCallback"]) -> PPOTrainer:
-    """Load the tokenizer, prompts, policy, critic and rewards, and build the `PPOTrainer` (`run_ppo` trains it)."""
-    from ..data import get_dataset
-    from ..data.template import ChatFormatter
-    from ..model.loader import load_model, load_tokenizer
-    from ..rewards import build_reward_functions, check_reward_functions
-    from .base import check_splits
-
-    config_dir = str(Path(config.source).parent) if config.source else None
-    check_reward_functions(config.method, config_dir=config_dir,  # before anything loads
-                           max_completion_length=config.generating.max_new_tokens)
-    tokenizer = load_tokenizer(config.model)
-    datasets = get_dataset(config, tokenizer, DATA_KIND)
-    check_splits(config, datasets)
-    model = load_model(config.model, config.finetuning, is_trainable=True)
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-    formatter = ChatFormatter(tokenizer, config.data.template)
-    ppo_args = config.method
-    # The critic before the reward model: its adapter is a second load of the same rm output.
-    value_head = build_critic(model, ppo_args, config_dir)
-    reward_functions = build_reward_functions(reward_arguments(ppo_args), model=model, formatter=formatter,
-                                              model_args=config.model, config_dir=config_dir,
-                                              max_completion_length=config.generating.max_new_tokens)
-    return PPOTrainer(
-        model=model,
-        args=config.training,
-        processing_class=tokenizer,
-        callbacks=callbacks,
-        train_dataset=datasets.get("train_dataset"),
-        ppo_args=ppo_args,
-        reward_functions=reward_functions,
-        formatter=formatter,
-        value_head=value_head,
-        max_new_tokens=config.generating.max_new_tokens,
-    )
-
-
-def run_ppo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
-    """Train a policy with PPO as `config` says; the policy adapter and value head go to `output_dir`."""
-    from .base import run_stage_trainer
-
-    run_stage_trainer(build_ppo_trainer(config, callbacks), config)
-
-
-__all__ = [
-    "PPOArguments",
-    "check_config",
-    "truncate_to_lengths",
-    "sample_response_lengths",
-    "pack_right",
-    "policy_forward",
-    "Rollout",
-    "PPOTrainer",
-    "build_critic",
-    "reward_arguments",
-    "build_ppo_trainer",
-    "run_ppo",
-]

@@ -3,10 +3,9 @@
 `ADVANTAGE_ESTIMATORS` is the one registry (a plain dict, as `stages.STAGES` is): a stage names its estimator
 (`OnlineTrainer.advantage_estimator`, e.g. GRPO's "group") and looks it up here. Two kinds plug in:
 - outcome estimators, one advantage per completion from the `[N]` rewards of groups laid out contiguously
-  (`num_generations` rows per prompt): `group_advantages` (GRPO: each reward against its group's mean and std).
-  A leave-one-out baseline (RLOO: each reward against the mean of the *other* completions of its prompt) or a
-  batch baseline (REINFORCE++: against the whole batch's mean) is a function of the same signature and one line
-  in the dict;
+  (`num_generations` rows per prompt): `group_advantages` (GRPO: each reward against its group's mean and std),
+  `leave_one_out_advantages` (RLOO: each reward against the mean of the *other* completions of its prompt);
+  `decoupled_group_advantages` is GRPO's `normalize_then_sum` variant over the per-function rewards;
 - token estimators over a critic's values: `gae_advantages` (PPO).
 Every estimator is a pure tensor function; the shapes are in each docstring.
 """
@@ -51,6 +50,69 @@ def group_advantages(rewards: torch.Tensor, num_generations: int,
     advantages = rewards - mean
     if scale_rewards != "none":
         advantages = advantages / (std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+def decoupled_group_advantages(per_function: torch.Tensor, weights: torch.Tensor,
+                               num_generations: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO's advantages (`multi_objective_aggregation: normalize_then_sum`, as TRL 1.16): normalise each reward
+    function within its group first, sum the normalised rewards with their weights, then normalise the sums over
+    the whole batch.
+
+    `z_ik = (r_ik - mean_group(r_k)) / (std_group(r_k) + 1e-4)`, `s_i = sum_k w_k z_ik` (NaN z count as 0; a row
+    that no function scored stays NaN), `A_i = (s_i - mean(s)) / (std(s) + 1e-4)`, NaN → 0.
+
+    Example (G = 2, one function, weight 1): rewards [1, 3, 5, 5] → z = [-0.70706, 0.70706, 0, 0];
+    mean 0, sample std sqrt(2 x 0.49994 / 3) = 0.57731 → A = [-1.22455, 1.22455, 0, 0].
+
+    Args:
+        per_function: `[N, F]` each function's reward (NaN: did not score), groups contiguous.
+        weights: `[F]` the functions' weights.
+        num_generations: G.
+
+    Returns:
+        `(advantages [N], std_is_zero [N] bool)` (the second from the batch std of the sums).
+    """
+    num_functions = per_function.shape[1]
+    grouped = per_function.view(-1, num_generations, num_functions)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = nan_std(grouped, dim=1).unsqueeze(1)
+    normalised = ((grouped - mean) / (std + 1e-4)).view(-1, num_functions)
+    sums = (normalised * weights.to(normalised).unsqueeze(0)).nansum(dim=1)
+    sums[torch.isnan(per_function).all(dim=1)] = float("nan")
+    batch_std = nan_std(sums).expand_as(sums)
+    advantages = (sums - torch.nanmean(sums)) / (batch_std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0), torch.isclose(batch_std, torch.zeros_like(batch_std))
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int,
+                             normalize_advantages: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO advantages (Ahmadian et al. 2024, eq. 5; Kool et al. 2019): each reward against the mean of the other
+    completions of its prompt.
+
+    `A_i = r_i - (sum_group - r_i) / (n - 1)`, n the group's scored completions (NaN rewards are left out and get
+    advantage 0; a group with one scored completion gives 0). `normalize_advantages`: then `(A - mean) / (std +
+    1e-4)` over the batch (TRL 1.16's `RLOOConfig.normalize_advantages`).
+
+    Example (G = 3): rewards [1, 2, 6] → baselines [(2 + 6) / 2, (1 + 6) / 2, (1 + 2) / 2] = [4, 3.5, 1.5],
+    A = [-3, -1.5, 4.5]. With [1, NaN, 3]: baselines [3, NaN, 1], A = [-2, 0, 2].
+
+    Args:
+        rewards: `[N]` rewards, groups contiguous.
+        num_generations: G.
+        normalize_advantages: whiten the advantages over the batch.
+
+    Returns:
+        `(advantages [N], std_is_zero [N // G] bool)`: the second per group, as TRL 1.16's RLOO logs
+        `frac_reward_zero_std` over groups.
+    """
+    grouped = rewards.view(-1, num_generations)
+    scored = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    baselines = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scored - 1)
+    advantages = rewards - baselines.view(-1)
+    if normalize_advantages:
+        advantages = (advantages - torch.nanmean(advantages)) / (nan_std(advantages) + 1e-4)
+    std = nan_std(grouped, dim=1)
     return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
 
 
@@ -104,8 +166,10 @@ def gae_advantages(
 # returns)`.
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "group": group_advantages,
+    "leave_one_out": leave_one_out_advantages,
     "gae": gae_advantages,
 }
 
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "group_advantages", "gae_advantages"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "group_advantages", "decoupled_group_advantages", "leave_one_out_advantages",
+           "gae_advantages"]

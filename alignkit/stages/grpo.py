@@ -63,6 +63,7 @@ larger rate than that anyway, so the examples set it.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -78,8 +79,11 @@ from ..config import check_sampling_knobs
 from ..env import launched_processes
 from ..errors import ConfigError
 from ..rewards import RewardFunctionArguments
+from ..rl.advantages import decoupled_group_advantages
 from ..rl.kl import k3_kl
-from ..rl.losses import aggregate_loss, clipped_surrogate
+from ..rl.losses import (CLIPPED_LOSS_TYPES, AdaptiveEntropyController, aggregate_loss, cispo_loss,
+                         clipped_surrogate, entropy_bonus, high_entropy_mask, importance_log_weights,
+                         off_policy_sequence_mask, sapo_loss, vespo_weights)
 from ..rl.record import COMPLETIONS_FILE
 from ..rl.rollout import VLLMColocateSampler, completion_logps, rollout_seed
 from ..rl.stats import masked_mean, nan_std
@@ -97,6 +101,8 @@ logger = logging.getLogger(__name__)
 DATA_KIND = "prompt"
 
 ROLLOUT_BUFFER_FILE = "grpo_rollout_buffer.pt"
+# The adaptive entropy coefficient and the entropy it last measured (`use_adaptive_entropy`), per checkpoint.
+ENTROPY_CONTROLLER_FILE = "grpo_entropy_controller.json"
 
 
 @dataclass
@@ -129,11 +135,60 @@ class GRPOArguments(RewardFunctionArguments):
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the ratio: 1 - epsilon."})
     epsilon_high: Optional[float] = field(
         default=None, metadata={"help": "Upper clipping range: 1 + epsilon_high (default: epsilon; DAPO uses 0.28)."})
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = field(
+    delta: Optional[float] = field(
+        default=None,
+        metadata={"help": "Two-sided clipping (INTELLECT-2): also cap the unclipped ratio at delta (> 1 + epsilon). "
+                          "None (default) = off."})
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = field(
         default="dapo",
-        metadata={"help": "Token-loss aggregation: dapo (default: over the generation batch's tokens), grpo (per "
-                          "sequence, then mean), dr_grpo (over batch x max_completion_length), bnpo (over the "
-                          "micro-batch's tokens)."})
+        metadata={"help": "Policy term and token-loss aggregation: dapo (default: clipped, over the generation "
+                          "batch's tokens), grpo (per sequence, then mean), dr_grpo (over batch x "
+                          "max_completion_length), bnpo (over the micro-batch's tokens), cispo (clipped weight x "
+                          "log-prob, MiniMax-M1; epsilon_high is the cap, e.g. 5.0), sapo (soft gate, SAPO), luspo "
+                          "(sequence sums, LUSPO; use importance_sampling_level: sequence), vespo (Gamma-weighted "
+                          "sequence ratio, VESPO). TRL 1.16's eight."})
+    importance_sampling_level: Literal["token", "sequence"] = field(
+        default="token",
+        metadata={"help": "Importance ratio per token, or one per sequence (the mean log-ratio: GSPO). TRL default "
+                          "token."})
+    sapo_temperature_neg: float = field(
+        default=1.05, metadata={"help": "loss_type sapo: gate temperature for non-positive advantages. TRL 1.05."})
+    sapo_temperature_pos: float = field(
+        default=1.0, metadata={"help": "loss_type sapo: gate temperature for positive advantages. TRL 1.0."})
+    vespo_k_pos: float = field(
+        default=2.0, metadata={"help": "loss_type vespo: power k for non-negative advantages. TRL 2.0."})
+    vespo_lambda_pos: float = field(
+        default=3.0, metadata={"help": "loss_type vespo: decay lambda for non-negative advantages. TRL 3.0."})
+    vespo_k_neg: float = field(
+        default=3.0, metadata={"help": "loss_type vespo: power k for negative advantages. TRL 3.0."})
+    vespo_lambda_neg: float = field(
+        default=2.0, metadata={"help": "loss_type vespo: decay lambda for negative advantages. TRL 2.0."})
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = field(
+        default="sum_then_normalize",
+        metadata={"help": "Several reward functions: sum the weighted rewards, then normalise (default), or "
+                          "normalise each function within its group, sum, and normalise over the batch (GDPO)."})
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={"help": "Keep in the policy loss only the top share of tokens by entropy (rho of 'Beyond the "
+                          "80/20 rule', which recommends 0.2); 1.0 (default) keeps all, 0.0 only the highest."})
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={"help": "Weight of an entropy bonus (the mean token entropy, subtracted from the loss); 0 = off. "
+                          "With use_adaptive_entropy, the starting coefficient."})
+    use_adaptive_entropy: bool = field(
+        default=False,
+        metadata={"help": "Steer entropy_coef each step (Skywork-OR1): up by entropy_coef_delta while the entropy "
+                          "is at most entropy_target, down otherwise; applied only while at most the target."})
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "use_adaptive_entropy: lowest coefficient."})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "use_adaptive_entropy: highest coefficient."})
+    entropy_coef_delta: float = field(
+        default=0.005, metadata={"help": "use_adaptive_entropy: change of the coefficient per step. TRL 0.005."})
+    entropy_target: float = field(
+        default=0.2, metadata={"help": "use_adaptive_entropy: target mean token entropy (nats). TRL 0.2."})
+    off_policy_mask_threshold: Optional[float] = field(
+        default=None,
+        metadata={"help": "Leave out of the loss completions with a negative advantage whose mean KL(sampler || "
+                          "policy) exceeds this (DeepSeek-V3.2's delta, e.g. 0.5). None (default) = off."})
     scale_rewards: Literal["group", "batch", "none"] = field(
         default="group",
         metadata={"help": "Divide advantages by the reward std of the group, of the whole batch, or not at all "
@@ -151,6 +206,18 @@ class GRPOArguments(RewardFunctionArguments):
                           "extra: pip install 'alignkit[vllm]'). Written against vLLM 0.33's API, not run here."})
     vllm_gpu_memory_utilization: float = field(
         default=0.3, metadata={"help": "Share of GPU memory vLLM may take in colocate mode. TRL default 0.3."})
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={"help": "vLLM only (use_vllm: true); accepted for TRL configs. TRL reweights by vLLM's own "
+                          "sampling log-probs; alignkit's vLLM path does not (it takes the ratio against the "
+                          "trainer's log-probs), so this has no effect."})
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
+        field(default="sequence_mask",
+              metadata={"help": "vLLM only; accepted, no effect (see vllm_importance_sampling_correction)."})
+    vllm_importance_sampling_clip_max: Optional[float] = field(
+        default=3.0, metadata={"help": "vLLM only; accepted, no effect (see vllm_importance_sampling_correction)."})
+    vllm_importance_sampling_clip_min: Optional[float] = field(
+        default=None, metadata={"help": "vLLM only; accepted, no effect (see vllm_importance_sampling_correction)."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -175,6 +242,24 @@ class GRPOArguments(RewardFunctionArguments):
             self.epsilon_high = self.epsilon
         elif not self.epsilon_high >= 0:
             raise ConfigError(f"epsilon_high={self.epsilon_high} must be >= 0 (default: epsilon).")
+        if self.delta is not None and not self.delta > 1 + self.epsilon_high:
+            logger.warning(f"delta={self.delta} is not above 1 + epsilon_high = {1 + self.epsilon_high}: it is meant "
+                           "to cap the unclipped ratio above the clip range (INTELLECT-2 uses 4).")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ConfigError(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1 = every token).")
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
+            raise ConfigError(f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be > 0 (e.g. 0.5), "
+                              "or unset it.")
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ConfigError(f"entropy_coef_min={self.entropy_coef_min} is above entropy_coef_max="
+                              f"{self.entropy_coef_max}.")
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            logger.warning("loss_type luspo: the LUSPO paper uses importance_sampling_level: sequence.")
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            logger.warning("loss_type vespo computes its own sequence weight: set importance_sampling_level: token.")
+        if self.importance_sampling_level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            logger.warning(f"importance_sampling_level sequence with loss_type {self.loss_type} weights each sequence "
+                           "by its length; GSPO's own setup is loss_type: grpo.")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
 
@@ -329,6 +414,14 @@ class GRPOTrainer(OnlineTrainer):
         self._buffer_round: Optional[int] = None
         self._step_time = 0.0
         self._step_generation_time = 0.0
+        # The entropy bonus (TRL 1.16): on with a coefficient, or adaptive (which may bring it back from 0).
+        self._entropy_bonus_enabled = grpo_args.entropy_coef != 0.0 or grpo_args.use_adaptive_entropy
+        self._entropy_controller: Optional[AdaptiveEntropyController] = None
+        if grpo_args.use_adaptive_entropy:
+            self._entropy_controller = AdaptiveEntropyController(
+                grpo_args.entropy_coef, grpo_args.entropy_target, grpo_args.entropy_coef_delta,
+                grpo_args.entropy_coef_min, grpo_args.entropy_coef_max)
+        self._entropy_window: Optional[torch.Tensor] = None
 
     # ---- data ----
 
@@ -434,8 +527,13 @@ class GRPOTrainer(OnlineTrainer):
         # Groups may straddle processes: normalise over the gathered batch, then keep this process's slice.
         gather = self.accelerator.gather
         all_per_function, all_rewards = gather(per_function.to(device)), gather(rewards.to(device))
-        all_advantages, std_is_zero = self.advantages(all_rewards, self.num_generations,
-                                                      self.grpo_args.scale_rewards)
+        if self.grpo_args.multi_objective_aggregation == "normalize_then_sum":
+            all_advantages, std_is_zero = decoupled_group_advantages(
+                all_per_function, torch.as_tensor(self.reward_functions.weights, dtype=torch.float32),
+                self.num_generations)
+        else:
+            all_advantages, std_is_zero = self.advantages(all_rewards, self.num_generations,
+                                                          self.grpo_args.scale_rewards)
         advantages = all_advantages[first_row:first_row + len(rows)]
 
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
@@ -517,8 +615,17 @@ class GRPOTrainer(OnlineTrainer):
                                           with_entropy=True)
         old_logps = inputs.get("old_logps", logps.detach())
         advantages = inputs["advantages"]
-        per_token_loss, ratio = clipped_surrogate(logps, old_logps, advantages, g.epsilon, g.epsilon_high)
+        entropy_mask = None
+        if g.top_entropy_quantile < 1.0:
+            entropy_mask = high_entropy_mask(entropy, mask, g.top_entropy_quantile,
+                                             all_entropies=self._gather_counted(entropy.detach(), mask))
         metrics: dict[str, torch.Tensor] = {}
+        per_token_loss, ratio, shown_ratio = self.policy_term(logps, old_logps, advantages, mask, metrics)
+        if g.off_policy_mask_threshold is not None:
+            per_token_loss = per_token_loss * off_policy_sequence_mask(advantages, logps, old_logps, mask,
+                                                                       g.off_policy_mask_threshold)
+        if entropy_mask is not None:
+            per_token_loss = per_token_loss * entropy_mask
         if g.beta != 0:
             per_token_kl = k3_kl(logps, inputs["ref_logps"])
             if g.use_bias_correction_kl:
@@ -530,29 +637,80 @@ class GRPOTrainer(OnlineTrainer):
             # The micro-batch over all processes, each process's share (see `aggregate_loss`).
             micro_batch_tokens = self.accelerator.reduce(mask.sum().detach().float(), reduction="sum").item() \
                 / self.accelerator.num_processes
+        accumulation_steps = self.current_gradient_accumulation_steps
         loss = aggregate_loss(per_token_loss, mask, g.loss_type,
-                              accumulation_steps=self.current_gradient_accumulation_steps,
+                              accumulation_steps=accumulation_steps,
                               steps_per_generation=self.steps_per_generation,
                               generation_tokens=inputs["generation_tokens"],
                               max_completion_length=g.max_completion_length,
                               micro_batch_tokens=micro_batch_tokens)
+        if self._entropy_bonus_enabled:
+            loss = self._add_entropy_bonus(loss, entropy, mask if entropy_mask is None else mask * entropy_mask,
+                                           metrics)
+        metrics["entropy"] = masked_mean(entropy, mask)
+        if g.loss_type in CLIPPED_LOSS_TYPES:
+            self._clip_metrics(shown_ratio.detach(), advantages, mask, metrics)
+        self.record_metrics(metrics, 1)
+        return loss
 
-        ratio = ratio.detach()
-        adv = advantages.unsqueeze(1)
+    def policy_term(self, logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, metrics: dict[str, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The `loss_type`'s policy term per token (`rl.losses`), before masks, KL and aggregation.
+
+        Returns:
+            `(per_token_loss [N, C] or [N, 1], ratio, shown_ratio)`: the importance ratio (per token, or `[N, 1]`
+            per sequence) that weighs the KL; the ratio the clip metrics count (capped at `delta` when set, as TRL
+            counts it).
+        """
+        g = self.grpo_args
+        log_ratio = logps - old_logps
+        ratio = torch.exp(importance_log_weights(log_ratio, mask, g.importance_sampling_level))
+        shown_ratio = ratio if g.delta is None else torch.clamp(ratio, max=g.delta)
+        if g.loss_type in CLIPPED_LOSS_TYPES:
+            per_token_loss, _ = clipped_surrogate(logps, old_logps, advantages, g.epsilon, g.epsilon_high,
+                                                  delta=g.delta, mask=mask,
+                                                  importance_sampling_level=g.importance_sampling_level)
+        elif g.loss_type == "cispo":
+            per_token_loss = cispo_loss(logps, ratio, advantages, g.epsilon_high)
+            clipped = ((ratio.detach() > g.epsilon_high) & ((advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) > 0)).float()
+            metrics["cispo_clip_ratio"] = self._sequence_or_token_mean(clipped, mask)
+        elif g.loss_type == "sapo":
+            per_token_loss = sapo_loss(ratio, advantages, g.sapo_temperature_pos, g.sapo_temperature_neg)
+        else:  # vespo
+            phi = vespo_weights(log_ratio, mask, advantages, g.vespo_k_pos, g.vespo_lambda_pos, g.vespo_k_neg,
+                                g.vespo_lambda_neg)
+            per_token_loss = -phi * (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * logps
+            metrics["vespo/phi_seq_mean"] = phi.mean()
+        return per_token_loss, ratio, shown_ratio
+
+    @staticmethod
+    def _sequence_or_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """A metric's mean: over rows for a per-sequence `[N, 1]` value, over counted tokens for `[N, C]`."""
+        return values.mean() if values.shape[1] == 1 else masked_mean(values, mask)
+
+    def _clip_metrics(self, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      metrics: dict[str, torch.Tensor]) -> None:
+        """TRL 1.16's clip shares of the clipped surrogate: means, and the lowest / highest share of one completion."""
+        g = self.grpo_args
+        adv = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages)
         low = ((ratio < 1 - g.epsilon) & (adv < 0)).float()
         high = ((ratio > 1 + g.epsilon_high) & (adv > 0)).float()
-        # Per-completion clip shares, over completions with at least one token that counts (TRL's nanmin/nanmax).
-        counted = mask.sum(-1) > 0
-        row_tokens = mask.sum(-1).clamp(min=1)
-        low_rows, high_rows = ((low * mask).sum(-1) / row_tokens)[counted], ((high * mask).sum(-1) / row_tokens)[counted]
         metrics.update({
-            "entropy": masked_mean(entropy, mask),
-            "clip_ratio/low_mean": masked_mean(low, mask),
-            "clip_ratio/high_mean": masked_mean(high, mask),
-            "clip_ratio/region_mean": masked_mean(torch.maximum(low, high), mask),
+            "clip_ratio/low_mean": self._sequence_or_token_mean(low, mask),
+            "clip_ratio/high_mean": self._sequence_or_token_mean(high, mask),
+            "clip_ratio/region_mean": self._sequence_or_token_mean(torch.maximum(low, high), mask),
         })
-        low_min = low_rows.min() if counted.any() else torch.tensor(math.inf, device=mask.device)
-        high_max = high_rows.max() if counted.any() else torch.tensor(-math.inf, device=mask.device)
+        if ratio.shape[1] == 1:  # one value per completion already
+            low_rows, high_rows = low.squeeze(1), high.squeeze(1)
+        else:
+            # Per-completion clip shares, over completions with a token that counts (TRL's nanmin/nanmax).
+            counted = mask.sum(-1) > 0
+            row_tokens = mask.sum(-1).clamp(min=1)
+            low_rows = ((low * mask).sum(-1) / row_tokens)[counted]
+            high_rows = ((high * mask).sum(-1) / row_tokens)[counted]
+        low_min = low_rows.min() if low_rows.numel() else torch.tensor(math.inf, device=mask.device)
+        high_max = high_rows.max() if high_rows.numel() else torch.tensor(-math.inf, device=mask.device)
         if self.accelerator.num_processes > 1:
             # Over the micro-batch of every process, as TRL takes them (the min of the gathered values).
             low_min, high_max = low_min.detach().clone(), high_max.detach().clone()
@@ -560,7 +718,36 @@ class GRPOTrainer(OnlineTrainer):
             torch.distributed.all_reduce(high_max, op=torch.distributed.ReduceOp.MAX)
         if math.isfinite(low_min.item()):
             metrics.update({"clip_ratio/low_min": low_min, "clip_ratio/high_max": high_max})
-        self.record_metrics(metrics, 1)
+
+    def _gather_counted(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The values at counted tokens of every process's micro-batch (for the entropy quantile)."""
+        local = values[mask.bool()].float()
+        if self.accelerator.num_processes == 1:
+            return local
+        # Entropies are >= 0, so a negative pad cannot be mistaken for one.
+        gathered = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=-1e9))
+        return gathered[gathered != -1e9]
+
+    def _add_entropy_bonus(self, loss: torch.Tensor, entropy: torch.Tensor, effective_mask: torch.Tensor,
+                           metrics: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`loss - coef x mean token entropy` (`rl.losses.entropy_bonus`), the coefficient fixed or adaptive."""
+        g = self.grpo_args
+        accumulation_steps = self.current_gradient_accumulation_steps
+        # The policy loss alone, as TRL logs it: undivided for the per-micro-batch normalisations.
+        scale = 1 if g.loss_type in ("dapo", "cispo", "vespo") else accumulation_steps
+        metrics["policy_loss"] = loss.detach() * scale
+        controller = self._entropy_controller
+        coef = controller.applied() if controller is not None else g.entropy_coef
+        loss = loss - coef * entropy_bonus(entropy, effective_mask, accumulation_steps)
+        if controller is not None:
+            stats = torch.stack([(entropy * effective_mask).sum(), effective_mask.sum()]).detach()
+            self._entropy_window = stats if self._entropy_window is None else self._entropy_window + stats
+            if self.accelerator.sync_gradients:
+                total = self.accelerator.reduce(self._entropy_window, reduction="sum")
+                controller.update((total[0] / total[1].clamp(min=1.0)).item())
+                self._entropy_window = None
+        if self.accelerator.sync_gradients:
+            metrics["entropy_coef"] = torch.tensor(controller.coef if controller is not None else g.entropy_coef)
         return loss
 
     # ---- checkpoints ----
@@ -576,6 +763,8 @@ class GRPOTrainer(OnlineTrainer):
             torch.save({"round": self._buffer_round, "slices": [{k: v.cpu() for k, v in s.items()}
                                                                 for s in self._buffer]}, tmp)
             os.replace(tmp, path)
+        if self._entropy_controller is not None and self.accelerator.is_main_process:
+            (Path(output_dir) / ENTROPY_CONTROLLER_FILE).write_text(json.dumps(self._entropy_controller.state_dict()))
 
     def _rollout_buffer_name(self) -> str:
         """`grpo_rollout_buffer.pt` in one process; `grpo_rollout_buffer_<rank>.pt` with several (like the
@@ -590,6 +779,9 @@ class GRPOTrainer(OnlineTrainer):
         self._buffer = self._buffer_round = None
         if checkpoint is None:
             return
+        controller_path = Path(checkpoint) / ENTROPY_CONTROLLER_FILE
+        if self._entropy_controller is not None and controller_path.is_file():
+            self._entropy_controller.load_state_dict(json.loads(controller_path.read_text()))
         path = Path(checkpoint) / self._rollout_buffer_name()
         if path.is_file():
             saved = torch.load(path, weights_only=True)

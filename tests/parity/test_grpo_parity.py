@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from alignkit.config.parse import parse_config
 from alignkit.rewards import RewardFunction, RewardFunctions
+from alignkit.rl.losses import LOSS_TYPES
 from alignkit.stages import online as online_module
 from alignkit.stages.grpo import GRPOTrainer
 from alignkit.rl.rollout import generation_from_token_lists
@@ -37,7 +38,17 @@ METRICS = ("loss", "reward", "reward_std", "frac_reward_zero_std", "rewards/toke
            "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
            "completions/mean_terminated_length", "completions/min_terminated_length",
            "completions/max_terminated_length", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
-           "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max")
+           "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio",
+           "vespo/phi_seq_mean", "policy_loss", "entropy_coef")
+
+
+@pytest.fixture(autouse=True)
+def _no_collect_per_train(monkeypatch):
+    """`Trainer.train` starts with `accelerator.free_memory()`, whose `gc.collect()` takes about a second in a
+    test process this large; on the CPU it frees nothing a fresh trainer needs, so the 128 trainings skip it."""
+    import accelerate.utils.memory
+
+    monkeypatch.setattr(accelerate.utils.memory, "clear_device_cache", lambda garbage_collection=False: None)
 
 
 def token_sum(completions, completion_ids, **kwargs):
@@ -138,10 +149,34 @@ def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, **method):
 
 @pytest.mark.parametrize("num_iterations", [1, 2])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
-def test_loss_and_metrics_match_trl(loss_type, beta, num_iterations, tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_and_metrics_match_trl(loss_type, importance_sampling_level, beta, num_iterations, tiny_model_dir,
+                                    tmp_path, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    method = {"loss_type": loss_type, "beta": beta, "num_iterations": num_iterations}
+    method = {"loss_type": loss_type, "importance_sampling_level": importance_sampling_level, "beta": beta,
+              "num_iterations": num_iterations}
+    _assert_runs_match(tiny_model_dir, tokenizer, tmp_path, monkeypatch, method)
+
+
+# The keys around the policy term, together: two-sided clipping, the off-policy mask, the top-entropy token mask,
+# a fixed or adaptive entropy bonus, GDPO's per-function normalisation. num_iterations 2, so ratios move off 1.
+EXTRA_KEYS = [
+    {"loss_type": "dapo", "beta": 0.04, "delta": 1.05, "off_policy_mask_threshold": 0.001,
+     "top_entropy_quantile": 0.5, "entropy_coef": 0.01, "multi_objective_aggregation": "normalize_then_sum"},
+    {"loss_type": "grpo", "importance_sampling_level": "sequence", "use_adaptive_entropy": True, "entropy_coef": 0.1,
+     "entropy_target": 100.0, "entropy_coef_delta": 0.05},
+]
+
+
+@pytest.mark.parametrize("extra", EXTRA_KEYS, ids=["masks-delta-gdpo", "adaptive-entropy"])
+def test_extra_keys_match_trl(extra, tiny_model_dir, tmp_path, monkeypatch):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    _assert_runs_match(tiny_model_dir, tokenizer, tmp_path, monkeypatch, {"num_iterations": 2, **extra})
+
+
+def _assert_runs_match(tiny_model_dir, tokenizer, tmp_path, monkeypatch, method):
+    beta, num_iterations = method.get("beta", 0.0), method["num_iterations"]
     trl_injector, our_injector = _Injector(_completions(tokenizer)), _Injector(_completions(tokenizer))
     theirs = _run_trl(tiny_model_dir, tokenizer, trl_injector, tmp_path, **method)
     ours = _run_ours(tiny_model_dir, tokenizer, our_injector, tmp_path, monkeypatch, **method)

@@ -106,11 +106,12 @@ ENTROPY_CONTROLLER_FILE = "grpo_entropy_controller.json"
 
 
 @dataclass
-class GRPOArguments(RewardFunctionArguments):
-    """The keys of `stage: grpo` (TRL 1.16's names and defaults), plus the reward keys it inherits."""
+class GroupRolloutArguments(RewardFunctionArguments):
+    """The keys GRPO and RLOO share (TRL 1.16's names): sampling groups of completions, the generation batch, the
+    KL weight and the clip range, plus the reward keys. Each stage's own dataclass adds its keys and defaults."""
 
     num_generations: int = field(
-        default=8, metadata={"help": "Completions sampled per prompt (the group); at least 2. TRL default 8."})
+        default=8, metadata={"help": "Completions sampled per prompt (the group); at least 2. TRL default 8 (GRPO), 2 (RLOO)."})
     steps_per_generation: Optional[int] = field(
         default=None,
         metadata={"help": "Micro-batches trained per generation batch (default: gradient_accumulation_steps). "
@@ -135,6 +136,47 @@ class GRPOArguments(RewardFunctionArguments):
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the ratio: 1 - epsilon."})
     epsilon_high: Optional[float] = field(
         default=None, metadata={"help": "Upper clipping range: 1 + epsilon_high (default: epsilon; DAPO uses 0.28)."})
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "Leave completions that hit max_completion_length out of the loss (DAPO)."})
+    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts each epoch (seeded)."})
+    use_vllm: bool = field(
+        default=False,
+        metadata={"help": "Generate with vLLM in the training process (colocate mode; needs a GPU and the `vllm` "
+                          "extra: pip install 'alignkit[vllm]'). Written against vLLM 0.33's API, not run here."})
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "Share of GPU memory vLLM may take in colocate mode. TRL default 0.3."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_generations < 2:
+            raise ConfigError(f"num_generations={self.num_generations}: the stage compares completions of the same "
+                              "prompt, so it needs at least 2 (TRL's default is 8 for GRPO, 2 for RLOO).")
+        for key in ("num_iterations", "max_completion_length", "steps_per_generation", "generation_batch_size"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"{key}={value} must be at least 1.")
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            raise ConfigError("steps_per_generation and generation_batch_size are both set; set one (the other "
+                              "follows from per_device_train_batch_size).")
+        if not self.temperature > 0:
+            raise ConfigError(f"temperature={self.temperature} must be > 0: the stage samples its completions.")
+        check_sampling_knobs(self)
+        if not self.beta >= 0:
+            raise ConfigError(f"beta={self.beta} must be >= 0 (0 = no KL penalty).")
+        if not self.epsilon >= 0:
+            raise ConfigError(f"epsilon={self.epsilon} must be >= 0.")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        elif not self.epsilon_high >= 0:
+            raise ConfigError(f"epsilon_high={self.epsilon_high} must be >= 0 (default: epsilon).")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
+
+
+@dataclass
+class GRPOArguments(GroupRolloutArguments):
+    """The keys of `stage: grpo` (TRL 1.16's names and defaults): the shared ones and GRPO's loss keys."""
+
     delta: Optional[float] = field(
         default=None,
         metadata={"help": "Two-sided clipping (INTELLECT-2): also cap the unclipped ratio at delta (> 1 + epsilon). "
@@ -193,19 +235,10 @@ class GRPOArguments(RewardFunctionArguments):
         default="group",
         metadata={"help": "Divide advantages by the reward std of the group, of the whole batch, or not at all "
                           "(Dr. GRPO). TRL default group."})
-    mask_truncated_completions: bool = field(
-        default=False, metadata={"help": "Leave completions that hit max_completion_length out of the loss (DAPO)."})
     use_bias_correction_kl: bool = field(
         default=True,
         metadata={"help": "Multiply the per-token KL by the importance ratio (unbiased reverse-KL gradient, "
                           "DeepSeek-V3.2). TRL 1.16 default true; only matters with beta > 0."})
-    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts each epoch (seeded)."})
-    use_vllm: bool = field(
-        default=False,
-        metadata={"help": "Generate with vLLM in the training process (colocate mode; needs a GPU and the `vllm` "
-                          "extra: pip install 'alignkit[vllm]'). Written against vLLM 0.33's API, not run here."})
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "Share of GPU memory vLLM may take in colocate mode. TRL default 0.3."})
     vllm_importance_sampling_correction: bool = field(
         default=True,
         metadata={"help": "vLLM only (use_vllm: true); accepted for TRL configs. TRL reweights by vLLM's own "
@@ -219,29 +252,9 @@ class GRPOArguments(RewardFunctionArguments):
     vllm_importance_sampling_clip_min: Optional[float] = field(
         default=None, metadata={"help": "vLLM only; accepted, no effect (see vllm_importance_sampling_correction)."})
 
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_generations < 2:
-            raise ConfigError(f"num_generations={self.num_generations}: GRPO compares completions of the same "
-                              "prompt, so it needs at least 2 (TRL's default is 8).")
-        for key in ("num_iterations", "max_completion_length", "steps_per_generation", "generation_batch_size"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ConfigError(f"{key}={value} must be at least 1.")
-        if self.steps_per_generation is not None and self.generation_batch_size is not None:
-            raise ConfigError("steps_per_generation and generation_batch_size are both set; set one (the other "
-                              "follows from per_device_train_batch_size).")
-        if not self.temperature > 0:
-            raise ConfigError(f"temperature={self.temperature} must be > 0: GRPO samples its completions.")
-        check_sampling_knobs(self)
-        if not self.beta >= 0:
-            raise ConfigError(f"beta={self.beta} must be >= 0 (0 = no KL penalty).")
-        if not self.epsilon >= 0:
-            raise ConfigError(f"epsilon={self.epsilon} must be >= 0.")
-        if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
-        elif not self.epsilon_high >= 0:
-            raise ConfigError(f"epsilon_high={self.epsilon_high} must be >= 0 (default: epsilon).")
         if self.delta is not None and not self.delta > 1 + self.epsilon_high:
             logger.warning(f"delta={self.delta} is not above 1 + epsilon_high = {1 + self.epsilon_high}: it is meant "
                            "to cap the unclipped ratio above the clip range (INTELLECT-2 uses 4).")
@@ -260,8 +273,6 @@ class GRPOArguments(RewardFunctionArguments):
         if self.importance_sampling_level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
             logger.warning(f"importance_sampling_level sequence with loss_type {self.loss_type} weights each sequence "
                            "by its length; GSPO's own setup is loss_type: grpo.")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
 
 
 def resolve_generation_batch(per_device_train_batch_size: int, num_processes: int, num_generations: int,
@@ -294,11 +305,11 @@ def resolve_generation_batch(per_device_train_batch_size: int, num_processes: in
 
 
 def check_config(config: "Config") -> None:
-    """What `stage: grpo` refuses beyond its own keys (called after the config is parsed)."""
+    """What `stage: grpo` (and `rloo`) refuses beyond its own keys (called after the config is parsed)."""
     g, t = config.method, config.training
     if t.do_eval or t.do_predict:
-        raise ConfigError("stage grpo trains only: remove do_eval/do_predict, and measure a reward on held-out "
-                          "prompts with `alignkit eval` (greedy) before and after training.")
+        raise ConfigError(f"stage {config.finetuning.stage} trains only: remove do_eval/do_predict, and measure a "
+                          "reward on held-out prompts with `alignkit eval` (greedy) before and after training.")
     # Checked only (the Trainer derives them again from its process count): a check leaves the config as given.
     resolve_generation_batch(t.per_device_train_batch_size, launched_processes(), g.num_generations,
                              g.steps_per_generation, g.generation_batch_size, t.gradient_accumulation_steps)
@@ -385,7 +396,7 @@ class GRPOTrainer(OnlineTrainer):
     # Rewards -> advantages: the group-normalised estimator (`alignkit.rl.advantages.ADVANTAGE_ESTIMATORS`).
     advantage_estimator = "group"
 
-    def __init__(self, *args, grpo_args: GRPOArguments, reward_functions, stop_token_ids: Sequence[int],
+    def __init__(self, *args, grpo_args: GroupRolloutArguments, reward_functions, stop_token_ids: Sequence[int],
                  **kwargs) -> None:
         kwargs.setdefault("data_collator", collate_prompt_rows)
         super().__init__(*args, reward_functions=reward_functions, stop_token_ids=stop_token_ids,
@@ -414,14 +425,19 @@ class GRPOTrainer(OnlineTrainer):
         self._buffer_round: Optional[int] = None
         self._step_time = 0.0
         self._step_generation_time = 0.0
-        # The entropy bonus (TRL 1.16): on with a coefficient, or adaptive (which may bring it back from 0).
-        self._entropy_bonus_enabled = grpo_args.entropy_coef != 0.0 or grpo_args.use_adaptive_entropy
+        self._entropy_bonus_enabled = False
         self._entropy_controller: Optional[AdaptiveEntropyController] = None
-        if grpo_args.use_adaptive_entropy:
-            self._entropy_controller = AdaptiveEntropyController(
-                grpo_args.entropy_coef, grpo_args.entropy_target, grpo_args.entropy_coef_delta,
-                grpo_args.entropy_coef_min, grpo_args.entropy_coef_max)
         self._entropy_window: Optional[torch.Tensor] = None
+        self._init_loss_state()
+
+    def _init_loss_state(self) -> None:
+        """The entropy bonus (TRL 1.16): on with a coefficient, or adaptive (which may bring it back from 0)."""
+        g = self.grpo_args
+        self._entropy_bonus_enabled = g.entropy_coef != 0.0 or g.use_adaptive_entropy
+        if g.use_adaptive_entropy:
+            self._entropy_controller = AdaptiveEntropyController(g.entropy_coef, g.entropy_target,
+                                                                 g.entropy_coef_delta, g.entropy_coef_min,
+                                                                 g.entropy_coef_max)
 
     # ---- data ----
 
@@ -524,20 +540,8 @@ class GRPOTrainer(OnlineTrainer):
         prompts, completions, per_function, rewards = self.score(
             [row["prompt_messages"] for row in rows], [bool(row["prompt_conversational"]) for row in rows],
             generation.texts, columns, completion_id_lists, truncated.tolist())
-        # Groups may straddle processes: normalise over the gathered batch, then keep this process's slice.
-        gather = self.accelerator.gather
-        all_per_function, all_rewards = gather(per_function.to(device)), gather(rewards.to(device))
-        if self.grpo_args.multi_objective_aggregation == "normalize_then_sum":
-            all_advantages, std_is_zero = decoupled_group_advantages(
-                all_per_function, torch.as_tensor(self.reward_functions.weights, dtype=torch.float32),
-                self.num_generations)
-        else:
-            all_advantages, std_is_zero = self.advantages(all_rewards, self.num_generations,
-                                                          self.grpo_args.scale_rewards)
-        advantages = all_advantages[first_row:first_row + len(rows)]
-
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                 "completion_mask": completion_mask, "advantages": advantages}
+                 "completion_mask": completion_mask}
         with torch.no_grad():
             if self.needs_old_logps:
                 batch["old_logps"], _ = completion_logps(
@@ -548,6 +552,12 @@ class GRPOTrainer(OnlineTrainer):
                     batch["ref_logps"], _ = completion_logps(
                         reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
                         temperature=self.grpo_args.temperature, batch_size=self.args.per_device_train_batch_size)
+        # Groups may straddle processes: normalise over the gathered batch, then keep this process's slice.
+        gather = self.accelerator.gather
+        all_per_function, all_rewards = gather(per_function.to(device)), gather(rewards.to(device))
+        all_advantages, std_is_zero = self.compute_advantages(all_per_function, all_rewards, batch)
+        advantages = all_advantages[first_row:first_row + len(rows)]
+        batch["advantages"] = advantages
 
         all_lengths, all_truncated = gather(lengths), gather(truncated.long()).bool()
         token_counts = self.accelerator.reduce(
@@ -568,6 +578,24 @@ class GRPOTrainer(OnlineTrainer):
             piece["generation_tokens"] = generation_tokens
             slices.append(piece)
         return slices
+
+    def compute_advantages(self, all_per_function: torch.Tensor, all_rewards: torch.Tensor,
+                           batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advantages of the whole generation batch (every process's rows) from its gathered rewards.
+
+        Args:
+            all_per_function: `[N, F]` each reward function's scores, all processes.
+            all_rewards: `[N]` their weighted sum.
+            batch: this process's rows (`completion_mask`, `old_logps`, `ref_logps` when computed), for estimators
+                that fold log-probs into the reward.
+
+        Returns:
+            `(advantages [N], std_is_zero)` (for `frac_reward_zero_std`).
+        """
+        if self.grpo_args.multi_objective_aggregation == "normalize_then_sum":
+            return decoupled_group_advantages(all_per_function, self.reward_functions.weights.to(all_rewards.device),
+                                              self.num_generations)
+        return self.advantages(all_rewards, self.num_generations, self.grpo_args.scale_rewards)
 
     def _vllm_sampler(self) -> VLLMColocateSampler:
         """The colocated vLLM engine, created on first use, holding the policy's weights as of this step."""
@@ -794,8 +822,9 @@ class GRPOTrainer(OnlineTrainer):
 # ---------------------------------------------------------------------------------------------------
 
 
-def run_grpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
-    """Train the policy with GRPO as `config` says; outputs (adapter, logs, completions.jsonl) go to `output_dir`."""
+def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
+                         callbacks: list["TrainerCallback"]) -> "GRPOTrainer":
+    """Tokenizer, prompts, model and reward functions as `config` says, in a `GRPOTrainer` (or subclass: RLOO)."""
     from ..data import ChatFormatter, get_dataset
     from ..model.loader import load_model, load_tokenizer
     from ..rewards import build_reward_functions, check_reward_functions
@@ -810,7 +839,7 @@ def run_grpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     formatter = ChatFormatter(tokenizer, config.data.template)
     reward_functions = build_reward_functions(
         config.method, model=model, formatter=formatter, model_args=config.model, config_dir=config_dir)
-    trainer = GRPOTrainer(
+    return trainer_class(
         model=model,
         args=config.training,
         grpo_args=config.method,
@@ -820,11 +849,17 @@ def run_grpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
         callbacks=callbacks,
         train_dataset=datasets["train_dataset"],
     )
-    run_stage_trainer(trainer, config)
+
+
+def run_grpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
+    """Train the policy with GRPO as `config` says; outputs (adapter, logs, completions.jsonl) go to `output_dir`."""
+    run_stage_trainer(build_online_trainer(GRPOTrainer, config, callbacks), config)
 
 
 __all__ = [
+    "GroupRolloutArguments",
     "GRPOArguments",
+    "build_online_trainer",
     "check_config",
     "resolve_generation_batch",
     "GenerationBatchSampler",

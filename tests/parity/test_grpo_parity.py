@@ -100,30 +100,36 @@ class _Injector:
         return out
 
 
-def _run_trl(model_dir, tokenizer, injector, tmp_path, **method):
-    from trl import GRPOConfig, GRPOTrainer as TRLGRPOTrainer
+def _run_trl(model_dir, tokenizer, injector, tmp_path, stage="grpo", **method):
+    """TRL's GRPOTrainer (or, `stage="rloo"`, its RLOOTrainer) on the injected completions; the log per step."""
+    import trl
 
-    args = GRPOConfig(
+    config_class, trainer_class = ((trl.GRPOConfig, trl.GRPOTrainer) if stage == "grpo"
+                                   else (trl.RLOOConfig, trl.RLOOTrainer))
+    args = config_class(
         output_dir=str(tmp_path / "trl"), per_device_train_batch_size=BATCH, num_generations=NUM_GENERATIONS,
         max_completion_length=MAX_LENGTH, max_steps=STEPS, learning_rate=LR, optim="sgd",
         lr_scheduler_type="constant", logging_steps=1, report_to="none", bf16=False, use_cpu=True,
         gradient_checkpointing=False, shuffle_dataset=False, save_strategy="no", seed=0, reward_weights=[1.0, 0.5],
         **method)
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS])
-    trainer = TRLGRPOTrainer(model=model_dir, reward_funcs=[token_sum, even_length], args=args,
-                             train_dataset=dataset, processing_class=tokenizer)
+    trainer = trainer_class(model=model_dir, reward_funcs=[token_sum, even_length], args=args,
+                            train_dataset=dataset, processing_class=tokenizer)
 
-    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        return injector(prompt_ids), None
+    def generate(prompt_ids, images, multimodal_fields, num_generations=None, has_tool_images=False):
+        # GRPO's returns (completions, tool data); RLOO's the completions alone.
+        return (injector(prompt_ids), None) if stage == "grpo" else injector(prompt_ids)
 
     trainer._generate_single_turn = generate
     trainer.train()
     return {r["step"]: r for r in trainer.state.log_history if "loss" in r}
 
 
-def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, **method):
+def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, stage="grpo", trainer_class=GRPOTrainer,
+              **method):
+    """Our `trainer_class` (GRPOTrainer, or a subclass: RLOO) on the injected completions; the log per step."""
     config = parse_config({
-        "stage": "grpo", "model_name_or_path": model_dir, "dataset": "unused", "reward_funcs": "accuracy",
+        "stage": stage, "model_name_or_path": model_dir, "dataset": "unused", "reward_funcs": "accuracy",
         "output_dir": str(tmp_path / "ours"), "per_device_train_batch_size": BATCH,
         "num_generations": NUM_GENERATIONS, "max_completion_length": MAX_LENGTH, "max_steps": STEPS,
         "learning_rate": LR, "optim": "sgd", "lr_scheduler_type": "constant", "logging_steps": 1,
@@ -140,9 +146,9 @@ def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, **method):
          "prompt_conversational": True} for p, ids in zip(PROMPTS, _prompt_ids(tokenizer))])
     rewards = RewardFunctions([RewardFunction("token_sum", "token_sum", token_sum),
                                RewardFunction("even_length", "even_length", even_length)], [1.0, 0.5])
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=config.training,
-                          grpo_args=config.method, reward_functions=rewards, stop_token_ids=stop_ids,
-                          processing_class=tokenizer, train_dataset=dataset)
+    trainer = trainer_class(model=AutoModelForCausalLM.from_pretrained(model_dir), args=config.training,
+                            grpo_args=config.method, reward_functions=rewards, stop_token_ids=stop_ids,
+                            processing_class=tokenizer, train_dataset=dataset)
     trainer.train()
     return {r["step"]: r for r in trainer.state.log_history if "loss" in r}
 
@@ -175,16 +181,20 @@ def test_extra_keys_match_trl(extra, tiny_model_dir, tmp_path, monkeypatch):
     _assert_runs_match(tiny_model_dir, tokenizer, tmp_path, monkeypatch, {"num_iterations": 2, **extra})
 
 
-def _assert_runs_match(tiny_model_dir, tokenizer, tmp_path, monkeypatch, method):
+def _assert_runs_match(tiny_model_dir, tokenizer, tmp_path, monkeypatch, method, stage="grpo",
+                       trainer_class=GRPOTrainer, metrics=METRICS):
+    """Both trainers on the same injected completions: every metric of `metrics` either absent from both logs or
+    within 1e-5, at both steps (`kl` absent without `beta`)."""
     beta, num_iterations = method.get("beta", 0.0), method["num_iterations"]
     trl_injector, our_injector = _Injector(_completions(tokenizer)), _Injector(_completions(tokenizer))
-    theirs = _run_trl(tiny_model_dir, tokenizer, trl_injector, tmp_path, **method)
-    ours = _run_ours(tiny_model_dir, tokenizer, our_injector, tmp_path, monkeypatch, **method)
+    theirs = _run_trl(tiny_model_dir, tokenizer, trl_injector, tmp_path, stage=stage, **method)
+    ours = _run_ours(tiny_model_dir, tokenizer, our_injector, tmp_path, monkeypatch, stage=stage,
+                     trainer_class=trainer_class, **method)
     assert trl_injector.calls == our_injector.calls == (STEPS if num_iterations == 1 else 1)
     assert sorted(theirs) == sorted(ours) == list(range(1, STEPS + 1))
     largest = 0.0
     for step in theirs:
-        for key in METRICS:
+        for key in metrics:
             if key == "kl" and not beta:
                 assert key not in theirs[step] and key not in ours[step]
                 continue
@@ -192,6 +202,6 @@ def _assert_runs_match(tiny_model_dir, tokenizer, tmp_path, monkeypatch, method)
             if key in theirs[step]:
                 assert ours[step][key] == pytest.approx(theirs[step][key], abs=1e-5), (step, key)
                 largest = max(largest, abs(ours[step][key] - theirs[step][key]))
-    print(f"max |ours - TRL| over {len(METRICS)} metrics x {STEPS} steps: {largest:.3g}")
+    print(f"max |ours - TRL| over {len(metrics)} metrics x {STEPS} steps: {largest:.3g}")
     # Step 2 follows an update: if the loss still matches, so did the gradient.
     assert any(ours[2][k] != ours[1][k] for k in ("loss", "entropy"))

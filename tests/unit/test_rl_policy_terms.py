@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from alignkit.rl.advantages import ADVANTAGE_ESTIMATORS, decoupled_group_advantages, leave_one_out_advantages
+from alignkit.rl.kl import sequence_log_ratio
 from alignkit.rl.losses import (
     LOSS_TYPES,
     AdaptiveEntropyController,
@@ -179,3 +180,32 @@ def test_leave_one_out_advantages():
     flat, flagged = leave_one_out_advantages(torch.tensor([2.0, 2.0]), 2)
     assert flat.tolist() == [0.0, 0.0] and flagged.tolist() == [True]
     assert ADVANTAGE_ESTIMATORS["leave_one_out"] is leave_one_out_advantages
+
+
+def test_sequence_log_ratio():
+    """logps [-1, -2, -3], ref [-1.5, -1, 0], mask [1, 1, 0]: per token [0.5, -1, 0], summed -0.5 (k1 may be < 0)."""
+    per_token, per_sequence = sequence_log_ratio(torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-1.5, -1.0, 0.0]]),
+                                                 torch.tensor([[1, 1, 0]]))
+    torch.testing.assert_close(per_token, torch.tensor([[0.5, -1.0, 0.0]]))
+    torch.testing.assert_close(per_sequence, torch.tensor([-0.5]))
+
+
+def test_rloo_config_defaults_are_trl_116():
+    """Every RLOO key left unset has TRL 1.16 RLOOConfig's default; a bad clip range names the fix."""
+    from trl import RLOOConfig
+
+    from alignkit.config.parse import parse_config
+    from alignkit.errors import ConfigError
+
+    base = {"stage": "rloo", "dataset": "demo_math", "reward_funcs": "accuracy", "per_device_train_batch_size": 8}
+    method = parse_config(base).method
+    trl = RLOOConfig(output_dir="/tmp/unused", per_device_train_batch_size=8, use_cpu=True, bf16=False)
+    for key in ("num_generations", "num_iterations", "max_completion_length", "temperature", "top_p", "top_k",
+                "repetition_penalty", "beta", "epsilon", "normalize_advantages", "reward_clip_range",
+                "mask_truncated_completions", "shuffle_dataset", "use_vllm", "vllm_gpu_memory_utilization",
+                "log_completions"):
+        assert getattr(method, key) == getattr(trl, key), key
+    with pytest.raises(ConfigError, match=r"\[min, max\]"):
+        parse_config({**base, "reward_clip_range": [2, 1]})
+    with pytest.raises(ConfigError, match="applies to stage grpo, not rloo"):
+        parse_config({**base, "scale_rewards": "group"})

@@ -6,13 +6,14 @@
   (`num_generations` rows per prompt): `group_advantages` (GRPO: each reward against its group's mean and std),
   `leave_one_out_advantages` (RLOO: each reward against the mean of the *other* completions of its prompt);
   `decoupled_group_advantages` is GRPO's `normalize_then_sum` variant over the per-function rewards;
-- token estimators over a critic's values: `gae_advantages` (PPO).
+- token estimators: `reinforce_pp_advantages` (REINFORCE++: the KL folded into a token reward, returns whitened
+  over the global batch, no critic) and `gae_advantages` over a critic's values (PPO).
 Every estimator is a pure tensor function; the shapes are in each docstring.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -116,6 +117,61 @@ def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int,
     return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
 
 
+def reinforce_pp_advantages(
+    scores: torch.Tensor, logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, kl_coef: float,
+    gamma: float = 1.0, reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ advantages (Hu 2025; OpenRLHF's `advantage_estimator: reinforce`): no critic, no group baseline;
+    the KL penalty is folded into a token-level reward and the returns are whitened over the global batch.
+
+    `r_t = -kl_coef x (logp_t - ref_logp_t)` (k1, at rollout time) on each response token, plus the completion's
+    score at its last token; `G_t = r_t + gamma x G_{t+1}` (0 past the last token); then over every response
+    token of the batch (all processes, with `reduce_sum`): `A_t = (G_t - mean) / sqrt(max(var, 1e-8))`, var the
+    biased (divide by the count) variance, as OpenRLHF. 0 outside the mask. A row with no token counts nothing.
+
+    Example (kl_coef 0.1, gamma 1): scores [1, 0], logps [[-1, -2], [-1, -1]], ref [[-1.5, -1], [-1, -1]],
+    mask [[1, 1], [1, 0]]: k1 [[0.5, -1], [0, -]], rewards [[-0.05, 0.1 + 1], [0 + 0, -]];
+    returns [[-0.05 + 1.1, 1.1], [0, -]] = [[1.05, 1.1], [0, -]]; mean 2.15 / 3 = 0.716667, deviations
+    0.333333, 0.383333, -0.716667, var 0.771667 / 3 = 0.257222, std 0.507171 → A [[0.657241, 0.755827],
+    [-1.413068, 0]].
+
+    Args:
+        scores: `[N]` one score per completion (the weighted reward).
+        logps: `[N, T]` the policy's log-probs of the sampled tokens at rollout time.
+        ref_logps: `[N, T]` the reference's.
+        mask: `[N, T]` 1 on response tokens.
+        kl_coef: the KL coefficient (the stage's `beta`).
+        gamma: discount (OpenRLHF's default 1).
+        reduce_sum: sums a tensor over all processes (each holding some rows); None: this batch alone.
+
+    Returns:
+        `(advantages [N, T], returns [N, T])`.
+    """
+    mask_f = mask.to(logps.dtype)
+    rewards = -kl_coef * (logps - ref_logps) * mask_f
+    has_token = mask_f.sum(-1) > 0
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = (positions * mask.ne(0).long()).argmax(dim=1)
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    rewards = rewards.index_put((rows, last), rewards[rows, last] + torch.where(has_token, scores.to(rewards.dtype),
+                                                                                torch.zeros_like(rewards[:, 0])))
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask_f[:, t]
+        returns[:, t] = running
+    totals = torch.stack([(returns * mask_f).sum(), mask_f.sum()])
+    if reduce_sum is not None:
+        totals = reduce_sum(totals)
+    count = totals[1].clamp(min=1.0)
+    mean = totals[0] / count
+    squares = ((returns - mean) ** 2 * mask_f).sum()
+    if reduce_sum is not None:
+        squares = reduce_sum(squares)
+    advantages = (returns - mean) * (squares / count).clamp(min=1e-8).rsqrt()
+    return advantages * mask_f, returns
+
+
 def gae_advantages(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,15 +217,16 @@ def gae_advantages(
     return advantages, returns
 
 
-# name -> estimator. Outcome estimators: `(rewards [N], num_generations, scale_rewards) -> (advantages [N],
-# std_is_zero [N])`; token estimators: `(rewards [N, T], values [N, T], mask [N, T], gamma, lam) -> (advantages,
-# returns)`.
+# name -> estimator. Outcome estimators: `(rewards [N], num_generations, scale_rewards | normalize_advantages) ->
+# (advantages [N], std_is_zero)`; token estimators: `(... [N, T] ...) -> (advantages [N, T], returns [N, T])`, GAE
+# from rewards and values, REINFORCE++ from scores and log-probs (see each docstring).
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "group": group_advantages,
     "leave_one_out": leave_one_out_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
     "gae": gae_advantages,
 }
 
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "group_advantages", "decoupled_group_advantages", "leave_one_out_advantages",
-           "gae_advantages"]
+           "reinforce_pp_advantages", "gae_advantages"]

@@ -53,6 +53,11 @@ How the work is laid out, and why:
   and made GRPO steps several times slower; set `OMP_NUM_THREADS=1` there (torch reads it at start). The
   measurements: docs/performance.md, "Threads on a shared CPU".
 
+- Other algorithms on the same loop. `compute_advantages` (rewards -> advantages, the estimator of
+  `advantage_estimator`: `group`, or `reinforce_pp` with its KL folded into a token-level reward),
+  `policy_term` (the `loss_type`'s term) and `_init_loss_state` are the seams: `stages/rloo.py` overrides
+  the first, `compute_loss` and the last, and shares everything else.
+
 Defaults: every key below has TRL 1.16's default (`loss_type: dapo`, `beta: 0.0`, `num_generations: 8`,
 `max_completion_length: 512`, `temperature: 1.0`, `top_p: 1.0`, `top_k: 0`, `epsilon: 0.2`,
 `scale_rewards: group`, `use_bias_correction_kl: true`, ...). One shared key differs: `learning_rate` is the
@@ -79,8 +84,8 @@ from ..config import check_sampling_knobs
 from ..env import launched_processes
 from ..errors import ConfigError
 from ..rewards import RewardFunctionArguments
-from ..rl.advantages import decoupled_group_advantages
-from ..rl.kl import k3_kl
+from ..rl.advantages import decoupled_group_advantages, group_advantages
+from ..rl.kl import k3_kl, sequence_log_ratio
 from ..rl.losses import (CLIPPED_LOSS_TYPES, AdaptiveEntropyController, aggregate_loss, cispo_loss,
                          clipped_surrogate, entropy_bonus, high_entropy_mask, importance_log_weights,
                          off_policy_sequence_mask, sapo_loss, vespo_weights)
@@ -111,7 +116,8 @@ class GroupRolloutArguments(RewardFunctionArguments):
     KL weight and the clip range, plus the reward keys. Each stage's own dataclass adds its keys and defaults."""
 
     num_generations: int = field(
-        default=8, metadata={"help": "Completions sampled per prompt (the group); at least 2. TRL default 8 (GRPO), 2 (RLOO)."})
+        default=8,
+        metadata={"help": "Completions sampled per prompt (the group); at least 2. TRL default 8 (GRPO), 2 (RLOO)."})
     steps_per_generation: Optional[int] = field(
         default=None,
         metadata={"help": "Micro-batches trained per generation batch (default: gradient_accumulation_steps). "
@@ -231,6 +237,11 @@ class GRPOArguments(GroupRolloutArguments):
         default=None,
         metadata={"help": "Leave out of the loss completions with a negative advantage whose mean KL(sampler || "
                           "policy) exceeds this (DeepSeek-V3.2's delta, e.g. 0.5). None (default) = off."})
+    advantage_estimator: Literal["group", "reinforce_pp"] = field(
+        default="group",
+        metadata={"help": "group (default): GRPO's group-normalised advantage. reinforce_pp: REINFORCE++ (OpenRLHF's "
+                          "semantics): the KL (beta, k1 at rollout) folded into a token-level reward with the score at "
+                          "the last token, returns whitened over the whole batch; the loss then has no KL term."})
     scale_rewards: Literal["group", "batch", "none"] = field(
         default="group",
         metadata={"help": "Divide advantages by the reward std of the group, of the whole batch, or not at all "
@@ -431,8 +442,12 @@ class GRPOTrainer(OnlineTrainer):
         self._init_loss_state()
 
     def _init_loss_state(self) -> None:
-        """The entropy bonus (TRL 1.16): on with a coefficient, or adaptive (which may bring it back from 0)."""
+        """GRPO's own state: its advantage estimator key, and the entropy bonus (TRL 1.16): on with a coefficient,
+        or adaptive (which may bring it back from 0)."""
         g = self.grpo_args
+        self.advantage_estimator = g.advantage_estimator
+        if g.advantage_estimator == "reinforce_pp":
+            self.needs_old_logps = True  # the KL in the reward is taken at rollout time
         self._entropy_bonus_enabled = g.entropy_coef != 0.0 or g.use_adaptive_entropy
         if g.use_adaptive_entropy:
             self._entropy_controller = AdaptiveEntropyController(g.entropy_coef, g.entropy_target,
@@ -555,8 +570,8 @@ class GRPOTrainer(OnlineTrainer):
         # Groups may straddle processes: normalise over the gathered batch, then keep this process's slice.
         gather = self.accelerator.gather
         all_per_function, all_rewards = gather(per_function.to(device)), gather(rewards.to(device))
-        all_advantages, std_is_zero = self.compute_advantages(all_per_function, all_rewards, batch)
-        advantages = all_advantages[first_row:first_row + len(rows)]
+        advantages, std_is_zero = self.compute_advantages(all_per_function, all_rewards, batch,
+                                                          slice(first_row, first_row + len(rows)))
         batch["advantages"] = advantages
 
         all_lengths, all_truncated = gather(lengths), gather(truncated.long()).bool()
@@ -565,7 +580,8 @@ class GRPOTrainer(OnlineTrainer):
         self.state.num_input_tokens_seen += int(token_counts[0].item())
         self._record_rollout_metrics(all_per_function, all_rewards, std_is_zero, all_lengths, all_truncated)
         self.write_completions(self.completion_records(self.state.global_step + 1, prompts, completions,
-                                                       per_function, rewards, advantages))
+                                                       per_function, rewards,
+                                                       advantages if advantages.dim() == 1 else None))
 
         # Shuffle (seeded per round) so each slice mixes groups, then cut into equal slices.
         generator = torch.Generator().manual_seed(rollout_seed(self.args.seed, round_index) + 1)
@@ -580,22 +596,40 @@ class GRPOTrainer(OnlineTrainer):
         return slices
 
     def compute_advantages(self, all_per_function: torch.Tensor, all_rewards: torch.Tensor,
-                           batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advantages of the whole generation batch (every process's rows) from its gathered rewards.
+                           batch: dict[str, torch.Tensor], local: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's advantages, from the gathered rewards of the whole generation batch (every process's rows).
 
         Args:
             all_per_function: `[N, F]` each reward function's scores, all processes.
             all_rewards: `[N]` their weighted sum.
             batch: this process's rows (`completion_mask`, `old_logps`, `ref_logps` when computed), for estimators
                 that fold log-probs into the reward.
+            local: this process's rows within the N.
 
         Returns:
-            `(advantages [N], std_is_zero)` (for `frac_reward_zero_std`).
+            `(advantages, std_is_zero)`: `[n]` per completion, or `[n, C]` per token (reinforce_pp); the second
+            for `frac_reward_zero_std`.
         """
-        if self.grpo_args.multi_objective_aggregation == "normalize_then_sum":
-            return decoupled_group_advantages(all_per_function, self.reward_functions.weights.to(all_rewards.device),
-                                              self.num_generations)
-        return self.advantages(all_rewards, self.num_generations, self.grpo_args.scale_rewards)
+        g = self.grpo_args
+        if g.multi_objective_aggregation == "normalize_then_sum":
+            advantages, std_is_zero = decoupled_group_advantages(
+                all_per_function, self.reward_functions.weights.to(all_rewards.device), self.num_generations)
+            return advantages[local], std_is_zero
+        if self.advantage_estimator == "reinforce_pp":
+            mask = batch["completion_mask"]
+            old_logps = batch["old_logps"]
+            ref_logps = batch["ref_logps"] if g.beta != 0 else old_logps
+            # A completion no reward function scored gets score 0 (there is no group to leave it out of).
+            scores = torch.nan_to_num(all_rewards[local], nan=0.0)
+            advantages, _ = self.advantages(scores, old_logps, ref_logps, mask, g.beta,
+                                            reduce_sum=lambda t: self.accelerator.reduce(t, reduction="sum"))
+            if g.beta != 0:
+                _, kl = sequence_log_ratio(old_logps, ref_logps, mask)
+                totals = self.accelerator.reduce(torch.stack([kl.sum(), mask.sum().float()]), reduction="sum")
+                self.record_metrics({"kl": (totals[0] / totals[1].clamp(min=1.0)).item()}, 1)
+            return advantages, group_advantages(all_rewards, self.num_generations, g.scale_rewards)[1]
+        advantages, std_is_zero = self.advantages(all_rewards, self.num_generations, g.scale_rewards)
+        return advantages[local], std_is_zero
 
     def _vllm_sampler(self) -> VLLMColocateSampler:
         """The colocated vLLM engine, created on first use, holding the policy's weights as of this step."""
@@ -654,7 +688,7 @@ class GRPOTrainer(OnlineTrainer):
                                                                        g.off_policy_mask_threshold)
         if entropy_mask is not None:
             per_token_loss = per_token_loss * entropy_mask
-        if g.beta != 0:
+        if g.beta != 0 and self.advantage_estimator != "reinforce_pp":  # reinforce_pp has its KL in the reward
             per_token_kl = k3_kl(logps, inputs["ref_logps"])
             if g.use_bias_correction_kl:
                 per_token_kl = per_token_kl * ratio
@@ -701,14 +735,16 @@ class GRPOTrainer(OnlineTrainer):
                                                   importance_sampling_level=g.importance_sampling_level)
         elif g.loss_type == "cispo":
             per_token_loss = cispo_loss(logps, ratio, advantages, g.epsilon_high)
-            clipped = ((ratio.detach() > g.epsilon_high) & ((advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) > 0)).float()
+            per_row = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            clipped = ((ratio.detach() > g.epsilon_high) & (per_row > 0)).float()
             metrics["cispo_clip_ratio"] = self._sequence_or_token_mean(clipped, mask)
         elif g.loss_type == "sapo":
             per_token_loss = sapo_loss(ratio, advantages, g.sapo_temperature_pos, g.sapo_temperature_neg)
         else:  # vespo
             phi = vespo_weights(log_ratio, mask, advantages, g.vespo_k_pos, g.vespo_lambda_pos, g.vespo_k_neg,
                                 g.vespo_lambda_neg)
-            per_token_loss = -phi * (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * logps
+            per_row = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            per_token_loss = -phi * per_row * logps
             metrics["vespo/phi_seq_mean"] = phi.mean()
         return per_token_loss, ratio, shown_ratio
 

@@ -84,10 +84,10 @@ class RLOOTrainer(GRPOTrainer):
         self.needs_old_logps = True
 
     def _init_loss_state(self) -> None:
-        """RLOO has no entropy bonus."""
+        """RLOO has one estimator (the class's) and no entropy bonus."""
 
     def compute_advantages(self, all_per_function: torch.Tensor, all_rewards: torch.Tensor,
-                           batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                           batch: dict[str, torch.Tensor], local: slice) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.grpo_args
         rewards = all_rewards
         if g.reward_clip_range is not None:
@@ -98,7 +98,8 @@ class RLOOTrainer(GRPOTrainer):
             rewards = rewards - g.beta * self.accelerator.gather(kl)
             totals = self.accelerator.reduce(torch.stack([per_token_kl.sum(), mask.sum().float()]), reduction="sum")
             self.record_metrics({"kl": (totals[0] / totals[1].clamp(min=1.0)).item()}, 1)
-        return self.advantages(rewards, self.num_generations, g.normalize_advantages)
+        advantages, std_is_zero = self.advantages(rewards, self.num_generations, g.normalize_advantages)
+        return advantages[local], std_is_zero
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:

@@ -126,8 +126,9 @@ def _run_trl(model_dir, tokenizer, injector, tmp_path, stage="grpo", **method):
 
 
 def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, stage="grpo", trainer_class=GRPOTrainer,
-              **method):
-    """Our `trainer_class` (GRPOTrainer, or a subclass: RLOO) on the injected completions; the log per step."""
+              return_trainer=False, **method):
+    """Our `trainer_class` (GRPOTrainer, or a subclass: RLOO) on the injected completions; the log per step (and
+    the trained trainer, with `return_trainer`)."""
     config = parse_config({
         "stage": stage, "model_name_or_path": model_dir, "dataset": "unused", "reward_funcs": "accuracy",
         "output_dir": str(tmp_path / "ours"), "per_device_train_batch_size": BATCH,
@@ -150,7 +151,8 @@ def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, stage="grpo
                             grpo_args=config.method, reward_functions=rewards, stop_token_ids=stop_ids,
                             processing_class=tokenizer, train_dataset=dataset)
     trainer.train()
-    return {r["step"]: r for r in trainer.state.log_history if "loss" in r}
+    logs = {r["step"]: r for r in trainer.state.log_history if "loss" in r}
+    return (logs, trainer) if return_trainer else logs
 
 
 @pytest.mark.parametrize("num_iterations", [1, 2])

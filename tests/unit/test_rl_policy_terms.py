@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from alignkit.rl.advantages import ADVANTAGE_ESTIMATORS, decoupled_group_advantages, leave_one_out_advantages
+from alignkit.rl.advantages import (ADVANTAGE_ESTIMATORS, decoupled_group_advantages, leave_one_out_advantages,
+                                     reinforce_pp_advantages)
 from alignkit.rl.kl import sequence_log_ratio
 from alignkit.rl.losses import (
     LOSS_TYPES,
@@ -85,7 +86,8 @@ def test_vespo_gamma_weights():
     """Row 1: log-ratios 0.1 + 0.1 = 0.2, w = e^0.2 = 1.221403, A = 1 (k 2, lambda 3):
     phi = exp(3 + 2 x 0.2 - 3 x 1.221403) = exp(-0.264208) = 0.767818.
     Row 2: log w = 0 (w = 1), A = -1 (k 3, lambda 2): phi = exp(2 + 0 - 2) = 1.
-    Row 3: masked token ignored, log w = -0.5, w = 0.606531, A = -1: phi = exp(2 - 1.5 - 1.213061) = exp(-0.713061) = 0.490141."""
+    Row 3: masked token ignored, log w = -0.5, w = 0.606531, A = -1:
+    phi = exp(2 - 1.5 - 1.213061) = exp(-0.713061) = 0.490141."""
     log_ratio = torch.tensor([[0.1, 0.1], [0.0, 0.0], [-0.5, 7.0]])
     mask = torch.tensor([[1, 1], [1, 1], [1, 0]])
     phi = vespo_weights(log_ratio, mask, torch.tensor([1.0, -1.0, -1.0]), 2.0, 3.0, 3.0, 2.0)
@@ -209,3 +211,50 @@ def test_rloo_config_defaults_are_trl_116():
         parse_config({**base, "reward_clip_range": [2, 1]})
     with pytest.raises(ConfigError, match="applies to stage grpo, not rloo"):
         parse_config({**base, "scale_rewards": "group"})
+
+
+def test_reinforce_pp_advantages_by_hand():
+    """kl_coef 0.1, gamma 1: scores [1, 0], logps [[-1, -2], [-1, -1]], ref [[-1.5, -1], [-1, -1]],
+    mask [[1, 1], [1, 0]].
+    k1 = [[0.5, -1], [0, -]], token rewards -0.1 x k1 = [[-0.05, 0.1], [0, -]], scores at the last tokens:
+    [[-0.05, 1.1], [0, -]]; returns (sum to the end) [[1.05, 1.1], [0, -]].
+    Whitened over the 3 tokens: mean 2.15 / 3 = 0.716667; deviations 0.333333, 0.383333, -0.716667; biased var
+    (0.111111 + 0.146944 + 0.513611) / 3 = 0.257222, std 0.507171 → [[0.657241, 0.755827], [-1.413068, 0]].
+    gamma 0.5: returns [[-0.05 + 0.55, 1.1], [0, -]] = [[0.5, 1.1], [0, -]], mean 0.533333, var 0.606667 / 3 =
+    0.202222, std 0.449691 → [[-0.074125, 1.260119], [-1.185994, 0]]."""
+    args = (torch.tensor([1.0, 0.0]), torch.tensor([[-1.0, -2.0], [-1.0, -1.0]]),
+            torch.tensor([[-1.5, -1.0], [-1.0, -1.0]]), torch.tensor([[1, 1], [1, 0]]), 0.1)
+    advantages, returns = reinforce_pp_advantages(*args)
+    torch.testing.assert_close(returns, torch.tensor([[1.05, 1.1], [0.0, 0.0]]))
+    torch.testing.assert_close(advantages, torch.tensor([[0.657241, 0.755827], [-1.413068, 0.0]]), atol=1e-5, rtol=0)
+    discounted, _ = reinforce_pp_advantages(*args, gamma=0.5)
+    torch.testing.assert_close(discounted, torch.tensor([[-0.074125, 1.260119], [-1.185994, 0.0]]), atol=1e-5, rtol=0)
+    assert ADVANTAGE_ESTIMATORS["reinforce_pp"] is reinforce_pp_advantages
+
+
+def test_reinforce_pp_whitens_over_every_process():
+    """Rows split over two processes (reduce_sum adds both halves' sums) give the one-process advantages."""
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randn(4, generator=generator)
+    logps, ref = torch.randn(4, 5, generator=generator), torch.randn(4, 5, generator=generator)
+    mask = torch.ones(4, 5, dtype=torch.long)
+    mask[1, 3:] = 0
+    mask[2, 1:] = 0
+    whole, _ = reinforce_pp_advantages(scores, logps, ref, mask, 0.05)
+    halves = [(scores[i:i + 2], logps[i:i + 2], ref[i:i + 2], mask[i:i + 2]) for i in (0, 2)]
+
+    def reduce_sum_over(part):
+        """What the other process contributes: its own totals for the same quantity."""
+        def reduce_sum(tensor):
+            other = halves[1 - part]
+            _, other_returns = reinforce_pp_advantages(*other, 0.05)
+            other_mask = other[3].float()
+            if tensor.dim() == 1:  # (sum, count)
+                return tensor + torch.stack([(other_returns * other_mask).sum(), other_mask.sum()])
+            mean = ((returns_all * mask.float()).sum() / mask.sum())
+            return tensor + ((other_returns - mean) ** 2 * other_mask).sum()
+        return reduce_sum
+
+    _, returns_all = reinforce_pp_advantages(scores, logps, ref, mask, 0.05)
+    split = torch.cat([reinforce_pp_advantages(*halves[p], 0.05, reduce_sum=reduce_sum_over(p))[0] for p in (0, 1)])
+    torch.testing.assert_close(split, whole)

@@ -126,7 +126,7 @@ def _run_trl(model_dir, tokenizer, injector, tmp_path, stage="grpo", **method):
 
 
 def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, stage="grpo", trainer_class=GRPOTrainer,
-              return_trainer=False, **method):
+              return_trainer=False, resume_from_checkpoint=None, **method):
     """Our `trainer_class` (GRPOTrainer, or a subclass: RLOO) on the injected completions; the log per step (and
     the trained trainer, with `return_trainer`)."""
     config = parse_config({
@@ -150,7 +150,7 @@ def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, stage="grpo
     trainer = trainer_class(model=AutoModelForCausalLM.from_pretrained(model_dir), args=config.training,
                             grpo_args=config.method, reward_functions=rewards, stop_token_ids=stop_ids,
                             processing_class=tokenizer, train_dataset=dataset)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     logs = {r["step"]: r for r in trainer.state.log_history if "loss" in r}
     return (logs, trainer) if return_trainer else logs
 

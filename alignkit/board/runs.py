@@ -53,6 +53,7 @@ STAGE_METRICS = {
     "rm": ["rewards/accuracies", "rewards/margins", "eval_accuracy"],
     # The online stages share TRL's GRPO names (`alignkit.rl`); PPO adds its adaptive KL coefficient.
     "grpo": ["reward", "reward_std", "kl"],
+    "rloo": ["reward", "reward_std", "kl"],
     "ppo": ["reward", "reward_std", "kl", "objective/kl_coef"],
     "sft": ["grad_norm"],
     "pt": ["grad_norm"],
@@ -532,9 +533,9 @@ def curves(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
 
 def stage_metric_keys(stage: str, available: list[str]) -> list[str]:
     """The stage's own curves present in the log: `STAGE_METRICS` first, then per-reward-function means
-    (`rewards/<name>/mean`, GRPO/PPO)."""
+    (`rewards/<name>/mean`, GRPO/RLOO/PPO)."""
     wanted = [k for k in STAGE_METRICS.get(stage, []) if k in available]
-    if stage in ("grpo", "ppo"):
+    if stage in ("grpo", "rloo", "ppo"):
         wanted += sorted(k for k in available if k.startswith("rewards/") and k.endswith("/mean"))
     return wanted
 

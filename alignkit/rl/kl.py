@@ -1,6 +1,7 @@
 """KL to the reference: per-token estimators, PPO's KL-penalised rewards and the KL coefficient controllers.
 
 - `k3_kl`: Schulman's k3 estimator, GRPO's penalty term in the loss.
+- `sequence_log_ratio`: the sampled log-ratio per token and its sum per sequence (RLOO's KL in the reward).
 - `kl_penalty_rewards`: PPO's per-token rewards, the sampled log-ratio (k1) as a penalty, the score at the end.
 - `FixedKLController`, `AdaptiveKLController`: PPO's KL coefficient, fixed or steered to a target (Ziegler et al.).
 """
@@ -23,6 +24,25 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """
     delta = ref_logps - logps
     return torch.exp(delta) - delta - 1
+
+
+def sequence_log_ratio(logps: torch.Tensor, ref_logps: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled log-ratio (k1) per token and summed per sequence: RLOO's KL estimate (Ahmadian et al. 2024).
+
+    `kl_t = logp_t - ref_logp_t` on counted tokens (0 elsewhere; it may be negative), `kl = sum_t kl_t`.
+
+    Example: logps [[-1, -2, -3]], ref [[-1.5, -1, 0]], mask [[1, 1, 0]] → per token [[0.5, -1, 0]], sum [-0.5].
+
+    Args:
+        logps, ref_logps: `[N, C]` the policy's (at rollout) and the reference's log-probs of the same tokens.
+        mask: `[N, C]` 1 on tokens that count.
+
+    Returns:
+        `(per_token [N, C], per_sequence [N])`.
+    """
+    per_token = (logps - ref_logps) * mask.to(logps.dtype)
+    return per_token, per_token.sum(-1)
 
 
 def kl_penalty_rewards(
@@ -96,4 +116,4 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-__all__ = ["k3_kl", "kl_penalty_rewards", "FixedKLController", "AdaptiveKLController"]
+__all__ = ["k3_kl", "sequence_log_ratio", "kl_penalty_rewards", "FixedKLController", "AdaptiveKLController"]

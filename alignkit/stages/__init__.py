@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import dpo, grpo, kto, ppo, rm, sft
+from . import dpo, grpo, kto, ppo, rloo, rm, sft
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ STAGES: dict[str, Stage] = {
     "dpo": Stage("dpo", dpo.DATA_KIND, dpo.run_dpo, arguments=dpo.DPOArguments, check=dpo.check_config),
     "kto": Stage("kto", kto.DATA_KIND, kto.run_kto, arguments=kto.KTOArguments, check=kto.check_config),
     "grpo": Stage("grpo", grpo.DATA_KIND, grpo.run_grpo, arguments=grpo.GRPOArguments, check=grpo.check_config),
+    "rloo": Stage("rloo", rloo.DATA_KIND, rloo.run_rloo, arguments=rloo.RLOOArguments, check=grpo.check_config),
     "ppo": Stage("ppo", ppo.DATA_KIND, ppo.run_ppo, arguments=ppo.PPOArguments, check=ppo.check_config),
 }
 

@@ -53,6 +53,11 @@ How the work is laid out, and why:
   and made GRPO steps several times slower; set `OMP_NUM_THREADS=1` there (torch reads it at start). The
   measurements: docs/performance.md, "Threads on a shared CPU".
 
+- Other algorithms on the same loop. `compute_advantages` (rewards -> advantages, the estimator of
+  `advantage_estimator`: `group`, or `reinforce_pp` with its KL folded into a token-level reward),
+  `policy_term` (the `loss_type`'s term) and `_init_loss_state` are the seams: `stages/rloo.py` overrides
+  the first, `compute_loss` and the last, and shares everything else.
+
 Defaults: every key below has TRL 1.16's default (`loss_type: dapo`, `beta: 0.0`, `num_generations: 8`,
 `max_completion_length: 512`, `temperature: 1.0`, `top_p: 1.0`, `top_k: 0`, `epsilon: 0.2`,
 `scale_rewards: group`, `use_bias_correction_kl: true`, ...). One shared key differs: `learning_rate` is the
@@ -63,6 +68,7 @@ larger rate than that anyway, so the examples set it.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -78,8 +84,11 @@ from ..config import check_sampling_knobs
 from ..env import launched_processes
 from ..errors import ConfigError
 from ..rewards import RewardFunctionArguments
-from ..rl.kl import k3_kl
-from ..rl.losses import aggregate_loss, clipped_surrogate
+from ..rl.advantages import decoupled_group_advantages, group_advantages
+from ..rl.kl import k3_kl, sequence_log_ratio
+from ..rl.losses import (CLIPPED_LOSS_TYPES, AdaptiveEntropyController, aggregate_loss, cispo_loss,
+                         clipped_surrogate, entropy_bonus, high_entropy_mask, importance_log_weights,
+                         off_policy_sequence_mask, sapo_loss, vespo_weights)
 from ..rl.record import COMPLETIONS_FILE
 from ..rl.rollout import VLLMColocateSampler, completion_logps, rollout_seed
 from ..rl.stats import masked_mean, nan_std
@@ -97,14 +106,18 @@ logger = logging.getLogger(__name__)
 DATA_KIND = "prompt"
 
 ROLLOUT_BUFFER_FILE = "grpo_rollout_buffer.pt"
+# The adaptive entropy coefficient and the entropy it last measured (`use_adaptive_entropy`), per checkpoint.
+ENTROPY_CONTROLLER_FILE = "grpo_entropy_controller.json"
 
 
 @dataclass
-class GRPOArguments(RewardFunctionArguments):
-    """The keys of `stage: grpo` (TRL 1.16's names and defaults), plus the reward keys it inherits."""
+class GroupRolloutArguments(RewardFunctionArguments):
+    """The keys GRPO and RLOO share (TRL 1.16's names): sampling groups of completions, the generation batch, the
+    KL weight and the clip range, plus the reward keys. Each stage's own dataclass adds its keys and defaults."""
 
     num_generations: int = field(
-        default=8, metadata={"help": "Completions sampled per prompt (the group); at least 2. TRL default 8."})
+        default=8,
+        metadata={"help": "Completions sampled per prompt (the group); at least 2. TRL default 8 (GRPO), 2 (RLOO)."})
     steps_per_generation: Optional[int] = field(
         default=None,
         metadata={"help": "Micro-batches trained per generation batch (default: gradient_accumulation_steps). "
@@ -129,21 +142,8 @@ class GRPOArguments(RewardFunctionArguments):
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the ratio: 1 - epsilon."})
     epsilon_high: Optional[float] = field(
         default=None, metadata={"help": "Upper clipping range: 1 + epsilon_high (default: epsilon; DAPO uses 0.28)."})
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = field(
-        default="dapo",
-        metadata={"help": "Token-loss aggregation: dapo (default: over the generation batch's tokens), grpo (per "
-                          "sequence, then mean), dr_grpo (over batch x max_completion_length), bnpo (over the "
-                          "micro-batch's tokens)."})
-    scale_rewards: Literal["group", "batch", "none"] = field(
-        default="group",
-        metadata={"help": "Divide advantages by the reward std of the group, of the whole batch, or not at all "
-                          "(Dr. GRPO). TRL default group."})
     mask_truncated_completions: bool = field(
         default=False, metadata={"help": "Leave completions that hit max_completion_length out of the loss (DAPO)."})
-    use_bias_correction_kl: bool = field(
-        default=True,
-        metadata={"help": "Multiply the per-token KL by the importance ratio (unbiased reverse-KL gradient, "
-                          "DeepSeek-V3.2). TRL 1.16 default true; only matters with beta > 0."})
     shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts each epoch (seeded)."})
     use_vllm: bool = field(
         default=False,
@@ -155,8 +155,8 @@ class GRPOArguments(RewardFunctionArguments):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.num_generations < 2:
-            raise ConfigError(f"num_generations={self.num_generations}: GRPO compares completions of the same "
-                              "prompt, so it needs at least 2 (TRL's default is 8).")
+            raise ConfigError(f"num_generations={self.num_generations}: the stage compares completions of the same "
+                              "prompt, so it needs at least 2 (TRL's default is 8 for GRPO, 2 for RLOO).")
         for key in ("num_iterations", "max_completion_length", "steps_per_generation", "generation_batch_size"):
             value = getattr(self, key)
             if value is not None and value < 1:
@@ -165,7 +165,7 @@ class GRPOArguments(RewardFunctionArguments):
             raise ConfigError("steps_per_generation and generation_batch_size are both set; set one (the other "
                               "follows from per_device_train_batch_size).")
         if not self.temperature > 0:
-            raise ConfigError(f"temperature={self.temperature} must be > 0: GRPO samples its completions.")
+            raise ConfigError(f"temperature={self.temperature} must be > 0: the stage samples its completions.")
         check_sampling_knobs(self)
         if not self.beta >= 0:
             raise ConfigError(f"beta={self.beta} must be >= 0 (0 = no KL penalty).")
@@ -177,6 +177,113 @@ class GRPOArguments(RewardFunctionArguments):
             raise ConfigError(f"epsilon_high={self.epsilon_high} must be >= 0 (default: epsilon).")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
+
+
+@dataclass
+class GRPOArguments(GroupRolloutArguments):
+    """The keys of `stage: grpo` (TRL 1.16's names and defaults): the shared ones and GRPO's loss keys."""
+
+    delta: Optional[float] = field(
+        default=None,
+        metadata={"help": "Two-sided clipping (INTELLECT-2): also cap the unclipped ratio at delta (> 1 + epsilon). "
+                          "None (default) = off."})
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = field(
+        default="dapo",
+        metadata={"help": "Policy term and token-loss aggregation: dapo (default: clipped, over the generation "
+                          "batch's tokens), grpo (per sequence, then mean), dr_grpo (over batch x "
+                          "max_completion_length), bnpo (over the micro-batch's tokens), cispo (clipped weight x "
+                          "log-prob, MiniMax-M1; epsilon_high is the cap, e.g. 5.0), sapo (soft gate, SAPO), luspo "
+                          "(sequence sums, LUSPO; use importance_sampling_level: sequence), vespo (Gamma-weighted "
+                          "sequence ratio, VESPO). TRL 1.16's eight."})
+    importance_sampling_level: Literal["token", "sequence"] = field(
+        default="token",
+        metadata={"help": "Importance ratio per token, or one per sequence (the mean log-ratio: GSPO). TRL default "
+                          "token."})
+    sapo_temperature_neg: float = field(
+        default=1.05, metadata={"help": "loss_type sapo: gate temperature for non-positive advantages. TRL 1.05."})
+    sapo_temperature_pos: float = field(
+        default=1.0, metadata={"help": "loss_type sapo: gate temperature for positive advantages. TRL 1.0."})
+    vespo_k_pos: float = field(
+        default=2.0, metadata={"help": "loss_type vespo: power k for non-negative advantages. TRL 2.0."})
+    vespo_lambda_pos: float = field(
+        default=3.0, metadata={"help": "loss_type vespo: decay lambda for non-negative advantages. TRL 3.0."})
+    vespo_k_neg: float = field(
+        default=3.0, metadata={"help": "loss_type vespo: power k for negative advantages. TRL 3.0."})
+    vespo_lambda_neg: float = field(
+        default=2.0, metadata={"help": "loss_type vespo: decay lambda for negative advantages. TRL 2.0."})
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = field(
+        default="sum_then_normalize",
+        metadata={"help": "Several reward functions: sum the weighted rewards, then normalise (default), or "
+                          "normalise each function within its group, sum, and normalise over the batch (GDPO)."})
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={"help": "Keep in the policy loss only the top share of tokens by entropy (rho of 'Beyond the "
+                          "80/20 rule', which recommends 0.2); 1.0 (default) keeps all, 0.0 only the highest."})
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={"help": "Weight of an entropy bonus (the mean token entropy, subtracted from the loss); 0 = off. "
+                          "With use_adaptive_entropy, the starting coefficient."})
+    use_adaptive_entropy: bool = field(
+        default=False,
+        metadata={"help": "Steer entropy_coef each step (Skywork-OR1): up by entropy_coef_delta while the entropy "
+                          "is at most entropy_target, down otherwise; applied only while at most the target."})
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "use_adaptive_entropy: lowest coefficient."})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "use_adaptive_entropy: highest coefficient."})
+    entropy_coef_delta: float = field(
+        default=0.005, metadata={"help": "use_adaptive_entropy: change of the coefficient per step. TRL 0.005."})
+    entropy_target: float = field(
+        default=0.2, metadata={"help": "use_adaptive_entropy: target mean token entropy (nats). TRL 0.2."})
+    off_policy_mask_threshold: Optional[float] = field(
+        default=None,
+        metadata={"help": "Leave out of the loss completions with a negative advantage whose mean KL(sampler || "
+                          "policy) exceeds this (DeepSeek-V3.2's delta, e.g. 0.5). None (default) = off."})
+    advantage_estimator: Literal["group", "reinforce_pp"] = field(
+        default="group",
+        metadata={"help": "group (default): GRPO's group-normalised advantage. reinforce_pp: REINFORCE++ (OpenRLHF's "
+                          "semantics): the KL (beta, k1 at rollout) folded into a token-level reward with the score at "
+                          "the last token, returns whitened over the whole batch; the loss then has no KL term."})
+    scale_rewards: Literal["group", "batch", "none"] = field(
+        default="group",
+        metadata={"help": "Divide advantages by the reward std of the group, of the whole batch, or not at all "
+                          "(Dr. GRPO). TRL default group."})
+    use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={"help": "Multiply the per-token KL by the importance ratio (unbiased reverse-KL gradient, "
+                          "DeepSeek-V3.2). TRL 1.16 default true; only matters with beta > 0."})
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={"help": "vLLM only (use_vllm: true); accepted for TRL configs. TRL reweights by vLLM's own "
+                          "sampling log-probs; alignkit's vLLM path does not (it takes the ratio against the "
+                          "trainer's log-probs), so this has no effect."})
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
+        field(default="sequence_mask",
+              metadata={"help": "vLLM only; accepted, no effect (see vllm_importance_sampling_correction)."})
+    vllm_importance_sampling_clip_max: Optional[float] = field(
+        default=3.0, metadata={"help": "vLLM only; accepted, no effect (see vllm_importance_sampling_correction)."})
+    vllm_importance_sampling_clip_min: Optional[float] = field(
+        default=None, metadata={"help": "vLLM only; accepted, no effect (see vllm_importance_sampling_correction)."})
+
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.delta is not None and not self.delta > 1 + self.epsilon_high:
+            logger.warning(f"delta={self.delta} is not above 1 + epsilon_high = {1 + self.epsilon_high}: it is meant "
+                           "to cap the unclipped ratio above the clip range (INTELLECT-2 uses 4).")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ConfigError(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1 = every token).")
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
+            raise ConfigError(f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be > 0 (e.g. 0.5), "
+                              "or unset it.")
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ConfigError(f"entropy_coef_min={self.entropy_coef_min} is above entropy_coef_max="
+                              f"{self.entropy_coef_max}.")
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            logger.warning("loss_type luspo: the LUSPO paper uses importance_sampling_level: sequence.")
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            logger.warning("loss_type vespo computes its own sequence weight: set importance_sampling_level: token.")
+        if self.importance_sampling_level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            logger.warning(f"importance_sampling_level sequence with loss_type {self.loss_type} weights each sequence "
+                           "by its length; GSPO's own setup is loss_type: grpo.")
 
 
 def resolve_generation_batch(per_device_train_batch_size: int, num_processes: int, num_generations: int,
@@ -209,11 +316,11 @@ def resolve_generation_batch(per_device_train_batch_size: int, num_processes: in
 
 
 def check_config(config: "Config") -> None:
-    """What `stage: grpo` refuses beyond its own keys (called after the config is parsed)."""
+    """What `stage: grpo` (and `rloo`) refuses beyond its own keys (called after the config is parsed)."""
     g, t = config.method, config.training
     if t.do_eval or t.do_predict:
-        raise ConfigError("stage grpo trains only: remove do_eval/do_predict, and measure a reward on held-out "
-                          "prompts with `alignkit eval` (greedy) before and after training.")
+        raise ConfigError(f"stage {config.finetuning.stage} trains only: remove do_eval/do_predict, and measure a "
+                          "reward on held-out prompts with `alignkit eval` (greedy) before and after training.")
     # Checked only (the Trainer derives them again from its process count): a check leaves the config as given.
     resolve_generation_batch(t.per_device_train_batch_size, launched_processes(), g.num_generations,
                              g.steps_per_generation, g.generation_batch_size, t.gradient_accumulation_steps)
@@ -300,7 +407,7 @@ class GRPOTrainer(OnlineTrainer):
     # Rewards -> advantages: the group-normalised estimator (`alignkit.rl.advantages.ADVANTAGE_ESTIMATORS`).
     advantage_estimator = "group"
 
-    def __init__(self, *args, grpo_args: GRPOArguments, reward_functions, stop_token_ids: Sequence[int],
+    def __init__(self, *args, grpo_args: GroupRolloutArguments, reward_functions, stop_token_ids: Sequence[int],
                  **kwargs) -> None:
         kwargs.setdefault("data_collator", collate_prompt_rows)
         super().__init__(*args, reward_functions=reward_functions, stop_token_ids=stop_token_ids,
@@ -329,6 +436,23 @@ class GRPOTrainer(OnlineTrainer):
         self._buffer_round: Optional[int] = None
         self._step_time = 0.0
         self._step_generation_time = 0.0
+        self._entropy_bonus_enabled = False
+        self._entropy_controller: Optional[AdaptiveEntropyController] = None
+        self._entropy_window: Optional[torch.Tensor] = None
+        self._init_loss_state()
+
+    def _init_loss_state(self) -> None:
+        """GRPO's own state: its advantage estimator key, and the entropy bonus (TRL 1.16): on with a coefficient,
+        or adaptive (which may bring it back from 0)."""
+        g = self.grpo_args
+        self.advantage_estimator = g.advantage_estimator
+        if g.advantage_estimator == "reinforce_pp":
+            self.needs_old_logps = True  # the KL in the reward is taken at rollout time
+        self._entropy_bonus_enabled = g.entropy_coef != 0.0 or g.use_adaptive_entropy
+        if g.use_adaptive_entropy:
+            self._entropy_controller = AdaptiveEntropyController(g.entropy_coef, g.entropy_target,
+                                                                 g.entropy_coef_delta, g.entropy_coef_min,
+                                                                 g.entropy_coef_max)
 
     # ---- data ----
 
@@ -431,15 +555,8 @@ class GRPOTrainer(OnlineTrainer):
         prompts, completions, per_function, rewards = self.score(
             [row["prompt_messages"] for row in rows], [bool(row["prompt_conversational"]) for row in rows],
             generation.texts, columns, completion_id_lists, truncated.tolist())
-        # Groups may straddle processes: normalise over the gathered batch, then keep this process's slice.
-        gather = self.accelerator.gather
-        all_per_function, all_rewards = gather(per_function.to(device)), gather(rewards.to(device))
-        all_advantages, std_is_zero = self.advantages(all_rewards, self.num_generations,
-                                                      self.grpo_args.scale_rewards)
-        advantages = all_advantages[first_row:first_row + len(rows)]
-
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                 "completion_mask": completion_mask, "advantages": advantages}
+                 "completion_mask": completion_mask}
         with torch.no_grad():
             if self.needs_old_logps:
                 batch["old_logps"], _ = completion_logps(
@@ -450,6 +567,12 @@ class GRPOTrainer(OnlineTrainer):
                     batch["ref_logps"], _ = completion_logps(
                         reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
                         temperature=self.grpo_args.temperature, batch_size=self.args.per_device_train_batch_size)
+        # Groups may straddle processes: normalise over the gathered batch, then keep this process's slice.
+        gather = self.accelerator.gather
+        all_per_function, all_rewards = gather(per_function.to(device)), gather(rewards.to(device))
+        advantages, std_is_zero = self.compute_advantages(all_per_function, all_rewards, batch,
+                                                          slice(first_row, first_row + len(rows)))
+        batch["advantages"] = advantages
 
         all_lengths, all_truncated = gather(lengths), gather(truncated.long()).bool()
         token_counts = self.accelerator.reduce(
@@ -457,7 +580,8 @@ class GRPOTrainer(OnlineTrainer):
         self.state.num_input_tokens_seen += int(token_counts[0].item())
         self._record_rollout_metrics(all_per_function, all_rewards, std_is_zero, all_lengths, all_truncated)
         self.write_completions(self.completion_records(self.state.global_step + 1, prompts, completions,
-                                                       per_function, rewards, advantages))
+                                                       per_function, rewards,
+                                                       advantages if advantages.dim() == 1 else None))
 
         # Shuffle (seeded per round) so each slice mixes groups, then cut into equal slices.
         generator = torch.Generator().manual_seed(rollout_seed(self.args.seed, round_index) + 1)
@@ -470,6 +594,42 @@ class GRPOTrainer(OnlineTrainer):
             piece["generation_tokens"] = generation_tokens
             slices.append(piece)
         return slices
+
+    def compute_advantages(self, all_per_function: torch.Tensor, all_rewards: torch.Tensor,
+                           batch: dict[str, torch.Tensor], local: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's advantages, from the gathered rewards of the whole generation batch (every process's rows).
+
+        Args:
+            all_per_function: `[N, F]` each reward function's scores, all processes.
+            all_rewards: `[N]` their weighted sum.
+            batch: this process's rows (`completion_mask`, `old_logps`, `ref_logps` when computed), for estimators
+                that fold log-probs into the reward.
+            local: this process's rows within the N.
+
+        Returns:
+            `(advantages, std_is_zero)`: `[n]` per completion, or `[n, C]` per token (reinforce_pp); the second
+            for `frac_reward_zero_std`.
+        """
+        g = self.grpo_args
+        if g.multi_objective_aggregation == "normalize_then_sum":
+            advantages, std_is_zero = decoupled_group_advantages(
+                all_per_function, self.reward_functions.weights.to(all_rewards.device), self.num_generations)
+            return advantages[local], std_is_zero
+        if self.advantage_estimator == "reinforce_pp":
+            mask = batch["completion_mask"]
+            old_logps = batch["old_logps"]
+            ref_logps = batch["ref_logps"] if g.beta != 0 else old_logps
+            # A completion no reward function scored gets score 0 (there is no group to leave it out of).
+            scores = torch.nan_to_num(all_rewards[local], nan=0.0)
+            advantages, _ = self.advantages(scores, old_logps, ref_logps, mask, g.beta,
+                                            reduce_sum=lambda t: self.accelerator.reduce(t, reduction="sum"))
+            if g.beta != 0:
+                _, kl = sequence_log_ratio(old_logps, ref_logps, mask)
+                totals = self.accelerator.reduce(torch.stack([kl.sum(), mask.sum().float()]), reduction="sum")
+                self.record_metrics({"kl": (totals[0] / totals[1].clamp(min=1.0)).item()}, 1)
+            return advantages, group_advantages(all_rewards, self.num_generations, g.scale_rewards)[1]
+        advantages, std_is_zero = self.advantages(all_rewards, self.num_generations, g.scale_rewards)
+        return advantages[local], std_is_zero
 
     def _vllm_sampler(self) -> VLLMColocateSampler:
         """The colocated vLLM engine, created on first use, holding the policy's weights as of this step."""
@@ -517,9 +677,18 @@ class GRPOTrainer(OnlineTrainer):
                                           with_entropy=True)
         old_logps = inputs.get("old_logps", logps.detach())
         advantages = inputs["advantages"]
-        per_token_loss, ratio = clipped_surrogate(logps, old_logps, advantages, g.epsilon, g.epsilon_high)
+        entropy_mask = None
+        if g.top_entropy_quantile < 1.0:
+            entropy_mask = high_entropy_mask(entropy, mask, g.top_entropy_quantile,
+                                             all_entropies=self._gather_counted(entropy.detach(), mask))
         metrics: dict[str, torch.Tensor] = {}
-        if g.beta != 0:
+        per_token_loss, ratio, shown_ratio = self.policy_term(logps, old_logps, advantages, mask, metrics)
+        if g.off_policy_mask_threshold is not None:
+            per_token_loss = per_token_loss * off_policy_sequence_mask(advantages, logps, old_logps, mask,
+                                                                       g.off_policy_mask_threshold)
+        if entropy_mask is not None:
+            per_token_loss = per_token_loss * entropy_mask
+        if g.beta != 0 and self.advantage_estimator != "reinforce_pp":  # reinforce_pp has its KL in the reward
             per_token_kl = k3_kl(logps, inputs["ref_logps"])
             if g.use_bias_correction_kl:
                 per_token_kl = per_token_kl * ratio
@@ -530,29 +699,82 @@ class GRPOTrainer(OnlineTrainer):
             # The micro-batch over all processes, each process's share (see `aggregate_loss`).
             micro_batch_tokens = self.accelerator.reduce(mask.sum().detach().float(), reduction="sum").item() \
                 / self.accelerator.num_processes
+        accumulation_steps = self.current_gradient_accumulation_steps
         loss = aggregate_loss(per_token_loss, mask, g.loss_type,
-                              accumulation_steps=self.current_gradient_accumulation_steps,
+                              accumulation_steps=accumulation_steps,
                               steps_per_generation=self.steps_per_generation,
                               generation_tokens=inputs["generation_tokens"],
                               max_completion_length=g.max_completion_length,
                               micro_batch_tokens=micro_batch_tokens)
+        if self._entropy_bonus_enabled:
+            loss = self._add_entropy_bonus(loss, entropy, mask if entropy_mask is None else mask * entropy_mask,
+                                           metrics)
+        metrics["entropy"] = masked_mean(entropy, mask)
+        if g.loss_type in CLIPPED_LOSS_TYPES:
+            self._clip_metrics(shown_ratio.detach(), advantages, mask, metrics)
+        self.record_metrics(metrics, 1)
+        return loss
 
-        ratio = ratio.detach()
-        adv = advantages.unsqueeze(1)
+    def policy_term(self, logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, metrics: dict[str, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The `loss_type`'s policy term per token (`rl.losses`), before masks, KL and aggregation.
+
+        Returns:
+            `(per_token_loss [N, C] or [N, 1], ratio, shown_ratio)`: the importance ratio (per token, or `[N, 1]`
+            per sequence) that weighs the KL; the ratio the clip metrics count (capped at `delta` when set, as TRL
+            counts it).
+        """
+        g = self.grpo_args
+        log_ratio = logps - old_logps
+        ratio = torch.exp(importance_log_weights(log_ratio, mask, g.importance_sampling_level))
+        shown_ratio = ratio if g.delta is None else torch.clamp(ratio, max=g.delta)
+        if g.loss_type in CLIPPED_LOSS_TYPES:
+            per_token_loss, _ = clipped_surrogate(logps, old_logps, advantages, g.epsilon, g.epsilon_high,
+                                                  delta=g.delta, mask=mask,
+                                                  importance_sampling_level=g.importance_sampling_level)
+        elif g.loss_type == "cispo":
+            per_token_loss = cispo_loss(logps, ratio, advantages, g.epsilon_high)
+            per_row = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            clipped = ((ratio.detach() > g.epsilon_high) & (per_row > 0)).float()
+            metrics["cispo_clip_ratio"] = self._sequence_or_token_mean(clipped, mask)
+        elif g.loss_type == "sapo":
+            per_token_loss = sapo_loss(ratio, advantages, g.sapo_temperature_pos, g.sapo_temperature_neg)
+        else:  # vespo
+            phi = vespo_weights(log_ratio, mask, advantages, g.vespo_k_pos, g.vespo_lambda_pos, g.vespo_k_neg,
+                                g.vespo_lambda_neg)
+            per_row = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            per_token_loss = -phi * per_row * logps
+            metrics["vespo/phi_seq_mean"] = phi.mean()
+        return per_token_loss, ratio, shown_ratio
+
+    @staticmethod
+    def _sequence_or_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """A metric's mean: over rows for a per-sequence `[N, 1]` value, over counted tokens for `[N, C]`."""
+        return values.mean() if values.shape[1] == 1 else masked_mean(values, mask)
+
+    def _clip_metrics(self, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      metrics: dict[str, torch.Tensor]) -> None:
+        """TRL 1.16's clip shares of the clipped surrogate: means, and the lowest / highest share of one completion."""
+        g = self.grpo_args
+        adv = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages)
         low = ((ratio < 1 - g.epsilon) & (adv < 0)).float()
         high = ((ratio > 1 + g.epsilon_high) & (adv > 0)).float()
-        # Per-completion clip shares, over completions with at least one token that counts (TRL's nanmin/nanmax).
-        counted = mask.sum(-1) > 0
-        row_tokens = mask.sum(-1).clamp(min=1)
-        low_rows, high_rows = ((low * mask).sum(-1) / row_tokens)[counted], ((high * mask).sum(-1) / row_tokens)[counted]
         metrics.update({
-            "entropy": masked_mean(entropy, mask),
-            "clip_ratio/low_mean": masked_mean(low, mask),
-            "clip_ratio/high_mean": masked_mean(high, mask),
-            "clip_ratio/region_mean": masked_mean(torch.maximum(low, high), mask),
+            "clip_ratio/low_mean": self._sequence_or_token_mean(low, mask),
+            "clip_ratio/high_mean": self._sequence_or_token_mean(high, mask),
+            "clip_ratio/region_mean": self._sequence_or_token_mean(torch.maximum(low, high), mask),
         })
-        low_min = low_rows.min() if counted.any() else torch.tensor(math.inf, device=mask.device)
-        high_max = high_rows.max() if counted.any() else torch.tensor(-math.inf, device=mask.device)
+        if ratio.shape[1] == 1:  # one value per completion already
+            low_rows, high_rows = low.squeeze(1), high.squeeze(1)
+        else:
+            # Per-completion clip shares, over completions with a token that counts (TRL's nanmin/nanmax).
+            counted = mask.sum(-1) > 0
+            row_tokens = mask.sum(-1).clamp(min=1)
+            low_rows = ((low * mask).sum(-1) / row_tokens)[counted]
+            high_rows = ((high * mask).sum(-1) / row_tokens)[counted]
+        low_min = low_rows.min() if low_rows.numel() else torch.tensor(math.inf, device=mask.device)
+        high_max = high_rows.max() if high_rows.numel() else torch.tensor(-math.inf, device=mask.device)
         if self.accelerator.num_processes > 1:
             # Over the micro-batch of every process, as TRL takes them (the min of the gathered values).
             low_min, high_max = low_min.detach().clone(), high_max.detach().clone()
@@ -560,7 +782,36 @@ class GRPOTrainer(OnlineTrainer):
             torch.distributed.all_reduce(high_max, op=torch.distributed.ReduceOp.MAX)
         if math.isfinite(low_min.item()):
             metrics.update({"clip_ratio/low_min": low_min, "clip_ratio/high_max": high_max})
-        self.record_metrics(metrics, 1)
+
+    def _gather_counted(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The values at counted tokens of every process's micro-batch (for the entropy quantile)."""
+        local = values[mask.bool()].float()
+        if self.accelerator.num_processes == 1:
+            return local
+        # Entropies are >= 0, so a negative pad cannot be mistaken for one.
+        gathered = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=-1e9))
+        return gathered[gathered != -1e9]
+
+    def _add_entropy_bonus(self, loss: torch.Tensor, entropy: torch.Tensor, effective_mask: torch.Tensor,
+                           metrics: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`loss - coef x mean token entropy` (`rl.losses.entropy_bonus`), the coefficient fixed or adaptive."""
+        g = self.grpo_args
+        accumulation_steps = self.current_gradient_accumulation_steps
+        # The policy loss alone, as TRL logs it: undivided for the per-micro-batch normalisations.
+        scale = 1 if g.loss_type in ("dapo", "cispo", "vespo") else accumulation_steps
+        metrics["policy_loss"] = loss.detach() * scale
+        controller = self._entropy_controller
+        coef = controller.applied() if controller is not None else g.entropy_coef
+        loss = loss - coef * entropy_bonus(entropy, effective_mask, accumulation_steps)
+        if controller is not None:
+            stats = torch.stack([(entropy * effective_mask).sum(), effective_mask.sum()]).detach()
+            self._entropy_window = stats if self._entropy_window is None else self._entropy_window + stats
+            if self.accelerator.sync_gradients:
+                total = self.accelerator.reduce(self._entropy_window, reduction="sum")
+                controller.update((total[0] / total[1].clamp(min=1.0)).item())
+                self._entropy_window = None
+        if self.accelerator.sync_gradients:
+            metrics["entropy_coef"] = torch.tensor(controller.coef if controller is not None else g.entropy_coef)
         return loss
 
     # ---- checkpoints ----
@@ -576,6 +827,8 @@ class GRPOTrainer(OnlineTrainer):
             torch.save({"round": self._buffer_round, "slices": [{k: v.cpu() for k, v in s.items()}
                                                                 for s in self._buffer]}, tmp)
             os.replace(tmp, path)
+        if self._entropy_controller is not None and self.accelerator.is_main_process:
+            (Path(output_dir) / ENTROPY_CONTROLLER_FILE).write_text(json.dumps(self._entropy_controller.state_dict()))
 
     def _rollout_buffer_name(self) -> str:
         """`grpo_rollout_buffer.pt` in one process; `grpo_rollout_buffer_<rank>.pt` with several (like the
@@ -590,6 +843,9 @@ class GRPOTrainer(OnlineTrainer):
         self._buffer = self._buffer_round = None
         if checkpoint is None:
             return
+        controller_path = Path(checkpoint) / ENTROPY_CONTROLLER_FILE
+        if self._entropy_controller is not None and controller_path.is_file():
+            self._entropy_controller.load_state_dict(json.loads(controller_path.read_text()))
         path = Path(checkpoint) / self._rollout_buffer_name()
         if path.is_file():
             saved = torch.load(path, weights_only=True)
@@ -602,8 +858,9 @@ class GRPOTrainer(OnlineTrainer):
 # ---------------------------------------------------------------------------------------------------
 
 
-def run_grpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
-    """Train the policy with GRPO as `config` says; outputs (adapter, logs, completions.jsonl) go to `output_dir`."""
+def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
+                         callbacks: list["TrainerCallback"]) -> "GRPOTrainer":
+    """Tokenizer, prompts, model and reward functions as `config` says, in a `GRPOTrainer` (or subclass: RLOO)."""
     from ..data import ChatFormatter, get_dataset
     from ..model.loader import load_model, load_tokenizer
     from ..rewards import build_reward_functions, check_reward_functions
@@ -618,7 +875,7 @@ def run_grpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     formatter = ChatFormatter(tokenizer, config.data.template)
     reward_functions = build_reward_functions(
         config.method, model=model, formatter=formatter, model_args=config.model, config_dir=config_dir)
-    trainer = GRPOTrainer(
+    return trainer_class(
         model=model,
         args=config.training,
         grpo_args=config.method,
@@ -628,11 +885,17 @@ def run_grpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
         callbacks=callbacks,
         train_dataset=datasets["train_dataset"],
     )
-    run_stage_trainer(trainer, config)
+
+
+def run_grpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
+    """Train the policy with GRPO as `config` says; outputs (adapter, logs, completions.jsonl) go to `output_dir`."""
+    run_stage_trainer(build_online_trainer(GRPOTrainer, config, callbacks), config)
 
 
 __all__ = [
+    "GroupRolloutArguments",
     "GRPOArguments",
+    "build_online_trainer",
     "check_config",
     "resolve_generation_batch",
     "GenerationBatchSampler",

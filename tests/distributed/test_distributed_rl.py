@@ -1,4 +1,5 @@
-"""GRPO and PPO under torchrun on the CPU (gloo): 2 processes x batch b must equal 1 process x batch 2b.
+"""GRPO (with REINFORCE++), RLOO and PPO under torchrun on the CPU (gloo): 2 processes x batch b must equal 1 process
+x batch 2b.
 
 Generation samples (temperature 1), but each completion is drawn under a seed of its own, from the round and
 its place in the global batch (`alignkit.rl.rollout.row_seeds`), so the same completions come out
@@ -168,3 +169,19 @@ def test_ppo_fsdp2_full_policy_equals_one(dist, reward):
     fsdp = dist.train(_ppo(dist, reward, "ppo_full_fsdp2", 2, **keys, **FSDP2), nproc=2, cpu_gates=True)
     _compare(dist, single, fsdp, keys=("loss", "objective/kl", "grad_norm"))
     assert not any(name.startswith("v_head.") for name in fsdp.weights())
+
+
+@pytest.mark.parametrize("stage, keys", [("rloo", {}), ("grpo", {"advantage_estimator": "reinforce_pp"})],
+                         ids=["rloo", "grpo-reinforce_pp"])
+def test_rloo_and_reinforce_pp_two_processes_equal_one(dist, reward, stage, keys):
+    """RLOO's KL-folded leave-one-out advantages and REINFORCE++'s batch-wide whitening are taken over every
+    process's rows: 2 processes x batch 2 train as 1 process x batch 4 (groups straddle the processes)."""
+    name = f"{stage}_{keys.get('advantage_estimator', 'loo')}"
+
+    def config(suffix, batch):
+        return dist.config(stage, f"{name}_{suffix}", dataset="demo_math", per_device_train_batch_size=batch,
+                           num_generations=4, max_completion_length=6, max_steps=3, learning_rate=2e-2, beta=0.05,
+                           reward_funcs=[reward], **keys)
+
+    single, double = dist.train(config("1p", 4)), dist.train(config("2p", 2), nproc=2)
+    _compare(dist, single, double, keys=("loss", "reward", "kl"))

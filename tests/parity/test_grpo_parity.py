@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from alignkit.config.parse import parse_config
 from alignkit.rewards import RewardFunction, RewardFunctions
+from alignkit.rl.losses import LOSS_TYPES
 from alignkit.stages import online as online_module
 from alignkit.stages.grpo import GRPOTrainer
 from alignkit.rl.rollout import generation_from_token_lists
@@ -37,7 +38,17 @@ METRICS = ("loss", "reward", "reward_std", "frac_reward_zero_std", "rewards/toke
            "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
            "completions/mean_terminated_length", "completions/min_terminated_length",
            "completions/max_terminated_length", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
-           "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max")
+           "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio",
+           "vespo/phi_seq_mean", "policy_loss", "entropy_coef")
+
+
+@pytest.fixture(autouse=True)
+def _no_collect_per_train(monkeypatch):
+    """`Trainer.train` starts with `accelerator.free_memory()`, whose `gc.collect()` takes about a second in a
+    test process this large; on the CPU it frees nothing a fresh trainer needs, so the 128 trainings skip it."""
+    import accelerate.utils.memory
+
+    monkeypatch.setattr(accelerate.utils.memory, "clear_device_cache", lambda garbage_collection=False: None)
 
 
 def token_sum(completions, completion_ids, **kwargs):
@@ -89,30 +100,37 @@ class _Injector:
         return out
 
 
-def _run_trl(model_dir, tokenizer, injector, tmp_path, **method):
-    from trl import GRPOConfig, GRPOTrainer as TRLGRPOTrainer
+def _run_trl(model_dir, tokenizer, injector, tmp_path, stage="grpo", **method):
+    """TRL's GRPOTrainer (or, `stage="rloo"`, its RLOOTrainer) on the injected completions; the log per step."""
+    import trl
 
-    args = GRPOConfig(
+    config_class, trainer_class = ((trl.GRPOConfig, trl.GRPOTrainer) if stage == "grpo"
+                                   else (trl.RLOOConfig, trl.RLOOTrainer))
+    args = config_class(
         output_dir=str(tmp_path / "trl"), per_device_train_batch_size=BATCH, num_generations=NUM_GENERATIONS,
         max_completion_length=MAX_LENGTH, max_steps=STEPS, learning_rate=LR, optim="sgd",
         lr_scheduler_type="constant", logging_steps=1, report_to="none", bf16=False, use_cpu=True,
         gradient_checkpointing=False, shuffle_dataset=False, save_strategy="no", seed=0, reward_weights=[1.0, 0.5],
         **method)
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS])
-    trainer = TRLGRPOTrainer(model=model_dir, reward_funcs=[token_sum, even_length], args=args,
-                             train_dataset=dataset, processing_class=tokenizer)
+    trainer = trainer_class(model=model_dir, reward_funcs=[token_sum, even_length], args=args,
+                            train_dataset=dataset, processing_class=tokenizer)
 
-    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        return injector(prompt_ids), None
+    def generate(prompt_ids, images, multimodal_fields, num_generations=None, has_tool_images=False):
+        # GRPO's returns (completions, tool data); RLOO's the completions alone.
+        return (injector(prompt_ids), None) if stage == "grpo" else injector(prompt_ids)
 
     trainer._generate_single_turn = generate
     trainer.train()
     return {r["step"]: r for r in trainer.state.log_history if "loss" in r}
 
 
-def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, **method):
+def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, stage="grpo", trainer_class=GRPOTrainer,
+              return_trainer=False, resume_from_checkpoint=None, **method):
+    """Our `trainer_class` (GRPOTrainer, or a subclass: RLOO) on the injected completions; the log per step (and
+    the trained trainer, with `return_trainer`)."""
     config = parse_config({
-        "stage": "grpo", "model_name_or_path": model_dir, "dataset": "unused", "reward_funcs": "accuracy",
+        "stage": stage, "model_name_or_path": model_dir, "dataset": "unused", "reward_funcs": "accuracy",
         "output_dir": str(tmp_path / "ours"), "per_device_train_batch_size": BATCH,
         "num_generations": NUM_GENERATIONS, "max_completion_length": MAX_LENGTH, "max_steps": STEPS,
         "learning_rate": LR, "optim": "sgd", "lr_scheduler_type": "constant", "logging_steps": 1,
@@ -129,27 +147,56 @@ def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, **method):
          "prompt_conversational": True} for p, ids in zip(PROMPTS, _prompt_ids(tokenizer))])
     rewards = RewardFunctions([RewardFunction("token_sum", "token_sum", token_sum),
                                RewardFunction("even_length", "even_length", even_length)], [1.0, 0.5])
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=config.training,
-                          grpo_args=config.method, reward_functions=rewards, stop_token_ids=stop_ids,
-                          processing_class=tokenizer, train_dataset=dataset)
-    trainer.train()
-    return {r["step"]: r for r in trainer.state.log_history if "loss" in r}
+    trainer = trainer_class(model=AutoModelForCausalLM.from_pretrained(model_dir), args=config.training,
+                            grpo_args=config.method, reward_functions=rewards, stop_token_ids=stop_ids,
+                            processing_class=tokenizer, train_dataset=dataset)
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    logs = {r["step"]: r for r in trainer.state.log_history if "loss" in r}
+    return (logs, trainer) if return_trainer else logs
 
 
 @pytest.mark.parametrize("num_iterations", [1, 2])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
-def test_loss_and_metrics_match_trl(loss_type, beta, num_iterations, tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_and_metrics_match_trl(loss_type, importance_sampling_level, beta, num_iterations, tiny_model_dir,
+                                    tmp_path, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    method = {"loss_type": loss_type, "beta": beta, "num_iterations": num_iterations}
+    method = {"loss_type": loss_type, "importance_sampling_level": importance_sampling_level, "beta": beta,
+              "num_iterations": num_iterations}
+    _assert_runs_match(tiny_model_dir, tokenizer, tmp_path, monkeypatch, method)
+
+
+# The keys around the policy term, together: two-sided clipping, the off-policy mask, the top-entropy token mask,
+# a fixed or adaptive entropy bonus, GDPO's per-function normalisation. num_iterations 2, so ratios move off 1.
+EXTRA_KEYS = [
+    {"loss_type": "dapo", "beta": 0.04, "delta": 1.05, "off_policy_mask_threshold": 0.001,
+     "top_entropy_quantile": 0.5, "entropy_coef": 0.01, "multi_objective_aggregation": "normalize_then_sum"},
+    {"loss_type": "grpo", "importance_sampling_level": "sequence", "use_adaptive_entropy": True, "entropy_coef": 0.1,
+     "entropy_target": 100.0, "entropy_coef_delta": 0.05},
+]
+
+
+@pytest.mark.parametrize("extra", EXTRA_KEYS, ids=["masks-delta-gdpo", "adaptive-entropy"])
+def test_extra_keys_match_trl(extra, tiny_model_dir, tmp_path, monkeypatch):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    _assert_runs_match(tiny_model_dir, tokenizer, tmp_path, monkeypatch, {"num_iterations": 2, **extra})
+
+
+def _assert_runs_match(tiny_model_dir, tokenizer, tmp_path, monkeypatch, method, stage="grpo",
+                       trainer_class=GRPOTrainer, metrics=METRICS):
+    """Both trainers on the same injected completions: every metric of `metrics` either absent from both logs or
+    within 1e-5, at both steps (`kl` absent without `beta`)."""
+    beta, num_iterations = method.get("beta", 0.0), method["num_iterations"]
     trl_injector, our_injector = _Injector(_completions(tokenizer)), _Injector(_completions(tokenizer))
-    theirs = _run_trl(tiny_model_dir, tokenizer, trl_injector, tmp_path, **method)
-    ours = _run_ours(tiny_model_dir, tokenizer, our_injector, tmp_path, monkeypatch, **method)
+    theirs = _run_trl(tiny_model_dir, tokenizer, trl_injector, tmp_path, stage=stage, **method)
+    ours = _run_ours(tiny_model_dir, tokenizer, our_injector, tmp_path, monkeypatch, stage=stage,
+                     trainer_class=trainer_class, **method)
     assert trl_injector.calls == our_injector.calls == (STEPS if num_iterations == 1 else 1)
     assert sorted(theirs) == sorted(ours) == list(range(1, STEPS + 1))
     largest = 0.0
     for step in theirs:
-        for key in METRICS:
+        for key in metrics:
             if key == "kl" and not beta:
                 assert key not in theirs[step] and key not in ours[step]
                 continue
@@ -157,6 +204,6 @@ def test_loss_and_metrics_match_trl(loss_type, beta, num_iterations, tiny_model_
             if key in theirs[step]:
                 assert ours[step][key] == pytest.approx(theirs[step][key], abs=1e-5), (step, key)
                 largest = max(largest, abs(ours[step][key] - theirs[step][key]))
-    print(f"max |ours - TRL| over {len(METRICS)} metrics x {STEPS} steps: {largest:.3g}")
+    print(f"max |ours - TRL| over {len(metrics)} metrics x {STEPS} steps: {largest:.3g}")
     # Step 2 follows an update: if the loss still matches, so did the gradient.
     assert any(ours[2][k] != ours[1][k] for k in ("loss", "entropy"))

@@ -203,7 +203,12 @@ def test_config_defaults_are_trl_116():
     for key in ("num_generations", "num_iterations", "max_completion_length", "temperature", "top_p", "top_k",
                 "repetition_penalty", "beta", "epsilon", "loss_type", "scale_rewards", "mask_truncated_completions",
                 "use_bias_correction_kl", "shuffle_dataset", "use_vllm", "vllm_gpu_memory_utilization",
-                "log_completions"):
+                "log_completions", "delta", "importance_sampling_level", "sapo_temperature_neg",
+                "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+                "multi_objective_aggregation", "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy",
+                "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+                "off_policy_mask_threshold", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min"):
         assert getattr(method, key) == getattr(trl, key), key
     # Both unset: the config keeps them so (checks do not change it); the Trainer derives TRL's values.
     assert method.steps_per_generation is None and method.generation_batch_size is None

@@ -1,0 +1,49 @@
+"""Resumes of what this lane added to the online stages, on the parity harness's tiny model and injected completions:
+- GRPO with `use_adaptive_entropy`: the coefficient and the entropy it last measured travel in
+  `grpo_entropy_controller.json` (without them the resumed step would apply no bonus, the controller having
+  measured nothing yet);
+- RLOO resumed in the middle of a generation batch (`num_iterations: 2`) trains on the buffered batch, with its
+  old log-probs and KL-folded advantages, as the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from alignkit.stages.grpo import ENTROPY_CONTROLLER_FILE
+from alignkit.stages.rloo import RLOOTrainer
+from tests.parity.test_grpo_parity import _completions, _Injector, _no_collect_per_train, _run_ours
+
+_no_collect_per_train = _no_collect_per_train  # skip Trainer's per-train gc.collect, as the harness does
+
+ADAPTIVE = {"use_adaptive_entropy": True, "entropy_coef": 0.1, "entropy_target": 100.0, "entropy_coef_delta": 0.05,
+            "num_iterations": 1, "save_strategy": "steps", "save_steps": 1}
+
+
+def test_adaptive_entropy_state_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    whole = _run_ours(tiny_model_dir, tokenizer, _Injector(_completions(tokenizer)), tmp_path / "whole", monkeypatch,
+                      **ADAPTIVE)
+    checkpoint = tmp_path / "whole" / "ours" / "checkpoint-1"
+    saved = json.loads((checkpoint / ENTROPY_CONTROLLER_FILE).read_text())
+    assert saved["entropy_coef"] == pytest.approx(whole[1]["entropy_coef"]) == pytest.approx(0.15)
+    resumed = _run_ours(tiny_model_dir, tokenizer, _Injector(_completions(tokenizer)), tmp_path / "whole",
+                        monkeypatch, resume_from_checkpoint=str(checkpoint), **ADAPTIVE)
+    for key in ("loss", "entropy_coef", "policy_loss", "entropy"):
+        assert resumed[2][key] == pytest.approx(whole[2][key], abs=1e-6), key
+
+
+def test_rloo_resumes_mid_generation_batch(tiny_model_dir, tmp_path, monkeypatch):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    method = {"beta": 0.05, "num_iterations": 2, "save_strategy": "steps", "save_steps": 1}
+    rloo = {"stage": "rloo", "trainer_class": RLOOTrainer}
+    whole = _run_ours(tiny_model_dir, tokenizer, _Injector(_completions(tokenizer)), tmp_path / "whole", monkeypatch,
+                      **rloo, **method)
+    injector = _Injector(_completions(tokenizer))
+    resumed = _run_ours(tiny_model_dir, tokenizer, injector, tmp_path / "whole", monkeypatch,
+                        resume_from_checkpoint=str(tmp_path / "whole" / "ours" / "checkpoint-1"), **rloo, **method)
+    assert injector.calls == 0  # step 2 trains on the buffered batch: nothing is generated again
+    for key in ("loss", "entropy", "clip_ratio/region_mean"):
+        assert resumed[2][key] == pytest.approx(whole[2][key], abs=1e-6), key

@@ -54,6 +54,8 @@ STAGE_METRICS = {
     # The online stages share TRL's GRPO names (`alignkit.rl`); PPO adds its adaptive KL coefficient.
     "grpo": ["reward", "reward_std", "kl"],
     "ppo": ["reward", "reward_std", "kl", "objective/kl_coef"],
+    # Distillation has no reward: its loss is the divergence to the teacher; TRL logs the student's entropy.
+    "distill": ["entropy", "completions/mean_length"],
     "sft": ["grad_norm"],
     "pt": ["grad_norm"],
 }

@@ -139,3 +139,18 @@ def test_loss_and_metrics_match_trl(beta, accumulation, tiny_model_dir, teacher_
     print(f"max |ours - TRL| over {STEPS} steps: {largest:.3g}")
     # Step 2 follows an update (and, with GA 1, other prompts): the numbers moved.
     assert ours[2]["loss"] != ours[1]["loss"] and ours[1]["loss"] > 0
+
+
+def test_defaults_are_trls():
+    """Every key `stage: distill` shares with TRL 1.16's DistillationConfig has TRL's default."""
+    import dataclasses
+
+    from trl import DistillationConfig
+
+    from alignkit.stages.distill import DistillArguments
+
+    theirs = {f.name: f.default for f in dataclasses.fields(DistillationConfig)}
+    shared = [f for f in dataclasses.fields(DistillArguments) if f.name in theirs]
+    assert len(shared) >= 12
+    for f in shared:
+        assert f.default == theirs[f.name], f.name

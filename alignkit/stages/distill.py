@@ -11,9 +11,10 @@ How the work is laid out, and why:
 - The generation loop is GRPO's (`GRPOTrainer`, this class's parent) with one completion per prompt, one pass
   over each generation batch and no KL term, which is TRL 1.16's layout for distillation too: the generation batch
   is `per_device_train_batch_size x processes x gradient_accumulation_steps` prompts, sampled once per optimizer
-  step, shuffled and cut into the step's micro-batches. So the seeded per-row sampling, the buffered batch saved in
-  each checkpoint (exact resume, also mid-batch), the several-process layout, vLLM and `completions.jsonl` are
-  GRPO's, not copies. This module adds the teacher and the divergence.
+  step, shuffled and cut into the step's micro-batches. GRPO's round (`_generate_and_score`) runs as it is, with no
+  reward function and no advantage (`DistillTrainer.advantages`), so the seeded per-row sampling, the buffered batch
+  saved in each checkpoint (exact resume), the several-process layout, vLLM, the `completions/*` metrics and
+  `completions.jsonl` are GRPO's, not copies. This module adds the teacher and the divergence.
 - The loss of a micro-batch is `sum of per-token divergences / completion tokens of the whole generation batch`
   (over all processes, divided by their number), TRL's `num_items_in_batch`; summed over the step's micro-batches it
   is the mean divergence per completion token of the step, whatever `gradient_accumulation_steps` is. That is
@@ -36,10 +37,9 @@ Defaults: TRL 1.16's (`beta: 1.0`, `max_completion_length: 512`, `temperature: 1
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,8 +51,8 @@ from ..errors import ConfigError
 from ..model.distributed import full_weights
 from ..rewards import RewardFunctions
 from ..rl.losses import aggregate_loss
-from ..rl.rollout import rollout_seed, token_entropy
-from .grpo import GRPOTrainer, check_config as check_grpo_config, resolve_generation_batch
+from ..rl.rollout import token_entropy
+from .grpo import GRPOArguments, GRPOTrainer, check_config as check_grpo_config, resolve_generation_batch
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -117,11 +117,14 @@ class DistillArguments:
             raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
 
     def generation_loop(self) -> SimpleNamespace:
-        """The settings `GRPOTrainer`'s generation loop reads, for distillation: one completion per prompt, one
-        generation batch per optimizer step, trained once, no KL term to a reference."""
-        return SimpleNamespace(**{**asdict(self), "num_generations": 1, "steps_per_generation": None,
+        """The settings `GRPOTrainer`'s round reads, for distillation: GRPO's defaults, the sampling keys of this
+        stage, and one completion per prompt, one generation batch per optimizer step, trained once, no KL term to a
+        reference, no reward function."""
+        grpo_defaults = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+                         for f in fields(GRPOArguments)}
+        return SimpleNamespace(**{**grpo_defaults, **asdict(self), "num_generations": 1, "steps_per_generation": None,
                                   "generation_batch_size": None, "num_iterations": 1, "beta": 0.0,
-                                  "mask_truncated_completions": False})
+                                  "mask_truncated_completions": False, "reward_funcs": []})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -276,62 +279,13 @@ class DistillTrainer(GRPOTrainer):
         if distill_args.disable_dropout:
             disable_dropout(self.model)
 
-    # ---- generation ----
+    # ---- advantages ----
 
-    def _generate_and_score(self, rows: list[dict[str, Any]], round_index: int) -> list[dict[str, torch.Tensor]]:
-        """Sample one completion per prompt row of this process's share of the generation batch, record it, and cut
-        the share into `steps_per_generation` slices (nothing is scored: the teacher is read in the loss)."""
-        start = time.perf_counter()
-        prompt_ids = [row["input_ids"] for row in rows]
-        seed = rollout_seed(self.args.seed, round_index)
-        first_row = self.accelerator.process_index * len(rows)
-        if self.distill_args.use_vllm:
-            generation = self._vllm_sampler().sample(self.processing_class, prompt_ids,
-                                                     stop_token_ids=self.stop_token_ids,
-                                                     generation_kwargs=self.generation_kwargs, seed=seed,
-                                                     first_row=first_row)
-        else:
-            generation = self.sample(prompt_ids, generation_kwargs=self.generation_kwargs, seed=seed,
-                                     first_row=first_row)
-        self._step_generation_time += time.perf_counter() - start
-
-        device = self.args.device
-        batch = {"prompt_ids": generation.prompt_ids.to(device), "prompt_mask": generation.prompt_mask.to(device),
-                 "completion_ids": generation.completion_ids.to(device),
-                 "completion_mask": generation.completion_mask.to(device)}
-        lengths, truncated = batch["completion_mask"].sum(1), generation.truncated.to(device)
-        gather = self.accelerator.gather
-        all_lengths, all_truncated = gather(lengths), gather(truncated.long()).bool()
-        token_counts = self.accelerator.reduce(
-            torch.stack([batch["prompt_mask"].sum() + lengths.sum(), lengths.sum()]).long(), reduction="sum")
-        self.state.num_input_tokens_seen += int(token_counts[0].item())
-        # GRPO's rollout metrics with no reward function: its reward metrics come out NaN and are left out, so
-        # this logs TRL's completions/* metrics only.
-        no_rewards = torch.full((len(all_lengths),), math.nan, device=device)
-        self._record_rollout_metrics(no_rewards.new_empty(len(all_lengths), 0), no_rewards,
-                                     torch.zeros(0, dtype=torch.bool), all_lengths, all_truncated)
-        prompts, completions = self._record_texts(rows, generation.texts)
-        self.write_completions(self.completion_records(self.state.global_step + 1, prompts, completions,
-                                                       no_rewards.new_empty(len(rows), 0), no_rewards[:len(rows)]))
-
-        generator = torch.Generator().manual_seed(rollout_seed(self.args.seed, round_index) + 1)
-        order = torch.randperm(len(rows), generator=generator).to(device)
-        # TRL's num_items_in_batch: the generation batch's completion tokens over all processes, each process's share.
-        generation_tokens = token_counts[1].float() / self.accelerator.num_processes
-        slices = []
-        for part in order.chunk(self.steps_per_generation):
-            piece = {key: value[part] for key, value in batch.items()}
-            piece["generation_tokens"] = generation_tokens
-            slices.append(piece)
-        return slices
-
-    def _record_texts(self, rows: list[dict[str, Any]], texts: list[str]) -> tuple[list[Any], list[Any]]:
-        """Prompts and completions in TRL's shapes for `completions.jsonl`."""
-        from ..rl.rollout import trl_completions, trl_prompts
-
-        conversational = [bool(row["prompt_conversational"]) for row in rows]
-        return trl_prompts([row["prompt_messages"] for row in rows], conversational), \
-            trl_completions(texts, conversational)
+    def advantages(self, rewards: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """None: the teacher's distributions are the target. GRPO's round (`_generate_and_score`, reused as it is)
+        runs with no reward function, so `rewards` are NaN; the advantages stay NaN (null in `completions.jsonl`,
+        unused by the loss) and no group has a reward spread to report (`frac_reward_zero_std` left out)."""
+        return torch.full_like(rewards, math.nan), torch.zeros(0, dtype=torch.bool, device=rewards.device)
 
     # ---- the loss ----
 

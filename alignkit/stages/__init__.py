@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import distill, dpo, grpo, kto, ppo, rm, sft
+from . import distill, dpo, grpo, kto, online_dpo, ppo, rm, sft
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ STAGES: dict[str, Stage] = {
     "ppo": Stage("ppo", ppo.DATA_KIND, ppo.run_ppo, arguments=ppo.PPOArguments, check=ppo.check_config),
     "distill": Stage("distill", distill.DATA_KIND, distill.run_distill, arguments=distill.DistillArguments,
                      check=distill.check_config),
+    "online_dpo": Stage("online_dpo", online_dpo.DATA_KIND, online_dpo.run_online_dpo,
+                        arguments=online_dpo.OnlineDPOArguments, check=online_dpo.check_config),
 }
 
 __all__ = ["Stage", "STAGES"]

@@ -49,36 +49,16 @@ def teacher_dir(tiny_model_dir, tmp_path_factory):
     return str(out)
 
 
-def _prompt_ids(tokenizer) -> list[list[int]]:
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                          tokenize=True)["input_ids"] for p in PROMPTS]
-
-
-def _completions(tokenizer) -> dict[tuple, list[int]]:
+def _completions(tokenizer, prompt_ids) -> dict[tuple, list[list[int]]]:
     """One fixed completion per prompt: stopped (2-5 tokens, the last the end-of-turn token) or cut off."""
     generator = torch.Generator().manual_seed(7)
     table = {}
-    for p, ids in enumerate(_prompt_ids(tokenizer)):
+    for p, ids in enumerate(prompt_ids):
         stopped = p % 2 == 0
         length = 2 + p if stopped else MAX_LENGTH
         body = torch.randint(10, len(tokenizer) - 10, (length,), generator=generator).tolist()
-        table[tuple(ids)] = body[:-1] + [tokenizer.eos_token_id] if stopped else body
+        table[tuple(ids)] = [body[:-1] + [tokenizer.eos_token_id] if stopped else body]
     return table
-
-
-class _Injector:
-    def __init__(self, table):
-        self.table = table
-        self.calls = 0
-
-    def __call__(self, prompt_ids):
-        self.calls += 1
-        out = []
-        for ids in prompt_ids:
-            key = tuple(int(i) for i in ids)
-            assert key in self.table, "the two trainers tokenised a prompt differently"
-            out.append(list(self.table[key]))
-        return out
 
 
 def _run_trl(model_dir, teacher_dir, tokenizer, injector, tmp_path, **method):
@@ -98,7 +78,7 @@ def _run_trl(model_dir, teacher_dir, tokenizer, injector, tmp_path, **method):
     return {r["step"]: r for r in trainer.state.log_history if "loss" in r}
 
 
-def _run_ours(model_dir, teacher_dir, tokenizer, injector, tmp_path, monkeypatch, **method):
+def _run_ours(model_dir, teacher_dir, tokenizer, prompt_ids, injector, tmp_path, monkeypatch, **method):
     config = parse_config({
         "stage": "distill", "model_name_or_path": model_dir, "teacher_model_name_or_path": teacher_dir,
         "dataset": "unused", "output_dir": str(tmp_path / "ours"), "per_device_train_batch_size": BATCH,
@@ -113,7 +93,7 @@ def _run_ours(model_dir, teacher_dir, tokenizer, injector, tmp_path, monkeypatch
     monkeypatch.setattr(online_module, "sample_completions", sample)  # what `OnlineTrainer.sample` calls
     dataset = Dataset.from_list([
         {"input_ids": ids, "attention_mask": [1] * len(ids), "prompt_messages": [{"role": "user", "content": p}],
-         "prompt_conversational": True} for p, ids in zip(PROMPTS, _prompt_ids(tokenizer))])
+         "prompt_conversational": True} for p, ids in zip(PROMPTS, prompt_ids)])
     trainer = DistillTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=config.training,
                              distill_args=config.method, teacher=AutoModelForCausalLM.from_pretrained(teacher_dir),
                              stop_token_ids=stop_ids, processing_class=tokenizer, train_dataset=dataset)
@@ -122,12 +102,15 @@ def _run_ours(model_dir, teacher_dir, tokenizer, injector, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("beta,accumulation", [(0.0, 1), (0.5, 1), (1.0, 1), (0.25, 2)])
-def test_loss_and_metrics_match_trl(beta, accumulation, tiny_model_dir, teacher_dir, tmp_path, monkeypatch):
+def test_loss_and_metrics_match_trl(beta, accumulation, tiny_model_dir, teacher_dir, tmp_path, monkeypatch,
+                                    chat_prompt_ids, completion_injector):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt_ids = chat_prompt_ids(tokenizer, PROMPTS)
     method = {"beta": beta, "gradient_accumulation_steps": accumulation, "temperature": 0.9}
-    trl_injector, our_injector = _Injector(_completions(tokenizer)), _Injector(_completions(tokenizer))
+    table = _completions(tokenizer, prompt_ids)
+    trl_injector, our_injector = completion_injector(table), completion_injector(table)
     theirs = _run_trl(tiny_model_dir, teacher_dir, tokenizer, trl_injector, tmp_path, **method)
-    ours = _run_ours(tiny_model_dir, teacher_dir, tokenizer, our_injector, tmp_path, monkeypatch, **method)
+    ours = _run_ours(tiny_model_dir, teacher_dir, tokenizer, prompt_ids, our_injector, tmp_path, monkeypatch, **method)
     assert trl_injector.calls == our_injector.calls == STEPS  # one generation batch per optimizer step
     assert sorted(theirs) == sorted(ours) == list(range(1, STEPS + 1))
     largest = 0.0

@@ -8,10 +8,11 @@ the pairs stay on-policy, which offline DPO's fixed pairs are not.
 
 How the work is laid out, and why:
 - One round per micro-batch, as TRL does it: the `per_device_train_batch_size` prompts of a micro-batch are sampled
-  twice (rows `[p_1 .. p_B, p_1 .. p_B]`, TRL's order), scored, paired and trained at once; nothing is buffered.
-  The round's sampling is seeded by its place in the run (the micro-batch index, `rollout.rollout_seed`) and each
-  row by its place in the round (`rollout.row_seeds`), so a run resumed from a checkpoint samples what the
-  uninterrupted run sampled.
+  twice, scored, paired and trained at once; nothing is buffered. The round's sampling is seeded by its place in
+  the run (the micro-batch index, `rollout.rollout_seed`) and each row by its place in the round's global batch
+  (`rollout.row_seeds`), so a run resumed from a checkpoint samples what the uninterrupted run sampled, and N
+  processes sample what one does. A pair's two rows are neighbours (`[p_1, p_1, p_2, p_2, ...]`, where TRL lays
+  out `[p_1 .. p_B, p_1 .. p_B]` in one process), which keeps that true under several processes.
 - The pieces are the online stages' and DPO's: `OnlineTrainer.sample` (the decode loop), `OnlineTrainer.score`
   (reward functions and reward models, `alignkit.rewards`), `rollout.completion_logps` (policy and reference
   log-probs), `StageTrainer.reference()` (the adapter disabled, or a frozen copy under full fine-tuning), and
@@ -100,12 +101,12 @@ class OnlineDPOArguments(RewardFunctionArguments):
 
 
 def choose_pairs(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chosen and rejected rows of `2B` completions laid out `[first completion of each prompt; second]`.
+    """Chosen and rejected rows of `2B` completions laid out in pairs: rows `2i` and `2i + 1` answer prompt i.
 
-    Row i (i < B) is paired with row i + B; the one with the higher reward is chosen, a tie goes to the first.
+    The one with the higher reward is chosen; a tie goes to the first (row `2i`), as in TRL.
 
-    Example: rewards [1, 0, 0.5, 2] (B = 2): pair (0, 2): 1 >= 0.5, chosen 0; pair (1, 3): 0 < 2, chosen 3 →
-    chosen [0, 3], rejected [2, 1].
+    Example: rewards [1, 0.5, 0, 2] (B = 2): pair (0, 1): 1 >= 0.5, chosen 0; pair (2, 3): 0 < 2, chosen 3 →
+    chosen [0, 3], rejected [1, 2].
 
     Args:
         rewards: `[2B]`, no NaN.
@@ -113,11 +114,10 @@ def choose_pairs(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         `(chosen [B], rejected [B])` row indices.
     """
-    first, second = rewards.chunk(2)
-    first_wins = first >= second
-    rows = torch.arange(first.numel(), device=rewards.device)
-    offset = first.numel()
-    return rows + (~first_wins) * offset, rows + first_wins * offset
+    first, second = rewards.view(-1, 2).unbind(1)
+    first_wins = (first >= second).long()
+    rows = 2 * torch.arange(first.numel(), device=rewards.device)
+    return rows + 1 - first_wins, rows + first_wins
 
 
 def check_config(config: "Config") -> None:
@@ -179,7 +179,9 @@ class OnlineDPOTrainer(OnlineTrainer):
             raise ValueError("stage online_dpo does not evaluate through the Trainer; use `alignkit eval`.")
         args = self.online_dpo_args
         round_index = self.state.global_step * self.args.gradient_accumulation_steps + self._micro_in_step
-        doubled = rows + rows  # TRL's order: every prompt once, then every prompt again
+        # Each prompt twice in a row: a pair's rows are then neighbours in the global batch too, so row seeds (by
+        # place in the global batch) and with them the pairs do not depend on the number of processes.
+        doubled = [row for row in rows for _ in range(2)]
         first_row = self.accelerator.process_index * len(doubled)
         generation = self.sample([row["input_ids"] for row in doubled], generation_kwargs=self.generation_kwargs,
                                  seed=rollout_seed(self.args.seed, round_index), first_row=first_row)

@@ -54,9 +54,9 @@ def test_online_dpo_trains_pairs_and_logs_trls_metrics(tiny_model_dir, tmp_path)
     assert records[-1]["objective/kl"] != 0  # the adapter has moved since
 
     lines = [json.loads(line) for line in (out / COMPLETIONS_FILE).read_text().splitlines()]
-    # 2 prompts x 2 completions a step, in TRL's order: every prompt, then every prompt again.
+    # 2 prompts x 2 completions a step, a pair's two completions in a row.
     assert len(lines) == 16 and [line["step"] for line in lines[:4]] == [1] * 4
-    assert [line["prompt"] for line in lines[:2]] == [line["prompt"] for line in lines[2:4]]
+    assert lines[0]["prompt"] == lines[1]["prompt"] != lines[2]["prompt"] == lines[3]["prompt"]
     assert set(lines[0]["rewards"]) == {"token_sum_reward"}
     adapter = load_file(str(out / "adapter_model.safetensors"))
     assert any(name.endswith("lora_B.weight") and value.abs().max() > 0 for name, value in adapter.items())

@@ -11,11 +11,11 @@ from alignkit.stages.online_dpo import OnlineDPOArguments, choose_pairs
 
 
 def test_pairs_take_the_higher_reward_and_a_tie_goes_to_the_first():
-    """B = 3, rows [first of each prompt; second]: rewards [1, 0, 2 | 0.5, 2, 2].
-    Prompt 0: 1 >= 0.5, chosen row 0, rejected 3; prompt 1: 0 < 2, chosen 4, rejected 1; prompt 2: tie 2 = 2,
-    chosen 2 (the first), rejected 5."""
-    chosen, rejected = choose_pairs(torch.tensor([1.0, 0.0, 2.0, 0.5, 2.0, 2.0]))
-    assert chosen.tolist() == [0, 4, 2] and rejected.tolist() == [3, 1, 5]
+    """B = 3, rows in pairs (2i, 2i + 1): rewards [1, 0.5 | 0, 2 | 2, 2].
+    Prompt 0: 1 >= 0.5, chosen row 0, rejected 1; prompt 1: 0 < 2, chosen 3, rejected 2; prompt 2: tie 2 = 2,
+    chosen 4 (the first), rejected 5."""
+    chosen, rejected = choose_pairs(torch.tensor([1.0, 0.5, 0.0, 2.0, 2.0, 2.0]))
+    assert chosen.tolist() == [0, 3, 4] and rejected.tolist() == [1, 2, 5]
 
 
 def test_beta_is_one_value_or_one_per_epoch():

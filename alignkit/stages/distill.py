@@ -321,10 +321,14 @@ def run_distill(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     """Distil the teacher into the student as `config` says; outputs (adapter, logs, completions.jsonl) go to
     `output_dir`."""
     from ..data import ChatFormatter, get_dataset
-    from ..model.loader import load_model, load_tokenizer
+    from ..model.loader import load_model, load_tokenizer, resolve_adapter_chain, split_adapters
     from .base import check_splits, run_stage_trainer
 
     teacher_args = teacher_model_arguments(config.model, config.method)
+    try:  # the teacher's adapters exist, before anything loads
+        resolve_adapter_chain(split_adapters(teacher_args.adapter_name_or_path))
+    except ConfigError as err:
+        raise ConfigError(str(err).replace("adapter_name_or_path:", "teacher_adapter_name_or_path:", 1)) from None
     tokenizer = load_tokenizer(config.model)
     teacher_name = ", ".join(filter(None, [teacher_args.model_name_or_path or "smollm2-135m-instruct",
                                            teacher_args.adapter_name_or_path]))

@@ -120,6 +120,9 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_loading(tiny_model_d
     config = _config(tiny_model_dir, tmp_path, tmp_path / "out", None, teacher_model_name_or_path=str(other))
     with pytest.raises(ConfigError, match=r"has another tokenizer than the student \(\d+ tokens against"):
         run_train(config)
+    missing = _config(tiny_model_dir, tmp_path, tmp_path / "out", str(tmp_path / "no_adapter"))
+    with pytest.raises(ConfigError, match="teacher_adapter_name_or_path: .*no_adapter' holds no adapter_config.json"):
+        run_train(missing)
 
 
 @pytest.mark.fault  # exact resume: a run killed after a checkpoint continues with the uninterrupted run's numbers

@@ -55,6 +55,11 @@ STAGE_METRICS = {
     "grpo": ["reward", "reward_std", "kl"],
     "rloo": ["reward", "reward_std", "kl"],
     "ppo": ["reward", "reward_std", "kl", "objective/kl_coef"],
+    # Distillation has no reward: its loss is the divergence to the teacher; TRL logs the student's entropy.
+    "distill": ["entropy", "completions/mean_length"],
+    # Online DPO logs TRL's names: the judged rewards (`objective/scores`) and DPO's implicit-reward metrics.
+    "online_dpo": ["objective/scores", "objective/scores_margin", "rewards/margins", "rewards/accuracies",
+                   "objective/kl"],
     "sft": ["grad_norm"],
     "pt": ["grad_norm"],
 }

@@ -1,8 +1,8 @@
 """The training stages, registered here and nowhere else.
 
-Each stage is one module (`sft.py`, `rm.py`, `dpo.py`, `grpo.py`, `ppo.py`) holding its own keys (a dataclass),
-its pure loss functions, its Trainer subclass and its `run_<stage>(config, callbacks)`. This table is what the
-rest of alignkit reads: the config parser (`alignkit.config.parse`: which stages and keys exist, what to check)
+Each stage is one module (`sft.py`, `rm.py`, `dpo.py`, `grpo.py`, `ppo.py`, `distill.py`, ...) holding its own keys
+(a dataclass), its pure loss functions, its Trainer subclass and its `run_<stage>(config, callbacks)`. This table is
+what the rest of alignkit reads: the config parser (`alignkit.config.parse`: which stages and keys exist, what to check)
 and `alignkit train` (what to run). The data layer is below the stages and never reads it: a stage hands
 `get_dataset` its data kind. Adding a stage means writing its module and one line here; the imports are
 explicit, so an error inside a stage module surfaces as itself.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import dpo, grpo, kto, ppo, rloo, rm, sft
+from . import distill, dpo, grpo, kto, online_dpo, ppo, rloo, rm, sft
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,10 @@ STAGES: dict[str, Stage] = {
     "grpo": Stage("grpo", grpo.DATA_KIND, grpo.run_grpo, arguments=grpo.GRPOArguments, check=grpo.check_config),
     "rloo": Stage("rloo", rloo.DATA_KIND, rloo.run_rloo, arguments=rloo.RLOOArguments, check=grpo.check_config),
     "ppo": Stage("ppo", ppo.DATA_KIND, ppo.run_ppo, arguments=ppo.PPOArguments, check=ppo.check_config),
+    "distill": Stage("distill", distill.DATA_KIND, distill.run_distill, arguments=distill.DistillArguments,
+                     check=distill.check_config),
+    "online_dpo": Stage("online_dpo", online_dpo.DATA_KIND, online_dpo.run_online_dpo,
+                        arguments=online_dpo.OnlineDPOArguments, check=online_dpo.check_config),
 }
 
 __all__ = ["Stage", "STAGES"]

@@ -106,10 +106,10 @@ def test_full_finetuning_keeps_a_frozen_copy_only_when_asked(tiny_model_dir, tmp
 
 
 def test_registry_is_the_only_list_of_stages():
-    assert list(STAGES) == ["pt", "sft", "rm", "dpo", "kto", "grpo", "rloo", "ppo"]
+    assert list(STAGES) == ["pt", "sft", "rm", "dpo", "kto", "grpo", "rloo", "ppo", "distill", "online_dpo"]
     assert {name: s.data_kind for name, s in STAGES.items()} == {
         "pt": "text", "sft": "supervised", "rm": "preference", "dpo": "preference", "kto": "unpaired",
-        "grpo": "prompt", "rloo": "prompt", "ppo": "prompt"}
+        "grpo": "prompt", "rloo": "prompt", "ppo": "prompt", "distill": "prompt", "online_dpo": "prompt"}
     with pytest.raises(ConfigError, match="stage='reinforce' is not a stage"):
         parse_config({"stage": "reinforce"})
 

@@ -1,0 +1,355 @@
+"""On-policy distillation (Agarwal et al. 2024, "On-Policy Distillation of Language Models", GKD with lambda = 1), at
+TRL 1.16's numbers (`DistillationTrainer`).
+
+The student samples one completion per prompt; a frozen teacher reads the same tokens; the student is trained to
+match the teacher's whole next-token distribution at every completion position under the generalized
+Jensen-Shannon divergence `generalized_jsd` (`beta` 0: forward KL(teacher || student), 1: reverse KL(student ||
+teacher), in between: the JSD of the mixture `(1 - beta) p_student + beta p_teacher`). No reward, no advantage, no
+reference model: the teacher is the target.
+
+How the work is laid out, and why:
+- The generation loop is GRPO's (`GRPOTrainer`, this class's parent) with one completion per prompt, one pass
+  over each generation batch and no KL term, which is TRL 1.16's layout for distillation too: the generation batch
+  is `per_device_train_batch_size x processes x gradient_accumulation_steps` prompts, sampled once per optimizer
+  step, shuffled and cut into the step's micro-batches. GRPO's round (`_generate_and_score`) runs as it is, with no
+  reward function and no advantage (`DistillTrainer.advantages`), so the seeded per-row sampling, the buffered batch
+  saved in each checkpoint (exact resume), the several-process layout, vLLM, the `completions/*` metrics and
+  `completions.jsonl` are GRPO's, not copies. This module adds the teacher and the divergence.
+- The loss of a micro-batch is `sum of per-token divergences / completion tokens of the whole generation batch`
+  (over all processes, divided by their number), TRL's `num_items_in_batch`; summed over the step's micro-batches it
+  is the mean divergence per completion token of the step, whatever `gradient_accumulation_steps` is. That is
+  `rl.losses.aggregate_loss`'s `dapo` count with `steps_per_generation = gradient_accumulation_steps`.
+- Both distributions are `softmax(logits / temperature)`, the sampling temperature, as TRL divides both.
+- The teacher: `teacher_model_name_or_path` (a folder, a hub id, or the bundled model) with an optional
+  `teacher_adapter_name_or_path` merged into it, or, with only the adapter given, the student's own base with that
+  adapter (an SFT adapter as teacher for the bare base). It is loaded frozen, in eval mode, as a second model. Its
+  tokenizer must equal the student's (same vocabulary, same special tokens), checked before any weights load; TRL
+  checks only `vocab_size`, after loading.
+- Logits: one padded forward pass per model over `[prompt; completion]`, keeping the completion positions (TRL
+  projects the hidden states chunk by chunk through the output layer; the same numbers up to float rounding, and
+  the full `[B, C, V]` logits here, which bounds the micro-batch on a large vocabulary).
+
+Defaults: TRL 1.16's (`beta: 1.0`, `max_completion_length: 512`, `temperature: 1.0`, `top_p: 1.0`, `top_k: 0`,
+`shuffle_dataset: true`); `learning_rate` is the Trainer's (5e-5) unless set, where TRL's DistillationConfig uses
+1e-6 for full fine-tuning (the example sets one for LoRA).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import FinetuningArguments, check_sampling_knobs
+from ..env import launched_processes
+from ..errors import ConfigError
+from ..model.distributed import full_weights
+from ..rewards import RewardFunctions
+from ..rl.losses import aggregate_loss
+from ..rl.rollout import token_entropy
+from .grpo import GRPOArguments, GRPOTrainer, check_config as check_grpo_config, resolve_generation_batch
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+
+    from ..config import Config, ModelArguments
+
+# The examples `data.get_dataset` builds for this stage (`formats.DATA_KINDS`): prompts, as for GRPO.
+DATA_KIND = "prompt"
+
+
+@dataclass
+class DistillArguments:
+    """The keys of `stage: distill` (TRL 1.16 `DistillationConfig`'s names and defaults)."""
+
+    teacher_model_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Teacher model: a local directory, hub id, or `smollm2-135m-instruct` (bundled). Unset: "
+                          "the student's base (model_name_or_path), which then needs teacher_adapter_name_or_path. "
+                          "Its tokenizer must equal the student's."})
+    teacher_adapter_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "PEFT adapter(s) merged into the teacher, comma-separated (e.g. an SFT adapter, to "
+                          "distil it into a fresh adapter on the bare base)."})
+    teacher_model_revision: Optional[str] = field(
+        default=None, metadata={"help": "Hub revision of the teacher (default: main)."})
+    beta: float = field(
+        default=1.0,
+        metadata={"help": "Generalized JSD interpolation in [0, 1]: 0 = forward KL(teacher || student), 0.5 = JSD, "
+                          "1 = reverse KL(student || teacher). Selects the divergence (no reference model). "
+                          "TRL default 1.0."})
+    max_completion_length: int = field(
+        default=512, metadata={"help": "Most tokens the student generates per completion. TRL default 512."})
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "Sampling temperature (> 0), also dividing both models' logits in the loss. TRL default "
+                          "1.0."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1 = off. TRL default 1.0."})
+    top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens; 0 = off. TRL default 0."})
+    repetition_penalty: float = field(
+        default=1.0, metadata={"help": "Penalty > 1 discourages repeated tokens; 1 = none. TRL default 1.0."})
+    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts each epoch (seeded)."})
+    disable_dropout: bool = field(
+        default=False, metadata={"help": "Set every dropout of the student to 0 while training. TRL default false."})
+    log_completions: bool = field(
+        default=False, metadata={"help": "Append each prompt and completion to `completions.jsonl` in output_dir."})
+    use_vllm: bool = field(
+        default=False,
+        metadata={"help": "Generate with vLLM in the training process (colocate mode; GPU and the `vllm` extra). "
+                          "Written against vLLM's API, not run here."})
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "Share of GPU memory vLLM may take in colocate mode. TRL default 0.3."})
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.beta <= 1.0:
+            raise ConfigError(f"beta={self.beta} must be in [0, 1] (0 = forward KL, 0.5 = JSD, 1 = reverse KL).")
+        if self.max_completion_length < 1:
+            raise ConfigError(f"max_completion_length={self.max_completion_length} must be at least 1.")
+        if not self.temperature > 0:
+            raise ConfigError(f"temperature={self.temperature} must be > 0: the student samples its completions.")
+        check_sampling_knobs(self)
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
+
+    def generation_loop(self) -> SimpleNamespace:
+        """The settings `GRPOTrainer`'s round reads, for distillation: GRPO's defaults, the sampling keys of this
+        stage, and one completion per prompt, one generation batch per optimizer step, trained once, no KL term to a
+        reference, no reward function."""
+        grpo_defaults = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+                         for f in fields(GRPOArguments)}
+        return SimpleNamespace(**{**grpo_defaults, **asdict(self), "num_generations": 1, "steps_per_generation": None,
+                                  "generation_batch_size": None, "num_iterations": 1, "beta": 0.0,
+                                  "mask_truncated_completions": False, "reward_funcs": []})
+
+
+# ---------------------------------------------------------------------------------------------------
+# The divergence
+# ---------------------------------------------------------------------------------------------------
+
+
+def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Per-token generalized Jensen-Shannon divergence between the student's and the teacher's next-token
+    distributions (Agarwal et al. 2024, eq. 2 with TRL 1.16's convention for `beta`).
+
+    With `p_s = softmax(z_s / T)`, `p_t = softmax(z_t / T)` and `m = (1 - beta) p_s + beta p_t`:
+    `JSD_beta = beta KL(p_t || m) + (1 - beta) KL(p_s || m)` for 0 < beta < 1; at the ends (where that formula is 0)
+    `beta = 0` is the forward KL(p_t || p_s) and `beta = 1` the reverse KL(p_s || p_t). `beta = 0.5` is the usual
+    JSD.
+
+    Example (one token, two-word vocabulary): p_s = [1/2, 1/2], p_t = [1/5, 4/5] (teacher logits [0, ln 4]):
+    beta 0: 0.2 ln 0.4 + 0.8 ln 1.6 = 0.192745; beta 1: 0.5 ln 2.5 + 0.5 ln 0.625 = 0.223144;
+    beta 0.5: m = [0.35, 0.65], 0.5 (0.2 ln(0.2/0.35) + 0.8 ln(0.8/0.65)) + 0.5 (0.5 ln(0.5/0.35) + 0.5 ln(0.5/0.65))
+    = 0.5 x 0.054187 + 0.5 x 0.047158 = 0.050672.
+
+    Args:
+        student_logits: `[..., V]` (gradients flow through these).
+        teacher_logits: `[..., V]`, the same shape (treated as constants by callers: run under no_grad).
+        beta: in [0, 1].
+        temperature: divides both logits first (> 0).
+
+    Returns:
+        `[...]` float32 divergences, >= 0.
+    """
+    log_ps = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_pt = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    if beta == 0.0:
+        return F.kl_div(log_ps, log_pt, reduction="none", log_target=True).sum(-1)
+    if beta == 1.0:
+        return F.kl_div(log_pt, log_ps, reduction="none", log_target=True).sum(-1)
+    log_m = torch.logaddexp(log_ps + math.log(1.0 - beta), log_pt + math.log(beta))
+    kl_teacher = F.kl_div(log_m, log_pt, reduction="none", log_target=True).sum(-1)
+    kl_student = F.kl_div(log_m, log_ps, reduction="none", log_target=True).sum(-1)
+    return beta * kl_teacher + (1.0 - beta) * kl_student
+
+
+def completion_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                      completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """`[N, C, V]` logits predicting each completion token: one padded pass over `[prompt; completion]` (prompts
+    left-padded, completions right-padded) with only the last `C + 1` positions reaching the output layer, the last
+    of which (predicting past the completion) is dropped."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    length = completion_ids.size(1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                   logits_to_keep=length + 1).logits
+    return logits[:, :-1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The teacher
+# ---------------------------------------------------------------------------------------------------
+
+
+def teacher_model_arguments(model_args: "ModelArguments", args: DistillArguments) -> "ModelArguments":
+    """The teacher's `ModelArguments`: its own model (or the student's base) and adapters, the student's dtype and
+    hub settings.
+
+    Raises:
+        ConfigError: neither a teacher model nor a teacher adapter is given (the teacher would be the student).
+    """
+    from dataclasses import replace
+
+    if args.teacher_model_name_or_path is None and args.teacher_adapter_name_or_path is None:
+        raise ConfigError("stage distill needs a teacher: set teacher_model_name_or_path (a model folder, hub id or "
+                          "smollm2-135m-instruct) and/or teacher_adapter_name_or_path (an adapter over the student's "
+                          "base, e.g. saves/smollm2/lora/sft).")
+    return replace(model_args,
+                   model_name_or_path=args.teacher_model_name_or_path or model_args.model_name_or_path,
+                   adapter_name_or_path=args.teacher_adapter_name_or_path,
+                   model_revision=args.teacher_model_revision or model_args.model_revision)
+
+
+def check_same_tokenizer(student_tokenizer, teacher_tokenizer, teacher_name: str) -> None:
+    """Refuse a teacher whose tokenizer differs from the student's: the divergence compares the two next-token
+    distributions entry by entry, so token i must be the same string, and the special tokens the same, for both.
+
+    Raises:
+        ConfigError: naming the first difference and the fix.
+    """
+    student_vocab, teacher_vocab = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if student_vocab != teacher_vocab:
+        if len(student_vocab) != len(teacher_vocab):
+            what = f"{len(teacher_vocab)} tokens against the student's {len(student_vocab)}"
+        else:
+            token = next(t for t, i in sorted(student_vocab.items(), key=lambda item: item[1])
+                         if teacher_vocab.get(t) != i)
+            what = f"token {token!r} is id {student_vocab[token]} for the student, {teacher_vocab.get(token)} for it"
+        raise ConfigError(f"the teacher {teacher_name!r} has another tokenizer than the student ({what}). "
+                          "Distillation matches the two next-token distributions id by id: use a teacher of the same "
+                          "tokenizer family (another size of the same model), or the student's base with an adapter "
+                          "(teacher_adapter_name_or_path).")
+    for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        mine, theirs = getattr(student_tokenizer, name), getattr(teacher_tokenizer, name)
+        # The pad token may be set to eos by the loader on one side only; it never reaches the divergence.
+        if name != "pad_token" and mine != theirs:
+            raise ConfigError(f"the teacher {teacher_name!r} has {name} {theirs!r} where the student has {mine!r}: "
+                              "the two tokenizers differ; use a teacher of the same tokenizer family.")
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every `nn.Dropout` in `model` to p = 0 (TRL's `disable_dropout`)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def check_config(config: "Config") -> None:
+    """What `stage: distill` refuses beyond its own keys (called after the config is parsed)."""
+    d, t = config.method, config.training
+    if t.do_eval or t.do_predict:
+        raise ConfigError("stage distill trains only: remove do_eval/do_predict, and measure the KL to the teacher "
+                          "on held-out prompts with `alignkit eval --kl-reference` before and after training.")
+    teacher_model_arguments(config.model, d)
+    resolve_generation_batch(t.per_device_train_batch_size, launched_processes(), 1, None, None,
+                             t.gradient_accumulation_steps)
+    check_grpo_config(SimpleNamespace(method=d.generation_loop(), training=t))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------
+
+
+class DistillTrainer(GRPOTrainer):
+    """`Trainer` that samples completions from the student and trains it towards the teacher's distributions.
+
+    Args:
+        distill_args: the stage's keys (`DistillArguments`).
+        teacher: the frozen teacher (a causal LM with the student's vocabulary).
+        stop_token_ids: ids that end a completion (the template's end of turn).
+        *args, **kwargs: as for `transformers.Trainer`; `train_dataset` holds the data layer's prompt rows.
+    """
+
+    def __init__(self, *args, distill_args: DistillArguments, teacher: nn.Module, stop_token_ids, **kwargs) -> None:
+        super().__init__(*args, grpo_args=distill_args.generation_loop(), reward_functions=RewardFunctions([], []),
+                         stop_token_ids=stop_token_ids, **kwargs)
+        self.distill_args = distill_args
+        student_vocab = self.model.get_output_embeddings().weight.shape[0]
+        teacher_vocab = teacher.get_output_embeddings().weight.shape[0]
+        if student_vocab != teacher_vocab:
+            raise ConfigError(f"the teacher's output layer has {teacher_vocab} rows and the student's {student_vocab}: "
+                              "distillation needs the same vocabulary on both sides.")
+        self.teacher = teacher.to(self.args.device).eval().requires_grad_(False)
+        if distill_args.disable_dropout:
+            disable_dropout(self.model)
+
+    # ---- advantages ----
+
+    def advantages(self, rewards: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """None: the teacher's distributions are the target. GRPO's round (`_generate_and_score`, reused as it is)
+        runs with no reward function, so `rewards` are NaN; the advantages stay NaN (null in `completions.jsonl`,
+        unused by the loss) and no group has a reward spread to report (`frac_reward_zero_std` left out)."""
+        return torch.full_like(rewards, math.nan), torch.zeros(0, dtype=torch.bool, device=rewards.device)
+
+    # ---- the loss ----
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("DistillTrainer.compute_loss returns the loss only.")
+        d = self.distill_args
+        mask = inputs["completion_mask"]
+        student_logits = completion_logits(model, inputs["prompt_ids"], inputs["prompt_mask"],
+                                           inputs["completion_ids"], mask)
+        with torch.no_grad(), full_weights(self.teacher) as teacher:
+            teacher_logits = completion_logits(teacher, inputs["prompt_ids"], inputs["prompt_mask"],
+                                               inputs["completion_ids"], mask)
+        per_token = generalized_jsd(student_logits, teacher_logits, d.beta, d.temperature)
+        loss = aggregate_loss(per_token, mask, "dapo", accumulation_steps=self.current_gradient_accumulation_steps,
+                              steps_per_generation=self.steps_per_generation,
+                              generation_tokens=inputs["generation_tokens"])
+        # TRL's entropy: the student's mean per-token entropy over this micro-batch's tokens (of every process).
+        entropy = token_entropy(student_logits.detach() / d.temperature)
+        sums = torch.stack([(entropy * mask).sum(), mask.sum().float()])
+        if self.accelerator.num_processes > 1:
+            sums = self.accelerator.reduce(sums, reduction="sum")
+        self.record_metrics({"entropy": (sums[0] / sums[1]).item() if sums[1] > 0 else 0.0}, 1)
+        return loss
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage entry point
+# ---------------------------------------------------------------------------------------------------
+
+
+def run_distill(config: "Config", callbacks: list["TrainerCallback"]) -> None:
+    """Distil the teacher into the student as `config` says; outputs (adapter, logs, completions.jsonl) go to
+    `output_dir`."""
+    from ..data import ChatFormatter, get_dataset
+    from ..model.loader import load_model, load_tokenizer, resolve_adapter_chain, split_adapters
+    from .base import check_splits, run_stage_trainer
+
+    teacher_args = teacher_model_arguments(config.model, config.method)
+    try:  # the teacher's adapters exist, before anything loads
+        resolve_adapter_chain(split_adapters(teacher_args.adapter_name_or_path))
+    except ConfigError as err:
+        raise ConfigError(str(err).replace("adapter_name_or_path:", "teacher_adapter_name_or_path:", 1)) from None
+    tokenizer = load_tokenizer(config.model)
+    teacher_name = ", ".join(filter(None, [teacher_args.model_name_or_path or "smollm2-135m-instruct",
+                                           teacher_args.adapter_name_or_path]))
+    check_same_tokenizer(tokenizer, load_tokenizer(teacher_args), teacher_name)  # before any weights load
+    datasets = get_dataset(config, tokenizer, DATA_KIND)
+    check_splits(config, datasets)
+    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
+    teacher = load_model(teacher_args, FinetuningArguments(), is_trainable=False)
+    formatter = ChatFormatter(tokenizer, config.data.template)
+    trainer = DistillTrainer(
+        model=model,
+        args=config.training,
+        distill_args=config.method,
+        teacher=teacher,
+        stop_token_ids=formatter.stop_token_ids(),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        train_dataset=datasets["train_dataset"],
+    )
+    run_stage_trainer(trainer, config)
+
+
+__all__ = ["DistillArguments", "generalized_jsd", "completion_logits", "teacher_model_arguments",
+           "check_same_tokenizer", "check_config", "DistillTrainer", "run_distill"]

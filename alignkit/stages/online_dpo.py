@@ -1,0 +1,278 @@
+"""Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"), at the numbers of TRL
+1.16's `trl.experimental.online_dpo.OnlineDPOTrainer`.
+
+Each micro-batch, the policy samples two completions per prompt; the reward functions (and/or reward models) score
+both; the better one is `chosen`, the other `rejected` (a tie goes to the first); the policy takes a DPO step on
+those pairs against the reference (the step-0 policy). The preference data is made by the policy as it trains, so
+the pairs stay on-policy, which offline DPO's fixed pairs are not.
+
+How the work is laid out, and why:
+- One round per micro-batch, as TRL does it: the `per_device_train_batch_size` prompts of a micro-batch are sampled
+  twice, scored, paired and trained at once; nothing is buffered. The round's sampling is seeded by its place in
+  the run (the micro-batch index, `rollout.rollout_seed`) and each row by its place in the round's global batch
+  (`rollout.row_seeds`), so a run resumed from a checkpoint samples what the uninterrupted run sampled, and N
+  processes sample what one does. A pair's two rows are neighbours (`[p_1, p_1, p_2, p_2, ...]`, where TRL lays
+  out `[p_1 .. p_B, p_1 .. p_B]` in one process), which keeps that true under several processes.
+- The pieces are the online stages' and DPO's: `OnlineTrainer.sample` (the decode loop), `OnlineTrainer.score`
+  (reward functions and reward models, `alignkit.rewards`), `rollout.completion_logps` (policy and reference
+  log-probs), `StageTrainer.reference()` (the adapter disabled, or a frozen copy under full fine-tuning), and
+  `dpo.preference_loss` (`sigmoid`; `ipo` on summed log-probs, as TRL's online trainer computes it, where offline
+  DPO averages per token). `completions.jsonl` gets both completions of every pair.
+- Log-probs are of the raw logits (no temperature), as TRL's online DPO reads them.
+- A completion every reward function skipped (None) counts as reward 0, as TRL's `nansum` makes it.
+
+Metrics (TRL's names): `objective/scores`, `objective/scores_margin`, `objective/kl`, `objective/non_score_reward`,
+`objective/rlhf_reward`, `objective/entropy`, `rewards/chosen|rejected|margins|accuracies`, `logps/chosen|rejected`,
+`val/contain_eos_token`, `beta`. One difference: TRL sums `objective/kl` and `objective/entropy` over every completion
+position, padding after the end of turn included; here over the completion's own tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence, Union
+
+import torch
+
+from ..config import check_sampling_knobs
+from ..errors import ConfigError
+from ..rewards import RewardFunctionArguments
+from ..rl.rollout import completion_logps, rollout_seed
+from .dpo import preference_loss
+from .grpo import collate_prompt_rows
+from .online import PROMPT_COLUMNS, OnlineTrainer
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+
+    from ..config import Config
+
+# The examples `data.get_dataset` builds for this stage (`formats.DATA_KINDS`): prompts, as for GRPO.
+DATA_KIND = "prompt"
+
+
+@dataclass
+class OnlineDPOArguments(RewardFunctionArguments):
+    """The keys of `stage: online_dpo` (TRL 1.16 `OnlineDPOConfig`'s names and defaults), plus the reward keys."""
+
+    beta: Union[float, list[float]] = field(
+        default_factory=lambda: [0.1],
+        metadata={"help": "DPO beta (IPO's tau): how far the policy may move from the reference. A list gives one "
+                          "beta per epoch, the last one for the epochs after. TRL default [0.1]."})
+    loss_type: Literal["sigmoid", "ipo"] = field(
+        default="sigmoid", metadata={"help": "sigmoid (DPO) or ipo (on summed log-probs). TRL default sigmoid."})
+    max_new_tokens: int = field(
+        default=64, metadata={"help": "Most tokens sampled per completion. TRL default 64."})
+    temperature: float = field(default=0.9, metadata={"help": "Sampling temperature (> 0). TRL default 0.9."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1 = off. TRL default 1.0."})
+    top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens; 0 = off. TRL default 0."})
+    repetition_penalty: float = field(
+        default=1.0, metadata={"help": "Penalty > 1 discourages repeated tokens; 1 = none. TRL default 1.0."})
+    missing_eos_penalty: Optional[float] = field(
+        default=None,
+        metadata={"help": "Subtracted from the reward of a completion cut off at max_new_tokens without an end of "
+                          "turn (> 0). TRL default none."})
+    disable_dropout: bool = field(
+        default=True, metadata={"help": "Set every dropout of the policy to 0 while training. TRL default true."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:
+            betas = [float(b) for b in (self.beta if isinstance(self.beta, list) else [self.beta])]
+        except (TypeError, ValueError):
+            raise ConfigError(f"beta={self.beta!r} must be a number, or a list of numbers (one per epoch).") from None
+        if not betas or not all(b > 0 for b in betas):
+            raise ConfigError(f"beta={self.beta} must be > 0 (one value, or one per epoch).")
+        self.beta = betas[0] if len(betas) == 1 else betas  # TRL keeps a one-item list as its value
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1.")
+        if not self.temperature > 0:
+            raise ConfigError(f"temperature={self.temperature} must be > 0: online DPO samples its pairs.")
+        check_sampling_knobs(self)
+        if self.missing_eos_penalty is not None and not self.missing_eos_penalty > 0:
+            raise ConfigError(f"missing_eos_penalty={self.missing_eos_penalty} must be > 0 (or unset).")
+
+    def beta_at(self, epoch: float) -> float:
+        """The beta of epoch `epoch` (0-based, fractional within an epoch): `beta[int(epoch)]`, the last after."""
+        if not isinstance(self.beta, list):
+            return float(self.beta)
+        return float(self.beta[min(int(epoch), len(self.beta) - 1)])
+
+
+def choose_pairs(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen and rejected rows of `2B` completions laid out in pairs: rows `2i` and `2i + 1` answer prompt i.
+
+    The one with the higher reward is chosen; a tie goes to the first (row `2i`), as in TRL.
+
+    Example: rewards [1, 0.5, 0, 2] (B = 2): pair (0, 1): 1 >= 0.5, chosen 0; pair (2, 3): 0 < 2, chosen 3 →
+    chosen [0, 3], rejected [1, 2].
+
+    Args:
+        rewards: `[2B]`, no NaN.
+
+    Returns:
+        `(chosen [B], rejected [B])` row indices.
+    """
+    first, second = rewards.view(-1, 2).unbind(1)
+    first_wins = (first >= second).long()
+    rows = 2 * torch.arange(first.numel(), device=rewards.device)
+    return rows + 1 - first_wins, rows + first_wins
+
+
+def check_config(config: "Config") -> None:
+    """What `stage: online_dpo` refuses beyond its own keys (called after the config is parsed)."""
+    if config.training.do_eval or config.training.do_predict:
+        raise ConfigError("stage online_dpo trains only: remove do_eval/do_predict, and measure a reward on held-out "
+                          "prompts with `alignkit eval` before and after training.")
+    if not config.method.reward_funcs:
+        raise ConfigError("stage online_dpo needs reward_funcs (functions and/or reward model directories) to judge "
+                          "which of each prompt's two completions is chosen.")
+
+
+class OnlineDPOTrainer(OnlineTrainer):
+    """`Trainer` that samples two completions per prompt, judges them with the rewards and takes DPO steps.
+
+    Args:
+        online_dpo_args: the stage's keys (`OnlineDPOArguments`).
+        reward_functions: `alignkit.rewards.RewardFunctions`.
+        stop_token_ids: ids that end a completion (the template's end of turn).
+        *args, **kwargs: as for `transformers.Trainer`; `train_dataset` holds the data layer's prompt rows.
+    """
+
+    # The per-pair mean is divided for gradient accumulation by the Trainer.
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, online_dpo_args: OnlineDPOArguments, reward_functions, stop_token_ids: Sequence[int],
+                 **kwargs) -> None:
+        kwargs.setdefault("data_collator", collate_prompt_rows)
+        super().__init__(*args, reward_functions=reward_functions, stop_token_ids=stop_token_ids,
+                         log_completions=online_dpo_args.log_completions, keep_reference_copy=True, **kwargs)
+        self.online_dpo_args = online_dpo_args
+        self.generation_kwargs = {
+            "do_sample": True, "max_new_tokens": online_dpo_args.max_new_tokens,
+            "temperature": online_dpo_args.temperature, "top_p": online_dpo_args.top_p,
+            "top_k": online_dpo_args.top_k, "repetition_penalty": online_dpo_args.repetition_penalty,
+        }
+        self._micro_in_step = 0
+        if online_dpo_args.disable_dropout:
+            from .distill import disable_dropout
+
+            disable_dropout(self.model)
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """Tokens are counted when they are generated (prompts + completions), not from the prompt rows."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._micro_in_step = 0 if self.accelerator.sync_gradients else self._micro_in_step + 1
+        return loss
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        self._micro_in_step = 0  # a checkpoint is taken at a step boundary
+
+    # ---- the round: generate, score, pair ----
+
+    def _prepare_inputs(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if not self.model.training:
+            raise ValueError("stage online_dpo does not evaluate through the Trainer; use `alignkit eval`.")
+        args = self.online_dpo_args
+        round_index = self.state.global_step * self.args.gradient_accumulation_steps + self._micro_in_step
+        # Each prompt twice in a row: a pair's rows are then neighbours in the global batch too, so row seeds (by
+        # place in the global batch) and with them the pairs do not depend on the number of processes.
+        doubled = [row for row in rows for _ in range(2)]
+        first_row = self.accelerator.process_index * len(doubled)
+        generation = self.sample([row["input_ids"] for row in doubled], generation_kwargs=self.generation_kwargs,
+                                 seed=rollout_seed(self.args.seed, round_index), first_row=first_row)
+        device = self.args.device
+        prompt_ids, prompt_mask = generation.prompt_ids.to(device), generation.prompt_mask.to(device)
+        completion_ids, completion_mask = generation.completion_ids.to(device), generation.completion_mask.to(device)
+        truncated = generation.truncated.to(device)
+        lengths = completion_mask.sum(1)
+
+        columns = {key: [row[key] for row in doubled] for key in doubled[0] if key not in PROMPT_COLUMNS}
+        id_lists = [ids[:n].tolist() for ids, n in zip(generation.completion_ids, lengths.tolist())]
+        prompts, completions, per_function, rewards = self.score(
+            [row["prompt_messages"] for row in doubled], [bool(row["prompt_conversational"]) for row in doubled],
+            generation.texts, columns, id_lists, truncated.tolist())
+        rewards = torch.nan_to_num(rewards.to(device), nan=0.0)  # all skipped: 0, as TRL's nansum
+        if args.missing_eos_penalty is not None:
+            rewards = rewards - args.missing_eos_penalty * truncated.float()
+        self.write_completions(self.completion_records(self.state.global_step + 1, prompts, completions,
+                                                       per_function, rewards))
+        self.state.num_input_tokens_seen += int(self.accelerator.reduce(
+            (prompt_mask.sum() + lengths.sum()).long(), reduction="sum").item())
+        chosen, rejected = choose_pairs(rewards)
+        with torch.no_grad(), self.reference() as reference:
+            ref_logps, _ = completion_logps(reference, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+                "completion_mask": completion_mask, "ref_logps": ref_logps, "rewards": rewards,
+                "truncated": truncated, "chosen": chosen, "rejected": rejected}
+
+    # ---- the loss ----
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("OnlineDPOTrainer.compute_loss returns the loss only.")
+        args = self.online_dpo_args
+        beta = args.beta_at(self.state.epoch or 0.0)
+        mask = inputs["completion_mask"].float()
+        logps, _ = completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
+                                    inputs["completion_mask"])
+        sums, ref_sums = (logps * mask).sum(1), (inputs["ref_logps"] * mask).sum(1)
+        chosen, rejected = inputs["chosen"], inputs["rejected"]
+        ones = torch.ones_like(sums[chosen])  # lengths of 1: ipo on summed log-probs, as TRL's online trainer
+        losses, chosen_rewards, rejected_rewards = preference_loss(
+            args.loss_type, sums[chosen], sums[rejected], ones, ones, ref_sums[chosen], ref_sums[rejected], beta=beta)
+
+        rewards = inputs["rewards"]
+        kl = ((logps.detach() - inputs["ref_logps"]) * mask).sum(1)
+        non_score_reward = -beta * kl
+        margins = chosen_rewards - rejected_rewards
+        self.record_metrics({
+            "objective/scores": rewards.mean(), "objective/scores_margin": (rewards[chosen] - rewards[rejected]).mean(),
+            "objective/kl": kl.mean(), "objective/non_score_reward": non_score_reward.mean(),
+            "objective/rlhf_reward": (rewards + non_score_reward).mean(),
+            "objective/entropy": -(logps.detach() * mask).sum(1).mean(),
+            "val/contain_eos_token": (~inputs["truncated"]).float().mean(),
+            "logps/chosen": sums[chosen].detach().mean(), "logps/rejected": sums[rejected].detach().mean(),
+            "rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
+            "rewards/margins": margins.mean(), "rewards/accuracies": (margins > 0).float().mean(), "beta": beta,
+        }, 1)
+        return losses.mean()
+
+
+def run_online_dpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
+    """Train the policy with online DPO as `config` says; outputs (adapter, logs, completions.jsonl) go to
+    `output_dir`."""
+    from ..data import ChatFormatter, get_dataset
+    from ..model.loader import load_model, load_tokenizer
+    from ..rewards import build_reward_functions, check_reward_functions
+    from .base import check_splits, run_stage_trainer
+
+    config_dir = str(Path(config.source).parent) if config.source else None
+    max_tokens = config.method.max_new_tokens  # the `length` reward's default L_max
+    check_reward_functions(config.method, config_dir=config_dir, max_completion_length=max_tokens)  # before loading
+    tokenizer = load_tokenizer(config.model)
+    datasets = get_dataset(config, tokenizer, DATA_KIND)
+    check_splits(config, datasets)
+    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
+    formatter = ChatFormatter(tokenizer, config.data.template)
+    reward_functions = build_reward_functions(
+        config.method, model=model, formatter=formatter, model_args=config.model, config_dir=config_dir,
+        max_completion_length=max_tokens)
+    trainer = OnlineDPOTrainer(
+        model=model,
+        args=config.training,
+        online_dpo_args=config.method,
+        reward_functions=reward_functions,
+        stop_token_ids=formatter.stop_token_ids(),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        train_dataset=datasets["train_dataset"],
+    )
+    run_stage_trainer(trainer, config)
+
+
+__all__ = ["OnlineDPOArguments", "choose_pairs", "check_config", "OnlineDPOTrainer", "run_online_dpo"]

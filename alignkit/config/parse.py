@@ -354,6 +354,10 @@ def check_combinations(config: Config) -> None:
         raise ConfigError("do_train=true needs `dataset` (or a `tokenized_path` saved earlier).")
     if (t.do_eval or t.do_predict) and not (d.eval_dataset or d.val_size or d.dataset or d.tokenized_path):
         raise ConfigError("evaluation needs `eval_dataset` or `val_size` > 0.")
+    if config.model.quantization_bit and f.finetuning_type != "lora" and t.do_train:
+        raise ConfigError(f"quantization_bit={config.model.quantization_bit} with finetuning_type={f.finetuning_type}: "
+                          "a quantized base cannot be trained itself (its weights are frozen integers); use "
+                          "finetuning_type=lora (QLoRA), or remove quantization_bit.")
     if d.packing and stage.data_kind not in ("text", "supervised"):
         raise ConfigError(f"packing=true applies to stage sft or pt, not {f.stage}; remove it.")
     if t.predict_with_generate and stage.data_kind not in ("text", "supervised"):

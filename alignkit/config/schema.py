@@ -14,6 +14,7 @@ Key names follow LLaMA-Factory where it has the feature and TRL otherwise; every
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -64,6 +65,41 @@ class ModelArguments:
         default=None, metadata={"help": "Attention kernel passed to from_pretrained (`sdpa`, `eager`, ...)."}
     )
     low_cpu_mem_usage: bool = field(default=True, metadata={"help": "Load weights lazily to save host memory."})
+    # Quantized bases (QLoRA), LLaMA-Factory's keys: the base is quantized as it loads; only LoRA trains on it.
+    quantization_bit: Optional[int] = field(
+        default=None,
+        metadata={"help": "Quantize the base as it loads: 4 or 8 bits (bitsandbytes; `pip install "
+                  "'alignkit[qlora]'`). Only finetuning_type=lora trains on a quantized base."},
+    )
+    quantization_method: str = field(
+        default="bnb", metadata={"help": "On-the-fly quantization library: `bnb` (bitsandbytes), the only one here."}
+    )
+    quantization_type: Literal["nf4", "fp4"] = field(
+        default="nf4", metadata={"help": "4-bit data type of bitsandbytes: `nf4` (NormalFloat) or `fp4`."}
+    )
+    double_quantization: bool = field(
+        default=True, metadata={"help": "4-bit: quantize the quantization constants too (about 0.4 bit a weight less)."}
+    )
+    quantization_device_map: Optional[Literal["auto"]] = field(
+        default=None,
+        metadata={"help": "`auto`: spread a 4-bit base over the visible devices (accelerate's device_map=auto); "
+                  "unset: the whole model on this process's device."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.quantization_bit is None:
+            return
+        if self.quantization_method != "bnb":
+            raise ConfigError(f"quantization_method={self.quantization_method!r} is not supported here; use bnb "
+                              "(bitsandbytes), or quantize the model beforehand and give its folder.")
+        if self.quantization_bit not in (4, 8):
+            raise ConfigError(f"quantization_bit={self.quantization_bit}: bitsandbytes quantizes to 4 or 8 bits.")
+        if self.quantization_device_map == "auto" and self.quantization_bit != 4:
+            raise ConfigError("quantization_device_map=auto applies to quantization_bit=4 only; remove it for 8 bits.")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(f"quantization_bit={self.quantization_bit} needs bitsandbytes, which is not installed: "
+                              "pip install 'alignkit[qlora]' (or remove quantization_bit to train on the full-precision "
+                              "base).")
 
 
 @dataclass

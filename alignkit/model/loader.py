@@ -19,6 +19,13 @@ with its adapter chain merged is built with ZeRO-3 switched off (whole weights i
 `$ALIGNKIT_HOME/merged/<key>` (`ensure_merged_base`; the key covers the base and each adapter's weights and
 config, so a retrained adapter gets a new folder), and the run loads that folder, partitioned, as its base.
 The model then records the same merged chain and names the same base as an in-memory merge would.
+
+A quantized base (`quantization_bit`, QLoRA) takes the same route for the same reason: merging into 4- or 8-bit
+weights would round base + delta to the quantization grid again. The chain is merged once in full precision into
+that folder, which is then quantized as it loads, so the reference ("adapter disabled") is the quantized earlier
+stage's model. Only LoRA trains on a quantized base; a LoRA run records the quantization it trained over beside
+the adapter (`base_quantization.json`, `save_base_quantization`), which `alignkit export` reports when it merges
+the adapter into the full-precision base.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import logging
 import os
 import re
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
@@ -61,6 +69,9 @@ BASE_ADAPTERS_FILE = "base_adapters.json"
 _SOURCE_ATTR = "alignkit_model_source"
 # In a merged base folder (`ensure_merged_base`): what it was merged from.
 MERGED_BASE_FILE = "alignkit_merged_base.json"
+# Beside a LoRA adapter trained on a quantized base (and in its checkpoints): the quantization keys of that base.
+BASE_QUANTIZATION_FILE = "base_quantization.json"
+_QUANTIZATION_KEYS = ("quantization_bit", "quantization_method", "quantization_type", "double_quantization")
 
 
 def resolve_model_path(model_args: ModelArguments) -> str:
@@ -217,8 +228,13 @@ def load_model(
         raise ValueError(f"head={head!r}: expected 'causal_lm' or 'reward'.")
     adapters = resolve_adapter_chain(split_adapters(model_args.adapter_name_or_path))
     head_comes_later = head == "reward" and (is_trainable or any(is_reward_adapter(a) for a in adapters))
-    if adapters and zero3_enabled():
-        # Partitioned as it loads: merge first, once, into a folder the run then loads (module docstring).
+    if is_trainable and model_args.quantization_bit and finetuning_args.finetuning_type != "lora":
+        raise ConfigError(f"quantization_bit={model_args.quantization_bit} with finetuning_type="
+                          f"{finetuning_args.finetuning_type}: a quantized base cannot be trained itself; use "
+                          "finetuning_type=lora (QLoRA), or remove quantization_bit.")
+    if adapters and (zero3_enabled() or model_args.quantization_bit):
+        # Partitioned or quantized as it loads: merge first, once, in full precision into a folder the run then
+        # loads (module docstring).
         merged = ensure_merged_base(model_args, adapters, head)
         model = _load_base(_merged_base_arguments(model_args, merged), head, head_comes_later)
         # Named as an in-memory merge names it, so a LoRA adapter trained on it records the real base (and its
@@ -297,11 +313,11 @@ def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = 
 
     path = resolve_model_path(model_args)
     # `low_cpu_mem_usage` is accepted in configs but not passed: transformers 5 always loads lazily.
-    kwargs = dict(dtype=resolve_dtype(model_args.infer_dtype), **_hub_kwargs(model_args))
+    kwargs = dict(dtype=resolve_dtype(model_args.infer_dtype), **_hub_kwargs(model_args), **_quantization_kwargs(model_args))
     if model_args.attn_implementation:
         kwargs["attn_implementation"] = model_args.attn_implementation
     if head == "causal_lm":
-        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        return _one_cpu_kernel(AutoModelForCausalLM.from_pretrained(path, **kwargs))
 
     # The reward score is read at each sequence's last real token; transformers finds that token via
     # `pad_token_id`, so the config must carry it for plain-transformers scoring to work.
@@ -309,7 +325,7 @@ def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = 
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = load_tokenizer(model_args).pad_token_id
     if not head_comes_later:
-        return AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
+        return _one_cpu_kernel(AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs))
     with _load_report_held() as held:
         model, info = AutoModelForSequenceClassification.from_pretrained(path, config=config, output_loading_info=True,
                                                                          **kwargs)
@@ -318,7 +334,85 @@ def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = 
     if info["unexpected_keys"] or info["mismatched_keys"] or any(
             key.split(".")[0] not in REWARD_HEADS for key in info["missing_keys"]):
         held.release()
+    return _one_cpu_kernel(model)
+
+
+def _quantization_kwargs(model_args: ModelArguments) -> dict:
+    """`from_pretrained`'s `quantization_config` and `device_map` for `quantization_bit` (empty without it).
+
+    4-bit computes in the run's dtype (`infer_dtype`). transformers keeps the output heads (`lm_head`, the reward
+    `score`) in full precision. The whole model goes on this process's device, as LLaMA-Factory places it, unless
+    `quantization_device_map: auto`.
+    """
+    if not model_args.quantization_bit:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    if model_args.quantization_bit == 8:
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=resolve_dtype(model_args.infer_dtype),
+                                    bnb_4bit_use_double_quant=model_args.double_quantization,
+                                    bnb_4bit_quant_type=model_args.quantization_type)
+    if model_args.quantization_device_map == "auto":
+        device_map: object = "auto"
+    elif torch.cuda.is_available():
+        device_map = {"": f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"}
+    else:
+        device_map = {"": "cpu"}
+    return {"quantization_config": config, "device_map": device_map}
+
+
+def _one_cpu_kernel(model):
+    """Keep a 4-bit base on bitsandbytes' one matmul path (returns `model`).
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50 switches a `Linear4bit` to another kernel the first time it runs in
+    eval mode without gradients: it re-lays the weight out for that kernel, for good, and computes in bf16. Every
+    later pass, training included, then takes that kernel, which has no backward (gradients to the layers below stop
+    there, silently but for a torch warning) and differs from the training kernel by ~1e-2 in the hidden states: a
+    rollout or an evaluation would change what the policy computes
+    afterwards, the reference's log-probs would not match the policy's at step 0, and a resumed run would not repeat
+    the straight one. So that switch is turned off on every quantized layer.
+    """
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
     return model
+
+
+def is_quantized(model) -> bool:
+    """True when `model` (a PEFT model or a plain one) holds a base quantized as it loaded (`quantization_bit`)."""
+    from .heads import unwrap_model
+
+    inner = unwrap_model(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return bool(getattr(inner, "is_quantized", False))
+
+
+def save_base_quantization(model, output_dir: str | os.PathLike) -> Path | None:
+    """Write `base_quantization.json` beside a LoRA adapter saved in `output_dir` when `model`'s base was quantized
+    as it loaded: the adapter learned corrections over the quantized weights, which `alignkit export` (merging into
+    the full-precision base) reports. Returns the file written, or None."""
+    from .heads import unwrap_model
+
+    source = getattr(unwrap_model(model), _SOURCE_ATTR, None)
+    if source is None or not source[0].quantization_bit or not (Path(output_dir) / "adapter_config.json").is_file():
+        return None
+    record = {key: getattr(source[0], key) for key in _QUANTIZATION_KEYS}
+    path = Path(output_dir) / BASE_QUANTIZATION_FILE
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def read_base_quantization(adapter_dir: str | os.PathLike) -> dict | None:
+    """The quantization keys of the base `adapter_dir`'s adapter was trained on (`save_base_quantization`), or None
+    for one trained on a full-precision base (or a damaged record, which only informs)."""
+    path = Path(adapter_dir) / BASE_QUANTIZATION_FILE
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("quantization_bit") else None
 
 
 class _HeldRecords:
@@ -634,12 +728,16 @@ def ensure_merged_base(model_args: ModelArguments, adapter_dirs: Sequence[str], 
     target = merged_base_dir(model_args, adapter_dirs, head)
     merge_head = _merge_head(adapter_dirs, head)
 
+    quantized = model_args.quantization_bit
+    why, how = ((f"quantization_bit={quantized}", "quantized") if quantized else ("DeepSpeed ZeRO-3", "partitioned"))
+
     def build(folder: Path) -> dict:
-        logger.warning("DeepSpeed ZeRO-3: merging %s into %s once, with whole weights in CPU memory, into %s "
-                       "(the run then loads it partitioned).", ", ".join(adapter_dirs),
-                       model_args.model_name_or_path or resolve_model_path(model_args), target)
+        logger.warning("%s: merging %s into %s once, in full precision with whole weights in CPU memory, into %s "
+                       "(the run then loads it %s).", why, ", ".join(adapter_dirs),
+                       model_args.model_name_or_path or resolve_model_path(model_args), target, how)
         with zero3_switched_off():
-            model = _load_base(model_args, merge_head, head_comes_later=merge_head == "reward")
+            full_precision = replace(model_args, quantization_bit=None, quantization_device_map=None)
+            model = _load_base(full_precision, merge_head, head_comes_later=merge_head == "reward")
             model = merge_adapters(model, list(adapter_dirs), head=merge_head)
             tokenizer = load_tokenizer(model_args)  # with the last adapter's chat template
         try:
@@ -660,7 +758,7 @@ def ensure_merged_base(model_args: ModelArguments, adapter_dirs: Sequence[str], 
 
 def _unwritable(target: Path, err: OSError) -> ConfigError:
     """The error for a merged base that cannot be written (an unwritable or full ALIGNKIT_HOME)."""
-    return ConfigError(f"DeepSpeed ZeRO-3 with adapter_name_or_path: cannot write the merged base into {target} ({err}). "
+    return ConfigError(f"DeepSpeed ZeRO-3 or quantization_bit with adapter_name_or_path: cannot write the merged base into {target} ({err}). "
                        "Set ALIGNKIT_HOME to a writable folder with room for one copy of the model, or merge beforehand "
                        "(`alignkit export --model BASE --adapter ADAPTER --export-dir MERGED`) and train from "
                        "model_name_or_path: MERGED.")
@@ -673,8 +771,6 @@ def _merge_head(adapter_dirs: Sequence[str], head: Head) -> Head:
 
 def _merged_base_arguments(model_args: ModelArguments, folder: Path) -> ModelArguments:
     """`model_args` reading the merged base in `folder` (a local folder: no adapters, no hub revision)."""
-    from dataclasses import replace
-
     return replace(model_args, model_name_or_path=str(folder), adapter_name_or_path=None, model_revision="main")
 
 

@@ -210,12 +210,14 @@ class StageTrainer(Trainer):
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """Save as the Trainer does (final model and every checkpoint), plus `base_adapters.json` beside a LoRA
-        adapter trained over merged adapters (`loader.save_base_adapters`), so that loading it puts them back."""
-        from ..model.loader import save_base_adapters
+        adapter trained over merged adapters (`loader.save_base_adapters`), so that loading it puts them back, and
+        `base_quantization.json` beside one trained on a quantized base (`loader.save_base_quantization`)."""
+        from ..model.loader import save_base_adapters, save_base_quantization
 
         super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
             save_base_adapters(self.model, output_dir or self.args.output_dir)
+            save_base_quantization(self.model, output_dir or self.args.output_dir)
 
     # ---- prediction ----
 

@@ -215,6 +215,10 @@ def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) ->
         if t.do_train and _is_main_process():
             write_run_config(config)
         all_callbacks = [LogCallback(), DivergenceGuard(), StopOnRequest()] + list(callbacks or [])
+        if config.finetuning.pissa_convert:
+            from .model.pissa import PissaConvertCallback
+
+            all_callbacks.append(PissaConvertCallback())
         stage.run(config, all_callbacks)
 
 

@@ -358,6 +358,14 @@ def check_combinations(config: Config) -> None:
         raise ConfigError(f"quantization_bit={config.model.quantization_bit} with finetuning_type={f.finetuning_type}: "
                           "a quantized base cannot be trained itself (its weights are frozen integers); use "
                           "finetuning_type=lora (QLoRA), or remove quantization_bit.")
+    if f.pissa_init and f.stage not in ("pt", "sft", "rm"):
+        raise ConfigError(f"pissa_init=true with stage {f.stage}: PiSSA moves the adapter's principal part out of the "
+                          "base weights, so the base with the adapter disabled (this stage's reference) is no longer "
+                          "the model it starts from. Use PiSSA in pt, sft or rm, then train this stage from that "
+                          "run's pissa_converted adapter.")
+    if f.pissa_init and config.model.quantization_bit:
+        raise ConfigError("pissa_init with quantization_bit is not supported here (the residual would be quantized "
+                          "again); remove one of them.")
     if d.packing and stage.data_kind not in ("text", "supervised"):
         raise ConfigError(f"packing=true applies to stage sft or pt, not {f.stage}; remove it.")
     if t.predict_with_generate and stage.data_kind not in ("text", "supervised"):

@@ -184,10 +184,52 @@ class FinetuningArguments:
     freeze_trainable_layers: int = field(
         default=2, metadata={"help": "finetuning_type=freeze: how many of the last layers are trained."}
     )
+    # LoRA variants (peft's), LLaMA-Factory's keys.
+    use_dora: bool = field(
+        default=False, metadata={"help": "DoRA: train a per-output magnitude beside the LoRA direction (peft's use_dora)."}
+    )
+    use_rslora: bool = field(
+        default=False, metadata={"help": "rsLoRA: scale the update by lora_alpha / sqrt(lora_rank) instead of / lora_rank."}
+    )
+    pissa_init: bool = field(
+        default=False,
+        metadata={"help": "PiSSA: start the adapter from the base weights' principal singular vectors (their residual "
+                  "stays in the base). Stages without a reference model only (pt, sft, rm)."},
+    )
+    pissa_iter: int = field(
+        default=16, metadata={"help": "PiSSA: fast-SVD iterations; -1 computes the full SVD."}
+    )
+    pissa_convert: bool = field(
+        default=False,
+        metadata={"help": "PiSSA: also save the adapter converted to plain LoRA on the original base, in "
+                  "output_dir/pissa_converted (the initial one in output_dir/pissa_init), as LLaMA-Factory does. "
+                  "That folder is the one to merge with `alignkit export`."},
+    )
+    loraplus_lr_ratio: Optional[float] = field(
+        default=None, metadata={"help": "LoRA+: lora_B learns at learning_rate times this ratio (peft's LoRA+ optimizer)."}
+    )
+    loraplus_lr_embedding: float = field(
+        default=1e-6, metadata={"help": "LoRA+: the learning rate of LoRA on embedding layers."}
+    )
 
     def __post_init__(self) -> None:
         if self.lora_alpha is None:
             self.lora_alpha = 2 * self.lora_rank
+        variants = [k for k in ("use_dora", "use_rslora", "pissa_init", "pissa_convert") if getattr(self, k)]
+        if self.loraplus_lr_ratio is not None:
+            variants.append("loraplus_lr_ratio")
+        if variants and self.finetuning_type != "lora":
+            raise ConfigError(f"{', '.join(variants)} apply to finetuning_type=lora, not {self.finetuning_type}; "
+                              "remove them or set finetuning_type=lora.")
+        if self.loraplus_lr_ratio is not None and not self.loraplus_lr_ratio > 0:
+            raise ConfigError(f"loraplus_lr_ratio={self.loraplus_lr_ratio} must be > 0 (LoRA+ papers use 16).")
+        if self.pissa_iter == 0 or self.pissa_iter < -1:
+            raise ConfigError(f"pissa_iter={self.pissa_iter}: give a number of fast-SVD iterations >= 1, or -1 for "
+                              "the full SVD.")
+        if self.pissa_convert and not self.pissa_init:
+            raise ConfigError("pissa_convert=true converts a PiSSA adapter: set pissa_init=true too, or remove it.")
+        if self.use_dora and self.pissa_init:
+            raise ConfigError("use_dora and pissa_init together are not supported; choose one.")
         # Whether `stage` names a registered stage is checked by the parser (`alignkit.config.parse`), which
         # sits above the stage registry; constructed directly (chat, export, tests), the default `sft` is used.
         if self.lora_rank < 1:

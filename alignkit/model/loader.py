@@ -71,6 +71,8 @@ _SOURCE_ATTR = "alignkit_model_source"
 MERGED_BASE_FILE = "alignkit_merged_base.json"
 # Beside a LoRA adapter trained on a quantized base (and in its checkpoints): the quantization keys of that base.
 BASE_QUANTIZATION_FILE = "base_quantization.json"
+# Attribute on the trained transformers model: (loraplus_lr_ratio, loraplus_lr_embedding) of its LoRA+ adapter.
+LORAPLUS_ATTR = "alignkit_loraplus"
 _QUANTIZATION_KEYS = ("quantization_bit", "quantization_method", "quantization_type", "double_quantization")
 
 
@@ -665,6 +667,12 @@ def merge_adapters(model, adapter_dirs: list[str], *, head: Head = "causal_lm"):
     for adapter_dir in adapter_dirs:
         adapter_cfg = read_adapter_config(adapter_dir)
         check_adapter_base(model, adapter_dir, adapter_cfg, head)
+        if str(adapter_cfg.get("init_lora_weights", "")).startswith("pissa"):
+            raise ConfigError(
+                f"adapter_name_or_path: {adapter_dir} is a PiSSA adapter, right only on the residual base its run "
+                "computed, not on the original model_name_or_path. Give that run's pissa_converted folder (train "
+                "with pissa_convert=true), which is plain LoRA on the original base."
+            )
         peft_config = PeftConfig.from_pretrained(adapter_dir)
         if head == "reward" and peft_config.task_type != "SEQ_CLS":
             # An SFT adapter starting a reward model: its CAUSAL_LM wrapper expects generation methods a
@@ -825,11 +833,32 @@ def add_lora(model, finetuning_args: FinetuningArguments, *, head: Head = "causa
         lora_dropout=finetuning_args.lora_dropout,
         target_modules=targets,
         modules_to_save=modules_to_save or None,
+        use_dora=finetuning_args.use_dora,
+        use_rslora=finetuning_args.use_rslora,
+        init_lora_weights=_lora_init(finetuning_args),
     )
     with _peft_wrapping():
         peft_model = get_peft_model(model, lora_config)
     fuse_lora_linears(peft_model)  # same arithmetic, fewer element-wise passes (`lora_fused`)
+    if finetuning_args.loraplus_lr_ratio is not None:
+        # Read by `StageTrainer.create_optimizer`, which builds peft's LoRA+ optimizer from it.
+        setattr(peft_model.get_base_model(), LORAPLUS_ATTR,
+                (finetuning_args.loraplus_lr_ratio, finetuning_args.loraplus_lr_embedding))
     return peft_model
+
+
+def _lora_init(finetuning_args: FinetuningArguments) -> bool | str:
+    """peft's `init_lora_weights`: its default (A random, B zero), or PiSSA's SVD (`pissa` = full, else fast SVD)."""
+    if not finetuning_args.pissa_init:
+        return True
+    return "pissa" if finetuning_args.pissa_iter == -1 else f"pissa_niter_{finetuning_args.pissa_iter}"
+
+
+def loraplus_settings(model) -> tuple[float, float] | None:
+    """(loraplus_lr_ratio, loraplus_lr_embedding) when `model`'s adapter was set up for LoRA+, else None."""
+    from .heads import unwrap_model
+
+    return getattr(unwrap_model(model), LORAPLUS_ATTR, None)
 
 
 def _decoder_layers(model) -> tuple[str, int]:

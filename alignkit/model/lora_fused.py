@@ -18,6 +18,10 @@ effect, an `nn.Linear` base layer with matching dtypes, no autocast (bf16 mixed 
 per-call adapter names, no DeepSpeed ZeRO-3 partitions (whose weights only the modules' own calls gather); anything
 else calls PEFT's own forward, unchanged.
 
+The LoRA variants: rsLoRA (`use_rslora`) changes only `scaling` and PiSSA (`pissa_init`) only the starting weights,
+so both are plain here and fused; DoRA (`use_dora`) is a peft variant (`lora_variant`) and runs peft's forward; LoRA+
+(`loraplus_lr_ratio`) is an optimizer setting. tests/unit/test_lora_variants.py checks each against peft.
+
 A quantized base (`quantization_bit`, QLoRA) is never fused: its LoRA layers are PEFT's bitsandbytes classes
 (`lora.bnb.Linear4bit`, `Linear8bitLt`), which `fuse_lora_linears` leaves alone, because the fused node would need
 the base weight whole and dequantizing it per call into a full-precision copy is the memory QLoRA exists to save.

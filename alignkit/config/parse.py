@@ -284,6 +284,14 @@ def parse_config(
                     train_kwargs["eval_strategy"])
         train_kwargs["eval_strategy"] = "no"
 
+    model_kwargs = per_class.get(ModelArguments, {})
+    if model_kwargs.get("enable_liger_kernel"):
+        train_kwargs.setdefault("use_liger_kernel", True)  # transformers applies Liger's patches (its documented path)
+    if model_kwargs.get("disable_gradient_checkpointing"):
+        if train_kwargs.get("gradient_checkpointing"):
+            raise ConfigError(f"gradient_checkpointing=true and disable_gradient_checkpointing=true{where}; keep one.")
+        train_kwargs["gradient_checkpointing"] = False
+
     def build(cls: type) -> Any:
         try:
             if cls is FinetuningArguments:

@@ -86,7 +86,32 @@ class ModelArguments:
                   "unset: the whole model on this process's device."},
     )
 
+    # LLaMA-Factory's kernel and speed keys.
+    flash_attn: Literal["auto", "disabled", "sdpa", "fa2"] = field(
+        default="auto",
+        metadata={"help": "Attention kernel, LLaMA-Factory's name for attn_implementation: `auto` (transformers' "
+                  "choice), `disabled` (eager), `sdpa`, `fa2` (flash_attention_2: a CUDA GPU and flash-attn)."},
+    )
+    shift_attn: bool = field(
+        default=False, metadata={"help": "LongLoRA's shifted sparse attention: not supported here (refused)."}
+    )
+    enable_liger_kernel: bool = field(
+        default=False,
+        metadata={"help": "Liger's Triton kernels (CUDA GPUs, `pip install liger-kernel`), applied by transformers' "
+                  "`use_liger_kernel`."},
+    )
+    use_unsloth: bool = field(default=False, metadata={"help": "Unsloth's patched models: not supported here (refused)."})
+    upcast_layernorm: bool = field(
+        default=False, metadata={"help": "Train with the norm layers' weights in float32 (a bf16/fp16 model)."}
+    )
+    disable_gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Keep gradient checkpointing off. alignkit, unlike LLaMA-Factory, only checkpoints when "
+                  "`gradient_checkpointing: true`; giving both is an error."},
+    )
+
     def __post_init__(self) -> None:
+        self._check_kernel_keys()
         if self.quantization_bit is None:
             return
         if self.quantization_method != "bnb":
@@ -100,6 +125,42 @@ class ModelArguments:
             raise ConfigError(f"quantization_bit={self.quantization_bit} needs bitsandbytes, which is not installed: "
                               "pip install 'alignkit[qlora]' (or remove quantization_bit to train on the full-precision "
                               "base).")
+
+
+    def _check_kernel_keys(self) -> None:
+        """LLaMA-Factory's kernel keys: refused with the reason where they cannot run here."""
+        on_gpu = torch.cuda.is_available()
+        if self.shift_attn:
+            raise ConfigError("shift_attn=true (LongLoRA's shifted sparse attention) is not supported: it patches one "
+                              "model family's eager attention for training only, and breaks padding-free batches and "
+                              "the other attention kernels. Remove it (for long contexts, train a model made for that "
+                              "length).")
+        if self.use_unsloth:
+            raise ConfigError("use_unsloth=true is not supported: Unsloth replaces the model's code and parts of the "
+                              "training loop" + ("" if on_gpu else ", and needs a CUDA GPU, which this machine lacks")
+                              + ". Remove it.")
+        if self.enable_liger_kernel:
+            if not on_gpu:
+                raise ConfigError("enable_liger_kernel=true needs a CUDA GPU: Liger's kernels are Triton GPU kernels, "
+                                  "and this machine has none. Remove it on a CPU.")
+            if importlib.util.find_spec("liger_kernel") is None:
+                raise ConfigError("enable_liger_kernel=true needs liger-kernel: pip install liger-kernel.")
+        if self.flash_attn == "fa2":
+            if not on_gpu:
+                raise ConfigError("flash_attn=fa2 (FlashAttention 2) needs a CUDA GPU, which this machine lacks; use "
+                                  "flash_attn=sdpa (or auto).")
+            if importlib.util.find_spec("flash_attn") is None:
+                raise ConfigError("flash_attn=fa2 needs the flash-attn package: pip install flash-attn "
+                                  "--no-build-isolation (or use flash_attn=sdpa).")
+        mapped = attention_from_flash_attn(self.flash_attn)
+        if mapped and self.attn_implementation and self.attn_implementation != mapped:
+            raise ConfigError(f"flash_attn={self.flash_attn} (attn_implementation={mapped}) and attn_implementation="
+                              f"{self.attn_implementation} disagree; give one of them.")
+
+
+def attention_from_flash_attn(flash_attn: str) -> Optional[str]:
+    """transformers' `attn_implementation` for LLaMA-Factory's `flash_attn` (None for `auto`: transformers chooses)."""
+    return {"disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2"}.get(flash_attn)
 
 
 @dataclass

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ..config import BUNDLED_MODEL_NAME, FinetuningArguments, ModelArguments
+from ..config.schema import attention_from_flash_attn
 from ..errors import ConfigError
 from ..env import alignkit_home
 from .bundled import build_folder_once, ensure_bundled_model
@@ -255,6 +256,8 @@ def load_model(
         return model
 
     model.config.use_cache = False  # the KV cache only costs memory in a training forward pass
+    if model_args.upcast_layernorm:
+        upcast_layernorm(model)
     kind = finetuning_args.finetuning_type
     if kind == "lora":
         model = add_lora(model, finetuning_args, head=head)
@@ -269,6 +272,20 @@ def load_model(
     logger.info("Trainable parameters: %s of %s (%.4f%%), finetuning_type=%s.",
                 f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1), kind)
     return model
+
+
+def upcast_layernorm(model) -> int:
+    """`upcast_layernorm`: the norm layers' weights (1-D parameters named `*norm*` or `*ln*`, LLaMA-Factory's rule)
+    in float32 for training a bf16/fp16 model; their outputs are cast by the mixed-precision autocast. Returns how
+    many were cast (0 for a float32 model)."""
+    count = 0
+    for name, param in model.named_parameters():
+        if param.ndim == 1 and param.dtype != torch.float32 and any(part in name for part in ("norm", "ln")):
+            param.data = param.data.float()
+            count += 1
+    if count:
+        logger.info("upcast_layernorm: %d norm weights in float32.", count)
+    return count
 
 
 def merged_adapters(model) -> tuple[str, ...]:
@@ -316,8 +333,9 @@ def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = 
     path = resolve_model_path(model_args)
     # `low_cpu_mem_usage` is accepted in configs but not passed: transformers 5 always loads lazily.
     kwargs = dict(dtype=resolve_dtype(model_args.infer_dtype), **_hub_kwargs(model_args), **_quantization_kwargs(model_args))
-    if model_args.attn_implementation:
-        kwargs["attn_implementation"] = model_args.attn_implementation
+    attention = model_args.attn_implementation or attention_from_flash_attn(model_args.flash_attn)
+    if attention:
+        kwargs["attn_implementation"] = attention
     if head == "causal_lm":
         return _one_cpu_kernel(AutoModelForCausalLM.from_pretrained(path, **kwargs))
 

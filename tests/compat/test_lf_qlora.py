@@ -70,3 +70,19 @@ def test_lora_sft_on_an_8bit_base(lf_config, run_alignkit):
                        gradient_accumulation_steps=2, **NO_WORKERS)
     out = _trained(run_alignkit(config), config)
     assert json.loads((out / "base_quantization.json").read_text())["quantization_bit"] == 8
+
+
+def test_every_key_of_the_qlora_and_qwen3_examples_parses(lf_config, monkeypatch):
+    """The keys LLaMA-Factory's text examples (`train_lora`, `train_qlora`, `train_full`, the qwen3 ones under
+    `ascend/`) add to the LoRA tier's union: the QLoRA keys, `tokenized_path`, `flash_attn`,
+    `disable_gradient_checkpointing`, `packing`, `seed`. (`deepspeed` is the DeepSpeed tests'; the multimodal
+    `qwen3vl`/`mossvl` keys and Ray's `ray_num_workers` belong to features alignkit does not have.) `flash_attn: fa2`,
+    as written there, is a ConfigError on a CPU that names the fix, never an unknown key."""
+    extra = {**QLORA_KEYS, "quantization_type": "nf4", "quantization_device_map": "auto", "tokenized_path": None,
+             "flash_attn": "sdpa", "disable_gradient_checkpointing": True, "packing": False, "seed": 1234}
+    config = lf_config("sft", "alpaca_demo", name="sft_union", **extra)
+    parsed = read_config(config)
+    assert parsed.model.quantization_bit == 4 and parsed.model.flash_attn == "sdpa"
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(Exception, match=r"flash_attn=fa2 \(FlashAttention 2\) needs a CUDA GPU"):
+            read_config(config, ["flash_attn=fa2"])

@@ -188,6 +188,11 @@ class DataArguments:
     )
     cutoff_len: int = field(default=2048, metadata={"help": "Maximum tokens per example after tokenisation."})
     train_on_prompt: bool = field(default=False, metadata={"help": "Also compute the loss on prompt tokens."})
+    mask_history: bool = field(
+        default=False,
+        metadata={"help": "SFT: train on the last assistant reply only; earlier turns are context (truncation "
+                  "keeps the last turn first)."},
+    )
     max_samples: Optional[int] = field(default=None, metadata={"help": "Keep only the first N rows of each dataset."})
     val_size: float = field(
         default=0.0, metadata={"help": "Held-out share (< 1) or count (>= 1) of the training data for evaluation."}
@@ -218,6 +223,9 @@ class DataArguments:
             raise ConfigError(f"cutoff_len={self.cutoff_len} leaves no room for a prompt and a response.")
         if self.streaming:
             raise ConfigError("streaming=true is not supported; remove the key (datasets are loaded in full).")
+        if self.mask_history and self.train_on_prompt:
+            raise ConfigError("mask_history=true (train on the last reply only) and train_on_prompt=true (train on "
+                              "every token) contradict each other; keep one.")
         _check_positive(self, "max_samples", "preprocessing_num_workers")
 
 

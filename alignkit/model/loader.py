@@ -362,7 +362,8 @@ def _quantization_kwargs(model_args: ModelArguments) -> dict:
 
     4-bit computes in the run's dtype (`infer_dtype`). transformers keeps the output heads (`lm_head`, the reward
     `score`) in full precision. The whole model goes on this process's device, as LLaMA-Factory places it, unless
-    `quantization_device_map: auto`.
+    `quantization_device_map: auto`, or under ZeRO-3, which places weights itself (LLaMA-Factory's rule too; not run
+    here: bitsandbytes with ZeRO-3 needs GPUs).
     """
     if not model_args.quantization_bit:
         return {}
@@ -374,6 +375,8 @@ def _quantization_kwargs(model_args: ModelArguments) -> dict:
         config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=resolve_dtype(model_args.infer_dtype),
                                     bnb_4bit_use_double_quant=model_args.double_quantization,
                                     bnb_4bit_quant_type=model_args.quantization_type)
+    if zero3_enabled():
+        return {"quantization_config": config}  # ZeRO-3 places the weights itself; transformers refuses a device_map
     if model_args.quantization_device_map == "auto":
         device_map: object = "auto"
     elif torch.cuda.is_available():
@@ -398,15 +401,6 @@ def _one_cpu_kernel(model):
         if getattr(module, "support_avx512bf16_for_cpu", False):
             module.support_avx512bf16_for_cpu = False
     return model
-
-
-def is_quantized(model) -> bool:
-    """True when `model` (a PEFT model or a plain one) holds a base quantized as it loaded (`quantization_bit`)."""
-    from .heads import unwrap_model
-
-    inner = unwrap_model(model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    return bool(getattr(inner, "is_quantized", False))
 
 
 def save_base_quantization(model, output_dir: str | os.PathLike) -> Path | None:

@@ -61,10 +61,10 @@ def test_lora_on_a_4bit_base_decodes_unmerged_and_its_reference_is_the_quantized
 
     from alignkit.model.adapters import adapters_disabled
     from alignkit.model.generation import generate_with_decode, merged_lora, packed_linears
-    from alignkit.model.loader import is_quantized, load_model
+    from alignkit.model.loader import load_model
 
     model = load_model(_quantized(tiny_model_dir), FinetuningArguments(lora_rank=4), is_trainable=True)
-    assert is_quantized(model)
+    assert model.get_base_model().is_quantized
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     assert layers and all(isinstance(m.get_base_layer(), bnb.nn.Linear4bit) for m in layers)
     assert not any("forward" in vars(m) for m in layers)  # no fused path installed
@@ -102,7 +102,7 @@ def test_lora_on_a_4bit_base_decodes_unmerged_and_its_reference_is_the_quantized
 @needs_bnb
 def test_an_earlier_adapter_is_merged_in_full_precision_then_quantized(tiny_model_dir, tmp_path, caplog,
                                                                        save_perturbed_adapter):
-    from alignkit.model.loader import is_quantized, load_model, merged_adapters, merged_base_dir
+    from alignkit.model.loader import load_model, merged_adapters, merged_base_dir
 
     sft = tmp_path / "sft"
     save_perturbed_adapter(tiny_model_dir, sft, seed=3)
@@ -112,7 +112,7 @@ def test_an_earlier_adapter_is_merged_in_full_precision_then_quantized(tiny_mode
     assert "quantization_bit=4: merging" in caplog.text and "loads it quantized" in caplog.text
     folder = merged_base_dir(args, [str(sft.resolve())])
     assert (folder / "alignkit_merged_base.json").is_file()
-    assert is_quantized(model) and merged_adapters(model) == (str(sft.resolve()),)
+    assert model.get_base_model().is_quantized and merged_adapters(model) == (str(sft.resolve()),)
     assert model.get_base_model().config.name_or_path == tiny_model_dir  # the real base is recorded, not the cache
     # The reference is the merged folder quantized: what the same load of that folder gives.
     plain = load_model(_quantized(str(folder)), FinetuningArguments(), is_trainable=False)

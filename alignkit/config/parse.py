@@ -327,6 +327,8 @@ def parse_config(
         source=source,
         values=merged,
     )
+    if config.model.rope_scaling and config.model.model_max_length is None:
+        config.model.model_max_length = config.data.cutoff_len  # the length training runs at
     check_combinations(config)
     return config
 

@@ -104,6 +104,16 @@ class ModelArguments:
     upcast_layernorm: bool = field(
         default=False, metadata={"help": "Train with the norm layers' weights in float32 (a bf16/fp16 model)."}
     )
+    rope_scaling: Optional[Literal["linear", "dynamic", "yarn", "llama3"]] = field(
+        default=None,
+        metadata={"help": "RoPE scaling to train beyond the model's context: the factor is ceil(model_max_length / "
+                  "max_position_embeddings), written into the model config's rope_parameters (LLaMA-Factory's rule)."},
+    )
+    model_max_length: Optional[int] = field(
+        default=None,
+        metadata={"help": "The length rope_scaling scales the context to; cutoff_len when unset (LLaMA-Factory "
+                  "derives it the same way)."},
+    )
     disable_gradient_checkpointing: bool = field(
         default=False,
         metadata={"help": "Keep gradient checkpointing off. alignkit, unlike LLaMA-Factory, only checkpoints when "

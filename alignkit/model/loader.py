@@ -34,6 +34,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import re
 import warnings
@@ -337,11 +338,13 @@ def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = 
     if attention:
         kwargs["attn_implementation"] = attention
     if head == "causal_lm":
+        if model_args.rope_scaling:
+            kwargs["config"] = scale_rope(AutoConfig.from_pretrained(path, **_hub_kwargs(model_args)), model_args)
         return _one_cpu_kernel(AutoModelForCausalLM.from_pretrained(path, **kwargs))
 
     # The reward score is read at each sequence's last real token; transformers finds that token via
     # `pad_token_id`, so the config must carry it for plain-transformers scoring to work.
-    config = AutoConfig.from_pretrained(path, num_labels=1, **_hub_kwargs(model_args))
+    config = scale_rope(AutoConfig.from_pretrained(path, num_labels=1, **_hub_kwargs(model_args)), model_args)
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = load_tokenizer(model_args).pad_token_id
     if not head_comes_later:
@@ -384,6 +387,42 @@ def _quantization_kwargs(model_args: ModelArguments) -> dict:
     else:
         device_map = {"": "cpu"}
     return {"quantization_config": config, "device_map": device_map}
+
+
+def scale_rope(config, model_args: ModelArguments):
+    """`config` with `rope_scaling` applied (returned; unchanged without the key), LLaMA-Factory's rule on transformers
+    5's `rope_parameters`: the factor is ceil(model_max_length / the model's original context), the context grows by
+    it, and dynamic, yarn and llama3 also record the original length (llama3 with its frequency factors 1 and 4). A
+    length the model already covers needs no scaling (logged, nothing changed); no model_max_length (chat, export)
+    takes factor 2.
+
+    Raises:
+        ConfigError: the model's config has no RoPE parameters to scale.
+    """
+    kind = model_args.rope_scaling
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if not kind:
+        return config
+    if not rope or not hasattr(config, "max_position_embeddings"):
+        raise ConfigError(f"rope_scaling={kind}: the model ({config.model_type}) has no RoPE parameters in its "
+                          "config to scale; remove the key.")
+    original = rope.get("original_max_position_embeddings") or config.max_position_embeddings
+    wanted = model_args.model_max_length
+    if wanted is not None and wanted <= original:
+        logger.info("rope_scaling=%s: model_max_length=%d fits the model's %d positions; no scaling.", kind, wanted,
+                    original)
+        return config
+    factor = float(math.ceil(wanted / original)) if wanted is not None else 2.0
+    rope.update(rope_type=kind, factor=factor)
+    if kind in ("dynamic", "yarn", "llama3"):
+        rope["original_max_position_embeddings"] = original
+    if kind == "llama3":
+        rope.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    config.rope_parameters = rope
+    config.max_position_embeddings = int(original * factor)
+    logger.info("rope_scaling=%s: factor %s, context %d -> %d positions.", kind, factor, original,
+                config.max_position_embeddings)
+    return config
 
 
 def _one_cpu_kernel(model):

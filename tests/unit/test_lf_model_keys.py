@@ -19,7 +19,8 @@ def test_every_new_key_is_in_help_keys():
     for key in ("quantization_bit", "quantization_method", "quantization_type", "double_quantization",
                 "quantization_device_map", "use_dora", "use_rslora", "pissa_init", "pissa_iter", "pissa_convert",
                 "loraplus_lr_ratio", "loraplus_lr_embedding", "flash_attn", "shift_attn", "enable_liger_kernel",
-                "use_unsloth", "upcast_layernorm", "disable_gradient_checkpointing", "mask_history"):
+                "use_unsloth", "upcast_layernorm", "disable_gradient_checkpointing", "mask_history", "rope_scaling",
+                "model_max_length"):
         assert key in keys, key
 
 
@@ -63,3 +64,28 @@ def test_upcast_layernorm_keeps_norm_weights_in_float32(tiny_model_dir):
     norms = [name for name in dtypes if "norm" in name]
     assert norms and all(dtypes[name] == torch.float32 for name in norms)
     assert dtypes["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"] == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn", "llama3"])
+def test_rope_scaling_scales_to_the_training_length(kind, tiny_model_dir):
+    """The tiny model has 1024 positions; cutoff_len 3000 needs factor ceil(3000 / 1024) = 3."""
+    from alignkit.model.loader import load_model
+
+    config = parse_config({"stage": "sft", "do_train": True, "dataset": "x", "model_name_or_path": tiny_model_dir,
+                           "rope_scaling": kind, "cutoff_len": 3000})
+    assert config.model.model_max_length == 3000
+    model = load_model(config.model, FinetuningArguments(), is_trainable=False)
+    rope = model.config.rope_parameters
+    assert (rope["rope_type"], rope["factor"], model.config.max_position_embeddings) == (kind, 3.0, 3072)
+    assert rope.get("original_max_position_embeddings") == (None if kind == "linear" else 1024)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.tensor([[5, 6, 7]])).logits).all()
+
+
+def test_rope_scaling_within_the_context_changes_nothing(tiny_model_dir):
+    from alignkit.model.loader import load_model
+
+    config = parse_config({"stage": "sft", "do_train": True, "dataset": "x", "model_name_or_path": tiny_model_dir,
+                           "rope_scaling": "linear", "cutoff_len": 512})
+    model = load_model(config.model, FinetuningArguments(), is_trainable=False)
+    assert model.config.rope_parameters["rope_type"] == "default" and model.config.max_position_embeddings == 1024

@@ -192,12 +192,18 @@ class DataArguments:
         default=None,
         metadata={
             "help": "Chat template: unset uses the tokenizer's own; built-in ones are `chatml`, `qwen`, `qwen3`, "
-            "`smollm2`, `llama3`, `default`, `plain` (for base models without a template), and LLaMA-Factory's "
+            "`qwen3_no_thinking`, `smollm2`, `llama3`, `default`, `plain` (for base models without a template), and LLaMA-Factory's "
             "`qwen3_nothink` and `smollm` (ChatML). A template whose special tokens the tokenizer lacks is refused."
         },
     )
     cutoff_len: int = field(default=2048, metadata={"help": "Maximum tokens per example after tokenisation."})
     train_on_prompt: bool = field(default=False, metadata={"help": "Also compute the loss on prompt tokens."})
+    enable_thinking: bool = field(
+        default=True,
+        metadata={"help": "Reasoning templates (`qwen3`): true trains replies' thoughts (an empty one where a reply "
+                  "has none); false drops thoughts and puts the empty one in the prompt, untrained, in training "
+                  "and in the saved chat template (template qwen3 becomes qwen3_no_thinking)."},
+    )
     mask_history: bool = field(
         default=False,
         metadata={"help": "SFT: train on the last assistant reply only; earlier turns are context (truncation "
@@ -233,6 +239,12 @@ class DataArguments:
             raise ConfigError(f"cutoff_len={self.cutoff_len} leaves no room for a prompt and a response.")
         if self.streaming:
             raise ConfigError("streaming=true is not supported; remove the key (datasets are loaded in full).")
+        if not self.enable_thinking:
+            if self.template is None:
+                raise ConfigError("enable_thinking=false needs a built-in reasoning template: set template: qwen3 "
+                                  "(the tokenizer's own template is used as it is).")
+            if self.template == "qwen3":
+                self.template = "qwen3_no_thinking"  # the one description every formatter and the saved template use
         if self.mask_history and self.train_on_prompt:
             raise ConfigError("mask_history=true (train on the last reply only) and train_on_prompt=true (train on "
                               "every token) contradict each other; keep one.")

@@ -19,7 +19,7 @@ def test_every_new_key_is_in_help_keys():
     for key in ("quantization_bit", "quantization_method", "quantization_type", "double_quantization",
                 "quantization_device_map", "use_dora", "use_rslora", "pissa_init", "pissa_iter", "pissa_convert",
                 "loraplus_lr_ratio", "loraplus_lr_embedding", "flash_attn", "shift_attn", "enable_liger_kernel",
-                "use_unsloth", "upcast_layernorm", "disable_gradient_checkpointing", "mask_history", "rope_scaling",
+                "use_unsloth", "upcast_layernorm", "disable_gradient_checkpointing", "mask_history", "enable_thinking", "rope_scaling",
                 "model_max_length"):
         assert key in keys, key
 

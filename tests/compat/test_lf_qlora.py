@@ -10,18 +10,20 @@ which the LoRA tier runs as written): each case is a process of its own, and the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from alignkit.config.parse import read_config
 
 from .test_lf_configs import NO_WORKERS
 from .test_lf_kto import add_lf_kto_data
 
-pytestmark = [pytest.mark.compat, pytest.mark.skipif(not __import__("importlib.util").util.find_spec("bitsandbytes"),
+pytestmark = [pytest.mark.compat, pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
                                                      reason="needs bitsandbytes (the qlora or dev extra)")]
 
 # The QLoRA examples' keys beyond the LoRA ones (`_otfq` leaves double_quantization at its default, true).
@@ -83,6 +85,6 @@ def test_every_key_of_the_qlora_and_qwen3_examples_parses(lf_config, monkeypatch
     config = lf_config("sft", "alpaca_demo", name="sft_union", **extra)
     parsed = read_config(config)
     assert parsed.model.quantization_bit == 4 and parsed.model.flash_attn == "sdpa"
-    if not __import__("torch").cuda.is_available():
+    if not torch.cuda.is_available():
         with pytest.raises(Exception, match=r"flash_attn=fa2 \(FlashAttention 2\) needs a CUDA GPU"):
             read_config(config, ["flash_attn=fa2"])

@@ -24,7 +24,8 @@ from pathlib import Path
 from .config import BUNDLED_MODEL_NAME, FinetuningArguments, ModelArguments
 from .errors import ConfigError
 from .model.bundled import bundled_model_dir
-from .model.loader import is_reward_adapter, load_model, load_tokenizer, resolve_adapter_chain, split_adapters
+from .model.loader import (is_reward_adapter, load_model, load_tokenizer, read_base_quantization, resolve_adapter_chain,
+                           split_adapters)
 from .train import check_output_dir
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,15 @@ def export_model(model_args: ModelArguments, export_dir: str, *, force: bool = F
             from .gguf_export import ollama_modelfile
 
             modelfile = ollama_modelfile(ChatFormatter(load_tokenizer(model_args)), gguf_name)
+    for adapter in adapters:
+        quantized = read_base_quantization(adapter)
+        if quantized:
+            # LLaMA-Factory's answer too: the export is a full-precision model, not the quantized one trained on.
+            logger.warning("%s was trained on a %s-bit quantized base (%s); it is merged into the full-precision base "
+                           "%s, so the exported model is full precision and differs from the trained one by the "
+                           "base's quantization error.", adapter, quantized["quantization_bit"],
+                           ", ".join(f"{k}={v}" for k, v in quantized.items()),
+                           model_args.model_name_or_path or "(the bundled model)")
 
     # Beside the target, on its file system (a symlinked target counts where it points): moving in is renames.
     target = Path(os.path.realpath(out))

@@ -217,6 +217,10 @@ def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) ->
             write_run_config(config)
         all_callbacks = [LogCallback(), DivergenceGuard(), StopOnRequest()] + tracker_callbacks(
             config.training.report_to) + list(callbacks or [])
+        if config.finetuning.pissa_convert:
+            from .model.pissa import PissaConvertCallback
+
+            all_callbacks.append(PissaConvertCallback())
         stage.run(config, all_callbacks)
 
 

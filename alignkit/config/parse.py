@@ -287,6 +287,14 @@ def parse_config(
                     train_kwargs["eval_strategy"])
         train_kwargs["eval_strategy"] = "no"
 
+    model_kwargs = per_class.get(ModelArguments, {})
+    if model_kwargs.get("enable_liger_kernel"):
+        train_kwargs.setdefault("use_liger_kernel", True)  # transformers applies Liger's patches (its documented path)
+    if model_kwargs.get("disable_gradient_checkpointing"):
+        if train_kwargs.get("gradient_checkpointing"):
+            raise ConfigError(f"gradient_checkpointing=true and disable_gradient_checkpointing=true{where}; keep one.")
+        train_kwargs["gradient_checkpointing"] = False
+
     def build(cls: type) -> Any:
         try:
             if cls is FinetuningArguments:
@@ -322,6 +330,8 @@ def parse_config(
         source=source,
         values=merged,
     )
+    if config.model.rope_scaling and config.model.model_max_length is None:
+        config.model.model_max_length = config.data.cutoff_len  # the length training runs at
     check_combinations(config)
     return config
 
@@ -357,6 +367,18 @@ def check_combinations(config: Config) -> None:
         raise ConfigError("do_train=true needs `dataset` (or a `tokenized_path` saved earlier).")
     if (t.do_eval or t.do_predict) and not (d.eval_dataset or d.val_size or d.dataset or d.tokenized_path):
         raise ConfigError("evaluation needs `eval_dataset` or `val_size` > 0.")
+    if config.model.quantization_bit and f.finetuning_type != "lora" and t.do_train:
+        raise ConfigError(f"quantization_bit={config.model.quantization_bit} with finetuning_type={f.finetuning_type}: "
+                          "a quantized base cannot be trained itself (its weights are frozen integers); use "
+                          "finetuning_type=lora (QLoRA), or remove quantization_bit.")
+    if f.pissa_init and f.stage not in ("pt", "sft", "rm"):
+        raise ConfigError(f"pissa_init=true with stage {f.stage}: PiSSA moves the adapter's principal part out of the "
+                          "base weights, so the base with the adapter disabled (this stage's reference) is no longer "
+                          "the model it starts from. Use PiSSA in pt, sft or rm, then train this stage from that "
+                          "run's pissa_converted adapter.")
+    if f.pissa_init and config.model.quantization_bit:
+        raise ConfigError("pissa_init with quantization_bit is not supported here (the residual would be quantized "
+                          "again); remove one of them.")
     if d.packing and stage.data_kind not in ("text", "supervised"):
         raise ConfigError(f"packing=true applies to stage sft or pt, not {f.stage}; remove it.")
     if t.predict_with_generate and stage.data_kind not in ("text", "supervised"):

@@ -14,6 +14,7 @@ Key names follow LLaMA-Factory where it has the feature and TRL otherwise; every
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -64,6 +65,112 @@ class ModelArguments:
         default=None, metadata={"help": "Attention kernel passed to from_pretrained (`sdpa`, `eager`, ...)."}
     )
     low_cpu_mem_usage: bool = field(default=True, metadata={"help": "Load weights lazily to save host memory."})
+    # Quantized bases (QLoRA), LLaMA-Factory's keys: the base is quantized as it loads; only LoRA trains on it.
+    quantization_bit: Optional[int] = field(
+        default=None,
+        metadata={"help": "Quantize the base as it loads: 4 or 8 bits (bitsandbytes; `pip install "
+                  "'alignkit[qlora]'`). Only finetuning_type=lora trains on a quantized base."},
+    )
+    quantization_method: str = field(
+        default="bnb", metadata={"help": "On-the-fly quantization library: `bnb` (bitsandbytes), the only one here."}
+    )
+    quantization_type: Literal["nf4", "fp4"] = field(
+        default="nf4", metadata={"help": "4-bit data type of bitsandbytes: `nf4` (NormalFloat) or `fp4`."}
+    )
+    double_quantization: bool = field(
+        default=True, metadata={"help": "4-bit: quantize the quantization constants too (about 0.4 bit a weight less)."}
+    )
+    quantization_device_map: Optional[Literal["auto"]] = field(
+        default=None,
+        metadata={"help": "`auto`: spread a 4-bit base over the visible devices (accelerate's device_map=auto); "
+                  "unset: the whole model on this process's device."},
+    )
+
+    # LLaMA-Factory's kernel and speed keys.
+    flash_attn: Literal["auto", "disabled", "sdpa", "fa2"] = field(
+        default="auto",
+        metadata={"help": "Attention kernel, LLaMA-Factory's name for attn_implementation: `auto` (transformers' "
+                  "choice), `disabled` (eager), `sdpa`, `fa2` (flash_attention_2: a CUDA GPU and flash-attn)."},
+    )
+    shift_attn: bool = field(
+        default=False, metadata={"help": "LongLoRA's shifted sparse attention: not supported here (refused)."}
+    )
+    enable_liger_kernel: bool = field(
+        default=False,
+        metadata={"help": "Liger's Triton kernels (CUDA GPUs, `pip install liger-kernel`), applied by transformers' "
+                  "`use_liger_kernel`."},
+    )
+    use_unsloth: bool = field(default=False, metadata={"help": "Unsloth's patched models: not supported here (refused)."})
+    upcast_layernorm: bool = field(
+        default=False, metadata={"help": "Train with the norm layers' weights in float32 (a bf16/fp16 model)."}
+    )
+    rope_scaling: Optional[Literal["linear", "dynamic", "yarn", "llama3"]] = field(
+        default=None,
+        metadata={"help": "RoPE scaling to train beyond the model's context: the factor is ceil(model_max_length / "
+                  "max_position_embeddings), written into the model config's rope_parameters (LLaMA-Factory's rule)."},
+    )
+    model_max_length: Optional[int] = field(
+        default=None,
+        metadata={"help": "The length rope_scaling scales the context to; cutoff_len when unset (LLaMA-Factory "
+                  "derives it the same way)."},
+    )
+    disable_gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Keep gradient checkpointing off. alignkit, unlike LLaMA-Factory, only checkpoints when "
+                  "`gradient_checkpointing: true`; giving both is an error."},
+    )
+
+    def __post_init__(self) -> None:
+        self._check_kernel_keys()
+        if self.quantization_bit is None:
+            return
+        if self.quantization_method != "bnb":
+            raise ConfigError(f"quantization_method={self.quantization_method!r} is not supported here; use bnb "
+                              "(bitsandbytes), or quantize the model beforehand and give its folder.")
+        if self.quantization_bit not in (4, 8):
+            raise ConfigError(f"quantization_bit={self.quantization_bit}: bitsandbytes quantizes to 4 or 8 bits.")
+        if self.quantization_device_map == "auto" and self.quantization_bit != 4:
+            raise ConfigError("quantization_device_map=auto applies to quantization_bit=4 only; remove it for 8 bits.")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(f"quantization_bit={self.quantization_bit} needs bitsandbytes, which is not installed: "
+                              "pip install 'alignkit[qlora]' (or remove quantization_bit to train on the full-precision "
+                              "base).")
+
+
+    def _check_kernel_keys(self) -> None:
+        """LLaMA-Factory's kernel keys: refused with the reason where they cannot run here."""
+        on_gpu = torch.cuda.is_available()
+        if self.shift_attn:
+            raise ConfigError("shift_attn=true (LongLoRA's shifted sparse attention) is not supported: it patches one "
+                              "model family's eager attention for training only, and breaks padding-free batches and "
+                              "the other attention kernels. Remove it (for long contexts, train a model made for that "
+                              "length).")
+        if self.use_unsloth:
+            raise ConfigError("use_unsloth=true is not supported: Unsloth replaces the model's code and parts of the "
+                              "training loop" + ("" if on_gpu else ", and needs a CUDA GPU, which this machine lacks")
+                              + ". Remove it.")
+        if self.enable_liger_kernel:
+            if not on_gpu:
+                raise ConfigError("enable_liger_kernel=true needs a CUDA GPU: Liger's kernels are Triton GPU kernels, "
+                                  "and this machine has none. Remove it on a CPU.")
+            if importlib.util.find_spec("liger_kernel") is None:
+                raise ConfigError("enable_liger_kernel=true needs liger-kernel: pip install liger-kernel.")
+        if self.flash_attn == "fa2":
+            if not on_gpu:
+                raise ConfigError("flash_attn=fa2 (FlashAttention 2) needs a CUDA GPU, which this machine lacks; use "
+                                  "flash_attn=sdpa (or auto).")
+            if importlib.util.find_spec("flash_attn") is None:
+                raise ConfigError("flash_attn=fa2 needs the flash-attn package: pip install flash-attn "
+                                  "--no-build-isolation (or use flash_attn=sdpa).")
+        mapped = attention_from_flash_attn(self.flash_attn)
+        if mapped and self.attn_implementation and self.attn_implementation != mapped:
+            raise ConfigError(f"flash_attn={self.flash_attn} (attn_implementation={mapped}) and attn_implementation="
+                              f"{self.attn_implementation} disagree; give one of them.")
+
+
+def attention_from_flash_attn(flash_attn: str) -> Optional[str]:
+    """transformers' `attn_implementation` for LLaMA-Factory's `flash_attn` (None for `auto`: transformers chooses)."""
+    return {"disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2"}.get(flash_attn)
 
 
 @dataclass
@@ -85,12 +192,23 @@ class DataArguments:
         default=None,
         metadata={
             "help": "Chat template: unset uses the tokenizer's own; built-in ones are `chatml`, `qwen`, `qwen3`, "
-            "`smollm2`, `llama3`, `default`, `plain` (for base models without a template), and LLaMA-Factory's "
+            "`qwen3_no_thinking`, `smollm2`, `llama3`, `default`, `plain` (for base models without a template), and LLaMA-Factory's "
             "`qwen3_nothink` and `smollm` (ChatML). A template whose special tokens the tokenizer lacks is refused."
         },
     )
     cutoff_len: int = field(default=2048, metadata={"help": "Maximum tokens per example after tokenisation."})
     train_on_prompt: bool = field(default=False, metadata={"help": "Also compute the loss on prompt tokens."})
+    enable_thinking: bool = field(
+        default=True,
+        metadata={"help": "Reasoning templates (`qwen3`): true trains replies' thoughts (an empty one where a reply "
+                  "has none); false drops thoughts and puts the empty one in the prompt, untrained, in training "
+                  "and in the saved chat template (template qwen3 becomes qwen3_no_thinking)."},
+    )
+    mask_history: bool = field(
+        default=False,
+        metadata={"help": "SFT: train on the last assistant reply only; earlier turns are context (truncation "
+                  "keeps the last turn first)."},
+    )
     max_samples: Optional[int] = field(default=None, metadata={"help": "Keep only the first N rows of each dataset."})
     val_size: float = field(
         default=0.0, metadata={"help": "Held-out share (< 1) or count (>= 1) of the training data for evaluation."}
@@ -121,6 +239,15 @@ class DataArguments:
             raise ConfigError(f"cutoff_len={self.cutoff_len} leaves no room for a prompt and a response.")
         if self.streaming:
             raise ConfigError("streaming=true is not supported; remove the key (datasets are loaded in full).")
+        if not self.enable_thinking:
+            if self.template is None:
+                raise ConfigError("enable_thinking=false needs a built-in reasoning template: set template: qwen3 "
+                                  "(the tokenizer's own template is used as it is).")
+            if self.template == "qwen3":
+                self.template = "qwen3_no_thinking"  # the one description every formatter and the saved template use
+        if self.mask_history and self.train_on_prompt:
+            raise ConfigError("mask_history=true (train on the last reply only) and train_on_prompt=true (train on "
+                              "every token) contradict each other; keep one.")
         _check_positive(self, "max_samples", "preprocessing_num_workers")
 
 
@@ -148,10 +275,52 @@ class FinetuningArguments:
     freeze_trainable_layers: int = field(
         default=2, metadata={"help": "finetuning_type=freeze: how many of the last layers are trained."}
     )
+    # LoRA variants (peft's), LLaMA-Factory's keys.
+    use_dora: bool = field(
+        default=False, metadata={"help": "DoRA: train a per-output magnitude beside the LoRA direction (peft's use_dora)."}
+    )
+    use_rslora: bool = field(
+        default=False, metadata={"help": "rsLoRA: scale the update by lora_alpha / sqrt(lora_rank) instead of / lora_rank."}
+    )
+    pissa_init: bool = field(
+        default=False,
+        metadata={"help": "PiSSA: start the adapter from the base weights' principal singular vectors (their residual "
+                  "stays in the base). Stages without a reference model only (pt, sft, rm)."},
+    )
+    pissa_iter: int = field(
+        default=16, metadata={"help": "PiSSA: fast-SVD iterations; -1 computes the full SVD."}
+    )
+    pissa_convert: bool = field(
+        default=False,
+        metadata={"help": "PiSSA: also save the adapter converted to plain LoRA on the original base, in "
+                  "output_dir/pissa_converted (the initial one in output_dir/pissa_init), as LLaMA-Factory does. "
+                  "That folder is the one to merge with `alignkit export`."},
+    )
+    loraplus_lr_ratio: Optional[float] = field(
+        default=None, metadata={"help": "LoRA+: lora_B learns at learning_rate times this ratio (peft's LoRA+ optimizer)."}
+    )
+    loraplus_lr_embedding: float = field(
+        default=1e-6, metadata={"help": "LoRA+: the learning rate of LoRA on embedding layers."}
+    )
 
     def __post_init__(self) -> None:
         if self.lora_alpha is None:
             self.lora_alpha = 2 * self.lora_rank
+        variants = [k for k in ("use_dora", "use_rslora", "pissa_init", "pissa_convert") if getattr(self, k)]
+        if self.loraplus_lr_ratio is not None:
+            variants.append("loraplus_lr_ratio")
+        if variants and self.finetuning_type != "lora":
+            raise ConfigError(f"{', '.join(variants)} apply to finetuning_type=lora, not {self.finetuning_type}; "
+                              "remove them or set finetuning_type=lora.")
+        if self.loraplus_lr_ratio is not None and not self.loraplus_lr_ratio > 0:
+            raise ConfigError(f"loraplus_lr_ratio={self.loraplus_lr_ratio} must be > 0 (LoRA+ papers use 16).")
+        if self.pissa_iter == 0 or self.pissa_iter < -1:
+            raise ConfigError(f"pissa_iter={self.pissa_iter}: give a number of fast-SVD iterations >= 1, or -1 for "
+                              "the full SVD.")
+        if self.pissa_convert and not self.pissa_init:
+            raise ConfigError("pissa_convert=true converts a PiSSA adapter: set pissa_init=true too, or remove it.")
+        if self.use_dora and self.pissa_init:
+            raise ConfigError("use_dora and pissa_init together are not supported; choose one.")
         # Whether `stage` names a registered stage is checked by the parser (`alignkit.config.parse`), which
         # sits above the stage registry; constructed directly (chat, export, tests), the default `sft` is used.
         if self.lora_rank < 1:

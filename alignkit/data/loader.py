@@ -668,7 +668,7 @@ def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
         "version": CACHE_VERSION, "kind": kind, "train": [_attr_fingerprint(a) for a in train_attrs],
         "eval": [_attr_fingerprint(a) for a in eval_attrs], "tokenizer": tokenizer_fingerprint(tokenizer),
         "template": d.template, "cutoff_len": d.cutoff_len, "train_on_prompt": d.train_on_prompt,
-        "max_samples": d.max_samples, "val_size": d.val_size, "seed": seed, "for_generation": for_generation,
+        "mask_history": d.mask_history, "max_samples": d.max_samples, "val_size": d.val_size, "seed": seed, "for_generation": for_generation,
         "skip_invalid_rows": d.skip_invalid_rows,
     }
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
@@ -721,7 +721,7 @@ def _build(config, formatter: ChatFormatter, kind: str, train_attrs: list[Datase
         if not examples:
             continue
         columns, dropped = processors.tokenize_examples(
-            examples, kind, formatter, d.cutoff_len, train_on_prompt=d.train_on_prompt,
+            examples, kind, formatter, d.cutoff_len, train_on_prompt=d.train_on_prompt, mask_history=d.mask_history,
             for_generation=for_generation and split == "eval")
         if dropped:
             reasons = sorted({reason for _, reason in dropped})

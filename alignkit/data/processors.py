@@ -55,11 +55,12 @@ def _left_cut(ids: list[int], keep: int) -> list[int]:
 
 
 def encode_supervised(formatter: ChatFormatter, example: dict, cutoff_len: int,
-                      train_on_prompt: bool = False) -> Optional[dict[str, list[int]]]:
+                      train_on_prompt: bool = False, mask_history: bool = False) -> Optional[dict[str, list[int]]]:
     """Token ids of a conversation with labels on every assistant reply (or on everything).
 
     Truncation: whole turns are kept from the start while they fit; if not even the first turn fits,
-    its prompt and reply share the budget (`infer_seqlen`).
+    its prompt and reply share the budget (`infer_seqlen`). With `mask_history` (LLaMA-Factory's key) only the
+    last reply is labelled, and turns are kept from the end instead, so the trained turn is never the one cut.
 
     Returns:
         `input_ids`, `attention_mask`, `labels` (-100 where not trained), or None when no reply token fits.
@@ -74,24 +75,29 @@ def encode_supervised(formatter: ChatFormatter, example: dict, cutoff_len: int,
             pending = []
         else:
             pending = pending + chunk_ids
+    order = turns[::-1] if mask_history else turns
     kept: list[tuple[list[int], list[int]]] = []
     used = 0
-    for prompt_ids, reply_ids in turns:
+    for prompt_ids, reply_ids in order:
         if used + len(prompt_ids) + len(reply_ids) > cutoff_len:
             break
         kept.append((prompt_ids, reply_ids))
         used += len(prompt_ids) + len(reply_ids)
     if not kept:
-        prompt_ids, reply_ids = turns[0]
+        prompt_ids, reply_ids = order[0]
         source_len, target_len = infer_seqlen(len(prompt_ids), len(reply_ids), cutoff_len)
         if target_len == 0:
             return None
         kept = [(_left_cut(prompt_ids, source_len), reply_ids[:target_len])]
+    if mask_history:
+        kept.reverse()
     input_ids: list[int] = []
     labels: list[int] = []
-    for prompt_ids, reply_ids in kept:
+    for turn, (prompt_ids, reply_ids) in enumerate(kept):
+        trained = not mask_history or turn == len(kept) - 1
         input_ids += prompt_ids + reply_ids
-        labels += (prompt_ids if train_on_prompt else [IGNORE_INDEX] * len(prompt_ids)) + reply_ids
+        labels += (prompt_ids if train_on_prompt else [IGNORE_INDEX] * len(prompt_ids))
+        labels += reply_ids if trained else [IGNORE_INDEX] * len(reply_ids)
     return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
 
 
@@ -200,7 +206,7 @@ def encode_pretrain(tokenizer, texts: list[str], cutoff_len: int) -> dict[str, l
 
 
 def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: ChatFormatter, cutoff_len: int,
-                      train_on_prompt: bool = False, for_generation: bool = False
+                      train_on_prompt: bool = False, for_generation: bool = False, mask_history: bool = False
                       ) -> tuple[dict[str, list], list[tuple[str, str]]]:
     """Tokenise canonical examples of one kind.
 
@@ -210,6 +216,7 @@ def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: Ch
         formatter: the chat template.
         cutoff_len: most tokens per sequence.
         train_on_prompt: sft/pt: also train on prompt tokens.
+        mask_history: sft: train on the last reply only (`encode_supervised`).
         for_generation: sft: prompt-only inputs with reference-reply labels (predict_with_generate).
 
     Returns:
@@ -223,7 +230,7 @@ def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: Ch
     for ref, example in examples:
         if kind == "supervised":
             feats = (encode_generation_eval(formatter, example, cutoff_len) if for_generation
-                     else encode_supervised(formatter, example, cutoff_len, train_on_prompt))
+                     else encode_supervised(formatter, example, cutoff_len, train_on_prompt, mask_history))
             reason = f"no response token fits in cutoff_len={cutoff_len}"
         elif kind == "preference":
             feats, reason = encode_pairwise(formatter, example, cutoff_len)

@@ -88,6 +88,8 @@ class BuiltinTemplate:
         arguments_key: the key the call's arguments go under (`parameters` for Llama 3).
         empty_thought: put before a reply that has no `</think>` (Qwen3's thinking template trains an empty
             thought on replies without one, as LLaMA-Factory's `qwen3` does).
+        drop_thoughts: remove each reply's thought (everything up to its last `</think>`, and the newlines after),
+            as Qwen3's own template does with past turns (thinking switched off: `enable_thinking: false`).
     """
 
     prefix: str
@@ -102,6 +104,7 @@ class BuiltinTemplate:
     tool_call: str = "<tool_call>\n{call}\n</tool_call>"
     arguments_key: str = "arguments"
     empty_thought: str = ""
+    drop_thoughts: bool = False
 
     def _body(self, message: Message) -> str:
         body = message.get("content") or ""
@@ -113,6 +116,8 @@ class BuiltinTemplate:
             calls.append(self.tool_call.replace("{call}", call_json))
         if calls:
             body = body + "\n" + "\n".join(calls) if body else "\n".join(calls)
+        if self.drop_thoughts and "</think>" in body:
+            body = body.split("</think>")[-1].lstrip("\n")
         if self.empty_thought and "</think>" not in body:
             body = self.empty_thought + body
         return body
@@ -176,6 +181,8 @@ class BuiltinTemplate:
             ": f['arguments']} | tojson + ", lit(c_after), "] -%}{%- endfor -%}",
             "{%- if m.calls -%}{%- set m.body = (m.body + '\\n' + m.calls | join('\\n')) if m.body ",
             "else m.calls | join('\\n') -%}{%- endif -%}",
+            "{%- if ", lit(self.drop_thoughts), " and '</think>' in m.body -%}",
+            "{%- set m.body = m.body.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}",
             "{%- if ", lit(self.empty_thought), " and '</think>' not in m.body -%}",
             "{%- set m.body = ", lit(self.empty_thought), " + m.body -%}{%- endif -%}",
             "{{- ", gen, " + ", r_before, " + m.body + ", r_after, " -}}",
@@ -216,6 +223,11 @@ BUILTIN_TEMPLATES: dict[str, BuiltinTemplate] = {
     # Qwen3 with thinking (LLaMA-Factory `qwen3`): ChatML, replies without a thought get an empty one.
     "qwen3": BuiltinTemplate(**dict(_CHATML, special_tokens=("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
                                     empty_thought="<think>\n\n</think>\n\n")),
+    # Qwen3 with thinking switched off (LLaMA-Factory's `qwen3` with `enable_thinking: false`, which selects this
+    # one): thoughts are dropped from replies and the empty thought closes the generation prompt, untrained.
+    "qwen3_no_thinking": BuiltinTemplate(**dict(
+        _CHATML, special_tokens=("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
+        generation_prompt=_CHATML["generation_prompt"] + "<think>\n\n</think>\n\n", drop_thoughts=True)),
     # SmolLM2 (LLaMA-Factory `smollm2`): ChatML with the default system prompt SmolLM2's own template writes
     # (without the final full stop LLaMA-Factory's copy adds: the model was tuned on its own).
     "smollm2": BuiltinTemplate(**dict(_CHATML, default_system="You are a helpful AI assistant named SmolLM, "

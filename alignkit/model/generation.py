@@ -43,7 +43,7 @@ import torch
 
 from ..data.collator import pad_sequences, padding_token_id
 from ..data.template import ChatFormatter, Message
-from .lora_fused import shadowed_forward
+from .lora_fused import quantized_base_layer, shadowed_forward
 
 
 @dataclass
@@ -164,10 +164,13 @@ def merged_lora(model) -> Iterator[bool]:
 
     Nothing is done (yields False) for a model without LoRA layers (a plain model, or adapters merged at
     load time), when the adapter is disabled (`with model.disable_adapter():`, the reference policy) or
-    already merged. Use it under `torch.no_grad()`: gradients do not flow through merged weights.
+    already merged, and on a quantized base (QLoRA): merging there dequantizes each weight, adds the delta and
+    quantizes again, which rounds the policy to another model and replaces the quantized tensors the put-back
+    relies on; decoding then runs with the adapter unmerged. Use it under `torch.no_grad()`: gradients do not flow
+    through merged weights.
     """
     layers = _lora_layers(model)
-    unmergeable = not layers or not hasattr(model, "merge_adapter")
+    unmergeable = not layers or not hasattr(model, "merge_adapter") or any(map(quantized_base_layer, layers))
     if unmergeable or any(layer.disable_adapters or layer.merged for layer in layers):
         yield False
         return
@@ -225,7 +228,8 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
 
     Yields False and changes nothing where it does not apply: no oneDNN in this torch build, weights that are
     not whole fp32 tensors on the CPU (sharded ones outside `full_weights`), or LoRA layers other than plain
-    linear ones (DoRA, LoRA biases, embeddings): the caller then merges with `merged_lora`. Use it under
+    linear ones (DoRA, LoRA biases, embeddings, a quantized base's bitsandbytes layers, which are never
+    dequantized into packed copies): the caller then merges with `merged_lora`. Use it under
     `torch.no_grad()`.
 
     Args:

@@ -19,6 +19,13 @@ with its adapter chain merged is built with ZeRO-3 switched off (whole weights i
 `$ALIGNKIT_HOME/merged/<key>` (`ensure_merged_base`; the key covers the base and each adapter's weights and
 config, so a retrained adapter gets a new folder), and the run loads that folder, partitioned, as its base.
 The model then records the same merged chain and names the same base as an in-memory merge would.
+
+A quantized base (`quantization_bit`, QLoRA) takes the same route for the same reason: merging into 4- or 8-bit
+weights would round base + delta to the quantization grid again. The chain is merged once in full precision into
+that folder, which is then quantized as it loads, so the reference ("adapter disabled") is the quantized earlier
+stage's model. Only LoRA trains on a quantized base; a LoRA run records the quantization it trained over beside
+the adapter (`base_quantization.json`, `save_base_quantization`), which `alignkit export` reports when it merges
+the adapter into the full-precision base.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import re
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
@@ -37,6 +46,7 @@ import torch
 from torch import nn
 
 from ..config import BUNDLED_MODEL_NAME, FinetuningArguments, ModelArguments
+from ..config.schema import attention_from_flash_attn
 from ..errors import ConfigError
 from ..env import alignkit_home
 from .bundled import build_folder_once, ensure_bundled_model
@@ -61,6 +71,11 @@ BASE_ADAPTERS_FILE = "base_adapters.json"
 _SOURCE_ATTR = "alignkit_model_source"
 # In a merged base folder (`ensure_merged_base`): what it was merged from.
 MERGED_BASE_FILE = "alignkit_merged_base.json"
+# Beside a LoRA adapter trained on a quantized base (and in its checkpoints): the quantization keys of that base.
+BASE_QUANTIZATION_FILE = "base_quantization.json"
+# Attribute on the trained transformers model: (loraplus_lr_ratio, loraplus_lr_embedding) of its LoRA+ adapter.
+LORAPLUS_ATTR = "alignkit_loraplus"
+_QUANTIZATION_KEYS = ("quantization_bit", "quantization_method", "quantization_type", "double_quantization")
 
 
 def resolve_model_path(model_args: ModelArguments) -> str:
@@ -217,8 +232,13 @@ def load_model(
         raise ValueError(f"head={head!r}: expected 'causal_lm' or 'reward'.")
     adapters = resolve_adapter_chain(split_adapters(model_args.adapter_name_or_path))
     head_comes_later = head == "reward" and (is_trainable or any(is_reward_adapter(a) for a in adapters))
-    if adapters and zero3_enabled():
-        # Partitioned as it loads: merge first, once, into a folder the run then loads (module docstring).
+    if is_trainable and model_args.quantization_bit and finetuning_args.finetuning_type != "lora":
+        raise ConfigError(f"quantization_bit={model_args.quantization_bit} with finetuning_type="
+                          f"{finetuning_args.finetuning_type}: a quantized base cannot be trained itself; use "
+                          "finetuning_type=lora (QLoRA), or remove quantization_bit.")
+    if adapters and (zero3_enabled() or model_args.quantization_bit):
+        # Partitioned or quantized as it loads: merge first, once, in full precision into a folder the run then
+        # loads (module docstring).
         merged = ensure_merged_base(model_args, adapters, head)
         model = _load_base(_merged_base_arguments(model_args, merged), head, head_comes_later)
         # Named as an in-memory merge names it, so a LoRA adapter trained on it records the real base (and its
@@ -237,6 +257,8 @@ def load_model(
         return model
 
     model.config.use_cache = False  # the KV cache only costs memory in a training forward pass
+    if model_args.upcast_layernorm:
+        upcast_layernorm(model)
     kind = finetuning_args.finetuning_type
     if kind == "lora":
         model = add_lora(model, finetuning_args, head=head)
@@ -251,6 +273,20 @@ def load_model(
     logger.info("Trainable parameters: %s of %s (%.4f%%), finetuning_type=%s.",
                 f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1), kind)
     return model
+
+
+def upcast_layernorm(model) -> int:
+    """`upcast_layernorm`: the norm layers' weights (1-D parameters named `*norm*` or `*ln*`, LLaMA-Factory's rule)
+    in float32 for training a bf16/fp16 model; their outputs are cast by the mixed-precision autocast. Returns how
+    many were cast (0 for a float32 model)."""
+    count = 0
+    for name, param in model.named_parameters():
+        if param.ndim == 1 and param.dtype != torch.float32 and any(part in name for part in ("norm", "ln")):
+            param.data = param.data.float()
+            count += 1
+    if count:
+        logger.info("upcast_layernorm: %d norm weights in float32.", count)
+    return count
 
 
 def merged_adapters(model) -> tuple[str, ...]:
@@ -297,19 +333,22 @@ def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = 
 
     path = resolve_model_path(model_args)
     # `low_cpu_mem_usage` is accepted in configs but not passed: transformers 5 always loads lazily.
-    kwargs = dict(dtype=resolve_dtype(model_args.infer_dtype), **_hub_kwargs(model_args))
-    if model_args.attn_implementation:
-        kwargs["attn_implementation"] = model_args.attn_implementation
+    kwargs = dict(dtype=resolve_dtype(model_args.infer_dtype), **_hub_kwargs(model_args), **_quantization_kwargs(model_args))
+    attention = model_args.attn_implementation or attention_from_flash_attn(model_args.flash_attn)
+    if attention:
+        kwargs["attn_implementation"] = attention
     if head == "causal_lm":
-        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        if model_args.rope_scaling:
+            kwargs["config"] = scale_rope(AutoConfig.from_pretrained(path, **_hub_kwargs(model_args)), model_args)
+        return _one_cpu_kernel(AutoModelForCausalLM.from_pretrained(path, **kwargs))
 
     # The reward score is read at each sequence's last real token; transformers finds that token via
     # `pad_token_id`, so the config must carry it for plain-transformers scoring to work.
-    config = AutoConfig.from_pretrained(path, num_labels=1, **_hub_kwargs(model_args))
+    config = scale_rope(AutoConfig.from_pretrained(path, num_labels=1, **_hub_kwargs(model_args)), model_args)
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = load_tokenizer(model_args).pad_token_id
     if not head_comes_later:
-        return AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
+        return _one_cpu_kernel(AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs))
     with _load_report_held() as held:
         model, info = AutoModelForSequenceClassification.from_pretrained(path, config=config, output_loading_info=True,
                                                                          **kwargs)
@@ -318,7 +357,115 @@ def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = 
     if info["unexpected_keys"] or info["mismatched_keys"] or any(
             key.split(".")[0] not in REWARD_HEADS for key in info["missing_keys"]):
         held.release()
+    return _one_cpu_kernel(model)
+
+
+def _quantization_kwargs(model_args: ModelArguments) -> dict:
+    """`from_pretrained`'s `quantization_config` and `device_map` for `quantization_bit` (empty without it).
+
+    4-bit computes in the run's dtype (`infer_dtype`). transformers keeps the output heads (`lm_head`, the reward
+    `score`) in full precision. The whole model goes on this process's device, as LLaMA-Factory places it, unless
+    `quantization_device_map: auto`, or under ZeRO-3, which places weights itself (LLaMA-Factory's rule too; not run
+    here: bitsandbytes with ZeRO-3 needs GPUs).
+    """
+    if not model_args.quantization_bit:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    if model_args.quantization_bit == 8:
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=resolve_dtype(model_args.infer_dtype),
+                                    bnb_4bit_use_double_quant=model_args.double_quantization,
+                                    bnb_4bit_quant_type=model_args.quantization_type)
+    if zero3_enabled():
+        return {"quantization_config": config}  # ZeRO-3 places the weights itself; transformers refuses a device_map
+    if model_args.quantization_device_map == "auto":
+        device_map: object = "auto"
+    elif torch.cuda.is_available():
+        device_map = {"": f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"}
+    else:
+        device_map = {"": "cpu"}
+    return {"quantization_config": config, "device_map": device_map}
+
+
+def scale_rope(config, model_args: ModelArguments):
+    """`config` with `rope_scaling` applied (returned; unchanged without the key), LLaMA-Factory's rule on transformers
+    5's `rope_parameters`: the factor is ceil(model_max_length / the model's original context), the context grows by
+    it, and dynamic, yarn and llama3 also record the original length (llama3 with its frequency factors 1 and 4). A
+    length the model already covers needs no scaling (logged, nothing changed); no model_max_length (chat, export)
+    takes factor 2.
+
+    Raises:
+        ConfigError: the model's config has no RoPE parameters to scale.
+    """
+    kind = model_args.rope_scaling
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if not kind:
+        return config
+    if not rope or not hasattr(config, "max_position_embeddings"):
+        raise ConfigError(f"rope_scaling={kind}: the model ({config.model_type}) has no RoPE parameters in its "
+                          "config to scale; remove the key.")
+    original = rope.get("original_max_position_embeddings") or config.max_position_embeddings
+    wanted = model_args.model_max_length
+    if wanted is not None and wanted <= original:
+        logger.info("rope_scaling=%s: model_max_length=%d fits the model's %d positions; no scaling.", kind, wanted,
+                    original)
+        return config
+    factor = float(math.ceil(wanted / original)) if wanted is not None else 2.0
+    rope.update(rope_type=kind, factor=factor)
+    if kind in ("dynamic", "yarn", "llama3"):
+        rope["original_max_position_embeddings"] = original
+    if kind == "llama3":
+        rope.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    config.rope_parameters = rope
+    config.max_position_embeddings = int(original * factor)
+    logger.info("rope_scaling=%s: factor %s, context %d -> %d positions.", kind, factor, original,
+                config.max_position_embeddings)
+    return config
+
+
+def _one_cpu_kernel(model):
+    """Keep a 4-bit base on bitsandbytes' one matmul path (returns `model`).
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50 switches a `Linear4bit` to another kernel the first time it runs in
+    eval mode without gradients: it re-lays the weight out for that kernel, for good, and computes in bf16. Every
+    later pass, training included, then takes that kernel, which has no backward (gradients to the layers below stop
+    there, silently but for a torch warning) and differs from the training kernel by ~1e-2 in the hidden states: a
+    rollout or an evaluation would change what the policy computes
+    afterwards, the reference's log-probs would not match the policy's at step 0, and a resumed run would not repeat
+    the straight one. So that switch is turned off on every quantized layer.
+    """
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
     return model
+
+
+def save_base_quantization(model, output_dir: str | os.PathLike) -> Path | None:
+    """Write `base_quantization.json` beside a LoRA adapter saved in `output_dir` when `model`'s base was quantized
+    as it loaded: the adapter learned corrections over the quantized weights, which `alignkit export` (merging into
+    the full-precision base) reports. Returns the file written, or None."""
+    from .heads import unwrap_model
+
+    source = getattr(unwrap_model(model), _SOURCE_ATTR, None)
+    if source is None or not source[0].quantization_bit or not (Path(output_dir) / "adapter_config.json").is_file():
+        return None
+    record = {key: getattr(source[0], key) for key in _QUANTIZATION_KEYS}
+    path = Path(output_dir) / BASE_QUANTIZATION_FILE
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def read_base_quantization(adapter_dir: str | os.PathLike) -> dict | None:
+    """The quantization keys of the base `adapter_dir`'s adapter was trained on (`save_base_quantization`), or None
+    for one trained on a full-precision base (or a damaged record, which only informs)."""
+    path = Path(adapter_dir) / BASE_QUANTIZATION_FILE
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("quantization_bit") else None
 
 
 class _HeldRecords:
@@ -571,6 +718,12 @@ def merge_adapters(model, adapter_dirs: list[str], *, head: Head = "causal_lm"):
     for adapter_dir in adapter_dirs:
         adapter_cfg = read_adapter_config(adapter_dir)
         check_adapter_base(model, adapter_dir, adapter_cfg, head)
+        if str(adapter_cfg.get("init_lora_weights", "")).startswith("pissa"):
+            raise ConfigError(
+                f"adapter_name_or_path: {adapter_dir} is a PiSSA adapter, right only on the residual base its run "
+                "computed, not on the original model_name_or_path. Give that run's pissa_converted folder (train "
+                "with pissa_convert=true), which is plain LoRA on the original base."
+            )
         peft_config = PeftConfig.from_pretrained(adapter_dir)
         if head == "reward" and peft_config.task_type != "SEQ_CLS":
             # An SFT adapter starting a reward model: its CAUSAL_LM wrapper expects generation methods a
@@ -634,12 +787,16 @@ def ensure_merged_base(model_args: ModelArguments, adapter_dirs: Sequence[str], 
     target = merged_base_dir(model_args, adapter_dirs, head)
     merge_head = _merge_head(adapter_dirs, head)
 
+    quantized = model_args.quantization_bit
+    why, how = ((f"quantization_bit={quantized}", "quantized") if quantized else ("DeepSpeed ZeRO-3", "partitioned"))
+
     def build(folder: Path) -> dict:
-        logger.warning("DeepSpeed ZeRO-3: merging %s into %s once, with whole weights in CPU memory, into %s "
-                       "(the run then loads it partitioned).", ", ".join(adapter_dirs),
-                       model_args.model_name_or_path or resolve_model_path(model_args), target)
+        logger.warning("%s: merging %s into %s once, in full precision with whole weights in CPU memory, into %s "
+                       "(the run then loads it %s).", why, ", ".join(adapter_dirs),
+                       model_args.model_name_or_path or resolve_model_path(model_args), target, how)
         with zero3_switched_off():
-            model = _load_base(model_args, merge_head, head_comes_later=merge_head == "reward")
+            full_precision = replace(model_args, quantization_bit=None, quantization_device_map=None)
+            model = _load_base(full_precision, merge_head, head_comes_later=merge_head == "reward")
             model = merge_adapters(model, list(adapter_dirs), head=merge_head)
             tokenizer = load_tokenizer(model_args)  # with the last adapter's chat template
         try:
@@ -660,7 +817,7 @@ def ensure_merged_base(model_args: ModelArguments, adapter_dirs: Sequence[str], 
 
 def _unwritable(target: Path, err: OSError) -> ConfigError:
     """The error for a merged base that cannot be written (an unwritable or full ALIGNKIT_HOME)."""
-    return ConfigError(f"DeepSpeed ZeRO-3 with adapter_name_or_path: cannot write the merged base into {target} ({err}). "
+    return ConfigError(f"DeepSpeed ZeRO-3 or quantization_bit with adapter_name_or_path: cannot write the merged base into {target} ({err}). "
                        "Set ALIGNKIT_HOME to a writable folder with room for one copy of the model, or merge beforehand "
                        "(`alignkit export --model BASE --adapter ADAPTER --export-dir MERGED`) and train from "
                        "model_name_or_path: MERGED.")
@@ -673,8 +830,6 @@ def _merge_head(adapter_dirs: Sequence[str], head: Head) -> Head:
 
 def _merged_base_arguments(model_args: ModelArguments, folder: Path) -> ModelArguments:
     """`model_args` reading the merged base in `folder` (a local folder: no adapters, no hub revision)."""
-    from dataclasses import replace
-
     return replace(model_args, model_name_or_path=str(folder), adapter_name_or_path=None, model_revision="main")
 
 
@@ -729,11 +884,32 @@ def add_lora(model, finetuning_args: FinetuningArguments, *, head: Head = "causa
         lora_dropout=finetuning_args.lora_dropout,
         target_modules=targets,
         modules_to_save=modules_to_save or None,
+        use_dora=finetuning_args.use_dora,
+        use_rslora=finetuning_args.use_rslora,
+        init_lora_weights=_lora_init(finetuning_args),
     )
     with _peft_wrapping():
         peft_model = get_peft_model(model, lora_config)
     fuse_lora_linears(peft_model)  # same arithmetic, fewer element-wise passes (`lora_fused`)
+    if finetuning_args.loraplus_lr_ratio is not None:
+        # Read by `StageTrainer.create_optimizer`, which builds peft's LoRA+ optimizer from it.
+        setattr(peft_model.get_base_model(), LORAPLUS_ATTR,
+                (finetuning_args.loraplus_lr_ratio, finetuning_args.loraplus_lr_embedding))
     return peft_model
+
+
+def _lora_init(finetuning_args: FinetuningArguments) -> bool | str:
+    """peft's `init_lora_weights`: its default (A random, B zero), or PiSSA's SVD (`pissa` = full, else fast SVD)."""
+    if not finetuning_args.pissa_init:
+        return True
+    return "pissa" if finetuning_args.pissa_iter == -1 else f"pissa_niter_{finetuning_args.pissa_iter}"
+
+
+def loraplus_settings(model) -> tuple[float, float] | None:
+    """(loraplus_lr_ratio, loraplus_lr_embedding) when `model`'s adapter was set up for LoRA+, else None."""
+    from .heads import unwrap_model
+
+    return getattr(unwrap_model(model), LORAPLUS_ATTR, None)
 
 
 def _decoder_layers(model) -> tuple[str, int]:

@@ -16,8 +16,16 @@ unfused layers do.
 plain case: adapters enabled and not merged, one active adapter without a variant (DoRA, ...), no dropout in
 effect, an `nn.Linear` base layer with matching dtypes, no autocast (bf16 mixed precision), no LoRA bias, no
 per-call adapter names, no DeepSpeed ZeRO-3 partitions (whose weights only the modules' own calls gather); anything
-else
-calls PEFT's own forward, unchanged.
+else calls PEFT's own forward, unchanged.
+
+The LoRA variants: rsLoRA (`use_rslora`) changes only `scaling` and PiSSA (`pissa_init`) only the starting weights,
+so both are plain here and fused; DoRA (`use_dora`) is a peft variant (`lora_variant`) and runs peft's forward; LoRA+
+(`loraplus_lr_ratio`) is an optimizer setting. tests/unit/test_lora_variants.py checks each against peft.
+
+A quantized base (`quantization_bit`, QLoRA) is never fused: its LoRA layers are PEFT's bitsandbytes classes
+(`lora.bnb.Linear4bit`, `Linear8bitLt`), which `fuse_lora_linears` leaves alone, because the fused node would need
+the base weight whole and dequantizing it per call into a full-precision copy is the memory QLoRA exists to save.
+PEFT's forward runs the base layer's own quantized matmul and adds the adapter (`quantized_base_layer`).
 """
 
 from __future__ import annotations
@@ -79,6 +87,14 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         `[..., out]`: `x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T`.
     """
     return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, scaling)
+
+
+def quantized_base_layer(layer: nn.Module) -> bool:
+    """True when the LoRA layer's base layer holds quantized weights (bitsandbytes' `Linear4bit` / `Linear8bitLt`:
+    integer storage), which neither the fused path nor an in-place merge may treat as a float weight."""
+    base = layer.get_base_layer()
+    return type(base).__module__.startswith("bitsandbytes") or any(
+        not param.is_floating_point() for param in base.parameters(recurse=False))
 
 
 def _plain_adapter(layer: nn.Module, x: torch.Tensor) -> str | None:
@@ -152,4 +168,4 @@ def shadowed_forward(module: nn.Module, forward: Callable[..., Any]) -> Iterator
             module.forward = previous
 
 
-__all__ = ["lora_linear", "fuse_lora_linears", "shadowed_forward"]
+__all__ = ["lora_linear", "fuse_lora_linears", "quantized_base_layer", "shadowed_forward"]

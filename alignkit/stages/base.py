@@ -206,16 +206,35 @@ class StageTrainer(Trainer):
         logs.update(means if mode == "train" else {f"eval_{k}": v for k, v in means.items()})
         super().log(logs, start_time)
 
+    def create_optimizer(self):
+        """Trainer's optimizer, or peft's LoRA+ optimizer (lora_B at `learning_rate * loraplus_lr_ratio`) for an
+        adapter set up with `loraplus_lr_ratio` (`loader.loraplus_settings`); same optimizer class and settings."""
+        from ..model.loader import loraplus_settings
+
+        loraplus = loraplus_settings(self.model)
+        if self.optimizer is not None or loraplus is None:
+            return super().create_optimizer()
+        from peft.optimizers import create_loraplus_optimizer
+
+        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        lr = optimizer_kwargs.pop("lr", self.args.learning_rate)
+        self.optimizer = create_loraplus_optimizer(
+            self.model, optimizer_cls, lr=lr, loraplus_lr_ratio=loraplus[0], loraplus_lr_embedding=loraplus[1],
+            loraplus_weight_decay=self.args.weight_decay, **optimizer_kwargs)
+        return self.optimizer
+
     # ---- saving ----
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """Save as the Trainer does (final model and every checkpoint), plus `base_adapters.json` beside a LoRA
-        adapter trained over merged adapters (`loader.save_base_adapters`), so that loading it puts them back."""
-        from ..model.loader import save_base_adapters
+        adapter trained over merged adapters (`loader.save_base_adapters`), so that loading it puts them back, and
+        `base_quantization.json` beside one trained on a quantized base (`loader.save_base_quantization`)."""
+        from ..model.loader import save_base_adapters, save_base_quantization
 
         super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
             save_base_adapters(self.model, output_dir or self.args.output_dir)
+            save_base_quantization(self.model, output_dir or self.args.output_dir)
 
     # ---- prediction ----
 

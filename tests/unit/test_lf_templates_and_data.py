@@ -313,3 +313,23 @@ def test_stage_kto_reads_the_tag_so_no_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="alignkit.data.loader"):
         convert_dataset(attr, "supervised", "kto", max_samples=None, skip_invalid_rows=False)
     assert "undesirable" not in caplog.text
+
+
+def test_enable_thinking_false_drops_thoughts_and_puts_the_empty_one_in_the_prompt(full_tokenizer):
+    """LLaMA-Factory's `enable_thinking: false` on `qwen3`: no reply trains a thought; the empty thought closes every
+    generation prompt (so the saved template, checked against the renderer above, prompts without thinking)."""
+    from alignkit.config import DataArguments
+    from alignkit.errors import ConfigError
+
+    assert DataArguments(template="qwen3", enable_thinking=False).template == "qwen3_no_thinking"
+    assert DataArguments(template="qwen3").template == "qwen3"
+    with pytest.raises(ConfigError, match="enable_thinking=false needs a built-in reasoning template"):
+        DataArguments(enable_thinking=False)
+    formatter = ChatFormatter(full_tokenizer, "qwen3_no_thinking")
+    chunks = formatter.chunks(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+         {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "<think>\nx\n</think>\n\nBecause."}])
+    assert [text for text, trained in chunks if trained] == ["Hello<|im_end|>\n", "Because.<|im_end|>\n"]
+    assert [text for text, trained in chunks if not trained][-1].endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert formatter.prompt_text([{"role": "user", "content": "Hi"}]).endswith("assistant\n<think>\n\n</think>\n\n")

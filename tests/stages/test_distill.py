@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from alignkit.callbacks import read_log
-from alignkit.config.parse import parse_config
 from alignkit.errors import ConfigError
 from alignkit.rl.record import COMPLETIONS_FILE
 from alignkit.stages import distill as distill_module
 from alignkit.train import run_train
+from tests.helpers import tiny_config
 
 
 def _data(tmp_path: Path, num_prompts: int = 4) -> str:
@@ -36,7 +36,7 @@ def teacher_adapter(tiny_model_dir, tmp_path, save_perturbed_adapter):
 
 
 def _config(tiny_model_dir, tmp_path, out, teacher_adapter, **overrides):
-    return parse_config({
+    return tiny_config(**{
         "stage": "distill", "do_train": True, "model_name_or_path": tiny_model_dir,
         "teacher_adapter_name_or_path": teacher_adapter, "dataset": _data(tmp_path), "output_dir": str(out),
         "per_device_train_batch_size": 2, "max_completion_length": 6, "max_steps": 4, "learning_rate": 5e-2,

@@ -17,6 +17,7 @@ from alignkit.model.tiny import build_tiny_tokenizer
 from alignkit.stages import dpo as dpo_module
 from alignkit.stages.dpo import DPOTrainer
 from alignkit.train import run_train
+from tests.helpers import tiny_config
 
 PAIRS = [
     ("What is 12 plus 7?", "12 plus 7 is 19.", "It is 27."),
@@ -63,7 +64,7 @@ def make_config(tmp_path, **overrides):
         "dataloader_num_workers": 0,
     }
     values.update(overrides)
-    return parse_config(values)
+    return tiny_config(**values)
 
 
 def lora_model(tiny_model_dir, init_lora_weights=True):

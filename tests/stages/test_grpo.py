@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from alignkit.callbacks import read_log
-from alignkit.config.parse import parse_config
 from alignkit.stages import grpo as grpo_module
 from alignkit.stages import online as online_module
 from alignkit.train import run_train
+from tests.helpers import tiny_config
 
 # A reward that varies between completions of a random model and depends on nothing but the token ids.
 REWARD_SOURCE = "def token_sum_reward(completions, completion_ids, **kwargs):\n" \
@@ -37,7 +37,7 @@ def _reward(tmp_path: Path) -> str:
 
 
 def _config(tiny_model_dir, tmp_path, out, num_prompts=4, **overrides):
-    return parse_config({
+    return tiny_config(**{
         "stage": "grpo", "do_train": True, "model_name_or_path": tiny_model_dir,
         "dataset": _data(tmp_path, num_prompts), "reward_funcs": [_reward(tmp_path), "accuracy"],
         "output_dir": str(out), "per_device_train_batch_size": 4, "num_generations": 4,

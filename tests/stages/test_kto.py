@@ -16,6 +16,7 @@ from alignkit.model.logprobs import forward_sequence_logps
 from alignkit.model.tiny import build_tiny_tokenizer
 from alignkit.stages.kto import KTOTrainer
 from alignkit.train import run_train
+from tests.helpers import tiny_config
 
 ROWS = [
     ("What is 12 plus 7?", "12 plus 7 is 19.", True),
@@ -48,7 +49,7 @@ def make_config(tmp_path, **overrides):
               "save_strategy": "no", "use_cpu": True, "seed": 0, "data_seed": 0, "dataloader_num_workers": 0,
               "train_sampling_strategy": "sequential"}
     values.update(overrides)
-    return parse_config(values)
+    return tiny_config(**values)
 
 
 def lora_model(tiny_model_dir, init_lora_weights=True):

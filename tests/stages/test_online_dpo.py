@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from alignkit.callbacks import read_log
-from alignkit.config.parse import parse_config
 from alignkit.rl.record import COMPLETIONS_FILE
 from alignkit.train import run_train
+from tests.helpers import tiny_config
 
 REWARD_SOURCE = "def token_sum_reward(completions, completion_ids, **kwargs):\n" \
                 "    return [float(sum(ids) % 5) for ids in completion_ids]\n"
@@ -24,7 +24,7 @@ def _config(tiny_model_dir, tmp_path, out, **overrides):
     data, reward = tmp_path / "prompts.json", tmp_path / "token_reward.py"
     data.write_text(json.dumps([{"prompt": f"What is {i} plus {i + 1}?"} for i in range(4)]))
     reward.write_text(REWARD_SOURCE)
-    return parse_config({
+    return tiny_config(**{
         "stage": "online_dpo", "do_train": True, "model_name_or_path": tiny_model_dir, "dataset": str(data),
         "reward_funcs": f"{reward}:token_sum_reward", "output_dir": str(out), "per_device_train_batch_size": 2,
         "max_new_tokens": 6, "max_steps": 4, "learning_rate": 5e-2, "lr_scheduler_type": "constant",

@@ -29,6 +29,7 @@ from alignkit.stages import ppo
 from alignkit.rl.record import COMPLETIONS_FILE
 from alignkit.stages.ppo import FSDP_REFUSAL, PPOTrainer, build_ppo_trainer, check_config, deepspeed_refusal
 from alignkit.train import run_train
+from tests.helpers import tiny_config
 
 PROMPTS = ["What is the capital of France?", "What is 12 plus 7?", "Name a colour.", "List three fruits.",
            "Translate to French: good morning.", "Why is the sky blue?", "What is 9 times 3?", "Say hello."]
@@ -80,7 +81,7 @@ def _config(tiny_model_dir, prompts_file, out, **overrides):
         "ppo_epochs": 2, "mini_batch_size": 2, "seed": 0, "disable_tqdm": True,
     }
     values.update(overrides)
-    return parse_config(values)
+    return tiny_config(**values)
 
 
 def test_the_trainer_internals_ppo_relies_on_exist():

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from alignkit.callbacks import read_log
-from alignkit.config.parse import parse_config
 from alignkit.train import run_train
+from tests.helpers import tiny_config
 
 STEPS, CHECKPOINT_STEP, BATCH = 6, 3, 4
 COMPARED = ("loss", "grad_norm", "learning_rate")
@@ -40,7 +40,7 @@ def _data(tmp_path: Path, stage: str) -> str:
 
 
 def _config(stage, tiny_model_dir, data, out, **overrides):
-    return parse_config({
+    return tiny_config(**{
         "stage": stage, "do_train": True, "model_name_or_path": tiny_model_dir, "dataset": data,
         "output_dir": str(out), "per_device_train_batch_size": BATCH, "max_steps": STEPS, "save_steps": CHECKPOINT_STEP,
         "logging_steps": 1, "learning_rate": 5e-3, "lr_scheduler_type": "linear", "warmup_steps": 2,

@@ -17,6 +17,7 @@ from alignkit.errors import DataError
 from alignkit.rewards.scoring import RewardScorer
 from alignkit.score import score_file
 from alignkit.train import run_train
+from tests.helpers import tiny_config
 
 PAIRS = [
     ("What is the capital of France?", "The capital of France is Paris.", "The capital of France is Tokyo."),
@@ -58,7 +59,7 @@ def _config(tmp_path, model_dir, out="out", **overrides):
         "seed": 0,
     }
     values.update(overrides)
-    return parse_config(values)
+    return tiny_config(**values)
 
 
 def test_lora_run_logs_metrics_writes_outputs_and_trains_only_adapter_and_head(tmp_path, tiny_model_dir):

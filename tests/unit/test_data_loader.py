@@ -16,12 +16,13 @@ from alignkit.data.formats import DATA_KINDS
 from alignkit.data.loader import split_examples
 from alignkit.errors import DataError
 from alignkit.stages import STAGES
+from tests.helpers import tiny_config
 
 SFT_ROWS = [{"instruction": f"What is {i} plus 2?", "output": f"{i} plus 2 is {i + 2}."} for i in range(10)]
 
 
 def config(tmp_path, dataset, stage="sft", **keys):
-    return parse_config({"dataset": dataset, "dataset_dir": str(tmp_path), "stage": stage, "cutoff_len": 256, **keys})
+    return tiny_config(**{"dataset": dataset, "dataset_dir": str(tmp_path), "stage": stage, "cutoff_len": 256, **keys})
 
 
 def write(tmp_path, name, content):

@@ -18,6 +18,7 @@ from alignkit.errors import DataError
 from alignkit.errors import RowError
 from alignkit.errors import ConfigError
 from alignkit.stages.kto import kl_estimate, kto_loss, rotated_partners, with_mismatched_rows
+from tests.helpers import tiny_config
 
 
 # ---------------------------------------------------------------------------------------------- loss
@@ -157,7 +158,7 @@ def _write(path, rows):
 
 
 def _config(tmp_path, dataset, **keys):
-    return parse_config({"stage": "kto", "dataset": dataset, "dataset_dir": str(tmp_path), "cutoff_len": 64, **keys})
+    return tiny_config(**{"stage": "kto", "dataset": dataset, "dataset_dir": str(tmp_path), "cutoff_len": 64, **keys})
 
 
 def test_get_dataset_tokenises_unpaired_rows(tmp_path, tiny_tokenizer):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from alignkit.config.parse import parse_config
+from tests.helpers import tiny_config
 from alignkit.data.collator import pad_sequences
 from alignkit.errors import ConfigError
 from alignkit.model.heads import (
@@ -32,10 +32,6 @@ ROWS = [[5, 17, 40, 2, 9], [7, 8], [30, 31, 32, 33, 34, 35, 36]]
 def _pad(rows, side):
     """[N, L] ids and attention mask, padded on `side` with the pad id (which is also a real token here)."""
     return pad_sequences(rows, PAD, side), pad_sequences([[1] * len(row) for row in rows], 0, side)
-
-
-def _config(model_dir, **keys):
-    return parse_config({"model_name_or_path": str(model_dir), **keys})
 
 
 def test_last_token_index_right_left_and_no_padding():
@@ -65,7 +61,7 @@ def test_gather_last_token_scores_ignores_token_ids():
 @pytest.fixture(scope="module")
 def reward_model(tiny_model_dir):
     torch.manual_seed(0)  # the fresh score head is drawn at random
-    config = _config(tiny_model_dir)
+    config = tiny_config(tiny_model_dir)
     return load_model(config.model, config.finetuning, is_trainable=False, head="reward")
 
 
@@ -132,7 +128,7 @@ def test_values_from_hidden_by_hand():
 
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_token_values_padded_and_padding_free_equal_each_row_alone(tiny_model_dir, side):
-    config = _config(tiny_model_dir)
+    config = tiny_config(tiny_model_dir)
     policy = load_model(config.model, config.finetuning, is_trainable=True)
     policy.eval()
     head = attach_value_head(policy)
@@ -178,7 +174,7 @@ def test_attached_value_head_trains_and_is_never_a_lora_target(tiny_model_dir):
     adapter, and a critic adapter added afterwards with `lora_target: all` leaves it alone."""
     from peft import LoraConfig
 
-    config = _config(tiny_model_dir)
+    config = tiny_config(tiny_model_dir)
     policy = load_model(config.model, config.finetuning, is_trainable=True)
     head = attach_value_head(policy)
     assert policy.get_base_model().v_head is head
@@ -213,7 +209,7 @@ def test_load_reward_model_from_lora_and_full_dirs(tiny_model_dir, tmp_path, sav
 
     full_dir = tmp_path / "exported"
     from_lora.save_pretrained(full_dir)
-    from_full = load_reward_model(full_dir, like=_config(tiny_model_dir, infer_dtype="float32").model)
+    from_full = load_reward_model(full_dir, like=tiny_config(tiny_model_dir, infer_dtype="float32").model)
     assert type(from_full).__name__ == "LlamaForSequenceClassification"
     with torch.no_grad():
         torch.testing.assert_close(sequence_rewards(from_full, ids, mask), expected, atol=1e-5, rtol=0)

@@ -9,13 +9,10 @@ import torch
 from torch import nn
 
 from alignkit.config.parse import parse_config
+from tests.helpers import tiny_config
 from alignkit.errors import ConfigError
 from alignkit.model import load_model, load_tokenizer, resolve_model_path
 from alignkit.model.loader import count_parameters, find_linear_modules, resolve_dtype
-
-
-def _config(model_dir, **keys):
-    return parse_config({"model_name_or_path": str(model_dir), **keys})
 
 
 def _trainable_names(model):
@@ -39,13 +36,13 @@ def test_tokenizer_has_pad_and_right_padding(tiny_model_dir, tmp_path):
     tokenizer.save_pretrained(tmp_path)
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).symlink_to(f"{tiny_model_dir}/{name}")
-    loaded = load_tokenizer(_config(tmp_path).model)
+    loaded = load_tokenizer(tiny_config(tmp_path).model)
     assert loaded.pad_token == loaded.eos_token == "<|im_end|>"
     assert loaded.padding_side == "right"
 
 
 def test_lora_all_targets_every_linear_but_the_head(tiny_model_dir):
-    config = _config(tiny_model_dir)
+    config = tiny_config(tiny_model_dir)
     model = load_model(config.model, config.finetuning, is_trainable=True)
     wrapped = {name.split(".")[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
     assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
@@ -60,21 +57,21 @@ def test_lora_all_targets_every_linear_but_the_head(tiny_model_dir):
 
 
 def test_lora_explicit_targets_and_unknown_target(tiny_model_dir):
-    config = _config(tiny_model_dir, lora_target="q_proj,v_proj", lora_rank=4)
+    config = tiny_config(tiny_model_dir, lora_target="q_proj,v_proj", lora_rank=4)
     model = load_model(config.model, config.finetuning, is_trainable=True)
     assert {n.split(".")[-4] for n in _trainable_names(model)} == {"q_proj", "v_proj"}
-    config = _config(tiny_model_dir, lora_target="qkv_proj")
+    config = tiny_config(tiny_model_dir, lora_target="qkv_proj")
     with pytest.raises(ConfigError, match="qkv_proj.*not found.*q_proj"):
         load_model(config.model, config.finetuning, is_trainable=True)
 
 
 def test_full_and_freeze_trainable_counts(tiny_model_dir):
-    config = _config(tiny_model_dir, finetuning_type="full")
+    config = tiny_config(tiny_model_dir, finetuning_type="full")
     model = load_model(config.model, config.finetuning, is_trainable=True)
     trainable, total = count_parameters(model)
     assert trainable == total == sum(p.numel() for p in model.parameters())
 
-    config = _config(tiny_model_dir, finetuning_type="freeze", freeze_trainable_layers=1)
+    config = tiny_config(tiny_model_dir, finetuning_type="freeze", freeze_trainable_layers=1)
     model = load_model(config.model, config.finetuning, is_trainable=True)
     names = _trainable_names(model)
     assert names and all(n.startswith("model.layers.1.") for n in names)
@@ -83,14 +80,14 @@ def test_full_and_freeze_trainable_counts(tiny_model_dir):
 
 
 def test_inference_model_is_frozen_and_in_eval_mode(tiny_model_dir):
-    config = _config(tiny_model_dir)
+    config = tiny_config(tiny_model_dir)
     model = load_model(config.model, config.finetuning, is_trainable=False)
     assert count_parameters(model)[0] == 0 and not model.training
     assert type(model).__name__ == "LlamaForCausalLM"
 
 
 def test_reward_head_lora_trains_score_in_full(tiny_model_dir, batch):
-    config = _config(tiny_model_dir)
+    config = tiny_config(tiny_model_dir)
     model = load_model(config.model, config.finetuning, is_trainable=True, head="reward")
     base = model.get_base_model()
     assert type(base).__name__ == "LlamaForSequenceClassification"
@@ -102,7 +99,7 @@ def test_reward_head_lora_trains_score_in_full(tiny_model_dir, batch):
 
 
 def test_reward_head_freeze_trains_score(tiny_model_dir):
-    config = _config(tiny_model_dir, finetuning_type="freeze", freeze_trainable_layers=1)
+    config = tiny_config(tiny_model_dir, finetuning_type="freeze", freeze_trainable_layers=1)
     model = load_model(config.model, config.finetuning, is_trainable=True, head="reward")
     names = _trainable_names(model)
     assert "score.weight" in names
@@ -118,7 +115,7 @@ def test_adapter_is_merged_and_fresh_adapter_disabled_reproduces_it(tiny_model_d
             base_logits = trained(**batch).logits
     assert (expected - base_logits).abs().max() > 1e-2  # the adapter really changes the model
 
-    config = _config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
+    config = tiny_config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
     model = load_model(config.model, config.finetuning, is_trainable=True)
     model.eval()
     # The new adapter is a fresh one: zero effect at step 0, and disabling it leaves the merged SFT model.
@@ -139,7 +136,7 @@ def test_reward_adapter_merge_restores_score(tiny_model_dir, tmp_path, batch, sa
         trained.base_model.model.score.modules_to_save["default"].weight.add_(1.0)
         trained.save_pretrained(adapter_dir)
         expected = trained(**batch).logits
-    config = _config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
+    config = tiny_config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
     model = load_model(config.model, config.finetuning, is_trainable=False, head="reward")
     with torch.no_grad():
         torch.testing.assert_close(model(**batch).logits, expected, atol=1e-5, rtol=0)
@@ -157,7 +154,7 @@ def test_adapter_for_another_base_is_rejected(tiny_model_dir, tmp_path, save_per
     adapter_dir = tmp_path / "adapter"
     save_perturbed_adapter(other_dir, adapter_dir)
 
-    config = _config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
+    config = tiny_config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
     with pytest.raises(ConfigError, match=r"does not match.*hidden_size: 32 vs 64"):
         load_model(config.model, config.finetuning, is_trainable=True)
 
@@ -171,7 +168,7 @@ def test_adapter_for_another_base_is_rejected(tiny_model_dir, tmp_path, save_per
 
 
 def test_missing_adapter_config_is_named(tiny_model_dir, tmp_path):
-    config = _config(tiny_model_dir, adapter_name_or_path=str(tmp_path))
+    config = tiny_config(tiny_model_dir, adapter_name_or_path=str(tmp_path))
     with pytest.raises(ConfigError, match="holds no adapter_config.json"):
         load_model(config.model, config.finetuning, is_trainable=True)
 
@@ -262,7 +259,7 @@ def test_find_linear_modules_skips_output_heads():
 def test_sft_adapter_can_start_a_reward_model(tiny_model_dir, tmp_path, batch, save_perturbed_adapter):
     adapter_dir = tmp_path / "sft_adapter"
     save_perturbed_adapter(tiny_model_dir, adapter_dir)
-    config = _config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
+    config = tiny_config(tiny_model_dir, adapter_name_or_path=str(adapter_dir))
     sft_merged = load_model(config.model, config.finetuning, is_trainable=False)
     reward = load_model(config.model, config.finetuning, is_trainable=True, head="reward")
     reward.eval()
@@ -272,7 +269,7 @@ def test_sft_adapter_can_start_a_reward_model(tiny_model_dir, tmp_path, batch, s
         got = reward.get_base_model().model(**batch).last_hidden_state
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     with torch.no_grad():
-        plain = load_model(_config(tiny_model_dir).model, config.finetuning, is_trainable=False).model(**batch)
+        plain = load_model(tiny_config(tiny_model_dir).model, config.finetuning, is_trainable=False).model(**batch)
     assert (plain.last_hidden_state - expected).abs().max() > 1e-2
 
 
@@ -306,7 +303,7 @@ def test_no_missing_score_table_where_the_head_is_trained_or_loaded(tiny_model_d
 
     from alignkit.rewards.reward_model import load_reward_model
 
-    config = _config(tiny_model_dir)
+    config = tiny_config(tiny_model_dir)
     load_model(config.model, config.finetuning, is_trainable=True, head="reward")
     assert load_reports == []
 
@@ -334,7 +331,7 @@ def test_lora_wrapping_does_not_print_peft_deprecation_warning(tiny_model_dir):
     """peft reads transformers' deprecated `is_gradient_checkpointing`; that FutureWarning is not the user's."""
     import warnings
 
-    config = _config(tiny_model_dir)
+    config = tiny_config(tiny_model_dir)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         load_model(config.model, config.finetuning, is_trainable=True)
@@ -364,14 +361,14 @@ def test_base_adapters_are_recorded_and_put_back_before_the_adapter(tiny_model_d
 
     for given in ("dpo", "sft,dpo"):
         caplog.clear()
-        config = _config(tiny_model_dir, adapter_name_or_path=given)
+        config = tiny_config(tiny_model_dir, adapter_name_or_path=given)
         model = load_model(config.model, config.finetuning, is_trainable=False)
         assert merged_adapters(model) == (sft_abs, str((tmp_path / "dpo").resolve()))
         with torch.no_grad():
             torch.testing.assert_close(model(**batch).logits, expected, atol=1e-5, rtol=0)
         assert "trained on top of" not in caplog.text  # the explicit chain is the recorded one: no warning
     with torch.no_grad():  # without the SFT adapter under it, the same adapter is another model
-        bare = load_model(_config(tiny_model_dir).model, config.finetuning, is_trainable=False)
+        bare = load_model(tiny_config(tiny_model_dir).model, config.finetuning, is_trainable=False)
         assert (bare(**batch).logits - expected).abs().max() > 1e-2
 
     # A run that merged nothing, or saved full weights, has nothing to record.
@@ -390,12 +387,12 @@ def test_a_moved_base_adapter_is_named_and_the_explicit_chain_still_loads(tiny_m
         expected = trained(**batch).logits
     (tmp_path / "sft").rename(tmp_path / "sft_moved")
 
-    config = _config(tiny_model_dir, adapter_name_or_path=str(tmp_path / "dpo"))
+    config = tiny_config(tiny_model_dir, adapter_name_or_path=str(tmp_path / "dpo"))
     with pytest.raises(ConfigError, match=r"trained on top of the adapter .*/sft \(recorded in .*/dpo/base_adapters"
                                           r".json\), which is no longer there.*adapter_name_or_path=<where"):
         load_model(config.model, config.finetuning, is_trainable=False)
 
-    config = _config(tiny_model_dir, adapter_name_or_path=f"{tmp_path / 'sft_moved'},{tmp_path / 'dpo'}")
+    config = tiny_config(tiny_model_dir, adapter_name_or_path=f"{tmp_path / 'sft_moved'},{tmp_path / 'dpo'}")
     model = load_model(config.model, config.finetuning, is_trainable=False)
     with torch.no_grad():
         torch.testing.assert_close(model(**batch).logits, expected, atol=1e-5, rtol=0)
@@ -407,7 +404,7 @@ def test_a_malformed_base_adapters_file_is_named(tiny_model_dir, tmp_path, save_
 
     save_perturbed_adapter(tiny_model_dir, tmp_path / "dpo")
     (tmp_path / "dpo" / BASE_ADAPTERS_FILE).write_text('{"base_adapters": "sft"}')
-    config = _config(tiny_model_dir, adapter_name_or_path=str(tmp_path / "dpo"))
+    config = tiny_config(tiny_model_dir, adapter_name_or_path=str(tmp_path / "dpo"))
     with pytest.raises(ConfigError, match=r"dpo/base_adapters.json: expected \{\"base_adapters\""):
         load_model(config.model, config.finetuning, is_trainable=False)
 
@@ -417,12 +414,12 @@ def test_a_base_adapter_retrained_in_place_is_warned_about(tiny_model_dir, tmp_p
     DPO adapter are not those it was trained on; the record's sha256 tells, and loading says so."""
     save_perturbed_adapter(tiny_model_dir, tmp_path / "sft", seed=3)
     save_perturbed_adapter(tiny_model_dir, tmp_path / "dpo", seed=4, over=tmp_path / "sft")
-    config = _config(tiny_model_dir, adapter_name_or_path=str(tmp_path / "dpo"))
+    config = tiny_config(tiny_model_dir, adapter_name_or_path=str(tmp_path / "dpo"))
     load_model(config.model, config.finetuning, is_trainable=False)
     assert "other weights" not in caplog.text
     save_perturbed_adapter(tiny_model_dir, tmp_path / "sft", seed=9)
     for given in (str(tmp_path / "dpo"), f"{tmp_path / 'sft'},{tmp_path / 'dpo'}"):
         caplog.clear()
-        config = _config(tiny_model_dir, adapter_name_or_path=given)
+        config = tiny_config(tiny_model_dir, adapter_name_or_path=given)
         load_model(config.model, config.finetuning, is_trainable=False)
         assert f"The adapter {tmp_path / 'sft'} holds other weights than when {tmp_path / 'dpo'} was trained" in caplog.text

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from alignkit.config.parse import parse_config
+from tests.helpers import tiny_config
 from alignkit.data.collator import pad_sequences
 from alignkit.errors import ConfigError
 from alignkit.model.adapters import adapters_disabled, use_adapter
@@ -25,10 +25,6 @@ ROWS = [[5, 17, 40, 2, 9], [7, 8, 11], [30, 31, 32, 33, 34, 35, 36]]
 def _pad(rows, side):
     """[N, L] ids and attention mask, padded on `side` with the pad id (which is also a real token here)."""
     return pad_sequences(rows, PAD, side), pad_sequences([[1] * len(row) for row in rows], 0, side)
-
-
-def _config(model_dir, **keys):
-    return parse_config({"model_name_or_path": str(model_dir), **keys})
 
 
 def _perturb(model, adapter="default", seed=3):
@@ -48,7 +44,7 @@ def reward_dir(reward_adapter_dir):
 
 @pytest.fixture
 def policy(tiny_model_dir):
-    config = _config(tiny_model_dir)
+    config = tiny_config(tiny_model_dir)
     model = load_model(config.model, config.finetuning, is_trainable=True)
     _perturb(model)
     return model
@@ -56,7 +52,7 @@ def policy(tiny_model_dir):
 
 def _reward_model_rewards(model_dir, adapters, ids, mask, padding_free=False):
     """The rm run's rewards loaded the normal way (what `alignkit score` does)."""
-    config = _config(model_dir, adapter_name_or_path=adapters)
+    config = tiny_config(model_dir, adapter_name_or_path=adapters)
     model = load_model(config.model, config.finetuning, is_trainable=False, head="reward")
     with torch.no_grad():
         return sequence_rewards(model, ids, mask, padding_free=padding_free)
@@ -176,7 +172,7 @@ def test_adapters_disabled_is_base_plus_sft_and_keeps_flags(tiny_model_dir, tmp_
             base_logits = sft(input_ids=ids, attention_mask=mask).logits
     assert (sft_logits - base_logits).abs().max() > 1e-2
 
-    config = _config(tiny_model_dir, adapter_name_or_path=str(sft_dir))
+    config = tiny_config(tiny_model_dir, adapter_name_or_path=str(sft_dir))
     policy = load_model(config.model, config.finetuning, is_trainable=True)
     assert merged_adapters(policy) == (str(sft_dir),)
     assert set(policy.peft_config) == {"default"}  # the SFT adapter is in the weights, not a second adapter
@@ -206,7 +202,7 @@ def test_reward_adapter_trained_from_the_sft_adapter(tiny_model_dir, tmp_path, s
     ids, mask = _pad(ROWS, "left")
     sft_dir, rm_dir = tmp_path / "sft", tmp_path / "rm_from_sft"
     save_perturbed_adapter(tiny_model_dir, sft_dir)
-    config = _config(tiny_model_dir, adapter_name_or_path=str(sft_dir))
+    config = tiny_config(tiny_model_dir, adapter_name_or_path=str(sft_dir))
     rm = load_model(config.model, config.finetuning, is_trainable=True, head="reward")
     _perturb(rm, seed=5)
     rm.save_pretrained(rm_dir)
@@ -231,7 +227,7 @@ def test_reward_adapter_trained_from_the_sft_adapter(tiny_model_dir, tmp_path, s
 
 def test_reward_adapter_refusals(tiny_model_dir, tmp_path, reward_dir, policy, save_perturbed_adapter):
     # Given as adapter_name_or_path of a causal-LM stage it is still refused, pointing at the right key.
-    config = _config(tiny_model_dir, adapter_name_or_path=str(reward_dir))
+    config = tiny_config(tiny_model_dir, adapter_name_or_path=str(reward_dir))
     with pytest.raises(ConfigError, match="reward-model adapter.*causal LM.*`reward_model`"):
         load_model(config.model, config.finetuning, is_trainable=True)
 
@@ -243,7 +239,7 @@ def test_reward_adapter_refusals(tiny_model_dir, tmp_path, reward_dir, policy, s
     with pytest.raises(ConfigError, match="'reward' is already loaded"):
         load_reward_adapter(policy, reward_dir)
 
-    full = load_model(_config(tiny_model_dir).model, _config(tiny_model_dir).finetuning, is_trainable=False)
+    full = load_model(tiny_config(tiny_model_dir).model, tiny_config(tiny_model_dir).finetuning, is_trainable=False)
     with pytest.raises(TypeError, match="not a PEFT model.*finetuning_type=lora"):
         load_reward_adapter(full, reward_dir)
 

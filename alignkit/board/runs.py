@@ -63,6 +63,8 @@ STAGE_METRICS = {
     "sft": ["grad_norm"],
     "pt": ["grad_norm"],
 }
+# Curves the run page shows for every stage on their own (the losses) or that say nothing stage-specific.
+SHARED_CURVES = {"loss", "eval_loss", "learning_rate", "grad_norm", "train_loss"}
 LAST_REWARD_KEYS = ("reward", "reward/mean", "rewards/margins")
 LAST_ACCURACY_KEYS = ("rewards/accuracies", "accuracy", "eval_rewards/accuracies", "eval_accuracy")
 
@@ -537,12 +539,15 @@ def curves(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
 
 
 def stage_metric_keys(stage: str, available: list[str]) -> list[str]:
-    """The stage's own curves present in the log: `STAGE_METRICS` first, then per-reward-function means
-    (`rewards/<name>/mean`, GRPO/RLOO/PPO)."""
-    wanted = [k for k in STAGE_METRICS.get(stage, []) if k in available]
-    if stage in ("grpo", "rloo", "ppo"):
-        wanted += sorted(k for k in available if k.startswith("rewards/") and k.endswith("/mean"))
-    return wanted
+    """The stage's own curves present in the log: `STAGE_METRICS` where the stage has an entry, else every logged
+    metric but the ones each stage shares (`SHARED_CURVES`), so a new stage gets its curves without an entry here;
+    then the per-reward-function means (`rewards/<name>/mean`, the online stages)."""
+    per_reward = sorted(k for k in available if k.startswith("rewards/") and k.endswith("/mean"))
+    if stage in STAGE_METRICS:
+        wanted = [k for k in STAGE_METRICS[stage] if k in available]
+    else:
+        wanted = sorted(k for k in available if k not in SHARED_CURVES and k not in per_reward)
+    return wanted + [k for k in per_reward if k not in wanted]
 
 
 def final_metrics(path: Path) -> dict[str, Any]:

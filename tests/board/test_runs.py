@@ -131,6 +131,9 @@ def test_summary_reads_stage_model_dataset_and_last_stage_metrics(tmp_path):
     assert series["eval_loss"] == [(1, 0.7)] and series["loss"] == [(1, 0.69), (2, 0.6)]
     assert "train_loss" not in series
     assert runs.stage_metric_keys("dpo", list(series)) == ["rewards/margins", "rewards/accuracies"]
+    # A stage without an entry in STAGE_METRICS shows every metric it logged but the shared ones.
+    logged = ["loss", "learning_rate", "grad_norm", "my_metric", "rewards/f/mean", "aux/kl"]
+    assert runs.stage_metric_keys("a_new_stage", logged) == ["aux/kl", "my_metric", "rewards/f/mean"]
     assert runs.read_run_config(run) == ({"stage": "dpo", "model_name_or_path": "m", "dataset": "demo_pref"},
                                          "/somewhere")
     # a run without run_config.yaml: the stage is read from what it logged

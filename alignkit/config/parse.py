@@ -230,9 +230,11 @@ def parse_config(
         ConfigError: unknown key (with the closest valid one), bad type, or an invalid combination.
     """
     merged: dict[str, Any] = dict(values or {})
+    from_command_line: dict[str, str] = {}  # key → the override text that set it, to attribute errors to it
     for item in overrides or []:
         key, value = parse_override(item)
         merged[key] = value
+        from_command_line[key] = item
 
     owners = _owners(str(merged.get("stage", FinetuningArguments.stage)))
     where = f" in {source}" if source else ""
@@ -241,7 +243,8 @@ def parse_config(
         if key not in owners:
             close = difflib.get_close_matches(key, list(owners), n=1, cutoff=0.6)
             hint = f" Did you mean `{close[0]}`?" if close else " See `alignkit train --help-keys` for every key."
-            raise ConfigError(f"unknown key `{key}`{where}.{hint}")
+            origin = f" on the command line ({from_command_line[key]})" if key in from_command_line else where
+            raise ConfigError(f"unknown key `{key}`{origin}.{hint}")
         cls = owners[key]
         per_class[cls][key] = convert_value(key, value, field_types(cls)[key])
 

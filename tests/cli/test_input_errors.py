@@ -311,3 +311,17 @@ def test_a_deepspeed_scheduler_block_is_said_to_replace_the_configs_schedule(tmp
     check_deepspeed_config(str(ds), micro_batch=2, grad_accum=1, processes=1, on_gpu=False)
     assert f"{ds} has a scheduler block: DeepSpeed's WarmupLR schedule replaces the config's lr_scheduler_type" \
         in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------- issue 32
+def test_a_typo_given_on_the_command_line_is_attributed_to_it(tmp_path, tiny_model_dir, capsys, no_model_load):
+    """`learnig_rate=1e-4` after the YAML is the command line's mistake, not the file's."""
+    code, err = _train(capsys, _config(tmp_path, tiny_model_dir), "learnig_rate=1e-4")
+    assert code == 2
+    assert "unknown key `learnig_rate` on the command line (learnig_rate=1e-4)" in err
+    assert "c.yaml" not in err and "learning_rate" in err
+
+
+def test_a_typo_in_the_file_still_names_the_file(tmp_path, tiny_model_dir, capsys, no_model_load):
+    code, err = _train(capsys, _config(tmp_path, tiny_model_dir, body="learnig_rate: 1e-4\n"))
+    assert code == 2 and "unknown key `learnig_rate` in " in err and "c.yaml" in err

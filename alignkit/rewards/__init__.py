@@ -22,6 +22,7 @@ from .functions import (
     check_reward_functions,
     combine_rewards,
     load_user_function,
+    require_reward_funcs,
 )
 
 __all__ = [
@@ -38,4 +39,5 @@ __all__ = [
     "format_reward",
     "length_reward",
     "load_user_function",
+    "require_reward_funcs",
 ]

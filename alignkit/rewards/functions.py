@@ -553,6 +553,19 @@ def _unique_names(names: list[str]) -> list[str]:
     return out
 
 
+def require_reward_funcs(args: RewardFunctionArguments, stage: Optional[str] = None) -> None:
+    """Raise a ConfigError when `reward_funcs` is empty (a stage's `check_config` calls it, before the model loads).
+
+    Args:
+        args: the stage's arguments (a `RewardFunctionArguments` subclass).
+        stage: the stage that needs the rewards, named in the message when given.
+    """
+    if not args.reward_funcs:
+        needs = f"stage {stage} needs reward_funcs" if stage else "reward_funcs is empty"
+        raise ConfigError(f"{needs}: give at least one reward function or reward model folder, e.g. "
+                          "`reward_funcs: accuracy,format` (built-ins: " + ", ".join(BUILTIN_NAMES) + ").")
+
+
 def check_reward_functions(args: RewardFunctionArguments, *, config_dir: Optional[str] = None,
                            max_completion_length: Optional[int] = None, key: str = "reward_funcs") -> None:
     """What `build_reward_functions` would refuse that needs no model: call it before the model loads.
@@ -613,9 +626,7 @@ def build_reward_functions(
         ConfigError: no reward function, or a setting a built-in needs is missing.
         RewardFunctionError: a user function does not import.
     """
-    if not args.reward_funcs:
-        raise ConfigError("reward_funcs is empty: give at least one reward function, e.g. `reward_funcs: "
-                          "accuracy,format` (built-ins: " + ", ".join(BUILTIN_NAMES) + ").")
+    require_reward_funcs(args)
     if max_completion_length is None:
         max_completion_length = getattr(args, "max_completion_length", None)
     functions, names, timeouts = [], [], []

@@ -83,7 +83,7 @@ from torch.utils.data import Sampler
 from ..config import check_sampling_knobs
 from ..env import launched_processes
 from ..errors import ConfigError
-from ..rewards import RewardFunctionArguments
+from ..rewards import RewardFunctionArguments, require_reward_funcs
 from ..rl.advantages import decoupled_group_advantages, group_advantages
 from ..rl.kl import k3_kl, sequence_log_ratio
 from ..rl.losses import (CLIPPED_LOSS_TYPES, AdaptiveEntropyController, aggregate_loss, cispo_loss,
@@ -321,6 +321,7 @@ def check_config(config: "Config") -> None:
     if t.do_eval or t.do_predict:
         raise ConfigError(f"stage {config.finetuning.stage} trains only: remove do_eval/do_predict, and measure a "
                           "reward on held-out prompts with `alignkit eval` (greedy) before and after training.")
+    require_reward_funcs(g, config.finetuning.stage)
     # Checked only (the Trainer derives them again from its process count): a check leaves the config as given.
     resolve_generation_batch(t.per_device_train_batch_size, launched_processes(), g.num_generations,
                              g.steps_per_generation, g.generation_batch_size, t.gradient_accumulation_steps)

@@ -41,12 +41,16 @@ def workspace(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _train(workspace, tiny_model_dir, stage, capsys, **keys) -> tuple[int, str]:
+def _write_config(workspace, tiny_model_dir, stage) -> None:
     stage_keys = {"grpo": "max_completion_length: 4\nnum_generations: 4\n", "ppo": "max_new_tokens: 4\n"}[stage]
     (workspace / "run.yaml").write_text(
         f"stage: {stage}\nmodel_name_or_path: {tiny_model_dir}\ndataset: prompts.jsonl\noutput_dir: out\n"
         f"per_device_train_batch_size: 4\nmax_steps: 1\nsave_strategy: 'no'\ncutoff_len: 64\n{stage_keys}",
         encoding="utf-8")
+
+
+def _train(workspace, tiny_model_dir, stage, capsys, **keys) -> tuple[int, str]:
+    _write_config(workspace, tiny_model_dir, stage)
     code = main(["train", "run.yaml", *[f"{k}={v}" for k, v in keys.items()]])
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -86,3 +90,14 @@ def test_eval_reward_errors(workspace, tiny_model_dir, capsys, no_model_load):
     assert "has no `answer_mach`. Did you mean `answer_match`?" in run("my_rewards.py:answer_mach")
     assert "alignkit: error: --reward: 'rm_typo' is not a built-in" in run("rm_typo")
     assert "cannot import module 'no_such_module'" in run("no_such_module:score")
+
+
+@pytest.mark.parametrize("online_stage", ["grpo", "rloo"])
+def test_an_online_stage_without_reward_funcs_exits_2_before_the_model_loads(workspace, tiny_model_dir, capsys,
+                                                                             no_model_load, online_stage):
+    """Issue 32: the missing rewards were reported only when they were built, after the policy had loaded. (rloo
+    takes GRPO's generation keys, so the GRPO config serves with `stage=rloo` on the command line.)"""
+    _write_config(workspace, tiny_model_dir, "grpo")
+    code = main(["train", "run.yaml", f"stage={online_stage}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"stage {online_stage} needs reward_funcs" in err and "accuracy,format" in err

@@ -423,7 +423,7 @@ def test_rl_prompts_cut_to_cutoff_len_are_counted_and_named(tmp_path, tiny_token
     rows = [{"prompt": [{"role": "user", "content": "word " * 200 + "What is 2 + 2?"}], "answer": "4"},
             {"prompt": [{"role": "user", "content": "What is 3 + 3?"}], "answer": "6"}]
     caplog.set_level(logging.WARNING, logger="alignkit.data.processors")
-    out = load(tmp_path, tiny_tokenizer, rows, stage="grpo", cutoff_len=64)["train_dataset"]
+    out = load(tmp_path, tiny_tokenizer, rows, stage="grpo", cutoff_len=64, reward_funcs="accuracy")["train_dataset"]
     assert len(out[0]["input_ids"]) == 64 and len(out[1]["input_ids"]) < 64
     assert "Cut the start off 1 of 2 prompts longer than cutoff_len=64 tokens" in caplog.text
     assert "d.json, row 1." in caplog.text and "row 2" not in caplog.text

@@ -105,6 +105,14 @@ def load_chat_model(model_args: ModelArguments, template: str | None = None) -> 
     return model, formatter
 
 
+def _read_piped_line(_prompt: str) -> str:
+    """One line of standard input read from a pipe: no prompt (there is nobody to prompt), EOFError at its end."""
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line
+
+
 def chat(
     model_args: ModelArguments,
     generating_args: GeneratingArguments,
@@ -113,7 +121,7 @@ def chat(
     system: str | None = None,
     template: str | None = None,
     stream: TextIO = sys.stdout,
-    input_fn: Callable[[str], str] = input,
+    input_fn: Callable[[str], str] | None = None,
 ) -> str | None:
     """Answer `prompt` once, or hold an interactive conversation when `prompt` is None.
 
@@ -125,7 +133,9 @@ def chat(
         template: the chat template (a built-in name, see `alignkit.data.template`; None: the tokenizer's own,
             which for a trained adapter is the template saved with it).
         stream: where replies (and the interactive prompts' echoes) are written.
-        input_fn: reads one user line; `input` by default, replaceable in tests.
+        input_fn: reads one user line, given the prompt to show. None: `input` on a terminal; from a pipe
+            (`alignkit chat < questions.txt`), standard input's lines without a prompt, each echoed after it is
+            read, so that the transcript reads as a conversation and does not end in a dangling `User: `.
 
     Returns:
         The reply for a one-shot prompt, None after an interactive session.
@@ -135,12 +145,19 @@ def chat(
         return stream_reply(model, formatter, build_messages([], prompt, system), generating_args, stream)
 
     stream.write(f"Type `{CLEAR_COMMAND}` to forget the conversation, `{EXIT_COMMAND}` to quit.\n")
+    piped = input_fn is None and not sys.stdin.isatty()
+    if input_fn is None:
+        input_fn = _read_piped_line if piped else input
     history: list[dict[str, str]] = []
     while True:
         try:
             query = input_fn("\nUser: ").strip()
         except (EOFError, KeyboardInterrupt):
+            if not piped:
+                stream.write("\n")  # end the `User: ` line the terminal shows, so the shell's prompt starts afresh
             break
+        if piped and query:
+            stream.write(f"\nUser: {query}\n")
         if query == EXIT_COMMAND:
             break
         if query == CLEAR_COMMAND:

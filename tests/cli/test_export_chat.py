@@ -200,3 +200,15 @@ def test_export_and_chat_of_an_adapter_trained_over_sft_need_only_that_adapter(t
     bare = load_model(config.model, config.finetuning, is_trainable=False)
     with torch.no_grad():
         assert (bare(**batch).logits - expected).abs().max() > 1e-2
+
+
+def test_chat_from_a_pipe_echoes_each_line_and_ends_without_a_dangling_prompt(tiny_model_dir, monkeypatch):
+    """Issue 32: `alignkit chat < questions.txt` printed `User: ` once more after the last reply. From a pipe the
+    lines are read without a prompt and echoed, so the output is the conversation and ends with its last reply."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("Name a colour\n\nTranslate to French\n"))
+    config = parse_config({"model_name_or_path": tiny_model_dir, "max_new_tokens": 4, **SAMPLING})
+    stream = io.StringIO()
+    assert chat(config.model, config.generating, stream=stream) is None
+    text = stream.getvalue()
+    assert "\nUser: Name a colour\nAssistant: " in text and "\nUser: Translate to French\nAssistant: " in text
+    assert text.count("User: ") == 2 and text.endswith("\n") and not text.rstrip().endswith("User:")

@@ -341,8 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("board", help="local web page: launch, watch, compare and stop runs, chat with their models")
-    p.add_argument("--runs", default="outputs", help="folder whose runs the board shows and writes; nothing "
-                   "outside it is read or written (default %(default)s)")
+    p.add_argument("--runs", default="saves", help="folder whose runs the board shows and writes; nothing "
+                   "outside it is read or written (default %(default)s, where the examples write)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine only)")
     p.add_argument("--port", type=int, default=7860, help="port (default %(default)s)")
     p.set_defaults(func=_cmd_board)

@@ -70,3 +70,17 @@ def test_broken_jsonl_line_exits_non_zero_naming_file_and_line(tmp_path, tiny_mo
     err = capsys.readouterr().err
     assert "broken.jsonl" in err and "line 7" in err and "skip_invalid_rows" in err
     assert not (tmp_path / "out" / "trainer_state.json").exists()
+
+
+def test_the_board_shows_by_default_the_folder_every_example_writes_to():
+    """Issue 32: the default `--runs` was `outputs/` while every example writes under `saves/`."""
+    from pathlib import Path
+
+    import yaml
+
+    from alignkit.cli import build_parser
+
+    runs = build_parser().parse_args(["board"]).runs
+    examples = sorted(Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml"))
+    tops = {Path(yaml.safe_load(p.read_text())["output_dir"]).parts[0] for p in examples}
+    assert examples and tops == {runs} == {"saves"}

@@ -31,14 +31,28 @@ def _configure_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _print_help_keys() -> None:
+    """Every key with its help, by group; transformers' own training keys folded into their names and a link."""
+    import textwrap
+
+    from .config.parse import TRANSFORMERS_TRAINING_DOCS, TRANSFORMERS_TRAINING_GROUP, all_keys
+
+    for group, keys in all_keys().items():
+        print(f"\n[{group}]")
+        if group == TRANSFORMERS_TRAINING_GROUP:
+            print(f"  {len(keys)} keys of transformers' Seq2SeqTrainingArguments, as transformers defines them (a few\n"
+                  f"  defaults differ, e.g. logging_steps=1, report_to=none). Each key's help: {TRANSFORMERS_TRAINING_DOCS}")
+            print(textwrap.fill(", ".join(keys), width=110, initial_indent="    ", subsequent_indent="    "))
+            continue
+        for key, help_text in keys.items():
+            print(f"  {key}: {help_text}")
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .config.parse import all_keys, read_config
+    from .config.parse import read_config
 
     if args.help_keys:
-        for group, keys in all_keys().items():
-            print(f"\n[{group}]")
-            for key, help_text in keys.items():
-                print(f"  {key}: {help_text}")
+        _print_help_keys()
         return 0
     if not args.config:
         raise ConfigError("alignkit train needs a config file: alignkit train CONFIG.yaml [key=value ...]")

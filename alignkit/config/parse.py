@@ -390,22 +390,37 @@ def check_combinations(config: Config) -> None:
         stage.check(config)
 
 
+# `--help-keys` groups, named as README.md and docs/config.md name them; the stages' groups follow, then the Trainer's.
+KEY_GROUPS = ((ModelArguments, "model"), (DataArguments, "data"), (FinetuningArguments, "finetuning"),
+              (GeneratingArguments, "generation"), (TrainingArguments, "training"))
+TRANSFORMERS_TRAINING_GROUP = "training (transformers)"
+TRANSFORMERS_TRAINING_DOCS = ("https://huggingface.co/docs/transformers/main_classes/trainer"
+                              "#transformers.Seq2SeqTrainingArguments")
+
+
 def all_keys() -> dict[str, dict[str, str]]:
     """Every accepted key with its help text, grouped (for `alignkit train --help-keys`).
 
     Returns:
-        Group title → {key: help}. The shared sections first, then one group per stage with keys of its own.
+        Group title → {key: help}: `model`, `data`, `finetuning`, `generation`, `training` (the training keys
+        alignkit adds), one `stage NAME` group per stage with keys of its own, and last
+        `TRANSFORMERS_TRAINING_GROUP`, the 120-odd `Seq2SeqTrainingArguments` keys taken as transformers
+        defines them (the CLI folds that group into their names and a link to transformers' docs).
     """
     groups: dict[str, dict[str, str]] = {}
     seen: set[str] = set()
     names = stage_names()
-    titles = [(cls.__name__, cls) for cls in ARG_CLASSES]
+    titles = list(KEY_GROUPS)
     for name, stage in STAGES.items():
         if stage.arguments is not None:
-            titles.append((f"stage {name} ({stage.arguments.__name__})", stage.arguments))
-    for title, cls in titles:
+            titles.append((stage.arguments, f"stage {name}"))
+    titles.append((TrainingArguments, TRANSFORMERS_TRAINING_GROUP))
+    own_training_keys = set(TrainingArguments.__annotations__)  # declared in alignkit's subclass itself
+    for cls, title in titles:
         keys = {}
         for f in dataclasses.fields(cls):
+            if cls is TrainingArguments and (f.name in own_training_keys) != (title == "training"):
+                continue
             if f.init and f.name not in seen:
                 seen.add(f.name)
                 keys[f.name] = f.metadata.get("help", "").replace(STAGE_NAMES, names)
@@ -414,5 +429,5 @@ def all_keys() -> dict[str, dict[str, str]]:
     return groups
 
 
-__all__ = ["all_keys", "check_combinations", "check_stage", "choose_precision", "load_yaml", "parse_config",
+__all__ = ["KEY_GROUPS", "TRANSFORMERS_TRAINING_DOCS", "TRANSFORMERS_TRAINING_GROUP", "all_keys", "check_combinations", "check_stage", "choose_precision", "load_yaml", "parse_config",
            "parse_override", "read_config", "stage_names"]

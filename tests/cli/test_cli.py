@@ -39,6 +39,10 @@ def test_missing_config_file_is_a_clear_error(tmp_path, capsys):
 
 
 def test_help_keys_lists_every_key_under_its_section(capsys):
+    """The groups are the ones README.md and docs/config.md name (issue 32); transformers' 120-odd training keys
+    are folded under one heading into their names and a link to their help."""
+    from alignkit.config.parse import TRANSFORMERS_TRAINING_DOCS
+
     assert main(["train", "--help-keys"]) == 0
     out = capsys.readouterr().out
     sections: dict[str, list[str]] = {}
@@ -46,14 +50,36 @@ def test_help_keys_lists_every_key_under_its_section(capsys):
         if line.startswith("["):
             current = sections.setdefault(line.strip("[]"), [])
         elif line.startswith("  "):
-            current.append(line.split(":")[0].strip())
-    assert {"model_name_or_path"} <= set(sections["ModelArguments"])
-    assert {"cutoff_len", "packing"} <= set(sections["DataArguments"])
-    assert {"stage", "lora_rank"} <= set(sections["FinetuningArguments"])
-    assert {"max_new_tokens"} <= set(sections["GeneratingArguments"])
-    assert {"learning_rate", "overwrite_output_dir", "padding_free", "plot_loss"} <= set(sections["TrainingArguments"])
-    assert "pref_beta" in sections["stage dpo (DPOArguments)"]
-    assert sections["stage rm (RewardArguments)"] == ["center_rewards_coefficient"]
+            current.append(line.strip())
+    keys = {title: [line.split(":")[0] for line in lines] for title, lines in sections.items()}
+    assert list(sections)[:5] == ["model", "data", "finetuning", "generation", "training"]
+    assert {"model_name_or_path"} <= set(keys["model"])
+    assert {"cutoff_len", "packing"} <= set(keys["data"])
+    assert {"stage", "lora_rank"} <= set(keys["finetuning"])
+    assert {"max_new_tokens"} <= set(keys["generation"])
+    assert {"overwrite_output_dir", "padding_free", "plot_loss"} <= set(keys["training"])
+    assert "pref_beta" in keys["stage dpo"]
+    assert keys["stage rm"] == ["center_rewards_coefficient"]
+    folded = sections["training (transformers)"]
+    assert folded[0].split()[0].isdigit() and int(folded[0].split()[0]) > 100
+    assert TRANSFORMERS_TRAINING_DOCS in folded[1]
+    names = {name.strip() for line in folded[2:] for name in line.split(",")}
+    assert {"learning_rate", "per_device_train_batch_size", "max_steps"} <= names
+    assert "learning_rate:" not in out  # folded: names only, the help is transformers'
+
+
+def test_readme_and_config_docs_name_the_help_keys_groups():
+    """docs/config.md's key table uses the groups `--help-keys` prints, and README.md says it groups them."""
+    from pathlib import Path
+
+    from alignkit.config.parse import TRANSFORMERS_TRAINING_GROUP, all_keys
+
+    root = Path(__file__).resolve().parents[2]
+    config_doc = (root / "docs" / "config.md").read_text(encoding="utf-8")
+    table_groups = {line.split("|")[1].strip() for line in config_doc.splitlines() if line.startswith("| ")}
+    assert set(all_keys()) - {TRANSFORMERS_TRAINING_GROUP} <= table_groups
+    assert TRANSFORMERS_TRAINING_GROUP in config_doc
+    assert "alignkit train --help-keys" in (root / "README.md").read_text(encoding="utf-8")
 
 
 def test_broken_jsonl_line_exits_non_zero_naming_file_and_line(tmp_path, tiny_model_dir, capsys):

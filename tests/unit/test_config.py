@@ -189,7 +189,7 @@ def test_stage_error_and_help_list_exactly_the_registered_stages(monkeypatch):
     monkeypatch.setitem(STAGES, "newstage", Stage("newstage", "supervised", lambda config, callbacks: None))
     with pytest.raises(ConfigError, match=r"choose one of pt, sft, rm, dpo.*, newstage\."):
         parse_config({}, ["stage=foo"])
-    assert all_keys()["FinetuningArguments"]["stage"] == f"Training stage, one of {', '.join(STAGES)}."
+    assert all_keys()["finetuning"]["stage"] == f"Training stage, one of {', '.join(STAGES)}."
 
 
 def test_warmup_ratio_becomes_warmup_steps_said_once(caplog):

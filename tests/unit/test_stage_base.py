@@ -124,10 +124,10 @@ def test_stage_keys_belong_to_their_stage():
 
 def test_help_keys_are_grouped_with_a_group_per_stage():
     groups = all_keys()
-    assert "lora_rank" in groups["FinetuningArguments"]
-    assert "padding_free" in groups["TrainingArguments"]
-    assert set(groups["stage dpo (DPOArguments)"]) == {"pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing",
+    assert "lora_rank" in groups["finetuning"]
+    assert "padding_free" in groups["training"] and "learning_rate" in groups["training (transformers)"]
+    assert set(groups["stage dpo"]) == {"pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing",
                                                        "simpo_gamma", "precompute_ref_log_probs"}
-    assert set(groups["stage rm (RewardArguments)"]) == {"center_rewards_coefficient"}
+    assert set(groups["stage rm"]) == {"center_rewards_coefficient"}
     every_key = [key for keys in groups.values() for key in keys]
     assert len(every_key) == len(set(every_key))  # each key listed once

@@ -21,7 +21,7 @@ import os
 import sys
 
 from .config import DataArguments
-from .env import launched_processes
+from .env import launched_processes, silence_deepspeed_cpu_notice
 from .errors import ConfigError, DataError, RewardFunctionError, TrainingDiverged
 
 
@@ -65,6 +65,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = read_config(args.config, args.overrides)  # checked here first: a bad key fails before any launch
     if command is not None:
         return relaunch(command)
+    if not config.training.deepspeed and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
+        silence_deepspeed_cpu_notice()
     from .train import run_train
 
     try:
@@ -377,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     _configure_logging()
+    if args.func is not _cmd_train:
+        silence_deepspeed_cpu_notice()  # only `train` runs DeepSpeed; it decides once it has read the config
     try:
         return args.func(args)
     except (ConfigError, DataError, RewardFunctionError, TrainingDiverged, FileExistsError, FileNotFoundError) as err:

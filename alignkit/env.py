@@ -4,6 +4,7 @@ processes were launched."""
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import platform
 from pathlib import Path
@@ -26,6 +27,28 @@ def launched_processes() -> int:
         return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
     except ValueError:
         return 1
+
+
+# What DeepSpeed's logger (named "DeepSpeed", printing to stdout) says on a machine without GPUs whenever deepspeed is
+# imported; accelerate imports it in every run where it is installed (`extract_model_from_parallel`).
+DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU"
+
+
+def _not_the_deepspeed_cpu_notice(record: logging.LogRecord) -> bool:
+    return DEEPSPEED_CPU_NOTICE not in record.getMessage()
+
+
+def silence_deepspeed_cpu_notice() -> None:
+    """Drop DeepSpeed's "Setting accelerator to CPU" warning, for a run that does not use DeepSpeed.
+
+    With deepspeed installed (the `dev` and `deepspeed` extras), accelerate imports it while the Trainer is
+    built, whether the run uses it or not, and on a CPU-only machine DeepSpeed then prints that line on stdout.
+    Only that line goes, and only from DeepSpeed's logger; nothing is imported here. Call it when DeepSpeed is
+    not configured: in a DeepSpeed run the line says something true about the run.
+    """
+    ds_logger = logging.getLogger("DeepSpeed")  # the logger DeepSpeed creates later is this same object
+    if _not_the_deepspeed_cpu_notice not in ds_logger.filters:
+        ds_logger.addFilter(_not_the_deepspeed_cpu_notice)
 
 
 def _version(distribution: str) -> str | None:
@@ -92,4 +115,5 @@ def format_env(info: dict[str, Any]) -> str:
     return "\n".join(f"- {key.ljust(width)}: {value}" for key, value in info.items())
 
 
-__all__ = ["alignkit_home", "cpu_supports_bf16", "env_info", "format_env", "launched_processes"]
+__all__ = ["DEEPSPEED_CPU_NOTICE", "alignkit_home", "cpu_supports_bf16", "env_info", "format_env", "launched_processes",
+           "silence_deepspeed_cpu_notice"]

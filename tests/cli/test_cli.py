@@ -110,3 +110,40 @@ def test_the_board_shows_by_default_the_folder_every_example_writes_to():
     examples = sorted(Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml"))
     tops = {Path(yaml.safe_load(p.read_text())["output_dir"]).parts[0] for p in examples}
     assert examples and tops == {runs} == {"saves"}
+
+
+def test_no_deepspeed_cpu_notice_on_stdout_unless_deepspeed_is_used(tmp_path, tiny_model_dir):
+    """Issue 32: with deepspeed installed, accelerate imports it in every run, and on a machine without GPUs
+    DeepSpeed printed `[WARNING] [real_accelerator.py:...] Setting accelerator to CPU` on stdout for every train
+    and export. A run without DeepSpeed shows no such line; what else DeepSpeed's logger says still shows."""
+    import json
+    import logging
+    import subprocess
+    import sys
+
+    from alignkit.env import DEEPSPEED_CPU_NOTICE, silence_deepspeed_cpu_notice
+
+    (tmp_path / "d.json").write_text(json.dumps([{"instruction": "a", "output": "b"}] * 2), encoding="utf-8")
+    (tmp_path / "c.yaml").write_text(f"stage: sft\nmodel_name_or_path: {tiny_model_dir}\ndataset: d.json\n"
+                                     "cutoff_len: 32\nper_device_train_batch_size: 2\nmax_steps: 1\n"
+                                     "save_strategy: 'no'\noutput_dir: out\n", encoding="utf-8")
+    # `export` and the other commands call the same function unconditionally (`alignkit.cli.main`).
+    run = subprocess.run([sys.executable, "-m", "alignkit", "train", "c.yaml"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert DEEPSPEED_CPU_NOTICE not in run.stdout + run.stderr and "real_accelerator" not in run.stdout
+
+    silence_deepspeed_cpu_notice()
+    silence_deepspeed_cpu_notice()  # once is enough: the filter is not added twice
+    ds_logger = logging.getLogger("DeepSpeed")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    ds_logger.addHandler(handler)
+    try:
+        ds_logger.warning(f"{DEEPSPEED_CPU_NOTICE}. If you have GPU or other accelerator, we were unable to detect it.")
+        ds_logger.warning("something else")
+    finally:
+        ds_logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["something else"]
+    assert sum(f is ds_logger.filters[0] for f in ds_logger.filters) == 1

@@ -52,7 +52,7 @@ from ..model.distributed import full_weights
 from ..rewards import RewardFunctions
 from ..rl.losses import aggregate_loss
 from ..rl.rollout import token_entropy
-from .grpo import GRPOArguments, GRPOTrainer, check_config as check_grpo_config, resolve_generation_batch
+from .grpo import GRPOArguments, GRPOTrainer, check_generation_loop, resolve_generation_batch
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -248,7 +248,7 @@ def check_config(config: "Config") -> None:
     teacher_model_arguments(config.model, d)
     resolve_generation_batch(t.per_device_train_batch_size, launched_processes(), 1, None, None,
                              t.gradient_accumulation_steps)
-    check_grpo_config(SimpleNamespace(method=d.generation_loop(), training=t))
+    check_generation_loop(d.generation_loop(), t)
 
 
 # ---------------------------------------------------------------------------------------------------

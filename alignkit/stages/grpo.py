@@ -322,6 +322,16 @@ def check_config(config: "Config") -> None:
         raise ConfigError(f"stage {config.finetuning.stage} trains only: remove do_eval/do_predict, and measure a "
                           "reward on held-out prompts with `alignkit eval` (greedy) before and after training.")
     require_reward_funcs(g, config.finetuning.stage)
+    check_generation_loop(g, t)
+
+
+def check_generation_loop(g: Any, t: Any) -> None:
+    """What GRPO's generation loop refuses: the generation batch and vLLM (GRPO, RLOO and distill's student loop).
+
+    Args:
+        g: the loop's keys (`GRPOArguments`, or distill's `generation_loop()`).
+        t: the run's `TrainingArguments`.
+    """
     # Checked only (the Trainer derives them again from its process count): a check leaves the config as given.
     resolve_generation_batch(t.per_device_train_batch_size, launched_processes(), g.num_generations,
                              g.steps_per_generation, g.generation_batch_size, t.gradient_accumulation_steps)
@@ -898,6 +908,7 @@ __all__ = [
     "GRPOArguments",
     "build_online_trainer",
     "check_config",
+    "check_generation_loop",
     "resolve_generation_batch",
     "GenerationBatchSampler",
     "GRPOTrainer",

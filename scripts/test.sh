@@ -12,7 +12,7 @@ if [ "${1:-}" = "--fast" ]; then
   set -- tests/unit -m "not slow and not distributed" "$@"
 fi
 # Tests run in parallel worker processes (pytest-xdist), one per core up to 4: most tests spend their time in
-# single-threaded work (subprocess start-up, imports, Python overhead around a tiny model), so two cores halve the
-# suite. ALIGNKIT_TEST_WORKERS=0 runs everything in this one process (e.g. to use a debugger).
+# single-threaded work (subprocess start-up, imports, Python overhead around a tiny model), which left a second core
+# idle (docs/testing.md). ALIGNKIT_TEST_WORKERS=0 runs everything in this one process (e.g. to use a debugger).
 workers="${ALIGNKIT_TEST_WORKERS:-$(n="$(nproc)"; echo $(( n < 4 ? n : 4 )))}"
 exec "${ALIGNKIT_VENV:-$root/.venv}/bin/python" -m pytest -q -n "$workers" --dist worksteal "$@"

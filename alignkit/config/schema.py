@@ -519,6 +519,12 @@ class Config:
     source: Optional[str] = None  # the YAML path, for messages
     values: dict[str, Any] = field(default_factory=dict)  # the keys as given (YAML merged with overrides)
 
+    @property
+    def dir(self) -> Optional[str]:
+        """The config file's folder, where relative paths (reward files, reward models, tools) are looked up
+        first; None for a run given by keys alone."""
+        return str(Path(self.source).parent) if self.source else None
+
 
 __all__ = ["ARG_CLASSES", "BOTH_WARMUP_KEYS", "BUNDLED_MODEL_NAME", "Config", "DataArguments", "FinetuningArguments",
            "GeneratingArguments", "ModelArguments", "STAGE_NAMES", "TRAINING_DEFAULTS", "TrainingArguments",

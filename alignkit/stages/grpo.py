@@ -877,7 +877,7 @@ def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
     from ..rewards import build_reward_functions, check_reward_functions
     from .base import check_splits
 
-    config_dir = str(Path(config.source).parent) if config.source else None
+    config_dir = config.dir
     check_reward_functions(config.method, config_dir=config_dir)  # before anything loads
     tokenizer = load_tokenizer(config.model)
     datasets = get_dataset(config, tokenizer, DATA_KIND)

@@ -30,7 +30,6 @@ position, padding after the end of turn included; here over the completion's own
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence, Union
 
 import torch
@@ -251,7 +250,7 @@ def run_online_dpo(config: "Config", callbacks: list["TrainerCallback"]) -> None
     from ..rewards import build_reward_functions, check_reward_functions
     from .base import check_splits, run_stage_trainer
 
-    config_dir = str(Path(config.source).parent) if config.source else None
+    config_dir = config.dir
     max_tokens = config.method.max_new_tokens  # the `length` reward's default L_max
     check_reward_functions(config.method, config_dir=config_dir, max_completion_length=max_tokens)  # before loading
     tokenizer = load_tokenizer(config.model)

@@ -174,8 +174,10 @@ def assert_clean_outputs(out: Path) -> None:
                 assert torch.isfinite(item).all(), f"{path} holds a non-finite tensor"
 
 
-@pytest.mark.parametrize("stage", list(STAGES))
-def test_killed_runs_resume_to_the_uninterrupted_result(cli, tmp_path, stage):
+def test_killed_runs_resume_to_the_uninterrupted_result(cli, tmp_path):
+    """The whole chain of kills, on sft (the lock, the checkpoint checks and the final save are the same code for
+    every stage; each stage's own resume is checked in-process in tests/stages, and rm and dpo below)."""
+    stage = "sft"
     reference = tmp_path / "reference"
     rc, output = cli(reference, stage)
     assert rc == 0, output
@@ -227,6 +229,23 @@ def test_killed_runs_resume_to_the_uninterrupted_result(cli, tmp_path, stage):
     assert log_steps(out)[1] == want_log[1]  # the killed run 4 evaluated at the last step before its save
     assert_clean_outputs(out)
     assert not (out / ".alignkit.lock").exists()
+
+
+@pytest.mark.parametrize("stage", ["rm", "dpo"])
+def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_result(cli, tmp_path, stage):
+    """rm and dpo, killed in the middle of training (after step 3, past checkpoint-2) as a real process, then run
+    again: bit-equal adapter and each step logged once."""
+    reference = tmp_path / "reference"
+    rc, output = cli(reference, stage)
+    assert rc == 0, output
+    out = tmp_path / "killed"
+    kill_when(cli(out, stage, wait=False), step_logged(out, 3), "step 3")
+    assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-4").exists(), "the kill came too late"
+    rc, output = cli(out, stage)
+    assert rc == 0 and "Resuming from" in output, output
+    assert_bit_equal(adapter(out), adapter(reference))
+    assert log_steps(out)[0] == log_steps(reference)[0] == list(range(1, STEPS + 1))
+    assert_clean_outputs(out)
 
 
 def test_a_second_run_into_the_same_output_dir_is_refused(cli, tmp_path):

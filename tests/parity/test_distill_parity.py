@@ -22,9 +22,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from alignkit.config.parse import parse_config
-from alignkit.rl.rollout import generation_from_token_lists
-from alignkit.stages import online as online_module
 from alignkit.stages.distill import DistillTrainer
+from tests.helpers import inject_completions, prompt_dataset
 
 pytestmark = pytest.mark.parity
 trl = pytest.importorskip("trl")
@@ -86,14 +85,8 @@ def _run_ours(model_dir, teacher_dir, tokenizer, prompt_ids, injector, tmp_path,
         "lr_scheduler_type": "constant", "logging_steps": 1, "use_cpu": True, "shuffle_dataset": False,
         "save_strategy": "no", "seed": 0, "disable_tqdm": True, **method})
     stop_ids = [tokenizer.eos_token_id]
-
-    def sample(model, tok, prompt_ids, **kwargs):
-        return generation_from_token_lists(tokenizer, prompt_ids, injector(prompt_ids), stop_ids)
-
-    monkeypatch.setattr(online_module, "sample_completions", sample)  # what `OnlineTrainer.sample` calls
-    dataset = Dataset.from_list([
-        {"input_ids": ids, "attention_mask": [1] * len(ids), "prompt_messages": [{"role": "user", "content": p}],
-         "prompt_conversational": True} for p, ids in zip(PROMPTS, prompt_ids)])
+    inject_completions(monkeypatch, tokenizer, injector, stop_ids)
+    dataset = prompt_dataset(PROMPTS, prompt_ids)
     trainer = DistillTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=config.training,
                              distill_args=config.method, teacher=AutoModelForCausalLM.from_pretrained(teacher_dir),
                              stop_token_ids=stop_ids, processing_class=tokenizer, train_dataset=dataset)

@@ -14,8 +14,6 @@ round trained twice, with old log-probs).
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 import torch
 from datasets import Dataset
@@ -24,9 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from alignkit.config.parse import parse_config
 from alignkit.rewards import RewardFunction, RewardFunctions
 from alignkit.rl.losses import LOSS_TYPES
-from alignkit.stages import online as online_module
 from alignkit.stages.grpo import GRPOTrainer
-from alignkit.rl.rollout import generation_from_token_lists
+from tests.helpers import Injector, inject_completions, prompt_dataset
 
 pytestmark = pytest.mark.parity
 trl = pytest.importorskip("trl")
@@ -81,25 +78,6 @@ def _completions(tokenizer) -> dict[tuple, list[list[int]]]:
     return table
 
 
-class _Injector:
-    """Answers the k-th occurrence of a prompt within a batch with that prompt's k-th fixed completion."""
-
-    def __init__(self, table):
-        self.table = table
-        self.calls = 0
-
-    def __call__(self, prompt_ids):
-        self.calls += 1
-        seen: dict[tuple, int] = defaultdict(int)
-        out = []
-        for ids in prompt_ids:
-            key = tuple(int(i) for i in ids)
-            assert key in self.table, "the two trainers tokenised a prompt differently"
-            out.append(list(self.table[key][seen[key]]))
-            seen[key] += 1
-        return out
-
-
 def _run_trl(model_dir, tokenizer, injector, tmp_path, stage="grpo", **method):
     """TRL's GRPOTrainer (or, `stage="rloo"`, its RLOOTrainer) on the injected completions; the log per step."""
     import trl
@@ -137,14 +115,8 @@ def _run_ours(model_dir, tokenizer, injector, tmp_path, monkeypatch, stage="grpo
         "use_cpu": True, "shuffle_dataset": False, "save_strategy": "no", "seed": 0, "disable_tqdm": True,
         **method})
     stop_ids = [tokenizer.eos_token_id]
-
-    def sample(model, tok, prompt_ids, **kwargs):
-        return generation_from_token_lists(tokenizer, prompt_ids, injector(prompt_ids), stop_ids)
-
-    monkeypatch.setattr(online_module, "sample_completions", sample)  # what `OnlineTrainer.sample` calls
-    dataset = Dataset.from_list([
-        {"input_ids": ids, "attention_mask": [1] * len(ids), "prompt_messages": [{"role": "user", "content": p}],
-         "prompt_conversational": True} for p, ids in zip(PROMPTS, _prompt_ids(tokenizer))])
+    inject_completions(monkeypatch, tokenizer, injector, stop_ids)
+    dataset = prompt_dataset(PROMPTS, _prompt_ids(tokenizer))
     rewards = RewardFunctions([RewardFunction("token_sum", "token_sum", token_sum),
                                RewardFunction("even_length", "even_length", even_length)], [1.0, 0.5])
     trainer = trainer_class(model=AutoModelForCausalLM.from_pretrained(model_dir), args=config.training,
@@ -188,7 +160,7 @@ def _assert_runs_match(tiny_model_dir, tokenizer, tmp_path, monkeypatch, method,
     """Both trainers on the same injected completions: every metric of `metrics` either absent from both logs or
     within 1e-5, at both steps (`kl` absent without `beta`)."""
     beta, num_iterations = method.get("beta", 0.0), method["num_iterations"]
-    trl_injector, our_injector = _Injector(_completions(tokenizer)), _Injector(_completions(tokenizer))
+    trl_injector, our_injector = Injector(_completions(tokenizer)), Injector(_completions(tokenizer))
     theirs = _run_trl(tiny_model_dir, tokenizer, trl_injector, tmp_path, stage=stage, **method)
     ours = _run_ours(tiny_model_dir, tokenizer, our_injector, tmp_path, monkeypatch, stage=stage,
                      trainer_class=trainer_class, **method)

@@ -20,9 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from alignkit.config.parse import parse_config
 from alignkit.rewards import RewardFunction, RewardFunctions
-from alignkit.rl.rollout import generation_from_token_lists
-from alignkit.stages import online as online_module
 from alignkit.stages.online_dpo import OnlineDPOTrainer
+from tests.helpers import inject_completions, prompt_dataset
 
 pytestmark = pytest.mark.parity
 trl = pytest.importorskip("trl")
@@ -105,14 +104,8 @@ def _run_ours(model_dir, tokenizer, prompt_ids, injector, tmp_path, monkeypatch,
         "max_steps": STEPS, "learning_rate": LR, "optim": "sgd", "lr_scheduler_type": "constant",
         "logging_steps": 1, "use_cpu": True, "save_strategy": "no", "seed": 0, "disable_tqdm": True, **method})
     stop_ids = [tokenizer.eos_token_id]
-
-    def sample(model, tok, prompt_ids, **kwargs):
-        return generation_from_token_lists(tokenizer, prompt_ids, injector(prompt_ids), stop_ids)
-
-    monkeypatch.setattr(online_module, "sample_completions", sample)  # what `OnlineTrainer.sample` calls
-    dataset = Dataset.from_list([
-        {"input_ids": ids, "attention_mask": [1] * len(ids), "prompt_messages": [{"role": "user", "content": p}],
-         "prompt_conversational": True} for p, ids in zip(PROMPTS, prompt_ids)])
+    inject_completions(monkeypatch, tokenizer, injector, stop_ids)
+    dataset = prompt_dataset(PROMPTS, prompt_ids)
     rewards = RewardFunctions([RewardFunction("text_reward", "text_reward", text_reward)], [1.0])
     trainer = OnlineDPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=config.training,
                                online_dpo_args=config.method, reward_functions=rewards, stop_token_ids=stop_ids,

@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 
 from alignkit.stages.grpo import ENTROPY_CONTROLLER_FILE
 from alignkit.stages.rloo import RLOOTrainer
-from tests.parity.test_grpo_parity import _completions, _Injector, _no_collect_per_train, _run_ours
+from tests.helpers import Injector
+from tests.parity.test_grpo_parity import _completions, _no_collect_per_train, _run_ours
 
 _no_collect_per_train = _no_collect_per_train  # skip Trainer's per-train gc.collect, as the harness does
 
@@ -24,12 +25,12 @@ ADAPTIVE = {"use_adaptive_entropy": True, "entropy_coef": 0.1, "entropy_target":
 
 def test_adaptive_entropy_state_resumes(tiny_model_dir, tmp_path, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    whole = _run_ours(tiny_model_dir, tokenizer, _Injector(_completions(tokenizer)), tmp_path / "whole", monkeypatch,
+    whole = _run_ours(tiny_model_dir, tokenizer, Injector(_completions(tokenizer)), tmp_path / "whole", monkeypatch,
                       **ADAPTIVE)
     checkpoint = tmp_path / "whole" / "ours" / "checkpoint-1"
     saved = json.loads((checkpoint / ENTROPY_CONTROLLER_FILE).read_text())
     assert saved["entropy_coef"] == pytest.approx(whole[1]["entropy_coef"]) == pytest.approx(0.15)
-    resumed = _run_ours(tiny_model_dir, tokenizer, _Injector(_completions(tokenizer)), tmp_path / "whole",
+    resumed = _run_ours(tiny_model_dir, tokenizer, Injector(_completions(tokenizer)), tmp_path / "whole",
                         monkeypatch, resume_from_checkpoint=str(checkpoint), **ADAPTIVE)
     for key in ("loss", "entropy_coef", "policy_loss", "entropy"):
         assert resumed[2][key] == pytest.approx(whole[2][key], abs=1e-6), key
@@ -39,9 +40,9 @@ def test_rloo_resumes_mid_generation_batch(tiny_model_dir, tmp_path, monkeypatch
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     method = {"beta": 0.05, "num_iterations": 2, "save_strategy": "steps", "save_steps": 1}
     rloo = {"stage": "rloo", "trainer_class": RLOOTrainer}
-    whole = _run_ours(tiny_model_dir, tokenizer, _Injector(_completions(tokenizer)), tmp_path / "whole", monkeypatch,
+    whole = _run_ours(tiny_model_dir, tokenizer, Injector(_completions(tokenizer)), tmp_path / "whole", monkeypatch,
                       **rloo, **method)
-    injector = _Injector(_completions(tokenizer))
+    injector = Injector(_completions(tokenizer))
     resumed = _run_ours(tiny_model_dir, tokenizer, injector, tmp_path / "whole", monkeypatch,
                         resume_from_checkpoint=str(tmp_path / "whole" / "ours" / "checkpoint-1"), **rloo, **method)
     assert injector.calls == 0  # step 2 trains on the buffered batch: nothing is generated again

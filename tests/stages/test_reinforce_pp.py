@@ -11,14 +11,15 @@ import torch
 from transformers import AutoTokenizer
 
 from alignkit.rl.advantages import reinforce_pp_advantages
-from tests.parity.test_grpo_parity import _completions, _Injector, _no_collect_per_train, _run_ours
+from tests.helpers import Injector
+from tests.parity.test_grpo_parity import _completions, _no_collect_per_train, _run_ours
 
 _no_collect_per_train = _no_collect_per_train  # skip Trainer's per-train gc.collect, as the harness does
 
 
 def test_reinforce_pp_trains_on_whitened_token_advantages(tiny_model_dir, tmp_path, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    logs, trainer = _run_ours(tiny_model_dir, tokenizer, _Injector(_completions(tokenizer)), tmp_path, monkeypatch,
+    logs, trainer = _run_ours(tiny_model_dir, tokenizer, Injector(_completions(tokenizer)), tmp_path, monkeypatch,
                               return_trainer=True, advantage_estimator="reinforce_pp", beta=0.04, num_iterations=1)
     assert sorted(logs) == [1, 2] and all(math.isfinite(logs[s]["loss"]) for s in logs)
     assert all(math.isfinite(logs[s]["kl"]) for s in logs)  # the rollout's k1 KL is logged

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -66,7 +65,7 @@ def build_ppo_trainer(config: "Config", callbacks: list["TrainerCallback"]) -> P
     from ...rewards import build_reward_functions, check_reward_functions
     from ..base import check_splits
 
-    config_dir = str(Path(config.source).parent) if config.source else None
+    config_dir = config.dir
     check_reward_functions(config.method, config_dir=config_dir,  # before anything loads
                            max_completion_length=config.generating.max_new_tokens)
     tokenizer = load_tokenizer(config.model)

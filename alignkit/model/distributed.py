@@ -27,6 +27,9 @@ precomputation pass) and puts the shards back on exit.
   a no-op: DeepSpeed's `GatheredParameters` partitions its parameters on exit, which would pull the weights from
   under the outer block.
 
+`unwrap_without_importing_deepspeed()` stops accelerate from importing deepspeed in runs that never use it (see
+there).
+
 `zero3_enabled()` is transformers' switch that makes `from_pretrained` partition as it loads (`deepspeed.zero.Init`);
 `zero3_switched_off()` turns it off for a block (the loader's one-time merge of `adapter_name_or_path`).
 
@@ -208,4 +211,26 @@ def _reshards_after_forward(module: nn.Module) -> bool:
     return groups[0].post_forward_mesh_info is not None
 
 
-__all__ = ["full_weights", "sharding_of", "zero3_enabled", "zero3_switched_off", "zero3_parameters", "fsdp2_modules"]
+def unwrap_without_importing_deepspeed() -> None:
+    """accelerate's `extract_model_from_parallel` (which `Trainer.__init__` and every unwrap call) imports deepspeed
+    whenever it is installed, only to test `isinstance(model, DeepSpeedEngine)`. No object can be a
+    `DeepSpeedEngine` before deepspeed is imported, so the test is asked only once it is: that module's
+    availability check becomes "installed and already imported". A run without DeepSpeed then never imports it
+    (about 2 s of every start-up with the `deepspeed` or `dev` extra, and DeepSpeed's "Setting accelerator to CPU"
+    line on a CPU machine); a DeepSpeed run imports it while its config is read, long before any unwrap.
+    Idempotent."""
+    import sys
+
+    from accelerate.utils import other
+
+    installed = getattr(other.is_deepspeed_available, "__wrapped__", other.is_deepspeed_available)
+
+    def deepspeed_in_use() -> bool:
+        return "deepspeed" in sys.modules and deepspeed_in_use.__wrapped__()
+
+    deepspeed_in_use.__wrapped__ = installed
+    other.is_deepspeed_available = deepspeed_in_use
+
+
+__all__ = ["full_weights", "sharding_of", "zero3_enabled", "zero3_switched_off", "zero3_parameters", "fsdp2_modules",
+           "unwrap_without_importing_deepspeed"]

@@ -37,12 +37,14 @@ from ..constants import IGNORE_INDEX
 from ..jsonl import write_jsonl
 from ..lifecycle import json_safe
 from ..model.adapters import adapters_disabled
-from ..model.distributed import full_weights, sharding_of, zero3_enabled
+from ..model.distributed import full_weights, sharding_of, unwrap_without_importing_deepspeed, zero3_enabled
 
 if TYPE_CHECKING:
     from transformers.trainer_utils import PredictionOutput
 
     from ..config import Config
+
+unwrap_without_importing_deepspeed()  # every stage trainer unwraps its model through accelerate
 
 logger = logging.getLogger(__name__)
 

@@ -262,3 +262,24 @@ def test_dpo_reference_precomputation_gathers_once_for_the_whole_pass(tiny_model
     assert len(fake_deepspeed.calls) == 1  # train and eval sets: one gather for the whole precomputation
     assert len(forwards) == 3 + 2 and all(forwards)  # train: 5 pairs, eval: 3, by 2; all inside it
     assert "ref_chosen_logps" in trainer.train_dataset.column_names
+
+
+def test_accelerate_unwraps_without_importing_deepspeed_until_a_run_has(monkeypatch):
+    """With deepspeed installed, accelerate's `extract_model_from_parallel` imported it to test for a DeepSpeed
+    engine; after `unwrap_without_importing_deepspeed` it asks only once deepspeed is imported (no object can be an
+    engine before), and then answers as before."""
+    from accelerate.utils import other
+
+    distributed.unwrap_without_importing_deepspeed()
+    distributed.unwrap_without_importing_deepspeed()  # idempotent: still one wrapper over the original check
+    installed = other.is_deepspeed_available.__wrapped__
+    assert not hasattr(installed, "__wrapped__")
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+    assert other.is_deepspeed_available() is False
+    model = torch.nn.Linear(2, 2)
+    assert other.extract_model_from_parallel(model) is model
+    assert "deepspeed" not in sys.modules
+    calls = []
+    monkeypatch.setattr(other.is_deepspeed_available, "__wrapped__", lambda: calls.append(1) or True)
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    assert other.is_deepspeed_available() is True and calls == [1]  # imported: accelerate's own check decides

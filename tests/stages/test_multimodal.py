@@ -1,0 +1,215 @@
+"""Vision-language models on a tiny random LLaVA built in the test (`model.tiny.save_tiny_vlm`): image rows in
+LLaMA-Factory's and TRL's shapes, bad images refused before the model loads, SFT with the vision tower frozen
+(and not), image positions unlabelled, the adapter reloaded with plain peft generating from an image, and DPO
+with images (first-step loss ln 2 with the reference equal to the policy)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from alignkit.constants import IGNORE_INDEX
+from alignkit.errors import DataError
+from alignkit.train import run_train
+from tests.helpers import tiny_config
+
+USER_Q = [("Who are they?", "Two players."), ("What colour is it?", "It is green."),
+          ("How many are there?", "Three."), ("What is in the picture?", "The sea.")]
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    from alignkit.model.tiny import save_tiny_vlm
+
+    return save_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm"))
+
+
+def write_png(path: Path, seed: int, size=(40, 30)) -> None:
+    from PIL import Image
+
+    pixels = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype("uint8")
+    Image.fromarray(pixels).save(path)
+
+
+def mllm_demo(folder: Path, rows: int = 4) -> Path:
+    """LLaMA-Factory's `mllm_demo` layout: sharegpt `messages` with `<image>`, an `images` column of paths
+    relative to dataset_dir, registered in dataset_info.json."""
+    (folder / "mllm_demo_data").mkdir(parents=True, exist_ok=True)
+    data = []
+    for i in range(rows):
+        write_png(folder / "mllm_demo_data" / f"{i}.png", seed=i)
+        question, answer = USER_Q[i % len(USER_Q)]
+        data.append({"messages": [{"role": "user", "content": f"<image>{question}"},
+                                  {"role": "assistant", "content": answer}],
+                     "images": [f"mllm_demo_data/{i}.png"]})
+    (folder / "mllm_demo.json").write_text(json.dumps(data))
+    (folder / "dataset_info.json").write_text(json.dumps({"mllm_demo": {
+        "file_name": "mllm_demo.json", "formatting": "sharegpt",
+        "columns": {"messages": "messages", "images": "images"},
+        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}}))
+    return folder
+
+
+def vlm_config(vlm_dir, tmp_path, **keys):
+    values = dict(stage="sft", do_train=True, dataset="mllm_demo", dataset_dir=str(tmp_path), finetuning_type="lora",
+                  lora_rank=4, cutoff_len=64, per_device_train_batch_size=2, max_steps=2, learning_rate=1e-2, save_strategy="no",
+                  report_to="none", logging_steps=1)
+    values.update(keys)
+    return tiny_config(vlm_dir, tmp_path / "out", **values)
+
+
+def load_data(vlm_dir, tmp_path, kind="supervised", **keys):
+    from alignkit.data import get_dataset
+    from alignkit.model.loader import load_image_processing, load_tokenizer
+
+    config = vlm_config(vlm_dir, tmp_path, **keys)
+    tokenizer = load_tokenizer(config.model)
+    images = load_image_processing(config.model, tokenizer)
+    return get_dataset(config, tokenizer, kind, images=images)["train_dataset"], images
+
+
+# ---------------------------------------------------------------------------------------------- data
+def test_mllm_demo_rows_get_image_tokens_unlabelled(vlm_dir, tmp_path):
+    dataset, images = load_data(vlm_dir, mllm_demo(tmp_path))
+    assert len(dataset) == 4
+    row = dataset[0]
+    # 28x28 image, 14-pixel patches: 4 image tokens, where the <image> placeholder stood
+    assert row["input_ids"].count(images.image_token_id) == 4
+    assert row["images"] == [str(tmp_path / "mllm_demo_data" / "0.png")]
+    assert all(label == IGNORE_INDEX for token, label in zip(row["input_ids"], row["labels"])
+               if token == images.image_token_id)
+    # train_on_prompt labels the prompt, never the image tokens
+    prompt_trained, _ = load_data(vlm_dir, tmp_path, train_on_prompt=True, overwrite_cache=True)
+    row = prompt_trained[0]
+    image_labels = [label for token, label in zip(row["input_ids"], row["labels"]) if token == images.image_token_id]
+    assert image_labels == [IGNORE_INDEX] * 4 and row["labels"][0] != IGNORE_INDEX
+
+
+def test_trl_image_content_parts(vlm_dir, tmp_path):
+    write_png(tmp_path / "cat.png", seed=7)
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}],
+             "images": ["cat.png"]}]
+    (tmp_path / "trl.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    dataset, images = load_data(vlm_dir, tmp_path, dataset="trl.jsonl")
+    assert dataset[0]["input_ids"].count(images.image_token_id) == 4
+    assert dataset[0]["images"] == [str(tmp_path / "cat.png")]
+
+
+@pytest.mark.parametrize("problem", ["missing", "corrupt", "count"])
+def test_bad_images_are_named_before_the_model_loads(vlm_dir, tmp_path, problem, monkeypatch):
+    from alignkit.model import loader
+
+    mllm_demo(tmp_path, rows=3)
+    data = json.loads((tmp_path / "mllm_demo.json").read_text())
+    if problem == "missing":
+        data[1]["images"] = ["mllm_demo_data/nowhere.png"]
+        expected = r"mllm_demo.json, row 2: field `images\[0\]`: image file .*nowhere.png does not exist"
+    elif problem == "corrupt":
+        (tmp_path / "mllm_demo_data" / "1.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+        expected = r"mllm_demo.json, row 2: field `images\[0\]`: image file .*1.png cannot be read as an image"
+    else:
+        data[1]["images"] = data[1]["images"] * 2
+        expected = r"mllm_demo.json, row 2: field `images`: 2 image\(s\) but 1 <image> placeholder\(s\)"
+    (tmp_path / "mllm_demo.json").write_text(json.dumps(data))
+    monkeypatch.setattr(loader, "_load_base", lambda *a, **k: pytest.fail("the model loaded before the data check"))
+    with pytest.raises(DataError, match=expected):
+        run_train(vlm_config(vlm_dir, tmp_path))
+
+
+def test_images_refused_for_a_text_only_model(tiny_model_dir, tmp_path):
+    mllm_demo(tmp_path, rows=1)
+    config = tiny_config(tiny_model_dir, tmp_path / "out", stage="sft", dataset="mllm_demo", dataset_dir=str(tmp_path))
+    with pytest.raises(DataError, match=r"maps `images`.*The model is text-only"):
+        run_train(config)
+
+
+# ---------------------------------------------------------------------------------------------- sft
+class Snapshot(TrainerCallback):
+    """Parameters at train begin and end, and every training batch the model saw."""
+
+    def __init__(self):
+        self.batches = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.after = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def changed(snapshot, part):
+    names = [n for n in snapshot.before if part in n]
+    assert names, part
+    return {n for n in names if not torch.equal(snapshot.before[n], snapshot.after[n])}
+
+
+def record_batches(monkeypatch, into: list):
+    from alignkit.stages.sft import SFTTrainer
+
+    original = SFTTrainer.compute_loss
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        into.append({k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)})
+        return original(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(SFTTrainer, "compute_loss", compute_loss)
+
+
+def test_sft_lora_trains_the_language_model_only_and_reloads_with_peft(vlm_dir, tmp_path, monkeypatch, caplog):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from alignkit.callbacks import read_log
+
+    batches: list = []
+    record_batches(monkeypatch, batches)
+    snapshot = Snapshot()
+    config = vlm_config(vlm_dir, mllm_demo(tmp_path))
+    with caplog.at_level("INFO", logger="alignkit.stages.sft"):
+        run_train(config, callbacks=[snapshot])
+    assert "padding_free are off" in caplog.text
+    losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    image_token = AutoProcessor.from_pretrained(vlm_dir).image_token_id
+    for batch in batches:
+        assert batch["pixel_values"].shape == (2, 3, 28, 28)
+        assert (batch["labels"][batch["input_ids"] == image_token] == IGNORE_INDEX).all()
+        assert (batch["input_ids"] == image_token).sum() == 2 * 4
+    assert not changed(snapshot, "vision_tower") and not changed(snapshot, "multi_modal_projector")
+    assert changed(snapshot, "language_model") and all("lora_" in n for n in changed(snapshot, "language_model"))
+
+    out = Path(config.training.output_dir)
+    base = AutoModelForImageTextToText.from_pretrained(vlm_dir)
+    model = PeftModel.from_pretrained(base, out).eval()
+    processor = AutoProcessor.from_pretrained(out)
+    from PIL import Image
+
+    inputs = processor(text=["<|im_start|>user\n<image>Who are they?<|im_end|>\n<|im_start|>assistant\n"],
+                       images=[Image.open(tmp_path / "mllm_demo_data" / "0.png")], return_tensors="pt")
+    generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] > inputs["input_ids"].shape[1]
+
+
+def test_sft_full_with_the_vision_tower_unfrozen(vlm_dir, tmp_path):
+    snapshot = Snapshot()
+    config = vlm_config(vlm_dir, mllm_demo(tmp_path), finetuning_type="full", freeze_vision_tower=False,
+                        learning_rate=1e-3)
+    run_train(config, callbacks=[snapshot])
+    assert changed(snapshot, "vision_tower") and changed(snapshot, "language_model")
+    assert not changed(snapshot, "multi_modal_projector")  # freeze_multi_modal_projector: true by default
+
+
+def test_image_parts_refused_for_a_text_only_model(tiny_model_dir, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+                          {"role": "assistant", "content": "A cat."}]}]
+    (tmp_path / "trl.jsonl").write_text(json.dumps(rows[0]))
+    config = tiny_config(tiny_model_dir, tmp_path / "out", stage="sft", dataset=str(tmp_path / "trl.jsonl"))
+    with pytest.raises(DataError, match=r"trl.jsonl, line 1 has an image content part.*The model is text-only"):
+        run_train(config)

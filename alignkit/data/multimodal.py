@@ -141,6 +141,10 @@ class ImageProcessing:
         return {"model_type": self.model_type, "image_text": self.image_text, "max_pixels": self.max_pixels,
                 "min_pixels": self.min_pixels, "image_processor": self.processor.image_processor.to_json_string()}
 
+    def save(self, output_dir: str) -> None:
+        """Write the processor (image processor and tokenizer) beside a trained model, so it reloads as trained."""
+        self.processor.save_pretrained(output_dir)
+
     def load(self, path: str):
         """The image at `path`, resized to the pixel bounds."""
         return resize_to_pixel_bounds(open_image(path), self.max_pixels, self.min_pixels)
@@ -214,6 +218,12 @@ class ImageCollator:
         return batch
 
 
+def image_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The image processor's entries of a collated batch (`pixel_values`, `image_grid_thw`, `image_sizes`,
+    `pixel_attention_mask`, ...), to pass to the model beside the token ids; {} for a text batch."""
+    return {k: v for k, v in batch.items() if k.startswith(("pixel_", "image_"))}
+
+
 def has_images(dataset) -> bool:
     """Whether a tokenised dataset carries an `images` column with at least one image."""
     return dataset is not None and IMAGE_COLUMN in dataset.column_names and any(dataset[IMAGE_COLUMN])
@@ -221,4 +231,4 @@ def has_images(dataset) -> bool:
 
 __all__ = ["IMAGE_PLACEHOLDER", "IMAGE_COLUMN", "MODEL_IMAGE_TEXT", "row_image_paths", "count_placeholders",
            "check_row_images", "open_image", "resize_to_pixel_bounds", "ImageProcessing", "tokenize_with_images",
-           "mask_image_labels", "image_tokens_whole", "ImageCollator", "has_images"]
+           "mask_image_labels", "image_tokens_whole", "ImageCollator", "image_inputs", "has_images"]

@@ -260,7 +260,7 @@ def _run_causal_lm(config: Config, callbacks: list, data_kind: str) -> None:
         save = lambda output: trainer.save_predictions(eval_dataset, output)  # noqa: E731
     run_stage_trainer(trainer, config, predict_dataset=eval_dataset, save_predictions=save)
     if images is not None and t.do_train and trainer.is_world_process_zero():
-        images.processor.save_pretrained(t.output_dir)  # the image processor beside the model: reload as it trained
+        images.save(t.output_dir)
 
 
 def run_sft(config: Config, callbacks: list) -> None:

@@ -213,3 +213,45 @@ def test_image_parts_refused_for_a_text_only_model(tiny_model_dir, tmp_path):
     config = tiny_config(tiny_model_dir, tmp_path / "out", stage="sft", dataset=str(tmp_path / "trl.jsonl"))
     with pytest.raises(DataError, match=r"trl.jsonl, line 1 has an image content part.*The model is text-only"):
         run_train(config)
+
+
+# ---------------------------------------------------------------------------------------------- dpo
+def mllm_pairs(folder: Path, rows: int = 4) -> Path:
+    """LLaMA-Factory's multimodal preference rows: sharegpt prompt with `<image>`, chosen/rejected replies."""
+    mllm_demo(folder, rows)
+    data = []
+    for i in range(rows):
+        question, answer = USER_Q[i % len(USER_Q)]
+        data.append({"conversations": [{"from": "human", "value": f"<image>{question}"}],
+                     "chosen": {"from": "gpt", "value": answer}, "rejected": {"from": "gpt", "value": "I do not know."},
+                     "images": [f"mllm_demo_data/{i}.png"]})
+    (folder / "mllm_pairs.json").write_text(json.dumps(data))
+    registry = json.loads((folder / "dataset_info.json").read_text())
+    registry["mllm_pairs"] = {"file_name": "mllm_pairs.json", "formatting": "sharegpt", "ranking": True,
+                              "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected",
+                                          "images": "images"}}
+    (folder / "dataset_info.json").write_text(json.dumps(registry))
+    return folder
+
+
+def test_dpo_with_images_starts_at_ln2_and_trains(vlm_dir, tmp_path, monkeypatch):
+    from alignkit.callbacks import read_log
+    from alignkit.stages.dpo import DPOTrainer
+
+    batches: list = []
+    original = DPOTrainer.compute_loss
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        batches.append({k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)})
+        return original(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(DPOTrainer, "compute_loss", compute_loss)
+    config = vlm_config(vlm_dir, mllm_pairs(tmp_path), stage="dpo", dataset="mllm_pairs", pref_beta=0.1)
+    run_train(config)
+    losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the policy at step 0
+    first = batches[0]
+    assert first["input_ids"].shape[0] == 4 and first["pixel_values"].shape == (4, 3, 28, 28)
+    # row i (chosen) and row i + 2 (rejected) of a pair carry the same image
+    assert torch.equal(first["pixel_values"][:2], first["pixel_values"][2:])

@@ -17,6 +17,18 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# ChatML whose message content may also be a list of parts (`{"type": "image"}` -> `<image>`, `{"type": "text"}`), as
+# processors' templates take them (TRL renders such messages through the processor).
+VLM_CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 _CORPUS = [
     "The capital of France is Paris. The capital of Japan is Tokyo.",
     "Write a short poem about the sea. The waves roll in and out again.",
@@ -110,6 +122,7 @@ def save_tiny_vlm(path: str | os.PathLike, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|im_start|>", "<image>"]})
+    tokenizer.chat_template = VLM_CHATML_TEMPLATE
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "requires torchvision ... falling back to the PIL backend": expected here
     try:

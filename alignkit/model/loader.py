@@ -232,6 +232,7 @@ def load_model(
     *,
     is_trainable: bool,
     head: Head = "causal_lm",
+    vision: bool = False,
 ):
     """Load the base model, merge `adapter_name_or_path` into it, and set up what is trained.
 
@@ -242,12 +243,16 @@ def load_model(
             False for inference (adapters merged, every weight frozen, eval mode).
         head: `causal_lm`, or `reward` for a one-label sequence-classification model whose `score`
             head trains in full.
+        vision: the stage trains vision-language models (sft, dpo); a stage that does not gets a ConfigError for
+            one, before its weights load.
 
     Returns:
         A `PeftModel` when training with LoRA, otherwise a `PreTrainedModel`.
     """
     if head not in ("causal_lm", "reward"):
         raise ValueError(f"head={head!r}: expected 'causal_lm' or 'reward'.")
+    if is_trainable and not vision:
+        _refuse_vision_language(model_args)
     adapters = resolve_adapter_chain(split_adapters(model_args.adapter_name_or_path))
     head_comes_later = head == "reward" and (is_trainable or any(is_reward_adapter(a) for a in adapters))
     if is_trainable and model_args.quantization_bit and finetuning_args.finetuning_type != "lora":
@@ -297,6 +302,17 @@ def load_model(
     logger.info("Trainable parameters: %s of %s (%.4f%%), finetuning_type=%s.",
                 f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1), kind)
     return model
+
+
+def _refuse_vision_language(model_args: ModelArguments) -> None:
+    """A stage that does not train vision-language models, given one: say so before the weights load."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(model_args)
+    config = AutoConfig.from_pretrained(path, **_hub_kwargs(model_args))
+    if vision_language_type(config) is not None:
+        raise ConfigError(f"{path} is a vision-language model ({config.model_type}); stages sft and dpo train those "
+                          "here, this one does not yet (docs/multimodal.md).")
 
 
 def upcast_layernorm(model) -> int:

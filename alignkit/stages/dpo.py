@@ -532,7 +532,7 @@ def run_dpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     images = load_image_processing(config.model, tokenizer)
     datasets = get_dataset(config, tokenizer, DATA_KIND, images=images)
     check_splits(config, datasets)
-    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
+    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train, vision=True)
     data_collator = PairwiseCollator(tokenizer)
     if images is not None:  # both replies of a pair see the prompt's images
         data_collator = ImageCollator(data_collator, images, pairwise=True)

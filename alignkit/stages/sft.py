@@ -218,7 +218,7 @@ def _run_causal_lm(config: Config, callbacks: list, data_kind: str) -> None:
     images = load_image_processing(config.model, tokenizer) if data_kind != PT_DATA_KIND else None
     datasets = get_dataset(config, tokenizer, data_kind, images=images)
     check_splits(config, datasets)
-    model = load_model(config.model, config.finetuning, is_trainable=t.do_train)
+    model = load_model(config.model, config.finetuning, is_trainable=t.do_train, vision=data_kind == SFT_DATA_KIND)
 
     train_dataset, eval_dataset = datasets.get("train_dataset"), datasets.get("eval_dataset")
     data_collator = SupervisedCollator(tokenizer)

@@ -255,3 +255,15 @@ def test_dpo_with_images_starts_at_ln2_and_trains(vlm_dir, tmp_path, monkeypatch
     assert first["input_ids"].shape[0] == 4 and first["pixel_values"].shape == (4, 3, 28, 28)
     # row i (chosen) and row i + 2 (rejected) of a pair carry the same image
     assert torch.equal(first["pixel_values"][:2], first["pixel_values"][2:])
+
+
+def test_stages_without_image_support_refuse_a_vision_language_model(vlm_dir, tmp_path, monkeypatch):
+    from alignkit.errors import ConfigError
+    from alignkit.model import loader
+
+    pair = {"prompt": "Who are they?", "chosen": "Two players.", "rejected": "I do not know."}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(pair))
+    monkeypatch.setattr(loader, "_load_base", lambda *a, **k: pytest.fail("the weights loaded before the check"))
+    config = tiny_config(vlm_dir, tmp_path / "out", stage="rm", do_train=True, dataset=str(tmp_path / "pairs.jsonl"))
+    with pytest.raises(ConfigError, match=r"is a vision-language model \(llava\); stages sft and dpo train those"):
+        run_train(config)

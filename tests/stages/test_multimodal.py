@@ -267,3 +267,14 @@ def test_stages_without_image_support_refuse_a_vision_language_model(vlm_dir, tm
     config = tiny_config(vlm_dir, tmp_path / "out", stage="rm", do_train=True, dataset=str(tmp_path / "pairs.jsonl"))
     with pytest.raises(ConfigError, match=r"is a vision-language model \(llava\); stages sft and dpo train those"):
         run_train(config)
+
+
+def test_alpaca_rows_with_image_placeholders(vlm_dir, tmp_path):
+    write_png(tmp_path / "a.png", seed=3)
+    write_png(tmp_path / "b.png", seed=4)
+    rows = [{"instruction": "<image>Compare with <image>.", "input": "Briefly.", "output": "Both are noise.",
+             "images": ["a.png", "b.png"]}]
+    (tmp_path / "alpaca.json").write_text(json.dumps(rows))
+    dataset, images = load_data(vlm_dir, tmp_path, dataset="alpaca.json")
+    assert dataset[0]["input_ids"].count(images.image_token_id) == 8
+    assert dataset[0]["images"] == [str(tmp_path / "a.png"), str(tmp_path / "b.png")]

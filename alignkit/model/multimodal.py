@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 # model_type -> (vision tower, projector, language model): module-name prefixes inside the model.
 VISION_PARTS = {
     "llava": ("model.vision_tower", "model.multi_modal_projector", "model.language_model"),
+    "idefics3": ("model.vision_model", "model.connector", "model.text_model"),
 }
 FREEZE_KEYS = ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model")
 

@@ -1,4 +1,4 @@
-"""Parity with TRL 1.16 on a tiny random vision-language model (LLaVA, `model.tiny.save_tiny_vlm`).
+"""Parity with TRL 1.16 on tiny random vision-language models (LLaVA and Idefics3, `model.tiny.save_tiny_vlm`).
 
 The rows are TRL's conversational prompt-completion layout with `{"type": "image"}` content parts and an `images`
 column. alignkit reads them through its own data layer (image files, the processor's image tokens spliced in,
@@ -42,6 +42,19 @@ def vlm_dir(tmp_path_factory):
     from alignkit.model.tiny import save_tiny_vlm
 
     return save_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm"))
+
+
+@pytest.fixture(scope="module", params=["llava", "idefics3"])
+def any_vlm_dir(request, tmp_path_factory):
+    from alignkit.model.tiny import save_tiny_vlm
+
+    return save_tiny_vlm(tmp_path_factory.mktemp(f"tiny_{request.param}"), architecture=request.param)
+
+
+def _images(batch):
+    """The batch's images one per entry (Idefics3's processor nests them per row, ours per batch)."""
+    pixels = batch["pixel_values"]
+    return pixels.reshape(-1, *pixels.shape[-3:])
 
 
 def rows(folder):
@@ -102,18 +115,20 @@ def _first_step_loss(trainer, batch):
     return trainer.compute_loss(trainer.model, batch, num_items_in_batch=num_items_in_batch)
 
 
-def test_same_tokens_labels_and_pixels_as_trl(vlm_dir, tmp_path):
+def test_same_tokens_labels_and_pixels_as_trl(any_vlm_dir, tmp_path):
+    vlm_dir = any_vlm_dir
     data = rows(tmp_path)
     mine, trl_batch = _batches(_ours(vlm_dir, tmp_path, data), _theirs(vlm_dir, tmp_path, data))
     assert _real(mine, "input_ids") == _real(trl_batch, "input_ids")
     assert _real(mine, "labels") == _real(trl_batch, "labels")
-    assert torch.equal(mine["pixel_values"], trl_batch["pixel_values"])
-    image_token = load_image_processing(parse_config({"model_name_or_path": str(vlm_dir)}).model,
-                                        load_tokenizer(parse_config({"model_name_or_path": str(vlm_dir)}).model))
-    assert (mine["labels"][mine["input_ids"] == image_token.image_token_id] == IGNORE_INDEX).all()
+    assert torch.equal(_images(mine), _images(trl_batch))
+    model_args = parse_config({"model_name_or_path": str(vlm_dir)}).model
+    image_token = load_image_processing(model_args, load_tokenizer(model_args)).image_token_id
+    assert (mine["labels"][mine["input_ids"] == image_token] == IGNORE_INDEX).all()
 
 
-def test_first_step_sft_loss_matches_trl(vlm_dir, tmp_path):
+def test_first_step_sft_loss_matches_trl(any_vlm_dir, tmp_path):
+    vlm_dir = any_vlm_dir
     data = rows(tmp_path)
     ours, theirs = _ours(vlm_dir, tmp_path, data), _theirs(vlm_dir, tmp_path, data)
     mine, trl_batch = _batches(ours, theirs)
@@ -180,7 +195,7 @@ def test_first_step_dpo_loss_with_images_matches_trl(vlm_dir, vlm_reference_dir,
                       data_collator=ImageCollator(PairwiseCollator(tokenizer), images, pairwise=True))
     mine = ours._prepare_inputs(ours.data_collator([dataset[i] for i in range(len(PAIRS))]))
     assert _real(mine, "input_ids") == _real(trl_batch, "input_ids")
-    assert torch.equal(mine["pixel_values"], trl_batch["pixel_values"])
+    assert torch.equal(_images(mine), _images(trl_batch))
     ours.model.train()
     our_loss = ours.compute_loss(ours.model, mine).item()
     our_metrics = {k: ours._metrics["train"][k][-1] for k in DPO_METRICS}

@@ -1,5 +1,5 @@
-"""Vision-language models on a tiny random LLaVA built in the test (`model.tiny.save_tiny_vlm`): image rows in
-LLaMA-Factory's and TRL's shapes, bad images refused before the model loads, SFT with the vision tower frozen
+"""Vision-language models on tiny random LLaVA / Idefics3 built in the test (`model.tiny.save_tiny_vlm`): image
+rows in LLaMA-Factory's and TRL's shapes, bad images refused before the model loads, SFT with the vision tower frozen
 (and not), image positions unlabelled, the adapter reloaded with plain peft generating from an image, and DPO
 with images (first-step loss ln 2 with the reference equal to the policy)."""
 
@@ -28,6 +28,14 @@ def vlm_dir(tmp_path_factory):
     from alignkit.model.tiny import save_tiny_vlm
 
     return save_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm"))
+
+
+@pytest.fixture(scope="module", params=["llava", "idefics3"])
+def any_vlm(request, tmp_path_factory):
+    """(folder, architecture) of each architecture docs/multimodal.md says has run."""
+    from alignkit.model.tiny import save_tiny_vlm
+
+    return save_tiny_vlm(tmp_path_factory.mktemp(f"tiny_{request.param}"), architecture=request.param), request.param
 
 
 def write_png(path: Path, seed: int, size=(40, 30)) -> None:
@@ -162,12 +170,16 @@ def record_batches(monkeypatch, into: list):
     monkeypatch.setattr(SFTTrainer, "compute_loss", compute_loss)
 
 
-def test_sft_lora_trains_the_language_model_only_and_reloads_with_peft(vlm_dir, tmp_path, monkeypatch, caplog):
+def test_sft_lora_trains_the_language_model_only_and_reloads_with_peft(any_vlm, tmp_path, monkeypatch, caplog):
     from peft import PeftModel
+    from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from alignkit.callbacks import read_log
+    from alignkit.model.multimodal import VISION_PARTS
 
+    vlm_dir, architecture = any_vlm
+    vision, projector, language = (part.split(".")[-1] for part in VISION_PARTS[architecture])
     batches: list = []
     record_batches(monkeypatch, batches)
     snapshot = Snapshot()
@@ -177,22 +189,23 @@ def test_sft_lora_trains_the_language_model_only_and_reloads_with_peft(vlm_dir, 
     assert "padding_free are off" in caplog.text
     losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
-    image_token = AutoProcessor.from_pretrained(vlm_dir).image_token_id
+    processor = AutoProcessor.from_pretrained(vlm_dir)
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    special = set(processor.tokenizer.all_special_ids) - {processor.tokenizer.eos_token_id}
     for batch in batches:
-        assert batch["pixel_values"].shape == (2, 3, 28, 28)
-        assert (batch["labels"][batch["input_ids"] == image_token] == IGNORE_INDEX).all()
-        assert (batch["input_ids"] == image_token).sum() == 2 * 4
-    assert not changed(snapshot, "vision_tower") and not changed(snapshot, "multi_modal_projector")
-    assert changed(snapshot, "language_model") and all("lora_" in n for n in changed(snapshot, "language_model"))
+        assert "pixel_values" in batch
+        assert (batch["input_ids"] == image_token).sum() == 2 * 4  # 2 rows, 4 tokens per image
+        image_positions = torch.isin(batch["input_ids"], torch.tensor(sorted(special)))
+        assert image_positions.any() and (batch["labels"][image_positions] == IGNORE_INDEX).all()
+    assert not changed(snapshot, vision) and not changed(snapshot, projector)
+    assert changed(snapshot, language) and all("lora_" in n for n in changed(snapshot, language))
 
     out = Path(config.training.output_dir)
     base = AutoModelForImageTextToText.from_pretrained(vlm_dir)
     model = PeftModel.from_pretrained(base, out).eval()
     processor = AutoProcessor.from_pretrained(out)
-    from PIL import Image
-
     inputs = processor(text=["<|im_start|>user\n<image>Who are they?<|im_end|>\n<|im_start|>assistant\n"],
-                       images=[Image.open(tmp_path / "mllm_demo_data" / "0.png")], return_tensors="pt")
+                       images=[[Image.open(tmp_path / "mllm_demo_data" / "0.png")]], return_tensors="pt")
     generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert generated.shape[1] > inputs["input_ids"].shape[1]
 

@@ -291,3 +291,44 @@ def test_alpaca_rows_with_image_placeholders(vlm_dir, tmp_path):
     dataset, images = load_data(vlm_dir, tmp_path, dataset="alpaca.json")
     assert dataset[0]["input_ids"].count(images.image_token_id) == 8
     assert dataset[0]["images"] == [str(tmp_path / "a.png"), str(tmp_path / "b.png")]
+
+
+# ---------------------------------------------------------------------------------------------- chat
+def test_chat_with_an_image_passes_its_pixels(vlm_dir, tmp_path, monkeypatch):
+    import io
+
+    from alignkit import chat as chat_module
+    from alignkit.config import GeneratingArguments, ModelArguments
+    from alignkit.errors import ConfigError
+
+    write_png(tmp_path / "cat.png", seed=5)
+    seen = []
+    original = chat_module.generate
+
+    def generate(model, tokenizer, input_ids, attention_mask, **kwargs):
+        seen.append((input_ids, kwargs.get("model_inputs") or {}))
+        return original(model, tokenizer, input_ids, attention_mask, **kwargs)
+
+    monkeypatch.setattr(chat_module, "generate", generate)
+    model_args = ModelArguments(model_name_or_path=str(vlm_dir))
+    reply = chat_module.chat(model_args, GeneratingArguments(max_new_tokens=3), prompt="What is it?",
+                             images=[str(tmp_path / "cat.png")], stream=io.StringIO())
+    assert isinstance(reply, str)
+    input_ids, pixels = seen[0]
+    assert pixels["pixel_values"].shape == (1, 3, 28, 28)
+    assert (input_ids == chat_module.chat_images(model_args, [str(tmp_path / "cat.png")]).image_token_id).sum() == 4
+    with pytest.raises(ConfigError, match=r"--image: image file .*nowhere.png does not exist"):
+        chat_module.chat(model_args, GeneratingArguments(), prompt="Hi", images=[str(tmp_path / "nowhere.png")])
+    with pytest.raises(ConfigError, match=r"2 image\(s\) given but the message holds 1 <image>"):
+        chat_module.chat(model_args, GeneratingArguments(), prompt="<image> and?",
+                         images=[str(tmp_path / "cat.png")] * 2, stream=io.StringIO())
+
+
+def test_chat_image_refused_for_a_text_only_model(tiny_model_dir, tmp_path):
+    from alignkit.chat import chat_images
+    from alignkit.config import ModelArguments
+    from alignkit.errors import ConfigError
+
+    write_png(tmp_path / "cat.png", seed=5)
+    with pytest.raises(ConfigError, match="--image needs a vision-language model; .* is text-only"):
+        chat_images(ModelArguments(model_name_or_path=str(tiny_model_dir)), [str(tmp_path / "cat.png")])

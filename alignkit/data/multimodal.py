@@ -24,6 +24,7 @@ positional. Image tokens never carry loss (`mask_image_labels`). Pixels are made
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from pathlib import Path
@@ -31,6 +32,8 @@ from typing import Any, Optional, Sequence
 
 from ..constants import IGNORE_INDEX
 from ..errors import RowError, describe_value
+
+logger = logging.getLogger(__name__)
 
 IMAGE_PLACEHOLDER = "<image>"
 IMAGE_COLUMN = "images"
@@ -218,6 +221,15 @@ class ImageCollator:
         return batch
 
 
+def image_collator(collator, images: ImageProcessing, *, pairwise: bool = False, stepping_aside: Sequence[str] = ()):
+    """`collator` wrapped in an `ImageCollator`; one info line names the settings that step aside for images
+    (`stepping_aside`: the ones switched on, e.g. `padding_free`, `packing`)."""
+    if stepping_aside:
+        logger.info("Vision-language model: %s off (rows with images cannot carry their pixel_values that way); "
+                    "batches are padded.", " and ".join(stepping_aside))
+    return ImageCollator(collator, images, pairwise=pairwise)
+
+
 def image_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     """The image processor's entries of a collated batch (`pixel_values`, `image_grid_thw`, `image_sizes`,
     `pixel_attention_mask`, ...), to pass to the model beside the token ids; {} for a text batch."""
@@ -231,4 +243,4 @@ def has_images(dataset) -> bool:
 
 __all__ = ["IMAGE_PLACEHOLDER", "IMAGE_COLUMN", "MODEL_IMAGE_TEXT", "row_image_paths", "count_placeholders",
            "check_row_images", "open_image", "resize_to_pixel_bounds", "ImageProcessing", "tokenize_with_images",
-           "mask_image_labels", "image_tokens_whole", "ImageCollator", "image_inputs", "has_images"]
+           "mask_image_labels", "image_tokens_whole", "ImageCollator", "image_collator", "image_inputs", "has_images"]

@@ -524,7 +524,7 @@ def run_dpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     `generated_predictions.jsonl`, as the rm stage writes its rewards.
     """
     from ..data import PairwiseCollator, get_dataset
-    from ..data.multimodal import ImageCollator
+    from ..data.multimodal import image_collator
     from ..model.loader import load_image_processing, load_model, load_tokenizer
     from .base import check_splits
 
@@ -535,10 +535,8 @@ def run_dpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train, vision=True)
     data_collator = PairwiseCollator(tokenizer)
     if images is not None:  # both replies of a pair see the prompt's images
-        data_collator = ImageCollator(data_collator, images, pairwise=True)
-        if config.training.padding_free:
-            logger.info("Vision-language model: padding_free is off (its rows cannot carry each example's "
-                        "pixel_values); batches are padded.")
+        data_collator = image_collator(data_collator, images, pairwise=True,
+                                       stepping_aside=["padding_free"] if config.training.padding_free else [])
     trainer = DPOTrainer(
         model=model,
         args=config.training,

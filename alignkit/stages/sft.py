@@ -210,7 +210,7 @@ def _run_causal_lm(config: Config, callbacks: list, data_kind: str) -> None:
     from ..data import get_dataset
     from ..data.collator import SupervisedCollator
     from ..data.packing import PackedCollator, pack_dataset
-    from ..data.multimodal import ImageCollator
+    from ..data.multimodal import image_collator
     from ..model.loader import load_image_processing, load_model, load_tokenizer
 
     t = config.training
@@ -226,10 +226,8 @@ def _run_causal_lm(config: Config, callbacks: list, data_kind: str) -> None:
         if t.predict_with_generate:
             raise ConfigError("predict_with_generate is not supported for vision-language models yet (generation "
                               "does not pass the images); evaluate by loss, or chat with `alignkit chat`.")
-        data_collator = ImageCollator(data_collator, images)
-        if config.data.packing or t.padding_free:
-            logger.info("Vision-language model: packing and padding_free are off (their rows cannot carry each "
-                        "example's pixel_values); batches are padded.")
+        data_collator = image_collator(data_collator, images, stepping_aside=[
+            key for key, on in (("packing", config.data.packing), ("padding_free", t.padding_free)) if on])
     if config.data.packing and images is None:
         if train_dataset is not None:
             train_dataset = pack_dataset(train_dataset, config.data.cutoff_len)

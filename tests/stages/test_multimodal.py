@@ -184,9 +184,9 @@ def test_sft_lora_trains_the_language_model_only_and_reloads_with_peft(any_vlm, 
     record_batches(monkeypatch, batches)
     snapshot = Snapshot()
     config = vlm_config(vlm_dir, mllm_demo(tmp_path))
-    with caplog.at_level("INFO", logger="alignkit.stages.sft"):
+    with caplog.at_level("INFO", logger="alignkit.data.multimodal"):
         run_train(config, callbacks=[snapshot])
-    assert "padding_free are off" in caplog.text
+    assert "packing and padding_free off" not in caplog.text and "padding_free off" in caplog.text
     losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     processor = AutoProcessor.from_pretrained(vlm_dir)
@@ -278,7 +278,7 @@ def test_stages_without_image_support_refuse_a_vision_language_model(vlm_dir, tm
     (tmp_path / "pairs.jsonl").write_text(json.dumps(pair))
     monkeypatch.setattr(loader, "_load_base", lambda *a, **k: pytest.fail("the weights loaded before the check"))
     config = tiny_config(vlm_dir, tmp_path / "out", stage="rm", do_train=True, dataset=str(tmp_path / "pairs.jsonl"))
-    with pytest.raises(ConfigError, match=r"is a vision-language model \(llava\); stages sft and dpo train those"):
+    with pytest.raises(ConfigError, match=r"is a vision-language model \(llava\); stages sft, dpo and kto train those"):
         run_train(config)
 
 
@@ -332,3 +332,38 @@ def test_chat_image_refused_for_a_text_only_model(tiny_model_dir, tmp_path):
     write_png(tmp_path / "cat.png", seed=5)
     with pytest.raises(ConfigError, match="--image needs a vision-language model; .* is text-only"):
         chat_images(ModelArguments(model_name_or_path=str(tiny_model_dir)), [str(tmp_path / "cat.png")])
+
+
+# ---------------------------------------------------------------------------------------------- kto
+def test_kto_with_images_starts_at_one_half_and_trains(vlm_dir, tmp_path, monkeypatch):
+    from alignkit.callbacks import read_log
+    from alignkit.stages.kto import KTOTrainer
+
+    mllm_demo(tmp_path)
+    data = json.loads((tmp_path / "mllm_demo.json").read_text())
+    for i, row in enumerate(data):
+        row["kto_tag"] = i % 2 == 0
+    (tmp_path / "mllm_kto.json").write_text(json.dumps(data))
+    registry = json.loads((tmp_path / "dataset_info.json").read_text())
+    registry["mllm_kto"] = dict(registry["mllm_demo"], file_name="mllm_kto.json",
+                                columns=dict(registry["mllm_demo"]["columns"], kto_tag="kto_tag"))
+    (tmp_path / "dataset_info.json").write_text(json.dumps(registry))
+    batches: list = []
+    original = KTOTrainer.compute_loss
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        batches.append({k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)})
+        return original(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(KTOTrainer, "compute_loss", compute_loss)
+    config = vlm_config(vlm_dir, tmp_path, stage="kto", dataset="mllm_kto")
+    run_train(config)
+    losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    # reference = policy at step 0: every reward and z0 are 0, each row's loss 1 - sigmoid(0)
+    assert losses[0] == pytest.approx(0.5, abs=1e-6)
+    first = batches[0]
+    assert first["pixel_values"].shape == (2, 3, 28, 28)
+    image_token = json.loads((Path(vlm_dir) / "config.json").read_text())["image_token_index"]
+    # a mismatched (KL) row keeps its own prompt, so its own image tokens, matching the row's pixels
+    assert ((first["kl_input_ids"] == image_token).sum(-1) == 4).all()

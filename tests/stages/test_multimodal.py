@@ -140,10 +140,7 @@ def test_images_refused_for_a_text_only_model(tiny_model_dir, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- sft
 class Snapshot(TrainerCallback):
-    """Parameters at train begin and end, and every training batch the model saw."""
-
-    def __init__(self):
-        self.batches = []
+    """Parameters at train begin and end."""
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -158,16 +155,15 @@ def changed(snapshot, part):
     return {n for n in names if not torch.equal(snapshot.before[n], snapshot.after[n])}
 
 
-def record_batches(monkeypatch, into: list):
-    from alignkit.stages.sft import SFTTrainer
-
-    original = SFTTrainer.compute_loss
+def record_batches(monkeypatch, trainer_class, into: list):
+    """Append to `into` every batch `trainer_class.compute_loss` is given."""
+    original = trainer_class.compute_loss
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         into.append({k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)})
         return original(self, model, inputs, *args, **kwargs)
 
-    monkeypatch.setattr(SFTTrainer, "compute_loss", compute_loss)
+    monkeypatch.setattr(trainer_class, "compute_loss", compute_loss)
 
 
 def test_sft_lora_trains_the_language_model_only_and_reloads_with_peft(any_vlm, tmp_path, monkeypatch, caplog):
@@ -180,8 +176,10 @@ def test_sft_lora_trains_the_language_model_only_and_reloads_with_peft(any_vlm, 
 
     vlm_dir, architecture = any_vlm
     vision, projector, language = (part.split(".")[-1] for part in VISION_PARTS[architecture])
+    from alignkit.stages.sft import SFTTrainer
+
     batches: list = []
-    record_batches(monkeypatch, batches)
+    record_batches(monkeypatch, SFTTrainer, batches)
     snapshot = Snapshot()
     config = vlm_config(vlm_dir, mllm_demo(tmp_path))
     with caplog.at_level("INFO", logger="alignkit.data.multimodal"):
@@ -252,13 +250,7 @@ def test_dpo_with_images_starts_at_ln2_and_trains(vlm_dir, tmp_path, monkeypatch
     from alignkit.stages.dpo import DPOTrainer
 
     batches: list = []
-    original = DPOTrainer.compute_loss
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        batches.append({k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)})
-        return original(self, model, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(DPOTrainer, "compute_loss", compute_loss)
+    record_batches(monkeypatch, DPOTrainer, batches)
     config = vlm_config(vlm_dir, mllm_pairs(tmp_path), stage="dpo", dataset="mllm_pairs", pref_beta=0.1)
     run_train(config)
     losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
@@ -349,13 +341,7 @@ def test_kto_with_images_starts_at_one_half_and_trains(vlm_dir, tmp_path, monkey
                                 columns=dict(registry["mllm_demo"]["columns"], kto_tag="kto_tag"))
     (tmp_path / "dataset_info.json").write_text(json.dumps(registry))
     batches: list = []
-    original = KTOTrainer.compute_loss
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        batches.append({k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)})
-        return original(self, model, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(KTOTrainer, "compute_loss", compute_loss)
+    record_batches(monkeypatch, KTOTrainer, batches)
     config = vlm_config(vlm_dir, tmp_path, stage="kto", dataset="mllm_kto")
     run_train(config)
     losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]

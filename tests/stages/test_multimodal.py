@@ -353,3 +353,29 @@ def test_kto_with_images_starts_at_one_half_and_trains(vlm_dir, tmp_path, monkey
     image_token = json.loads((Path(vlm_dir) / "config.json").read_text())["image_token_index"]
     # a mismatched (KL) row keeps its own prompt, so its own image tokens, matching the row's pixels
     assert ((first["kl_input_ids"] == image_token).sum(-1) == 4).all()
+
+
+def test_skip_invalid_rows_skips_a_row_with_a_missing_image(vlm_dir, tmp_path, caplog):
+    mllm_demo(tmp_path, rows=3)
+    data = json.loads((tmp_path / "mllm_demo.json").read_text())
+    data[1]["images"] = ["mllm_demo_data/nowhere.png"]
+    (tmp_path / "mllm_demo.json").write_text(json.dumps(data))
+    dataset, _ = load_data(vlm_dir, tmp_path, skip_invalid_rows=True)
+    assert len(dataset) == 2 and "nowhere.png does not exist" in caplog.text
+
+
+def test_freeze_keys_choose_the_lora_targets(vlm_dir):
+    from transformers import AutoModelForImageTextToText
+
+    from alignkit.config import FinetuningArguments
+    from alignkit.errors import ConfigError
+    from alignkit.model.loader import add_lora
+
+    model = add_lora(AutoModelForImageTextToText.from_pretrained(vlm_dir),
+                     FinetuningArguments(lora_target="all", freeze_multi_modal_projector=False))
+    adapted = {name.split(".lora_A")[0] for name, _ in model.named_parameters() if ".lora_A." in name}
+    assert any("multi_modal_projector" in n for n in adapted) and any("language_model" in n for n in adapted)
+    assert not any("vision_tower" in n or "lm_head" in n for n in adapted)
+    everything_frozen = FinetuningArguments(freeze_language_model=True)
+    with pytest.raises(ConfigError, match="are all true: nothing would train"):
+        add_lora(AutoModelForImageTextToText.from_pretrained(vlm_dir), everything_frozen)

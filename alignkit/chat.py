@@ -1,7 +1,8 @@
 """`alignkit chat`: talk to a model (base + merged adapters) through the configured chat template.
 
 With a prompt it answers once; without one it runs a loop that keeps the conversation history
-(`clear` forgets it, `exit` quits). Prompts are rendered and stopped as everywhere else
+(`clear` forgets it, `exit` quits). With `--image` files (a vision-language model), the images go with the first
+user message: at its `<image>` placeholders, or before its text when it has none. Prompts are rendered and stopped as everywhere else
 (`model.generation`): the `template` key (the tokenizer's own when unset) and its end-of-turn token.
 Tokens are written as they are generated: `generate` runs in a thread and feeds a
 `TextIteratorStreamer`, which this thread drains.
@@ -11,14 +12,16 @@ from __future__ import annotations
 
 import sys
 from threading import Thread
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, Callable, Iterator, Optional, Sequence, TextIO
 
 import torch
 
 from .data.template import ChatFormatter
 from .config import FinetuningArguments, GeneratingArguments, ModelArguments
 from .model.generation import encode_prompts, generate, pad_prompts
-from .model.loader import load_model, load_tokenizer
+from .data.multimodal import IMAGE_PLACEHOLDER, ImageProcessing, open_image, tokenize_with_images
+from .errors import ConfigError, RowError
+from .model.loader import load_image_processing, load_model, load_tokenizer
 
 EXIT_COMMAND = "exit"
 CLEAR_COMMAND = "clear"
@@ -30,8 +33,25 @@ def build_messages(history: list[dict[str, str]], query: str, system: str | None
     return messages + history + [{"role": "user", "content": query}]
 
 
+def with_images(query: str, count: int) -> str:
+    """The first user message of a chat with `count` images: `<image>` placeholders before the text unless it
+    holds them already.
+
+    Raises:
+        ConfigError: the text holds placeholders, but not one per image.
+    """
+    held = query.count(IMAGE_PLACEHOLDER)
+    if held == 0:
+        return IMAGE_PLACEHOLDER * count + query
+    if held != count:
+        raise ConfigError(f"{count} image(s) given but the message holds {held} {IMAGE_PLACEHOLDER} placeholder(s); "
+                          f"write one per image, or none to put the images before the text.")
+    return query
+
+
 def reply_pieces(model, formatter: ChatFormatter, messages: list[dict[str, str]],
-                 generating_args: GeneratingArguments) -> Iterator[str]:
+                 generating_args: GeneratingArguments, images: Optional[ImageProcessing] = None,
+                 image_paths: Sequence[str] = ()) -> Iterator[str]:
     """Generate the assistant's reply to `messages`, yielding it piece by piece as tokens are decoded.
 
     Args:
@@ -39,6 +59,8 @@ def reply_pieces(model, formatter: ChatFormatter, messages: list[dict[str, str]]
         formatter: the chat template (renders the prompt, gives the end-of-turn stop tokens).
         messages: the conversation, ending with the user's message.
         generating_args: decoding settings.
+        images, image_paths: a vision-language model's processor and the conversation's images, in the order of its
+            `<image>` placeholders.
 
     Yields:
         Successive pieces of the reply text (special tokens removed); an error of the generation is raised
@@ -47,14 +69,21 @@ def reply_pieces(model, formatter: ChatFormatter, messages: list[dict[str, str]]
     from transformers import TextIteratorStreamer
 
     tokenizer = formatter.tokenizer
-    input_ids, attention_mask = pad_prompts(encode_prompts(formatter, [messages]), tokenizer.pad_token_id)
+    pixels: dict[str, Any] = {}
+    if image_paths:
+        prompt_text = formatter.prompt_text(messages)
+        prompt_ids = tokenize_with_images(tokenizer, [prompt_text], [images.expansion(p) for p in image_paths])
+        pixels = images.pixel_inputs(image_paths)
+    else:
+        prompt_ids = encode_prompts(formatter, [messages])
+    input_ids, attention_mask = pad_prompts(prompt_ids, tokenizer.pad_token_id)
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     failure: list[BaseException] = []
 
     def run() -> None:
         try:
             generate(model, tokenizer, input_ids, attention_mask, stop_token_ids=formatter.stop_token_ids(),
-                     generation_kwargs=generating_args.to_generation_kwargs(), streamer=streamer)
+                     generation_kwargs=generating_args.to_generation_kwargs(), streamer=streamer, model_inputs=pixels)
         except BaseException as err:  # re-raised below; end the stream so the reader does not wait forever
             failure.append(err)
             streamer.end()
@@ -68,7 +97,8 @@ def reply_pieces(model, formatter: ChatFormatter, messages: list[dict[str, str]]
 
 
 def stream_reply(model, formatter: ChatFormatter, messages: list[dict[str, str]],
-                 generating_args: GeneratingArguments, stream: TextIO) -> str:
+                 generating_args: GeneratingArguments, stream: TextIO, images: Optional[ImageProcessing] = None,
+                 image_paths: Sequence[str] = ()) -> str:
     """Generate the assistant's reply to `messages`, writing it to `stream` piece by piece.
 
     Args:
@@ -77,12 +107,13 @@ def stream_reply(model, formatter: ChatFormatter, messages: list[dict[str, str]]
         messages: the conversation, ending with the user's message.
         generating_args: decoding settings.
         stream: where the reply is written.
+        images, image_paths: as for `reply_pieces`.
 
     Returns:
         The reply text (special tokens removed).
     """
     pieces = []
-    for piece in reply_pieces(model, formatter, messages, generating_args):
+    for piece in reply_pieces(model, formatter, messages, generating_args, images, image_paths):
         pieces.append(piece)
         stream.write(piece)
         stream.flush()
@@ -105,6 +136,26 @@ def load_chat_model(model_args: ModelArguments, template: str | None = None) -> 
     return model, formatter
 
 
+def chat_images(model_args: ModelArguments, image_paths: Sequence[str]) -> Optional[ImageProcessing]:
+    """The model's processor for `--image` files (None without them), read before the weights load.
+
+    Raises:
+        ConfigError: a text-only model, or a file that is missing or not an image.
+    """
+    if not image_paths:
+        return None
+    images = load_image_processing(model_args, load_tokenizer(model_args))
+    if images is None:
+        raise ConfigError(f"--image needs a vision-language model; {model_args.model_name_or_path or 'the bundled model'}"
+                          " is text-only (docs/multimodal.md).")
+    for path in image_paths:
+        try:
+            open_image(path)
+        except RowError as err:
+            raise ConfigError(f"--image: {err.problem}") from None
+    return images
+
+
 def _read_piped_line(_prompt: str) -> str:
     """One line of standard input read from a pipe: no prompt (there is nobody to prompt), EOFError at its end."""
     line = sys.stdin.readline()
@@ -122,6 +173,7 @@ def chat(
     template: str | None = None,
     stream: TextIO = sys.stdout,
     input_fn: Callable[[str], str] | None = None,
+    images: Sequence[str] | None = None,
 ) -> str | None:
     """Answer `prompt` once, or hold an interactive conversation when `prompt` is None.
 
@@ -136,13 +188,20 @@ def chat(
         input_fn: reads one user line, given the prompt to show. None: `input` on a terminal; from a pipe
             (`alignkit chat < questions.txt`), standard input's lines without a prompt, each echoed after it is
             read, so that the transcript reads as a conversation and does not end in a dangling `User: `.
+        images: image files for the first user message (a vision-language model); they stay in the history until
+            `clear`.
 
     Returns:
         The reply for a one-shot prompt, None after an interactive session.
     """
+    image_paths = list(images or [])
+    processing = chat_images(model_args, image_paths)
     model, formatter = load_chat_model(model_args, template)
+    image_arguments = (processing, image_paths) if image_paths else ()
     if prompt is not None:
-        return stream_reply(model, formatter, build_messages([], prompt, system), generating_args, stream)
+        query = with_images(prompt, len(image_paths)) if image_paths else prompt
+        return stream_reply(model, formatter, build_messages([], query, system), generating_args, stream,
+                            *image_arguments)
 
     stream.write(f"Type `{CLEAR_COMMAND}` to forget the conversation, `{EXIT_COMMAND}` to quit.\n")
     piped = input_fn is None and not sys.stdin.isatty()
@@ -161,15 +220,18 @@ def chat(
         if query == EXIT_COMMAND:
             break
         if query == CLEAR_COMMAND:
-            history = []
+            history, image_paths, image_arguments = [], [], ()
             stream.write("History cleared.\n")
             continue
         if not query:
             continue
+        if image_paths and not history:  # the images go with the first message
+            query = with_images(query, len(image_paths))
         stream.write("Assistant: ")
-        reply = stream_reply(model, formatter, build_messages(history, query, system), generating_args, stream)
+        reply = stream_reply(model, formatter, build_messages(history, query, system), generating_args, stream,
+                             *image_arguments)
         history += [{"role": "user", "content": query}, {"role": "assistant", "content": reply}]
     return None
 
 
-__all__ = ["chat", "stream_reply", "reply_pieces", "load_chat_model", "build_messages"]
+__all__ = ["chat", "stream_reply", "reply_pieces", "load_chat_model", "chat_images", "with_images", "build_messages"]

@@ -132,7 +132,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from .chat import chat
 
     config = _model_args(args.model, args.adapter, args.overrides)
-    chat(config.model, config.generating, prompt=args.prompt, system=args.system, template=config.data.template)
+    chat(config.model, config.generating, prompt=args.prompt, system=args.system, template=config.data.template,
+         images=args.image)
     return 0
 
 
@@ -280,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", help="LoRA adapter directory (comma-separated for several)")
     p.add_argument("--prompt", help="answer this one prompt and exit")
     p.add_argument("--system", help="system prompt")
+    p.add_argument("--image", action="append", help="an image file for the first message (repeat for several; a "
+                   "vision-language model, docs/multimodal.md)")
     p.add_argument("overrides", nargs="*", help="settings as key=value (e.g. max_new_tokens=64 template=chatml)")
     p.set_defaults(func=_cmd_chat)
 

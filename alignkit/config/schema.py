@@ -114,6 +114,16 @@ class ModelArguments:
         metadata={"help": "The length rope_scaling scales the context to; cutoff_len when unset (LLaMA-Factory "
                   "derives it the same way)."},
     )
+    image_max_pixels: int = field(
+        default=768 * 768,
+        metadata={"help": "Vision-language models: an image with more pixels is scaled down to this many before the "
+                  "model's image processor sees it (LLaMA-Factory's key and default)."},
+    )
+    image_min_pixels: int = field(
+        default=32 * 32,
+        metadata={"help": "Vision-language models: an image with fewer pixels is scaled up to this many "
+                  "(LLaMA-Factory's key and default)."},
+    )
     disable_gradient_checkpointing: bool = field(
         default=False,
         metadata={"help": "Keep gradient checkpointing off. alignkit, unlike LLaMA-Factory, only checkpoints when "
@@ -122,6 +132,9 @@ class ModelArguments:
 
     def __post_init__(self) -> None:
         self._check_kernel_keys()
+        if not 0 < self.image_min_pixels <= self.image_max_pixels:
+            raise ConfigError(f"image_min_pixels={self.image_min_pixels} and image_max_pixels={self.image_max_pixels}: "
+                              "need 0 < image_min_pixels <= image_max_pixels.")
         if self.quantization_bit is None:
             return
         if self.quantization_method != "bnb":
@@ -295,6 +308,20 @@ class FinetuningArguments:
         metadata={"help": "PiSSA: also save the adapter converted to plain LoRA on the original base, in "
                   "output_dir/pissa_converted (the initial one in output_dir/pissa_init), as LLaMA-Factory does. "
                   "That folder is the one to merge with `alignkit export`."},
+    )
+    freeze_vision_tower: bool = field(
+        default=True,
+        metadata={"help": "Vision-language models: keep the vision encoder's weights frozen (no LoRA on it either)."},
+    )
+    freeze_multi_modal_projector: bool = field(
+        default=True,
+        metadata={"help": "Vision-language models: keep the projector from vision features to the language model "
+                  "frozen (no LoRA on it either)."},
+    )
+    freeze_language_model: bool = field(
+        default=False,
+        metadata={"help": "Vision-language models: keep the language model frozen (train only the parts not frozen "
+                  "by the two keys above)."},
     )
     loraplus_lr_ratio: Optional[float] = field(
         default=None, metadata={"help": "LoRA+: lora_B learns at learning_rate times this ratio (peft's LoRA+ optimizer)."}

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import DataError, RowError, describe_value
+from .multimodal import IMAGE_PLACEHOLDER
 from .template import parse_tools
 
 FORMATTINGS = ("alpaca", "sharegpt", "openai")
@@ -174,10 +175,14 @@ def check_columns(attr: DatasetAttr, formatting: str, columns: list[str], kind: 
 
 # ---------------------------------------------------------------------------------------------- values
 def _text(value: Any, field_name: str, *, allow_empty: bool = False) -> str:
-    """Text content of a field; openai-style content parts (`[{"type": "text", "text": ...}]`) are joined."""
+    """Text content of a field; openai-style content parts (`[{"type": "text", "text": ...}]`) are joined, and
+    TRL's image parts (`{"type": "image"}`) become the `<image>` placeholder the row's `images` fill."""
     if isinstance(value, list) and all(isinstance(p, dict) for p in value):
         parts = []
         for i, part in enumerate(value):
+            if part.get("type") == "image":
+                parts.append(IMAGE_PLACEHOLDER)
+                continue
             if part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
                 raise RowError(f"{field_name}[{i}]", f"only text content parts are supported, got {describe_value(part)}")
             parts.append(part["text"])

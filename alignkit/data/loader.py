@@ -37,6 +37,7 @@ from ..env import alignkit_home, launched_processes
 from ..errors import DataError, RowError, describe_value
 from ..files import parse_mapping
 from .processors import REPORT_ROWS
+from .multimodal import IMAGE_COLUMN, ImageProcessing, check_row_images, count_placeholders, row_image_paths
 from .formats import DATA_KINDS, FORMATTINGS, DatasetAttr, check_columns, convert_row, guess_formatting
 from .template import ChatFormatter
 
@@ -391,21 +392,53 @@ def _refuse_text_file(attr: DatasetAttr, kind: str, stage: str) -> None:
                         ".json/.jsonl/.csv/.parquet file with the stage's columns.")
 
 
-def _refuse_media(attr: DatasetAttr, rows: _Rows) -> None:
-    """Images, videos or audio (LLaMA-Factory's `images`/`videos`/`audios` columns) cannot be trained here;
-    training on the text alone would keep the rows' `<image>` placeholders as literal text."""
-    why = ("alignkit trains text-only models: multimodal training is not supported yet, and training on the text "
-           "alone would keep the rows' <image>/<video>/<audio> placeholders as literal text. Use a multimodal "
-           "trainer for this dataset, or remove the media column and the placeholders to train on the text.")
-    for role in MEDIA_COLUMNS:
+def _refuse_media(attr: DatasetAttr, rows: _Rows, images_allowed: bool) -> None:
+    """Media a run cannot train on: videos and audio always, images unless the model is a vision-language model
+    (then `multimodal` reads them). Training on the text alone would keep the rows' `<image>` placeholders as
+    literal text."""
+    why = ("training on the text alone would keep the rows' <image>/<video>/<audio> placeholders as literal text. "
+           "{fix}, or remove the media column and the placeholders to train on the text.")
+    image_fix = ("The model is text-only, or the stage does not take images yet: stages sft, dpo and kto train on "
+                 "images with a vision-language model (docs/multimodal.md)")
+    other_fix = "alignkit trains on images only (not videos or audio): use a trainer for that media"
+    refused = [c for c in MEDIA_COLUMNS if not (images_allowed and c == IMAGE_COLUMN)]
+
+    def fix(role: str) -> str:
+        return why.format(fix=image_fix if role == IMAGE_COLUMN else other_fix)
+
+    for role in refused:
         if role in attr.columns:
             raise DataError(f"dataset {attr.name!r}: dataset_info.json maps `{role}` to column "
-                            f"`{attr.columns[role]}`; {why}")
+                            f"`{attr.columns[role]}`; {fix(role)}")
     for number, row in rows.items:
         if isinstance(row, dict):
-            column = next((c for c in MEDIA_COLUMNS if row.get(c) not in (None, "", [])), None)
+            column = next((c for c in refused if row.get(c) not in (None, "", [])), None)
             if column is not None:
-                raise DataError(f"dataset {attr.name!r}: {rows.ref(number)} has a `{column}` column; {why}")
+                raise DataError(f"dataset {attr.name!r}: {rows.ref(number)} has a `{column}` column; {fix(column)}")
+            if not images_allowed and _has_image_part(row):
+                raise DataError(f"dataset {attr.name!r}: {rows.ref(number)} has an image content part "
+                                f"({{\"type\": \"image\"}}); {fix(IMAGE_COLUMN)}")
+
+
+def _has_image_part(value: Any, depth: int = 0) -> bool:
+    """Whether a row holds a TRL/OpenAI image content part (`{"type": "image"}`) in its messages."""
+    if isinstance(value, dict):
+        return value.get("type") in ("image", "image_url") or (depth < 4 and any(
+            _has_image_part(v, depth + 1) for v in value.values() if isinstance(v, (list, dict))))
+    if isinstance(value, list) and depth < 4:
+        return any(_has_image_part(v, depth + 1) for v in value if isinstance(v, (list, dict)))
+    return False
+
+
+def _attach_images(example: dict, row: dict, attr: DatasetAttr, kind: str, media_dir: str) -> dict:
+    """`example` with its row's image paths (`images`), checked (`multimodal.check_row_images`)."""
+    column = attr.columns.get(IMAGE_COLUMN, IMAGE_COLUMN)
+    paths = row_image_paths(row, column, media_dir)
+    if paths or count_placeholders(example):
+        check_row_images(example, paths, column, kind)
+    if isinstance(example.get("extra"), dict):
+        example["extra"].pop(column, None)  # prompt rows keep their other columns; the images travel apart
+    return dict(example, images=paths)
 
 
 def _warn_unused_kto_tags(attr: DatasetAttr, rows: _Rows, stage: str) -> None:
@@ -434,8 +467,13 @@ def _warn_unused_kto_tags(attr: DatasetAttr, rows: _Rows, stage: str) -> None:
 
 
 def convert_dataset(attr: DatasetAttr, kind: str, stage: str, max_samples: Optional[int],
-                    skip_invalid_rows: bool) -> list[tuple[str, dict]]:
+                    skip_invalid_rows: bool, media_dir: Optional[str] = None) -> list[tuple[str, dict]]:
     """Read, check and convert one dataset into (reference, canonical example) pairs.
+
+    Args:
+        media_dir: for a vision-language model, where relative image paths are read from (`dataset_dir`); each
+            example then carries `images` (its paths, every one opened and checked). None: rows with images are
+            refused (a text-only model).
 
     Raises:
         DataError: on the first bad row (unless `skip_invalid_rows`), or when the stage's columns are missing.
@@ -444,7 +482,7 @@ def convert_dataset(attr: DatasetAttr, kind: str, stage: str, max_samples: Optio
     skipped: list[tuple[str, str]] = []
     _refuse_text_file(attr, kind, stage)
     for rows in read_rows(attr, max_samples):
-        _refuse_media(attr, rows)
+        _refuse_media(attr, rows, images_allowed=media_dir is not None)
         if stage != "kto":
             _warn_unused_kto_tags(attr, rows, stage)
         formatting = _resolve_formatting(attr, rows, kind)
@@ -460,7 +498,10 @@ def convert_dataset(attr: DatasetAttr, kind: str, stage: str, max_samples: Optio
             try:
                 if isinstance(row, RowError):
                     raise row
-                examples.append((rows.ref(number), convert_row(row, attr, formatting, kind)))
+                example = convert_row(row, attr, formatting, kind)
+                if media_dir is not None and kind != "text":
+                    example = _attach_images(example, row, attr, kind, media_dir)
+                examples.append((rows.ref(number), example))
             except RowError as err:
                 if not skip_invalid_rows:
                     what = "line" if rows.line_based else "row"
@@ -619,7 +660,7 @@ def _as_result(splits: DatasetDict) -> dict[str, Optional[Dataset]]:
 
 
 # ---------------------------------------------------------------------------------------------- entry point
-def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
+def get_dataset(config, tokenizer, kind: str, images: Optional[ImageProcessing] = None) -> dict[str, Optional[Dataset]]:
     """Tokenised train and eval datasets of one kind (see docs/ARCHITECTURE.md for the columns).
 
     With a built-in `template`, `tokenizer.chat_template` is set to that template's Jinja (the tokenizer a
@@ -632,6 +673,9 @@ def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
         kind: one of `formats.DATA_KINDS` (`text`, `supervised`, `preference`, `unpaired`, `prompt`). A stage
             passes its own (`DATA_KIND` in its module, as the registry `alignkit.stages.STAGES` records it);
             the data layer knows no stages.
+        images: a vision-language model's processor (`model.loader.load_image_processing`): rows may then carry
+            images, which become the model's image tokens, and each example keeps its image paths in `images`
+            for `multimodal.ImageCollator`. None: rows with images are refused.
 
     Returns:
         `{"train_dataset": Dataset | None, "eval_dataset": Dataset | None}`.
@@ -671,6 +715,8 @@ def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
         "mask_history": d.mask_history, "max_samples": d.max_samples, "val_size": d.val_size, "seed": seed, "for_generation": for_generation,
         "skip_invalid_rows": d.skip_invalid_rows,
     }
+    if images is not None:  # image tokens depend on the processor; the image files are read from dataset_dir
+        key_parts.update(images=images.fingerprint(), media_dir=str(Path(d.dataset_dir).resolve()))
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
     cached = cache_root() / key
     # Under torchrun/accelerate the main process of each node tokenises and writes the cache while the
@@ -680,7 +726,7 @@ def get_dataset(config, tokenizer, kind: str) -> dict[str, Optional[Dataset]]:
         if cached.is_dir() and not (d.overwrite_cache and is_main):
             logger.info("Loading tokenised data from cache %s.", cached)
         else:
-            _save_atomically(_build(config, formatter, kind, train_attrs, eval_attrs, for_generation), cached)
+            _save_atomically(_build(config, formatter, kind, train_attrs, eval_attrs, for_generation, images), cached)
         # Every process, and a fresh run as a cached one, reads the cache: the same memory-mapped rows, so
         # what is derived from the files (DPO's reference log-prob cache sits beside them) agrees everywhere.
         splits = load_from_disk(str(cached))
@@ -703,14 +749,16 @@ def _main_process_first(config, desc: str) -> Iterator[bool]:
 
 
 def _build(config, formatter: ChatFormatter, kind: str, train_attrs: list[DatasetAttr],
-           eval_attrs: list[DatasetAttr], for_generation: bool) -> DatasetDict:
+           eval_attrs: list[DatasetAttr], for_generation: bool, images: Optional[ImageProcessing] = None
+           ) -> DatasetDict:
     d = config.data
     stage = config.finetuning.stage
+    media_dir = d.dataset_dir if images is not None else None
 
     def convert(attrs: list[DatasetAttr]) -> list[tuple[str, dict]]:
         out: list[tuple[str, dict]] = []
         for attr in attrs:
-            out += convert_dataset(attr, kind, stage, d.max_samples, d.skip_invalid_rows)
+            out += convert_dataset(attr, kind, stage, d.max_samples, d.skip_invalid_rows, media_dir)
         return out
 
     train, held = convert(train_attrs), convert(eval_attrs)
@@ -722,7 +770,7 @@ def _build(config, formatter: ChatFormatter, kind: str, train_attrs: list[Datase
             continue
         columns, dropped = processors.tokenize_examples(
             examples, kind, formatter, d.cutoff_len, train_on_prompt=d.train_on_prompt, mask_history=d.mask_history,
-            for_generation=for_generation and split == "eval")
+            for_generation=for_generation and split == "eval", images=images)
         if dropped:
             reasons = sorted({reason for _, reason in dropped})
             logger.warning("Dropped %d of %d %s example(s): %s. Rows: %s%s. Raise cutoff_len or fix those rows.",

@@ -9,9 +9,10 @@ tokens at all is dropped (and reported by the caller), never trained on.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ..constants import IGNORE_INDEX
+from .multimodal import IMAGE_COLUMN, ImageProcessing, image_tokens_whole, mask_image_labels, tokenize_with_images
 from .template import ChatFormatter, adds_bos
 
 logger = logging.getLogger(__name__)
@@ -43,10 +44,12 @@ def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int
     return new_source, new_target
 
 
-def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
+def _tokenize(tokenizer, texts: list[str], expansions: Sequence[Sequence[int]] = ()) -> list[list[int]]:
     # Special tokens are written by the template as text; the tokenizer must not add its own bos/eos.
     if not texts:
         return []
+    if expansions:  # a vision-language example: each <image> placeholder becomes its image's tokens
+        return tokenize_with_images(tokenizer, texts, expansions)
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
@@ -55,7 +58,8 @@ def _left_cut(ids: list[int], keep: int) -> list[int]:
 
 
 def encode_supervised(formatter: ChatFormatter, example: dict, cutoff_len: int,
-                      train_on_prompt: bool = False, mask_history: bool = False) -> Optional[dict[str, list[int]]]:
+                      train_on_prompt: bool = False, mask_history: bool = False,
+                      expansions: Sequence[Sequence[int]] = ()) -> Optional[dict[str, list[int]]]:
     """Token ids of a conversation with labels on every assistant reply (or on everything).
 
     Truncation: whole turns are kept from the start while they fit; if not even the first turn fits,
@@ -66,7 +70,7 @@ def encode_supervised(formatter: ChatFormatter, example: dict, cutoff_len: int,
         `input_ids`, `attention_mask`, `labels` (-100 where not trained), or None when no reply token fits.
     """
     chunks = formatter.chunks(example["messages"], tools=example.get("tools"))
-    ids = _tokenize(formatter.tokenizer, [text for text, _ in chunks])
+    ids = _tokenize(formatter.tokenizer, [text for text, _ in chunks], expansions)
     turns: list[tuple[list[int], list[int]]] = []
     pending: list[int] = []
     for (_, trained), chunk_ids in zip(chunks, ids):
@@ -101,13 +105,14 @@ def encode_supervised(formatter: ChatFormatter, example: dict, cutoff_len: int,
     return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
 
 
-def encode_generation_eval(formatter: ChatFormatter, example: dict, cutoff_len: int) -> Optional[dict[str, list[int]]]:
+def encode_generation_eval(formatter: ChatFormatter, example: dict, cutoff_len: int,
+                           expansions: Sequence[Sequence[int]] = ()) -> Optional[dict[str, list[int]]]:
     """For `predict_with_generate`: the prompt (ending with the generation prompt) and, as `labels`, the
     reference reply's ids (no -100). Returns None when no reply token fits."""
     messages, tools = example["messages"], example.get("tools")
     prompt_text = formatter.prompt_text(messages[:-1], tools=tools)
     reply_text = formatter.reply_text(messages[:-1], messages[-1]["content"], tools=tools)
-    prompt_ids, reply_ids = _tokenize(formatter.tokenizer, [prompt_text, reply_text])
+    prompt_ids, reply_ids = _tokenize(formatter.tokenizer, [prompt_text, reply_text], expansions)
     source_len, target_len = infer_seqlen(len(prompt_ids), len(reply_ids), cutoff_len)
     if target_len == 0:
         return None
@@ -115,7 +120,8 @@ def encode_generation_eval(formatter: ChatFormatter, example: dict, cutoff_len: 
     return {"input_ids": prompt_ids, "attention_mask": [1] * len(prompt_ids), "labels": reply_ids[:target_len]}
 
 
-def encode_pairwise(formatter: ChatFormatter, example: dict, cutoff_len: int) -> tuple[Optional[dict[str, Any]], str]:
+def encode_pairwise(formatter: ChatFormatter, example: dict, cutoff_len: int,
+                    expansions: Sequence[Sequence[int]] = ()) -> tuple[Optional[dict[str, Any]], str]:
     """Chosen and rejected sequences sharing one prompt, labels -100 on the prompt.
 
     Returns:
@@ -127,7 +133,7 @@ def encode_pairwise(formatter: ChatFormatter, example: dict, cutoff_len: int) ->
     prompt, tools = example["prompt"], example.get("tools")
     texts = [formatter.prompt_text(prompt, tools=tools), formatter.reply_text(prompt, example["chosen"], tools=tools),
              formatter.reply_text(prompt, example["rejected"], tools=tools)]
-    prompt_ids, chosen_ids, rejected_ids = _tokenize(formatter.tokenizer, texts)
+    prompt_ids, chosen_ids, rejected_ids = _tokenize(formatter.tokenizer, texts, expansions)
     source_len, target_len = infer_seqlen(len(prompt_ids), max(len(chosen_ids), len(rejected_ids)), cutoff_len)
     if target_len == 0:
         return None, f"no response token fits in cutoff_len={cutoff_len}"
@@ -145,7 +151,8 @@ def encode_pairwise(formatter: ChatFormatter, example: dict, cutoff_len: int) ->
     return features, ""
 
 
-def encode_unpaired(formatter: ChatFormatter, example: dict, cutoff_len: int) -> Optional[dict[str, Any]]:
+def encode_unpaired(formatter: ChatFormatter, example: dict, cutoff_len: int,
+                    expansions: Sequence[Sequence[int]] = ()) -> Optional[dict[str, Any]]:
     """One KTO reply after its prompt, labels -100 on the prompt, and its `desirable` flag.
 
     Returns:
@@ -153,7 +160,8 @@ def encode_unpaired(formatter: ChatFormatter, example: dict, cutoff_len: int) ->
     """
     prompt, tools = example["prompt"], example.get("tools")
     prompt_ids, reply_ids = _tokenize(formatter.tokenizer, [formatter.prompt_text(prompt, tools=tools),
-                                                            formatter.reply_text(prompt, example["completion"], tools=tools)])
+                                                            formatter.reply_text(prompt, example["completion"], tools=tools)],
+                                     expansions)
     source_len, target_len = infer_seqlen(len(prompt_ids), len(reply_ids), cutoff_len)
     if target_len == 0:
         return None
@@ -162,7 +170,8 @@ def encode_unpaired(formatter: ChatFormatter, example: dict, cutoff_len: int) ->
             "labels": [IGNORE_INDEX] * len(prompt_ids) + reply_ids, "desirable": bool(example["desirable"])}
 
 
-def encode_prompt(formatter: ChatFormatter, example: dict, cutoff_len: int) -> tuple[dict[str, Any], int]:
+def encode_prompt(formatter: ChatFormatter, example: dict, cutoff_len: int,
+                  expansions: Sequence[Sequence[int]] = ()) -> tuple[dict[str, Any], int]:
     """The prompt for RL generation (left-truncated to `cutoff_len`) plus the row's other columns.
 
     `prompt_messages` and `prompt_conversational` keep the prompt as written, for reward functions, which
@@ -173,7 +182,8 @@ def encode_prompt(formatter: ChatFormatter, example: dict, cutoff_len: int) -> t
         (the features, how many tokens were cut from the prompt's start: report them with `warn_cut_prompts`,
         since the policy then sees less than the reward functions do).
     """
-    (prompt_ids,) = _tokenize(formatter.tokenizer, [formatter.prompt_text(example["prompt"], tools=example.get("tools"))])
+    (prompt_ids,) = _tokenize(formatter.tokenizer, [formatter.prompt_text(example["prompt"], tools=example.get("tools"))],
+                              expansions)
     cut = max(len(prompt_ids) - cutoff_len, 0)
     prompt_ids = _left_cut(prompt_ids, len(prompt_ids) - cut)
     features: dict[str, Any] = {k: v for k, v in example["extra"].items()
@@ -206,8 +216,8 @@ def encode_pretrain(tokenizer, texts: list[str], cutoff_len: int) -> dict[str, l
 
 
 def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: ChatFormatter, cutoff_len: int,
-                      train_on_prompt: bool = False, for_generation: bool = False, mask_history: bool = False
-                      ) -> tuple[dict[str, list], list[tuple[str, str]]]:
+                      train_on_prompt: bool = False, for_generation: bool = False, mask_history: bool = False,
+                      images: Optional[ImageProcessing] = None) -> tuple[dict[str, list], list[tuple[str, str]]]:
     """Tokenise canonical examples of one kind.
 
     Args:
@@ -218,6 +228,9 @@ def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: Ch
         train_on_prompt: sft/pt: also train on prompt tokens.
         mask_history: sft: train on the last reply only (`encode_supervised`).
         for_generation: sft: prompt-only inputs with reference-reply labels (predict_with_generate).
+        images: a vision-language model's processor: each example's `images` become its image tokens (never
+            labelled), the paths are kept in an `images` column, and an example whose image tokens `cutoff_len`
+            would cut is dropped.
 
     Returns:
         (columns as a dict of lists, [(reference, reason)] of the dropped examples).
@@ -228,24 +241,44 @@ def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: Ch
     dropped: list[tuple[str, str]] = []
     cut: list[tuple[str, int]] = []
     for ref, example in examples:
+        paths = (example.get("images") or []) if images is not None else []
+        expansions = [images.expansion(path) for path in paths] if paths else []
         if kind == "supervised":
-            feats = (encode_generation_eval(formatter, example, cutoff_len) if for_generation
-                     else encode_supervised(formatter, example, cutoff_len, train_on_prompt, mask_history))
+            feats = (encode_generation_eval(formatter, example, cutoff_len, expansions) if for_generation
+                     else encode_supervised(formatter, example, cutoff_len, train_on_prompt, mask_history, expansions))
             reason = f"no response token fits in cutoff_len={cutoff_len}"
         elif kind == "preference":
-            feats, reason = encode_pairwise(formatter, example, cutoff_len)
+            feats, reason = encode_pairwise(formatter, example, cutoff_len, expansions)
         elif kind == "unpaired":
-            feats, reason = encode_unpaired(formatter, example, cutoff_len), f"no reply token fits in cutoff_len={cutoff_len}"
+            feats = encode_unpaired(formatter, example, cutoff_len, expansions)
+            reason = f"no reply token fits in cutoff_len={cutoff_len}"
         else:
-            (feats, tokens_cut), reason = encode_prompt(formatter, example, cutoff_len), ""
+            (feats, tokens_cut), reason = encode_prompt(formatter, example, cutoff_len, expansions), ""
             if tokens_cut:
                 cut.append((ref, tokens_cut))
+        if feats is not None and images is not None:
+            feats, reason = _with_images(feats, paths, expansions, images, cutoff_len, reason)
         if feats is None:
             dropped.append((ref, reason))
         else:
             rows.append(feats)
     warn_cut_prompts(cut, len(examples), cutoff_len)
     return _to_columns(rows, fill={"margin": 0.0}), dropped
+
+
+def _with_images(feats: dict[str, Any], paths: list[str], expansions: list, images: ImageProcessing,
+                 cutoff_len: int, reason: str) -> tuple[Optional[dict[str, Any]], str]:
+    """`feats` with image positions unlabelled and the image paths kept; None when cutoff_len cut an image."""
+    special = images.special_ids(expansions)
+    for prefix in ("", "chosen_", "rejected_"):
+        ids = feats.get(f"{prefix}input_ids")
+        if ids is None:
+            continue
+        if not image_tokens_whole(ids, expansions, images.image_token_id):
+            return None, f"cutoff_len={cutoff_len} cuts into an image's tokens"
+        if len(feats.get(f"{prefix}labels") or ()) == len(ids):  # a generation prompt's labels are the reply
+            feats[f"{prefix}labels"] = mask_image_labels(ids, feats[f"{prefix}labels"], special)
+    return dict(feats, **{IMAGE_COLUMN: list(paths)}), reason
 
 
 def _to_columns(rows: list[dict[str, Any]], fill: dict[str, Any]) -> dict[str, list]:

@@ -286,6 +286,7 @@ def generate(
     generation_kwargs: Optional[dict[str, Any]] = None,
     merge_lora: bool = True,
     streamer=None,
+    model_inputs: Optional[dict[str, Any]] = None,
 ) -> Generation:
     """Generate completions for a batch of tokenised prompts.
 
@@ -300,6 +301,8 @@ def generate(
             `max_new_tokens`, sampling knobs, ...; also `logits_processor`).
         merge_lora: merge an unmerged LoRA adapter for the duration (`merged_lora`); faster on this CPU.
         streamer: a transformers streamer (batch 1), for chat.
+        model_inputs: more inputs of `model.generate` (a vision-language model's `pixel_values` and what comes with
+            them, `data.multimodal.ImageProcessing.pixel_inputs`).
 
     Returns:
         A `Generation`. With `num_return_sequences=k`, row i*k+j is the j-th completion of prompt i and
@@ -322,6 +325,7 @@ def generate(
                 # An empty list (not None, which means the model's own eos) runs to max_new_tokens.
                 eos_token_id=stop_token_ids,
                 streamer=streamer,
+                **{k: v.to(device) if torch.is_tensor(v) else v for k, v in (model_inputs or {}).items()},
                 **kwargs,
             )
     finally:

@@ -52,6 +52,7 @@ from ..env import alignkit_home
 from .bundled import build_folder_once, ensure_bundled_model
 from .distributed import zero3_enabled, zero3_switched_off
 from .heads import VALUE_HEAD_NAME
+from .multimodal import check_supported, freeze_parts, lora_target_pattern, vision_language_type
 from .weight_files import check_adapter_files, check_model_files
 
 logger = logging.getLogger(__name__)
@@ -195,6 +196,23 @@ def load_tokenizer(model_args: ModelArguments):
     return tokenizer
 
 
+def load_image_processing(model_args: ModelArguments, tokenizer):
+    """For a vision-language model (`model.multimodal`), the data layer's `ImageProcessing` over its processor
+    (holding `tokenizer`); None for a text-only model. Reads the config and processor files, no weights."""
+    from transformers import AutoConfig
+
+    from ..data.multimodal import ImageProcessing
+    from .multimodal import load_processor
+
+    path = resolve_model_path(model_args)
+    model_type = vision_language_type(AutoConfig.from_pretrained(path, **_hub_kwargs(model_args)))
+    if model_type is None:
+        return None
+    check_supported(model_type, path)
+    return ImageProcessing(load_processor(path, tokenizer, _hub_kwargs(model_args)), model_type,
+                           model_args.image_max_pixels, model_args.image_min_pixels)
+
+
 def saved_chat_template(folder: str | os.PathLike) -> str | None:
     """The chat template a tokenizer saved in `folder` holds (`chat_template.jinja`, else the
     `chat_template` of `tokenizer_config.json`), or None."""
@@ -214,6 +232,7 @@ def load_model(
     *,
     is_trainable: bool,
     head: Head = "causal_lm",
+    vision: bool = False,
 ):
     """Load the base model, merge `adapter_name_or_path` into it, and set up what is trained.
 
@@ -224,12 +243,16 @@ def load_model(
             False for inference (adapters merged, every weight frozen, eval mode).
         head: `causal_lm`, or `reward` for a one-label sequence-classification model whose `score`
             head trains in full.
+        vision: the stage trains vision-language models (sft, dpo, kto); a stage that does not gets a ConfigError for
+            one, before its weights load.
 
     Returns:
         A `PeftModel` when training with LoRA, otherwise a `PreTrainedModel`.
     """
     if head not in ("causal_lm", "reward"):
         raise ValueError(f"head={head!r}: expected 'causal_lm' or 'reward'.")
+    if is_trainable and not vision:
+        _refuse_vision_language(model_args)
     adapters = resolve_adapter_chain(split_adapters(model_args.adapter_name_or_path))
     head_comes_later = head == "reward" and (is_trainable or any(is_reward_adapter(a) for a in adapters))
     if is_trainable and model_args.quantization_bit and finetuning_args.finetuning_type != "lora":
@@ -260,8 +283,14 @@ def load_model(
     if model_args.upcast_layernorm:
         upcast_layernorm(model)
     kind = finetuning_args.finetuning_type
+    vision_type = vision_language_type(model.config)
+    if vision_type is not None and kind == "freeze":
+        raise ConfigError("finetuning_type=freeze is not supported for vision-language models; use lora or full with "
+                          "freeze_vision_tower / freeze_multi_modal_projector / freeze_language_model.")
     if kind == "lora":
         model = add_lora(model, finetuning_args, head=head)
+    elif kind == "full" and vision_type is not None:
+        freeze_parts(model, vision_type, finetuning_args)
     elif kind == "full":
         model.requires_grad_(True)
     elif kind == "freeze":
@@ -273,6 +302,17 @@ def load_model(
     logger.info("Trainable parameters: %s of %s (%.4f%%), finetuning_type=%s.",
                 f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1), kind)
     return model
+
+
+def _refuse_vision_language(model_args: ModelArguments) -> None:
+    """A stage that does not train vision-language models, given one: say so before the weights load."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(model_args)
+    config = AutoConfig.from_pretrained(path, **_hub_kwargs(model_args))
+    if vision_language_type(config) is not None:
+        raise ConfigError(f"{path} is a vision-language model ({config.model_type}); stages sft, dpo and kto train "
+                          "those here, this one does not yet (docs/multimodal.md).")
 
 
 def upcast_layernorm(model) -> int:
@@ -340,6 +380,13 @@ def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = 
     if head == "causal_lm":
         if model_args.rope_scaling:
             kwargs["config"] = scale_rope(AutoConfig.from_pretrained(path, **_hub_kwargs(model_args)), model_args)
+        config = kwargs.get("config") or AutoConfig.from_pretrained(path, **_hub_kwargs(model_args))
+        model_type = vision_language_type(config)
+        if model_type is not None:
+            from transformers import AutoModelForImageTextToText
+
+            check_supported(model_type, path)
+            return AutoModelForImageTextToText.from_pretrained(path, **kwargs)
         return _one_cpu_kernel(AutoModelForCausalLM.from_pretrained(path, **kwargs))
 
     # The reward score is read at each sequence's last real token; transformers finds that token via
@@ -874,6 +921,9 @@ def add_lora(model, finetuning_args: FinetuningArguments, *, head: Head = "causa
                 f"lora_target: {', '.join(missing)} not found in the model; its linear layers are "
                 f"{', '.join(find_linear_modules(model))} (or use lora_target=all)."
             )
+    vision_type = vision_language_type(model.config)
+    if vision_type is not None:  # the named layers, outside the parts the freeze keys keep frozen
+        targets = lora_target_pattern(model, vision_type, finetuning_args, targets)
     modules_to_save = [m.strip() for m in (finetuning_args.additional_target or "").split(",") if m.strip()]
     if head == "reward" and "score" not in modules_to_save:
         modules_to_save.append("score")  # a fresh score head must train in full, and is saved with the adapter

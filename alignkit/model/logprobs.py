@@ -347,6 +347,7 @@ def labelled_forward(
     call: Optional[torch.nn.Module] = None,
     keep_hidden: bool = False,
     logits: bool = False,
+    model_inputs: Optional[dict] = None,
 ) -> LabelledForward:
     """The one per-token forward: run a causal LM once and score only the positions whose next token is labelled.
 
@@ -372,7 +373,11 @@ def labelled_forward(
         keep_hidden: also return the hidden states entering the output layer (`LabelledForward.hidden`).
         logits: return the kept positions' `[K, V]` logits instead of their log-probs (e.g. for a temperature, an
             entropy or a KL over the whole vocabulary).
+        model_inputs: more inputs of the model's call, rows as in `input_ids` (a vision-language model's
+            `pixel_values` and what comes with them); padded layout only.
     """
+    if model_inputs and padding_free:
+        raise ValueError("model_inputs (e.g. pixel_values) need the padded layout: padding_free=False.")
     inner = getattr(model, "module", model)  # DDP / DataParallel; PeftModel forwards the lookup itself
     if not isinstance(inner.get_output_embeddings(), torch.nn.Module):
         raise TypeError(f"{type(inner).__name__} has no output layer (get_output_embeddings() is None): per-token "
@@ -398,7 +403,8 @@ def labelled_forward(
           packed_attention(model, flat) if flat is not None else contextlib.nullcontext(),
           _hidden_instead_of_logits(head) if head is not None else contextlib.nullcontext()):
         if flat is None:
-            outputs = call(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            outputs = call(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                           **(model_inputs or {})).logits
         else:
             outputs = call(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False).logits
     if logits:
@@ -446,16 +452,19 @@ def forward_sequence_logps(
     labels: torch.Tensor,
     *,
     padding_free: bool = False,
+    model_inputs: Optional[dict] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a causal LM and return each row's summed log-probability of its labelled tokens.
 
     Args:
         model, input_ids, attention_mask, labels, padding_free: as for `forward_token_logps`.
+        model_inputs: as for `labelled_forward` (a vision-language batch's pixel inputs).
 
     Returns:
         `(logps, lengths)`: `[N]` float32 sums of `log p(token)` over labelled tokens, `[N]` int64 counts.
     """
-    return labelled_forward(model, input_ids, attention_mask, labels, padding_free=padding_free).sequence_sums()
+    return labelled_forward(model, input_ids, attention_mask, labels, padding_free=padding_free,
+                            model_inputs=model_inputs).sequence_sums()
 
 
 __all__ = [

@@ -17,6 +17,18 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# ChatML whose message content may also be a list of parts (`{"type": "image"}` -> `<image>`, `{"type": "text"}`), as
+# processors' templates take them (TRL renders such messages through the processor).
+VLM_CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 _CORPUS = [
     "The capital of France is Paris. The capital of Japan is Tokyo.",
     "Write a short poem about the sea. The waves roll in and out again.",
@@ -95,4 +107,71 @@ def save_tiny_model(path: str | os.PathLike, seed: int = 0) -> Path:
     model = build_tiny_model(len(tokenizer), seed=seed)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    return out
+
+
+def save_tiny_vlm(path: str | os.PathLike, seed: int = 0, architecture: str = "llava") -> Path:
+    """Write a tiny random vision-language model with its processor to `path`, loadable with
+    `AutoModelForImageTextToText` / `AutoProcessor`; both have 2-layer vision towers and a 2-layer Llama, and give
+    4 image tokens per image.
+
+    Args:
+        architecture: `llava` (CLIP tower on 28x28 images, `LlavaProcessor`) or `idefics3` (SigLIP-style tower on
+            56x56 images, pixel shuffle by 2, `Idefics3Processor` without image splitting).
+    """
+    import torch
+    from transformers import LlamaConfig
+    from transformers.utils import logging as hf_logging
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer()
+    extra = ["<fake_token_around_image>", "<global-img>"] if architecture == "idefics3" else []
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|im_start|>", "<image>", *extra]})
+    tokenizer.chat_template = VLM_CHATML_TEMPLATE
+    text_config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                              max_position_embeddings=1024, bos_token_id=None, eos_token_id=2, pad_token_id=2)
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "requires torchvision ... falling back to the PIL backend": expected here
+    try:
+        if architecture == "llava":
+            from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
+                                      LlavaProcessor)
+
+            image_processor = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+            processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
+                                       vision_feature_select_strategy="default", image_token="<image>",
+                                       num_additional_image_tokens=1, chat_template=tokenizer.chat_template)
+            config = LlavaConfig(
+                vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32),
+                text_config=text_config, image_token_index=image_token_id, vision_feature_layer=-1,
+                vision_feature_select_strategy="default", tie_word_embeddings=True)
+            model_class = LlavaForConditionalGeneration
+        elif architecture == "idefics3":
+            from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
+                                      Idefics3Processor, Idefics3VisionConfig)
+
+            image_processor = Idefics3ImageProcessor(size={"longest_edge": 56}, max_image_size={"longest_edge": 56},
+                                                     do_image_splitting=False)
+            processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
+                                          chat_template=tokenizer.chat_template)
+            config = Idefics3Config(
+                vision_config=Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                   num_attention_heads=2, image_size=56, patch_size=14),
+                text_config=text_config, image_token_id=image_token_id, scale_factor=2, tie_word_embeddings=True,
+                pad_token_id=2)
+            model_class = Idefics3ForConditionalGeneration
+        else:
+            raise ValueError(f"architecture={architecture!r}: expected 'llava' or 'idefics3'.")
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    torch.manual_seed(seed)
+    model = model_class(config)
+    model.generation_config.pad_token_id = 2
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
     return out

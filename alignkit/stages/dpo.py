@@ -11,7 +11,8 @@ What this file simplifies, and why:
   into rows no wider than its longest sequence (`alignkit.model.padding_free`), and only response
   positions reach the output layer. A preference batch pads 2B rows to the longest of chosen and
   rejected, so this is where most of a padded step's time and activation memory would go; the
-  log-probs are the same.
+  log-probs are the same. A vision-language batch (images: `alignkit.data.multimodal`) runs padded
+  instead, chosen and rejected rows each with the pair's prompt images, for policy and reference alike.
 - The reference is the policy as it was at step 0, and never a second model read from disk (except under
   DeepSpeed ZeRO-3, see `StageTrainer`): under LoRA the same weights with the adapter disabled
   (`with model.disable_adapter()`), under full or freeze fine-tuning a frozen deep copy made in memory when
@@ -432,8 +433,11 @@ class DPOTrainer(StageTrainer):
 
     def _sequence_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed log-probs [2B] and response lengths [2B] of every row of a pairwise batch under `model`."""
+        from ..data.multimodal import image_inputs
+
+        pixels = image_inputs(inputs)  # a vision-language batch runs padded, with its images
         return forward_sequence_logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"],
-                                      padding_free=self.args.padding_free)
+                                      padding_free=self.args.padding_free and not pixels, model_inputs=pixels)
 
     def _with_reference_logps(self, dataset: "Dataset", name: str) -> "Dataset":
         """`dataset` plus `ref_chosen_logps` / `ref_rejected_logps` columns, from the cache when it has them."""
@@ -520,24 +524,32 @@ def run_dpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     `generated_predictions.jsonl`, as the rm stage writes its rewards.
     """
     from ..data import PairwiseCollator, get_dataset
-    from ..model.loader import load_model, load_tokenizer
+    from ..data.multimodal import image_collator
+    from ..model.loader import load_image_processing, load_model, load_tokenizer
     from .base import check_splits
 
     tokenizer = load_tokenizer(config.model)
-    datasets = get_dataset(config, tokenizer, DATA_KIND)
+    images = load_image_processing(config.model, tokenizer)
+    datasets = get_dataset(config, tokenizer, DATA_KIND, images=images)
     check_splits(config, datasets)
-    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
+    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train, vision=True)
+    data_collator = PairwiseCollator(tokenizer)
+    if images is not None:  # both replies of a pair see the prompt's images
+        data_collator = image_collator(data_collator, images, pairwise=True,
+                                       stepping_aside=["padding_free"] if config.training.padding_free else [])
     trainer = DPOTrainer(
         model=model,
         args=config.training,
         dpo_args=config.method,
-        data_collator=PairwiseCollator(tokenizer),
+        data_collator=data_collator,
         processing_class=tokenizer,
         callbacks=callbacks,
         **datasets,
     )
     run_stage_trainer(trainer, config, save_predictions=lambda output: save_pair_predictions(
         config.training.output_dir, output.predictions, trainer.eval_dataset, tokenizer))
+    if images is not None and config.training.do_train and trainer.is_world_process_zero():
+        images.save(config.training.output_dir)
 
 
 __all__ = [

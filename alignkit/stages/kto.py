@@ -23,6 +23,8 @@ What this file simplifies, and why:
   x processes, as TRL groups them by the training batch size), and each evaluation batch estimates its own z0. Under several processes a
   batch is the union of the processes' batches (z0 from all their mismatched rows, without the rows accelerate
   repeats to fill the last evaluation round), so N processes x batch b estimate what one process x N*b does.
+- Rows with images (a vision-language model, `alignkit.data.multimodal`) run padded with their pixel inputs; a
+  mismatched row keeps its own row's prompt and images whole (only the borrowed reply is cut to fit).
 - The reference is the policy at step 0, as in DPO (`StageTrainer.reference()`): the adapter disabled
   under LoRA, a frozen in-memory copy under full / freeze fine-tuning. Reference log-probs are computed
   on the fly (no `precompute_ref_log_probs` here).
@@ -210,14 +212,20 @@ def with_mismatched_rows(dataset: "Dataset", group_size: int, max_length: Option
     """
     from ..data.processors import infer_seqlen
 
+    from ..data.multimodal import has_images
+
     if "kl_input_ids" in dataset.column_names:
         return dataset
+    # A prompt with images keeps all its tokens (a cut image would no longer match its pixels): only the reply is cut.
+    whole_prompts = has_images(dataset)
     input_ids, labels = dataset["input_ids"], dataset["labels"]
     prompt_lengths = [_prompt_length(row) for row in labels]
     kl_input_ids, kl_labels = [], []
     for i, j in enumerate(rotated_partners(len(dataset), group_size if group_size > 1 else len(dataset))):
         prompt, reply = input_ids[i][:prompt_lengths[i]], input_ids[j][prompt_lengths[j]:]
-        if max_length is not None and len(prompt) + len(reply) > max_length:
+        if max_length is not None and len(prompt) + len(reply) > max_length and whole_prompts:
+            reply = reply[:max(max_length - len(prompt), 0)]
+        elif max_length is not None and len(prompt) + len(reply) > max_length:
             source_len, target_len = infer_seqlen(len(prompt), len(reply), max_length)
             prompt, reply = prompt[len(prompt) - source_len:], reply[:target_len]
         kl_input_ids.append(prompt + reply)
@@ -272,9 +280,15 @@ class KTOTrainer(StageTrainer):
 
     def _sequence_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor], prefix: str = ""
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed log-probs [B] and reply lengths [B] of the batch's rows (`prefix="kl_"`: its mismatched rows)."""
+        """Summed log-probs [B] and reply lengths [B] of the batch's rows (`prefix="kl_"`: its mismatched rows).
+
+        With images, a mismatched row has its own row's prompt, so it takes the same pixel inputs."""
+        from ..data.multimodal import image_inputs
+
+        pixels = image_inputs(inputs)  # a vision-language batch runs padded, with its images
         return forward_sequence_logps(model, inputs[f"{prefix}input_ids"], inputs[f"{prefix}attention_mask"],
-                                      inputs[f"{prefix}labels"], padding_free=self.args.padding_free)
+                                      inputs[f"{prefix}labels"], padding_free=self.args.padding_free and not pixels,
+                                      model_inputs=pixels)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logps, lengths = self._sequence_logps(model, inputs)
@@ -389,25 +403,33 @@ def run_kto(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     desirable flag to `generated_predictions.jsonl`.
     """
     from ..data import UnpairedCollator, get_dataset
-    from ..model.loader import load_model, load_tokenizer
+    from ..data.multimodal import image_collator
+    from ..model.loader import load_image_processing, load_model, load_tokenizer
     from .base import check_splits
 
     tokenizer = load_tokenizer(config.model)
-    datasets = get_dataset(config, tokenizer, DATA_KIND)
+    images = load_image_processing(config.model, tokenizer)
+    datasets = get_dataset(config, tokenizer, DATA_KIND, images=images)
     check_splits(config, datasets)
-    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
+    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train, vision=True)
+    data_collator = UnpairedCollator(tokenizer)
+    if images is not None:
+        data_collator = image_collator(data_collator, images,
+                                       stepping_aside=["padding_free"] if config.training.padding_free else [])
     trainer = KTOTrainer(
         model=model,
         args=config.training,
         kto_args=config.method,
         kl_max_length=config.data.cutoff_len,
-        data_collator=UnpairedCollator(tokenizer),
+        data_collator=data_collator,
         processing_class=tokenizer,
         callbacks=callbacks,
         **datasets,
     )
     run_stage_trainer(trainer, config, save_predictions=lambda output: save_unpaired_predictions(
         config.training.output_dir, output.predictions, output.label_ids, trainer.eval_dataset, tokenizer))
+    if images is not None and config.training.do_train and trainer.is_world_process_zero():
+        images.save(config.training.output_dir)
 
 
 __all__ = [

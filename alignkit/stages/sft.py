@@ -116,7 +116,9 @@ class SFTTrainer(StageTrainer):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         flat = None
-        if self.args.padding_free and not return_outputs and "position_ids" not in inputs and "attention_mask" in inputs:
+        # Padding-free layouts hold text only: a batch with images (pixel_values) runs padded, as the model takes it.
+        padding_free = self.args.padding_free and "pixel_values" not in inputs
+        if padding_free and not return_outputs and "position_ids" not in inputs and "attention_mask" in inputs:
             # Training: only the sum of the targets' log-probs is needed, so the output layer runs on the
             # labelled positions alone (a prompt token's logits carry no loss) and log-probs are gathered
             # chunk by chunk, never holding a (tokens x vocab) log-softmax (`alignkit.model.logprobs`).
@@ -127,7 +129,7 @@ class SFTTrainer(StageTrainer):
             # Packed rows: transformers derives the block-diagonal mask from position resets only
             # when no 2D mask is given (the collator still returns it so the Trainer can count tokens).
             inputs.pop("attention_mask", None)
-        elif self.args.padding_free and "attention_mask" in inputs:
+        elif padding_free and "attention_mask" in inputs:
             # The same mechanism for an unpacked batch: its real tokens packed into rows. sft_loss shifts labels
             # along each row, so each example's first label must not be a target of the previous example.
             flat = flatten_padded(inputs.pop("input_ids"), inputs.pop("attention_mask"), labels,
@@ -208,17 +210,25 @@ def _run_causal_lm(config: Config, callbacks: list, data_kind: str) -> None:
     from ..data import get_dataset
     from ..data.collator import SupervisedCollator
     from ..data.packing import PackedCollator, pack_dataset
-    from ..model.loader import load_model, load_tokenizer
+    from ..data.multimodal import image_collator
+    from ..model.loader import load_image_processing, load_model, load_tokenizer
 
     t = config.training
     tokenizer = load_tokenizer(config.model)
-    datasets = get_dataset(config, tokenizer, data_kind)
+    images = load_image_processing(config.model, tokenizer) if data_kind != PT_DATA_KIND else None
+    datasets = get_dataset(config, tokenizer, data_kind, images=images)
     check_splits(config, datasets)
-    model = load_model(config.model, config.finetuning, is_trainable=t.do_train)
+    model = load_model(config.model, config.finetuning, is_trainable=t.do_train, vision=data_kind == SFT_DATA_KIND)
 
     train_dataset, eval_dataset = datasets.get("train_dataset"), datasets.get("eval_dataset")
     data_collator = SupervisedCollator(tokenizer)
-    if config.data.packing:
+    if images is not None:
+        if t.predict_with_generate:
+            raise ConfigError("predict_with_generate is not supported for vision-language models yet (generation "
+                              "does not pass the images); evaluate by loss, or chat with `alignkit chat`.")
+        data_collator = image_collator(data_collator, images, stepping_aside=[
+            key for key, on in (("packing", config.data.packing), ("padding_free", t.padding_free)) if on])
+    if config.data.packing and images is None:
         if train_dataset is not None:
             train_dataset = pack_dataset(train_dataset, config.data.cutoff_len)
         if eval_dataset is not None:  # loss-based evaluation: generation with packing was refused above
@@ -247,6 +257,8 @@ def _run_causal_lm(config: Config, callbacks: list, data_kind: str) -> None:
     if t.predict_with_generate:
         save = lambda output: trainer.save_predictions(eval_dataset, output)  # noqa: E731
     run_stage_trainer(trainer, config, predict_dataset=eval_dataset, save_predictions=save)
+    if images is not None and t.do_train and trainer.is_world_process_zero():
+        images.save(t.output_dir)
 
 
 def run_sft(config: Config, callbacks: list) -> None:

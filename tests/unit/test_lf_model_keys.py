@@ -20,7 +20,8 @@ def test_every_new_key_is_in_help_keys():
                 "quantization_device_map", "use_dora", "use_rslora", "pissa_init", "pissa_iter", "pissa_convert",
                 "loraplus_lr_ratio", "loraplus_lr_embedding", "flash_attn", "shift_attn", "enable_liger_kernel",
                 "use_unsloth", "upcast_layernorm", "disable_gradient_checkpointing", "mask_history", "enable_thinking", "rope_scaling",
-                "model_max_length"):
+                "model_max_length", "image_max_pixels", "image_min_pixels", "freeze_vision_tower",
+                "freeze_multi_modal_projector", "freeze_language_model"):
         assert key in keys, key
 
 

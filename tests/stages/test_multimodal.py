@@ -1,0 +1,381 @@
+"""Vision-language models on tiny random LLaVA / Idefics3 built in the test (`model.tiny.save_tiny_vlm`): image
+rows in LLaMA-Factory's and TRL's shapes, bad images refused before the model loads, SFT with the vision tower frozen
+(and not), image positions unlabelled, the adapter reloaded with plain peft generating from an image, and DPO
+with images (first-step loss ln 2 with the reference equal to the policy)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from alignkit.constants import IGNORE_INDEX
+from alignkit.errors import DataError
+from alignkit.train import run_train
+from tests.helpers import tiny_config
+
+USER_Q = [("Who are they?", "Two players."), ("What colour is it?", "It is green."),
+          ("How many are there?", "Three."), ("What is in the picture?", "The sea.")]
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    from alignkit.model.tiny import save_tiny_vlm
+
+    return save_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm"))
+
+
+@pytest.fixture(scope="module", params=["llava", "idefics3"])
+def any_vlm(request, tmp_path_factory):
+    """(folder, architecture) of each architecture docs/multimodal.md says has run."""
+    from alignkit.model.tiny import save_tiny_vlm
+
+    return save_tiny_vlm(tmp_path_factory.mktemp(f"tiny_{request.param}"), architecture=request.param), request.param
+
+
+def write_png(path: Path, seed: int, size=(40, 30)) -> None:
+    from PIL import Image
+
+    pixels = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype("uint8")
+    Image.fromarray(pixels).save(path)
+
+
+def mllm_demo(folder: Path, rows: int = 4) -> Path:
+    """LLaMA-Factory's `mllm_demo` layout: sharegpt `messages` with `<image>`, an `images` column of paths
+    relative to dataset_dir, registered in dataset_info.json."""
+    (folder / "mllm_demo_data").mkdir(parents=True, exist_ok=True)
+    data = []
+    for i in range(rows):
+        write_png(folder / "mllm_demo_data" / f"{i}.png", seed=i)
+        question, answer = USER_Q[i % len(USER_Q)]
+        data.append({"messages": [{"role": "user", "content": f"<image>{question}"},
+                                  {"role": "assistant", "content": answer}],
+                     "images": [f"mllm_demo_data/{i}.png"]})
+    (folder / "mllm_demo.json").write_text(json.dumps(data))
+    (folder / "dataset_info.json").write_text(json.dumps({"mllm_demo": {
+        "file_name": "mllm_demo.json", "formatting": "sharegpt",
+        "columns": {"messages": "messages", "images": "images"},
+        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}}))
+    return folder
+
+
+def vlm_config(vlm_dir, tmp_path, **keys):
+    values = dict(stage="sft", do_train=True, dataset="mllm_demo", dataset_dir=str(tmp_path), finetuning_type="lora",
+                  lora_rank=4, cutoff_len=64, per_device_train_batch_size=2, max_steps=2, learning_rate=1e-2, save_strategy="no",
+                  report_to="none", logging_steps=1)
+    values.update(keys)
+    return tiny_config(vlm_dir, tmp_path / "out", **values)
+
+
+def load_data(vlm_dir, tmp_path, kind="supervised", **keys):
+    from alignkit.data import get_dataset
+    from alignkit.model.loader import load_image_processing, load_tokenizer
+
+    config = vlm_config(vlm_dir, tmp_path, **keys)
+    tokenizer = load_tokenizer(config.model)
+    images = load_image_processing(config.model, tokenizer)
+    return get_dataset(config, tokenizer, kind, images=images)["train_dataset"], images
+
+
+# ---------------------------------------------------------------------------------------------- data
+def test_mllm_demo_rows_get_image_tokens_unlabelled(vlm_dir, tmp_path):
+    dataset, images = load_data(vlm_dir, mllm_demo(tmp_path))
+    assert len(dataset) == 4
+    row = dataset[0]
+    # 28x28 image, 14-pixel patches: 4 image tokens, where the <image> placeholder stood
+    assert row["input_ids"].count(images.image_token_id) == 4
+    assert row["images"] == [str(tmp_path / "mllm_demo_data" / "0.png")]
+    assert all(label == IGNORE_INDEX for token, label in zip(row["input_ids"], row["labels"])
+               if token == images.image_token_id)
+    # train_on_prompt labels the prompt, never the image tokens
+    prompt_trained, _ = load_data(vlm_dir, tmp_path, train_on_prompt=True, overwrite_cache=True)
+    row = prompt_trained[0]
+    image_labels = [label for token, label in zip(row["input_ids"], row["labels"]) if token == images.image_token_id]
+    assert image_labels == [IGNORE_INDEX] * 4 and row["labels"][0] != IGNORE_INDEX
+
+
+def test_trl_image_content_parts(vlm_dir, tmp_path):
+    write_png(tmp_path / "cat.png", seed=7)
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}],
+             "images": ["cat.png"]}]
+    (tmp_path / "trl.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    dataset, images = load_data(vlm_dir, tmp_path, dataset="trl.jsonl")
+    assert dataset[0]["input_ids"].count(images.image_token_id) == 4
+    assert dataset[0]["images"] == [str(tmp_path / "cat.png")]
+
+
+@pytest.mark.parametrize("problem", ["missing", "corrupt", "count"])
+def test_bad_images_are_named_before_the_model_loads(vlm_dir, tmp_path, problem, monkeypatch):
+    from alignkit.model import loader
+
+    mllm_demo(tmp_path, rows=3)
+    data = json.loads((tmp_path / "mllm_demo.json").read_text())
+    if problem == "missing":
+        data[1]["images"] = ["mllm_demo_data/nowhere.png"]
+        expected = r"mllm_demo.json, row 2: field `images\[0\]`: image file .*nowhere.png does not exist"
+    elif problem == "corrupt":
+        (tmp_path / "mllm_demo_data" / "1.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+        expected = r"mllm_demo.json, row 2: field `images\[0\]`: image file .*1.png cannot be read as an image"
+    else:
+        data[1]["images"] = data[1]["images"] * 2
+        expected = r"mllm_demo.json, row 2: field `images`: 2 image\(s\) but 1 <image> placeholder\(s\)"
+    (tmp_path / "mllm_demo.json").write_text(json.dumps(data))
+    monkeypatch.setattr(loader, "_load_base", lambda *a, **k: pytest.fail("the model loaded before the data check"))
+    with pytest.raises(DataError, match=expected):
+        run_train(vlm_config(vlm_dir, tmp_path))
+
+
+def test_images_refused_for_a_text_only_model(tiny_model_dir, tmp_path):
+    mllm_demo(tmp_path, rows=1)
+    config = tiny_config(tiny_model_dir, tmp_path / "out", stage="sft", dataset="mllm_demo", dataset_dir=str(tmp_path))
+    with pytest.raises(DataError, match=r"maps `images`.*The model is text-only"):
+        run_train(config)
+
+
+# ---------------------------------------------------------------------------------------------- sft
+class Snapshot(TrainerCallback):
+    """Parameters at train begin and end."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.after = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def changed(snapshot, part):
+    names = [n for n in snapshot.before if part in n]
+    assert names, part
+    return {n for n in names if not torch.equal(snapshot.before[n], snapshot.after[n])}
+
+
+def record_batches(monkeypatch, trainer_class, into: list):
+    """Append to `into` every batch `trainer_class.compute_loss` is given."""
+    original = trainer_class.compute_loss
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        into.append({k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)})
+        return original(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_class, "compute_loss", compute_loss)
+
+
+def test_sft_lora_trains_the_language_model_only_and_reloads_with_peft(any_vlm, tmp_path, monkeypatch, caplog):
+    from peft import PeftModel
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from alignkit.callbacks import read_log
+    from alignkit.model.multimodal import VISION_PARTS
+
+    vlm_dir, architecture = any_vlm
+    vision, projector, language = (part.split(".")[-1] for part in VISION_PARTS[architecture])
+    from alignkit.stages.sft import SFTTrainer
+
+    batches: list = []
+    record_batches(monkeypatch, SFTTrainer, batches)
+    snapshot = Snapshot()
+    config = vlm_config(vlm_dir, mllm_demo(tmp_path))
+    with caplog.at_level("INFO", logger="alignkit.data.multimodal"):
+        run_train(config, callbacks=[snapshot])
+    assert "packing and padding_free off" not in caplog.text and "padding_free off" in caplog.text
+    losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    processor = AutoProcessor.from_pretrained(vlm_dir)
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    special = set(processor.tokenizer.all_special_ids) - {processor.tokenizer.eos_token_id}
+    for batch in batches:
+        assert "pixel_values" in batch
+        assert (batch["input_ids"] == image_token).sum() == 2 * 4  # 2 rows, 4 tokens per image
+        image_positions = torch.isin(batch["input_ids"], torch.tensor(sorted(special)))
+        assert image_positions.any() and (batch["labels"][image_positions] == IGNORE_INDEX).all()
+    assert not changed(snapshot, vision) and not changed(snapshot, projector)
+    assert changed(snapshot, language) and all("lora_" in n for n in changed(snapshot, language))
+
+    out = Path(config.training.output_dir)
+    base = AutoModelForImageTextToText.from_pretrained(vlm_dir)
+    model = PeftModel.from_pretrained(base, out).eval()
+    processor = AutoProcessor.from_pretrained(out)
+    inputs = processor(text=["<|im_start|>user\n<image>Who are they?<|im_end|>\n<|im_start|>assistant\n"],
+                       images=[[Image.open(tmp_path / "mllm_demo_data" / "0.png")]], return_tensors="pt")
+    generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] > inputs["input_ids"].shape[1]
+
+
+def test_sft_full_with_the_vision_tower_unfrozen(vlm_dir, tmp_path):
+    snapshot = Snapshot()
+    config = vlm_config(vlm_dir, mllm_demo(tmp_path), finetuning_type="full", freeze_vision_tower=False,
+                        learning_rate=1e-3)
+    run_train(config, callbacks=[snapshot])
+    assert changed(snapshot, "vision_tower") and changed(snapshot, "language_model")
+    assert not changed(snapshot, "multi_modal_projector")  # freeze_multi_modal_projector: true by default
+
+
+def test_image_parts_refused_for_a_text_only_model(tiny_model_dir, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+                          {"role": "assistant", "content": "A cat."}]}]
+    (tmp_path / "trl.jsonl").write_text(json.dumps(rows[0]))
+    config = tiny_config(tiny_model_dir, tmp_path / "out", stage="sft", dataset=str(tmp_path / "trl.jsonl"))
+    with pytest.raises(DataError, match=r"trl.jsonl, line 1 has an image content part.*The model is text-only"):
+        run_train(config)
+
+
+# ---------------------------------------------------------------------------------------------- dpo
+def mllm_pairs(folder: Path, rows: int = 4) -> Path:
+    """LLaMA-Factory's multimodal preference rows: sharegpt prompt with `<image>`, chosen/rejected replies."""
+    mllm_demo(folder, rows)
+    data = []
+    for i in range(rows):
+        question, answer = USER_Q[i % len(USER_Q)]
+        data.append({"conversations": [{"from": "human", "value": f"<image>{question}"}],
+                     "chosen": {"from": "gpt", "value": answer}, "rejected": {"from": "gpt", "value": "I do not know."},
+                     "images": [f"mllm_demo_data/{i}.png"]})
+    (folder / "mllm_pairs.json").write_text(json.dumps(data))
+    registry = json.loads((folder / "dataset_info.json").read_text())
+    registry["mllm_pairs"] = {"file_name": "mllm_pairs.json", "formatting": "sharegpt", "ranking": True,
+                              "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected",
+                                          "images": "images"}}
+    (folder / "dataset_info.json").write_text(json.dumps(registry))
+    return folder
+
+
+def test_dpo_with_images_starts_at_ln2_and_trains(vlm_dir, tmp_path, monkeypatch):
+    from alignkit.callbacks import read_log
+    from alignkit.stages.dpo import DPOTrainer
+
+    batches: list = []
+    record_batches(monkeypatch, DPOTrainer, batches)
+    config = vlm_config(vlm_dir, mllm_pairs(tmp_path), stage="dpo", dataset="mllm_pairs", pref_beta=0.1)
+    run_train(config)
+    losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the policy at step 0
+    first = batches[0]
+    assert first["input_ids"].shape[0] == 4 and first["pixel_values"].shape == (4, 3, 28, 28)
+    # row i (chosen) and row i + 2 (rejected) of a pair carry the same image
+    assert torch.equal(first["pixel_values"][:2], first["pixel_values"][2:])
+
+
+def test_stages_without_image_support_refuse_a_vision_language_model(vlm_dir, tmp_path, monkeypatch):
+    from alignkit.errors import ConfigError
+    from alignkit.model import loader
+
+    pair = {"prompt": "Who are they?", "chosen": "Two players.", "rejected": "I do not know."}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(pair))
+    monkeypatch.setattr(loader, "_load_base", lambda *a, **k: pytest.fail("the weights loaded before the check"))
+    config = tiny_config(vlm_dir, tmp_path / "out", stage="rm", do_train=True, dataset=str(tmp_path / "pairs.jsonl"))
+    with pytest.raises(ConfigError, match=r"is a vision-language model \(llava\); stages sft, dpo and kto train those"):
+        run_train(config)
+
+
+def test_alpaca_rows_with_image_placeholders(vlm_dir, tmp_path):
+    write_png(tmp_path / "a.png", seed=3)
+    write_png(tmp_path / "b.png", seed=4)
+    rows = [{"instruction": "<image>Compare with <image>.", "input": "Briefly.", "output": "Both are noise.",
+             "images": ["a.png", "b.png"]}]
+    (tmp_path / "alpaca.json").write_text(json.dumps(rows))
+    dataset, images = load_data(vlm_dir, tmp_path, dataset="alpaca.json")
+    assert dataset[0]["input_ids"].count(images.image_token_id) == 8
+    assert dataset[0]["images"] == [str(tmp_path / "a.png"), str(tmp_path / "b.png")]
+
+
+# ---------------------------------------------------------------------------------------------- chat
+def test_chat_with_an_image_passes_its_pixels(vlm_dir, tmp_path, monkeypatch):
+    import io
+
+    from alignkit import chat as chat_module
+    from alignkit.config import GeneratingArguments, ModelArguments
+    from alignkit.errors import ConfigError
+
+    write_png(tmp_path / "cat.png", seed=5)
+    seen = []
+    original = chat_module.generate
+
+    def generate(model, tokenizer, input_ids, attention_mask, **kwargs):
+        seen.append((input_ids, kwargs.get("model_inputs") or {}))
+        return original(model, tokenizer, input_ids, attention_mask, **kwargs)
+
+    monkeypatch.setattr(chat_module, "generate", generate)
+    model_args = ModelArguments(model_name_or_path=str(vlm_dir))
+    reply = chat_module.chat(model_args, GeneratingArguments(max_new_tokens=3), prompt="What is it?",
+                             images=[str(tmp_path / "cat.png")], stream=io.StringIO())
+    assert isinstance(reply, str)
+    input_ids, pixels = seen[0]
+    assert pixels["pixel_values"].shape == (1, 3, 28, 28)
+    assert (input_ids == chat_module.chat_images(model_args, [str(tmp_path / "cat.png")]).image_token_id).sum() == 4
+    with pytest.raises(ConfigError, match=r"--image: image file .*nowhere.png does not exist"):
+        chat_module.chat(model_args, GeneratingArguments(), prompt="Hi", images=[str(tmp_path / "nowhere.png")])
+    with pytest.raises(ConfigError, match=r"2 image\(s\) given but the message holds 1 <image>"):
+        chat_module.chat(model_args, GeneratingArguments(), prompt="<image> and?",
+                         images=[str(tmp_path / "cat.png")] * 2, stream=io.StringIO())
+
+
+def test_chat_image_refused_for_a_text_only_model(tiny_model_dir, tmp_path):
+    from alignkit.chat import chat_images
+    from alignkit.config import ModelArguments
+    from alignkit.errors import ConfigError
+
+    write_png(tmp_path / "cat.png", seed=5)
+    with pytest.raises(ConfigError, match="--image needs a vision-language model; .* is text-only"):
+        chat_images(ModelArguments(model_name_or_path=str(tiny_model_dir)), [str(tmp_path / "cat.png")])
+
+
+# ---------------------------------------------------------------------------------------------- kto
+def test_kto_with_images_starts_at_one_half_and_trains(vlm_dir, tmp_path, monkeypatch):
+    from alignkit.callbacks import read_log
+    from alignkit.stages.kto import KTOTrainer
+
+    mllm_demo(tmp_path)
+    data = json.loads((tmp_path / "mllm_demo.json").read_text())
+    for i, row in enumerate(data):
+        row["kto_tag"] = i % 2 == 0
+    (tmp_path / "mllm_kto.json").write_text(json.dumps(data))
+    registry = json.loads((tmp_path / "dataset_info.json").read_text())
+    registry["mllm_kto"] = dict(registry["mllm_demo"], file_name="mllm_kto.json",
+                                columns=dict(registry["mllm_demo"]["columns"], kto_tag="kto_tag"))
+    (tmp_path / "dataset_info.json").write_text(json.dumps(registry))
+    batches: list = []
+    record_batches(monkeypatch, KTOTrainer, batches)
+    config = vlm_config(vlm_dir, tmp_path, stage="kto", dataset="mllm_kto")
+    run_train(config)
+    losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    # reference = policy at step 0: every reward and z0 are 0, each row's loss 1 - sigmoid(0)
+    assert losses[0] == pytest.approx(0.5, abs=1e-6)
+    first = batches[0]
+    assert first["pixel_values"].shape == (2, 3, 28, 28)
+    image_token = json.loads((Path(vlm_dir) / "config.json").read_text())["image_token_index"]
+    # a mismatched (KL) row keeps its own prompt, so its own image tokens, matching the row's pixels
+    assert ((first["kl_input_ids"] == image_token).sum(-1) == 4).all()
+
+
+def test_skip_invalid_rows_skips_a_row_with_a_missing_image(vlm_dir, tmp_path, caplog):
+    mllm_demo(tmp_path, rows=3)
+    data = json.loads((tmp_path / "mllm_demo.json").read_text())
+    data[1]["images"] = ["mllm_demo_data/nowhere.png"]
+    (tmp_path / "mllm_demo.json").write_text(json.dumps(data))
+    dataset, _ = load_data(vlm_dir, tmp_path, skip_invalid_rows=True)
+    assert len(dataset) == 2 and "nowhere.png does not exist" in caplog.text
+
+
+def test_freeze_keys_choose_the_lora_targets(vlm_dir):
+    from transformers import AutoModelForImageTextToText
+
+    from alignkit.config import FinetuningArguments
+    from alignkit.errors import ConfigError
+    from alignkit.model.loader import add_lora
+
+    model = add_lora(AutoModelForImageTextToText.from_pretrained(vlm_dir),
+                     FinetuningArguments(lora_target="all", freeze_multi_modal_projector=False))
+    adapted = {name.split(".lora_A")[0] for name, _ in model.named_parameters() if ".lora_A." in name}
+    assert any("multi_modal_projector" in n for n in adapted) and any("language_model" in n for n in adapted)
+    assert not any("vision_tower" in n or "lm_head" in n for n in adapted)
+    everything_frozen = FinetuningArguments(freeze_language_model=True)
+    with pytest.raises(ConfigError, match="are all true: nothing would train"):
+        add_lora(AutoModelForImageTextToText.from_pretrained(vlm_dir), everything_frozen)

@@ -121,3 +121,57 @@ def test_rloo_and_distill_targets_include_trl_real_default():
     assert got["peak_rss_mb alignkit/trl_default_bf16 <= 1.0"] is False
     assert got["completions_per_s alignkit/trl_best >= 1.0"] is None
     assert {t[0] for t in bench_run.TARGETS if t[1] == "completions_per_s"} == {"grpo", "rloo", "distill"}
+
+
+def test_online_sweep_grid_and_worker_arguments():
+    """Lengths (32, 64), generations (4, 8), 2 prompts: grpo (32, 4) on both axes, (64, 4) and (32, 8); 8, 8 and 16
+    completions per step. GRPO's --batch counts completions with G per prompt; PPO's counts prompts."""
+    from bench import sweep_online
+
+    grid = sweep_online.online_points((32, 64), (4, 8), 2, ["grpo", "ppo"])
+    grpo = {(p["length"], p["generations"]): p for p in grid if p["stage"] == "grpo"}
+    assert set(grpo) == {(32, 4), (64, 4), (32, 8)} and len(grid) == 6
+    assert grpo[(32, 4)]["axes"] == ["length", "generations"]
+    assert [grpo[k]["completions"] for k in ((32, 4), (64, 4), (32, 8))] == [8, 8, 16]
+    assert sweep_online.worker_args(grpo[(32, 8)]) == ["--batch", "16", "--max-completion-length", "32",
+                                                       "--num-generations", "8"]
+    ppo = next(p for p in grid if p["stage"] == "ppo" and p["generations"] == 8)
+    assert sweep_online.worker_args(ppo) == ["--batch", "16", "--max-completion-length", "32"]
+    assert sweep_online.variants_for("ppo", ["alignkit", "trl_best"]) == ["alignkit"]
+
+
+def test_online_sweep_counts_generated_tokens_and_fits_lines():
+    """GRPO: steps 3, 1 timed, generated [50, 60, 70] -> 70 per measured step. PPO: mean length 12.5 x 8 = 100.
+    Three points at 1k, 2k, 3k generated tokens taking 3, 5, 7 s: 1 s + 2 s per 1k tokens, no residual."""
+    from bench import sweep_online
+
+    assert sweep_online.generated_per_step({"steps": 3, "measured_steps": 1,
+                                            "generated_tokens_per_step": [50, 60, 70]}, 8) == 70
+    assert sweep_online.generated_per_step({"steps": 2, "measured_steps": 1, "response_length_mean": 12.5}, 8) == 100
+    settings = {"stages": ["grpo"], "variants": ["alignkit"], "lengths": [32, 64, 128], "generations": [4],
+                "prompts": 2, "model": "tiny", "steps": 2, "warmup": 1, "threads": 2}
+    runs = {f"grpo L{length} G4 alignkit": {"ok": True, "stage": "grpo", "variant": "alignkit", "length": length,
+                                            "generations": 4, "step_time_s": t, "peak_rss_mb": 500 + t,
+                                            "generation_s": t / 2, "training_s": t / 2,
+                                            "generated_tokens_per_measured_step": tokens}
+            for length, t, tokens in ((32, 3.0, 1000), (64, 5.0, 2000), (128, 7.0, 3000))}
+    report = {"settings": settings, "runs": runs, "command": "c", "date": "d", "complete": True,
+              "versions": {"trl": "1.16.0", "transformers": "t", "torch": "t"},
+              "machine": {"cpu": "cpu", "cores": 2},
+              "grid": sweep_online.online_points((32, 64, 128), (4,), 2, ["grpo"])}
+    report["fits"] = sweep_online.online_fits(report)
+    fit = report["fits"]["grpo alignkit length"]["step_time_s"]
+    assert fit["intercept"] == pytest.approx(1.0) and fit["slope"] == pytest.approx(2.0)
+    assert fit["max_relative_residual"] == pytest.approx(0.0, abs=1e-9)
+    markdown = sweep_online.render_online_sweep(report)
+    assert "| grpo | length+generations | 32 | 4 | 8 | alignkit | 3.00 | 1.50 | 1.50 | 1000 | 503 |" in markdown
+    assert "1.0 s + 2.00 s per 1k tokens" in markdown
+
+
+def test_sweep_of_online_stages_takes_its_own_defaults():
+    opts = bench_run.parse_args(["--sweep", "--stage", "grpo", "ppo"])
+    assert (opts.sweep_lengths, opts.sweep_generations, opts.sweep_prompts) == ((32, 64, 128, 256, 512), (4, 8, 16), 2)
+    assert opts.sweep_name == "sweep_online" and opts.variants == ["alignkit", "trl_best"]
+    assert bench_run.parse_args(["--sweep"]).sweep_name == "sweep"
+    with pytest.raises(SystemExit):
+        bench_run.parse_args(["--sweep", "--stage", "grpo", "sft"])

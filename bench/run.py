@@ -542,6 +542,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: bf16 autocast (bf16=True) in both tools, bf16 matmul probe. cpu: fp32, plus TRL's real "
                         "default (bf16=True) as trl_default_bf16, and fp32 and bf16 matmul probes.")
+    p.add_argument("--alignkit-bf16", choices=["false", "true", "auto"], default="false",
+                   help="cpu: alignkit's `bf16` key in its runs (false: fp32, as TRL's fp32 runs; true: bf16 autocast; "
+                        "auto: alignkit's own per-machine choice, where its config has it). MFU follows the precision "
+                        "each run used.")
     p.add_argument("--peer", nargs="+", choices=sorted(PEERS), action="extend", default=None,
                    help="Peers to compare alignkit with (repeatable; default: trl). `llamafactory` creates "
                         "LLaMA-Factory's own environment the first time (bench/llamafactory.py).")
@@ -619,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_runs(opts, stages, available)
     if opts.dry_run:
         dry: dict[str, Any] = {"stages": stages, "alignkit_available": available, "device": opts.device,
-                               "bf16": opts.device == "cuda", "peers": opts.peer, "runs": plan}
+                               "bf16": opts.device == "cuda", "alignkit_bf16": opts.alignkit_bf16, "peers": opts.peer,
+                               "runs": plan}
         if lf_wanted:
             venv = llamafactory.default_venv_dir()
             dry["llamafactory"] = {
@@ -675,6 +680,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--model-dir", model_dir, "--steps", str(opts.steps), "--warmup", str(opts.warmup),
                 "--batch", str(opts.batch), "--cutoff", str(opts.cutoff), "--lr", str(opts.lr),
                 "--threads", str(opts.threads), "--device", opts.device]
+        if tool == "alignkit":
+            args += ["--alignkit-bf16", opts.alignkit_bf16]
         if stage == "ppo":
             args += ["--max-completion-length", str(opts.max_completion_length)]
         if stage in ONLINE_STAGES:
@@ -711,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
         n = n_reward if stage == "rm" else n_causal
         stage_reports[stage] = {"matmul_params": n, "runs": stage_runs, **summarise_stage(stage_runs, n, peaks)}
     precision = ("bf16 autocast over fp32 weights" if opts.device == "cuda" else
-                 "fp32 (trl_default_bf16: TRL's bf16=True autocast)" if "trl_default_bf16" in opts.variants else "fp32")
+                 "fp32" + (f" (alignkit: bf16={opts.alignkit_bf16})" if opts.alignkit_bf16 != "false" else "")
+                 + (" (trl_default_bf16: TRL's bf16=True autocast)" if "trl_default_bf16" in opts.variants else ""))
     report = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
@@ -724,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"steps": opts.steps, "warmup": opts.warmup, "batch": opts.batch, "cutoff": opts.cutoff,
                      "lr": opts.lr, "reps": opts.reps, "threads": opts.threads, "device": opts.device,
                      "num_generations": opts.num_generations, "max_completion_length": opts.max_completion_length,
-                     "precision": precision, "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target": "all linear"},
+                     "precision": precision, "alignkit_bf16": opts.alignkit_bf16, "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target": "all linear"},
                      "variants": opts.variants,
                      "trl_default_overrides": "bf16=True" if opts.device == "cuda" else "bf16=False",
                      "trl_best": TRL_BEST},

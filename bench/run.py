@@ -1,17 +1,24 @@
 """alignkit against TRL 1.16 (and, with `--peer llamafactory`, LLaMA-Factory 0.9.5 in its own environment, see
-`bench.llamafactory`), side by side: `python -m bench [--stage sft rm dpo grpo] [--model tiny] [--reps 2]`.
+`bench.llamafactory`), side by side: `python -m bench [--stage sft rm dpo grpo rloo distill online_dpo ppo]
+[--model tiny] [--reps 2]`.
 
 For each stage both tools train the same LoRA adapter (r=8, alpha=16, dropout 0, every linear layer but the
 head) on the same model, the same generated data (see `bench.workloads`), the same batch, learning rate,
 cutoff and number of steps, in fp32 on the CPU (bf16 autocast over fp32 weights with `--device cuda`), with
 the same thread count. Every run is a fresh process (`python -m bench.worker`), and the runs alternate
 alignkit, TRL default, TRL best, alignkit, ... over `--reps` repetitions, so a slow spell of the machine
-touches all of them rather than one. "TRL default" is TRL's own config defaults except `bf16=False` on the
-CPU (which has no bf16); "TRL best" adds its faster settings (`bench.worker.TRL_BEST`).
+touches all of them rather than one. On the CPU, "TRL default" is TRL's own config defaults except `bf16=False`,
+and "TRL default bf16" (`trl_default_bf16`) is its real default, `bf16=True` (autocast on the CPU); "TRL best"
+adds its faster settings (`bench.worker.TRL_BEST`). `alignkit_qlora` (sft only, `--variants`) is alignkit on a
+4-bit base (`bench.worker.QLORA`).
+
+The online stages (grpo, rloo, distill, online_dpo) are measured in completions/s, `--batch` completions per step,
+with each step split into sampling and training (`bench.worker.ONLINE_STAGES`).
 
 The machine's limit is measured in the same run: a timed square `torch.mm` loop at the same thread count,
-before and after the training runs. Model-FLOPs utilisation (MFU) divides each trainer's model FLOPs per
-second by the faster of the two measurements.
+before and after the training runs, in fp32 and (on a CPU) bf16. Model-FLOPs utilisation (MFU) divides each
+trainer's model FLOPs per second by the faster of the two measurements in the precision the run computed in.
+The report names the CPU and its bf16 features (AVX512-BF16, AMX).
 
 Outputs: `<output-dir>/<name>.json` (everything, including per-step times) and `<name>.md` (the tables,
 also printed), by default `bench/results/latest.json` and `latest.md`. Time figures are never asserted by
@@ -39,16 +46,29 @@ if __package__ in (None, ""):  # `python bench/run.py`: make the repository root
 
 from bench import llamafactory, workloads  # noqa: E402
 from bench.sweep import add_sweep_arguments, finish_sweep_arguments  # noqa: E402
-from bench.worker import TRL_BEST  # noqa: E402
+from bench.worker import ONLINE_STAGES, QLORA, TRL_BEST, completions_per_prompt  # noqa: E402
 
-STAGES = ("sft", "rm", "dpo", "grpo", "ppo")
-VARIANTS = ("alignkit", "trl_default", "trl_best", "llamafactory")
-# The peers `--peer` chooses from, and the variants each one adds beside alignkit.
+STAGES = ("sft", "rm", "dpo", "grpo", "rloo", "distill", "online_dpo", "ppo")
+# What a plain `python -m bench` runs (with the TRL peer): the newer online stages are named with --stage.
+DEFAULT_STAGES = ("sft", "rm", "dpo", "grpo", "ppo")
+# alignkit_qlora: alignkit on a 4-bit base (bench.worker.QLORA); trl_default_bf16: TRL's real default, bf16=True
+# (on a CPU, where trl_default is its defaults with bf16=False).
+VARIANTS = ("alignkit", "alignkit_qlora", "trl_default", "trl_default_bf16", "trl_best", "llamafactory")
+# The peers `--peer` chooses from, and the variants each one adds beside alignkit. On a CPU the TRL peer also runs
+# its real default (`trl_default_bf16`); on CUDA trl_default is already bf16.
 PEERS = {"trl": ("trl_default", "trl_best"), "llamafactory": ("llamafactory",)}
 # Stages each tool's runner in bench/worker.py has. TRL 1.x has no PPO trainer; LLaMA-Factory has no GRPO, and its
 # PPO is attempted and fails (see bench.llamafactory.SETTINGS_THAT_DIFFER).
-TOOL_STAGES = {"alignkit": ("sft", "rm", "dpo", "grpo", "ppo"), "trl": ("sft", "rm", "dpo", "grpo"),
+TOOL_STAGES = {"alignkit": ("sft", "rm", "dpo", "grpo", "rloo", "distill", "online_dpo", "ppo"),
+               "trl": ("sft", "rm", "dpo", "grpo", "rloo", "distill", "online_dpo"),
                "llamafactory": llamafactory.LF_STAGES}
+# Variants that run only some of their tool's stages.
+VARIANT_STAGES = {"alignkit_qlora": ("sft",)}
+# The worker's --variant for each variant key.
+WORKER_VARIANT = {"trl_best": "best", "trl_default_bf16": "bf16", "alignkit_qlora": "qlora"}
+# (numerator, denominator) of the ratio rows: alignkit against each peer run, QLoRA against fp32 LoRA.
+RATIO_PAIRS = [("alignkit", other) for other in VARIANTS if not other.startswith("alignkit")] + [
+    ("alignkit_qlora", "alignkit")]
 BUNDLED = "smollm2-135m-instruct"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FIGURES = ("step_time_s", "tokens_per_s", "peak_rss_mb", "peak_gpu_mb", "final_loss", "mfu", "completions_per_s",
@@ -69,22 +89,32 @@ TARGETS = [
     ("dpo", "step_time_s", "trl_best", 1.0, "max"),
     ("dpo", "peak_rss_mb", "trl_default", 1.0, "max"),
     ("dpo", "peak_rss_mb", "trl_best", 1.0, "max"),
-    ("grpo", "completions_per_s", "trl_default", 2.0, "min"),
-    ("grpo", "completions_per_s", "trl_best", 1.0, "min"),
-    ("grpo", "peak_rss_mb", "trl_default", 1.0, "max"),
+    *[(stage, figure, other, bound, sense) for stage in ("grpo", "rloo", "distill")
+      for figure, other, bound, sense in (("completions_per_s", "trl_default", 2.0, "min"),
+                                          ("completions_per_s", "trl_best", 1.0, "min"),
+                                          ("peak_rss_mb", "trl_default", 1.0, "max"))],
     *[(stage, figure, "llamafactory", bound, sense) for stage in llamafactory.LF_STAGES
       for figure, bound, sense in (("tokens_per_s", 1.5, "min"), ("peak_rss_mb", 1.0, "max"))],
 ]
+# Every ratio held against TRL's defaults in fp32 also holds against its real default, bf16=True (issue 30).
+TARGETS += [(stage, figure, "trl_default_bf16", bound, sense) for stage, figure, other, bound, sense in TARGETS
+            if other == "trl_default"]
 
 
 def data_kind(stage: str) -> str:
-    """The generated data a stage trains on: `sft`, `pref` (rm, dpo), `prompt` (grpo) or `ppo_prompt` (ppo,
-    for alignkit and for LLaMA-Factory's attempt)."""
-    return {"sft": "sft", "grpo": "prompt", "ppo": "ppo_prompt"}.get(stage, "pref")
+    """The generated data a stage trains on: `sft`, `pref` (rm, dpo), `prompt` (grpo, rloo: `--num-generations`
+    completions per prompt), `distill_prompt` (one completion per prompt), `online_dpo_prompt` (two) or `ppo_prompt`
+    (ppo, one response per prompt, for alignkit and for LLaMA-Factory's attempt)."""
+    return {"sft": "sft", "grpo": "prompt", "rloo": "prompt", "distill": "distill_prompt",
+            "online_dpo": "online_dpo_prompt", "ppo": "ppo_prompt"}.get(stage, "pref")
+
+
+# Completions per prompt of each prompt data kind (None: `--num-generations`).
+PROMPT_KINDS = {"prompt": None, "distill_prompt": 1, "online_dpo_prompt": 2, "ppo_prompt": 1}
 
 
 def tool_of(variant: str) -> str:
-    return "trl" if variant.startswith("trl") else variant
+    return "trl" if variant.startswith("trl") else "alignkit" if variant.startswith("alignkit") else variant
 
 
 def alignkit_has_stage(stage: str) -> bool:
@@ -113,23 +143,21 @@ def prepare_data(model_dir: str, stages: list[str], n_rows: int, cutoff: int, wo
                  num_generations: int = 4) -> dict[str, Any]:
     """Generate, fit to the cutoff, and write each stage's data; returns paths and length statistics per stage.
 
-    GRPO gets `n_rows / num_generations` prompts (a step trains on `batch` completions, `num_generations`
-    per prompt), not fitted: a prompt alone stays far below the cutoff."""
+    `n_rows` = steps x batch. A prompt kind (`PROMPT_KINDS`) gets `n_rows / completions per prompt` prompts (a
+    step trains on `batch` completions), so one epoch is exactly the run; prompts are the same generated rows for
+    every kind (a prefix of one sequence) and are not fitted: a prompt alone stays far below the cutoff."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     out: dict[str, Any] = {}
     for kind in sorted({data_kind(s) for s in stages}):
-        if kind == "ppo_prompt":
-            out[kind] = ppo_prompt_data(tokenizer, n_rows, work_dir)
-            continue
-        rows = workloads.canonical_rows(kind, n_rows if kind != "prompt" else max(1, n_rows // num_generations))
-        if kind == "prompt":  # prompts only: their own templated length is what is reported
+        if kind in PROMPT_KINDS:  # prompts only: their own templated length is what is reported
+            rows = workloads.canonical_rows("prompt", max(1, n_rows // (PROMPT_KINDS[kind] or num_generations)))
             lengths = [len(tokenizer.apply_chat_template(
                 [{"role": "system", "content": r["system"]}, {"role": "user", "content": r["prompt"]}],
                 add_generation_prompt=True, tokenize=True)["input_ids"]) for r in rows]
         else:
-            rows = workloads.fit_to_cutoff(tokenizer, rows, cutoff)
+            rows = workloads.fit_to_cutoff(tokenizer, workloads.canonical_rows(kind, n_rows), cutoff)
             keys = ["response"] if kind == "sft" else ["chosen", "rejected"]
             lengths = [workloads.chat_length(tokenizer, r, k) for r in rows for k in keys]
         paths = workloads.write_datasets(rows, work_dir / "data", f"bench_{kind}")
@@ -138,20 +166,6 @@ def prepare_data(model_dir: str, stages: list[str], n_rows: int, cutoff: int, wo
                                 "total": sum(lengths)}
         out[kind] = paths
     return out
-
-
-def ppo_prompt_data(tokenizer, n_rows: int, work_dir: Path) -> dict[str, Any]:
-    """PPO's prompts: `n_rows` = steps x batch (one response per prompt, so one epoch is exactly the run), the
-    generated prompt rows GRPO uses, unfitted; returns paths and the prompts' templated lengths."""
-    rows = workloads.canonical_rows("prompt", n_rows)
-    lengths = [len(tokenizer.apply_chat_template(
-        [{"role": "system", "content": r["system"]}, {"role": "user", "content": r["prompt"]}],
-        add_generation_prompt=True, tokenize=True)["input_ids"]) for r in rows]
-    paths = workloads.write_datasets(rows, work_dir / "data", "bench_ppo_prompt")
-    paths["rows"] = len(rows)
-    paths["chat_tokens"] = {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths),
-                            "total": sum(lengths)}
-    return paths
 
 
 def run_worker(args: list[str], threads: int, timeout: float, log_path: Path,
@@ -190,8 +204,14 @@ def spread(values: list[float]) -> dict[str, float] | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def summarise_stage(runs: list[dict[str, Any]], n_params: int, peak_gflops: float) -> dict[str, Any]:
-    """Per variant: median and min-max of each figure over the repetitions; MFU per run from its own formula."""
+def summarise_stage(runs: list[dict[str, Any]], n_params: int, peak_gflops: float | dict[str, float]) -> dict[str, Any]:
+    """Per variant: median and min-max of each figure over the repetitions; MFU per run from its own formula,
+    against the matmul probe of the precision the run computed in (`peak_gflops` by "fp32" / "bf16"; a single
+    number serves both).
+
+    Example: 4N = 4e8 FLOPs per token at 500 tokens/s is 200 GFLOP/s: MFU 0.5 against an fp32 probe of 400 GFLOP/s
+    for an fp32 run, 0.25 against a bf16 probe of 800 GFLOP/s for a bf16 run."""
+    peaks = peak_gflops if isinstance(peak_gflops, dict) else {"fp32": peak_gflops, "bf16": peak_gflops}
     summary: dict[str, Any] = {}
     for variant in VARIANTS:
         ok = [r for r in runs if r.get("variant_key") == variant and r.get("ok")]
@@ -201,7 +221,9 @@ def summarise_stage(runs: list[dict[str, Any]], n_params: int, peak_gflops: floa
             r.setdefault("reference_forward", False)
             flops, _ = workloads.flops_per_token(n_params, lora=True, reference_forward=r["reference_forward"])
             r["flops_per_token"] = flops
-            r["mfu"] = flops * r["tokens_per_s"] / (peak_gflops * 1e9) if r.get("tokens_per_s") else None
+            peak = peaks.get(r.get("precision") or "fp32") or float("nan")
+            r["mfu_probe_gflops"] = peak
+            r["mfu"] = flops * r["tokens_per_s"] / (peak * 1e9) if r.get("tokens_per_s") else None
         summary[variant] = {fig: spread([r.get(fig) for r in ok]) for fig in FIGURES}
         summary[variant]["first_loss"] = spread([r.get("first_loss") for r in ok])
         summary[variant]["setup_s"] = spread([r.get("setup_s") for r in ok])
@@ -210,17 +232,17 @@ def summarise_stage(runs: list[dict[str, Any]], n_params: int, peak_gflops: floa
                                                     if counted else None)
         summary[variant]["formula"] = workloads.flops_per_token(
             n_params, lora=True, reference_forward=ok[0]["reference_forward"])[1]
+        summary[variant]["precision"] = "/".join(sorted({r.get("precision") or "fp32" for r in ok}))
     ratios: dict[str, Any] = {}
-    if "alignkit" in summary:
-        for other in VARIANTS[1:]:
-            if other not in summary:
-                continue
-            ratios[f"alignkit/{other}"] = {
-                fig: (summary["alignkit"][fig]["median"] / summary[other][fig]["median"]
-                      if summary["alignkit"].get(fig) and summary[other].get(fig) and summary[other][fig]["median"]
-                      else None)
-                for fig in RATIO_FIGURES
-            }
+    for mine, other in RATIO_PAIRS:
+        if mine not in summary or other not in summary:
+            continue
+        ratios[f"{mine}/{other}"] = {
+            fig: (summary[mine][fig]["median"] / summary[other][fig]["median"]
+                  if summary[mine].get(fig) and summary[other].get(fig) and summary[other][fig]["median"]
+                  else None)
+            for fig in RATIO_FIGURES
+        }
     return {"summary": summary, "ratios": ratios}
 
 
@@ -256,17 +278,41 @@ def check_targets(stages: dict[str, Any], device: str = "cpu",
     return out
 
 
+# CPU flags that decide how fast bf16 (and fp32) matmuls can be: AVX-512 BF16 dot products, AMX tiles.
+BF16_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_features(cpuinfo: str) -> dict[str, Any]:
+    """The CPU model and its `BF16_FLAGS` from /proc/cpuinfo text, and whether it has native bf16 matmuls.
+
+    Example: "model name : Intel Xeon\nflags : fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16" gives
+    {"cpu": "Intel Xeon", "flags": {"avx2": True, ..., "amx_bf16": True}, "native_bf16": "AMX"}."""
+    cpu, flags = None, set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and cpu is None:
+            cpu = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    have = {flag: flag in flags for flag in BF16_FLAGS}
+    native = "AMX" if have["amx_bf16"] else "AVX512-BF16" if have["avx512_bf16"] else "none"
+    return {"cpu": cpu, "flags": have, "native_bf16": native}
+
+
 def machine_info(threads: int, device: str) -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        features = cpu_features(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "device": device,
+        features = {"cpu": None, "flags": {}, "native_bf16": "unknown (no /proc/cpuinfo)"}
+    info = {"cpu": features["cpu"] or platform.processor() or "unknown", "cores": os.cpu_count(), "threads": threads,
+            "device": device, "cpu_flags": features["flags"], "native_bf16": features["native_bf16"],
             "platform": platform.platform(), "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except (ImportError, AttributeError):
+        pass
     if device == "cuda":
         import torch
 
@@ -279,7 +325,8 @@ def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for package in ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "alignkit"):
+    for package in ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes", "kernels",
+                    "alignkit"):
         try:
             out[package] = version(package)
         except PackageNotFoundError:
@@ -320,6 +367,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"device {m['device']}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}; 1-minute load average "
         f"{m['load_average_1min']['before']} before, {m['load_average_1min']['after']} after "
         "(the benchmark's own process adds about 1 while it runs).  ",
+        *_cpu_line(m),
         f"Versions: alignkit {v.get('alignkit')} ({v.get('alignkit_commit', '?')}), TRL {v['trl']}, "
         f"transformers {v['transformers']}, peft {v['peft']}, torch {v['torch']}.  ",
         f"Model: {report['model']['name']} (N = {report['model']['matmul_params_causal_lm']:,} matmul weights; "
@@ -328,24 +376,33 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{s['steps']} steps (the first {s['warmup']} not timed); cutoff {s['cutoff']}; lr {s['lr']}; "
         f"{s['precision']}; {s['reps']} repetition(s), alternating; every run a fresh process.  ",
         f"Data: {report['data_note']}  ",
-        *([f"TRL default = TRL {v['trl']} config defaults except {s['trl_default_overrides']}; TRL best adds "
+        *([f"TRL default = TRL {v['trl']} config defaults except {s['trl_default_overrides']}"
+           + ("; trl_default_bf16 = its real default, bf16=True (autocast on the CPU)"
+              if "trl_default_bf16" in s.get("variants", ()) else "")
+           + "; TRL best adds "
            + "; ".join(f"{st}: {', '.join(f'{k}={val}' for k, val in kv.items())}" for st, kv in TRL_BEST.items())
            + ".  "] if any(tool_of(x) == "trl" for x in s.get("variants", VARIANTS)) else []),
+        *([f"alignkit_qlora = alignkit with a 4-bit base ({', '.join(f'{k}: {val}' for k, val in QLORA.items())}; "
+           f"bitsandbytes {v.get('bitsandbytes')}, `kernels` package {v.get('kernels')}), sft only.  "]
+          if "alignkit_qlora" in s.get("variants", ()) else []),
         *_llamafactory_lines(report),
         f"Machine limit: {report['matmul']['size']}x{report['matmul']['size']} {report['matmul']['dtype']} "
         f"matmul, {_fmt(report['matmul']['gflops'])} GFLOP/s (probes: "
-        f"{', '.join(_fmt(g) for g in report['matmul']['probes_gflops'])}).  ",
-        f"MFU = FLOPs per real token x real tokens/s / matmul GFLOP/s, with {report['formula']}.",
+        f"{', '.join(_fmt(g) for g in report['matmul']['probes_gflops'])})"
+        + (f"; bfloat16 {_fmt(report['matmul']['bf16']['gflops'])} GFLOP/s (probes: "
+           f"{', '.join(_fmt(g) for g in report['matmul']['bf16']['probes_gflops'])})"
+           if report["matmul"].get("bf16") else "") + ".  ",
+        f"MFU = FLOPs per real token x real tokens/s / matmul GFLOP/s of the run's precision (bf16 when it "
+        f"autocasts to bf16 or its frozen weights are bf16, else fp32), with {report['formula']}.",
         "",
         "Figures are medians over the repetitions, (min–max) when they differ. Step time excludes setup "
         "(model load, tokenisation, and TRL's reference precomputation, shown as setup).",
-        "",
-        f"| stage | run | step time (s) | real tokens/s | tokens/step | {mem_label} | first loss | final loss "
-        "| MFU | setup (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if any(stage not in ONLINE_STAGES and stage != "ppo" for stage in report["stages"]):
+        lines += ["", f"| stage | run | step time (s) | real tokens/s | tokens/step | {mem_label} | first loss "
+                  "| final loss | MFU | setup (s) | precision |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for stage, data in report["stages"].items():
-        if stage in ("grpo", "ppo"):
+        if stage in ONLINE_STAGES or stage == "ppo":
             continue  # tables of their own below: completions, not training tokens, are what a step produces
         for variant in VARIANTS:
             row = data["summary"].get(variant)
@@ -353,18 +410,20 @@ def render_markdown(report: dict[str, Any]) -> str:
                 failed = [r for r in data["runs"] if r.get("variant_key") == variant and not r.get("ok")]
                 if failed:
                     lines.append(f"| {stage} | {variant} | failed: {failed[0].get('error', '?')[:80]} "
-                                 "| | | | | | | |")
+                                 "| | | | | | | | |")
                 continue
             lines.append(
                 f"| {stage} | {variant} | {_cell(row['step_time_s'])} | {_cell(row['tokens_per_s'])} "
                 f"| {_fmt(row['tokens_per_step_mean'], 4)} | {_cell(row[mem], 4)} | {_cell(row['first_loss'], 4)} "
-                f"| {_cell(row['final_loss'], 4)} | {_cell(row['mfu'], 2)} | {_cell(row['setup_s'])} |")
+                f"| {_cell(row['final_loss'], 4)} | {_cell(row['mfu'], 2)} | {_cell(row['setup_s'])} "
+                f"| {row.get('precision', '')} |")
         for name, ratio in data["ratios"].items():
             lines.append(
                 f"| {stage} | {name} | {_fmt(ratio['step_time_s'], 2)}x | {_fmt(ratio['tokens_per_s'], 2)}x | "
-                f"| {_fmt(ratio[mem], 2)}x | | | {_fmt(ratio['mfu'], 2)}x | |")
-    if "grpo" in report["stages"]:
-        lines += _grpo_table(report, mem, mem_label)
+                f"| {_fmt(ratio[mem], 2)}x | | | {_fmt(ratio['mfu'], 2)}x | | |")
+    for stage in ONLINE_STAGES:
+        if stage in report["stages"]:
+            lines += _online_table(report, stage, mem, mem_label)
     if "ppo" in report["stages"]:
         lines += _ppo_table(report, mem, mem_label)
     lines += ["", "| stage | target | figures | met |", "|---|---|---|---|"]
@@ -372,6 +431,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         verdict = {True: "met", False: "not met", None: "not measured"}[t["met"]]
         lines.append(f"| {t['stage']} | {t['target']} | {t['figures']} | {verdict} |")
     return "\n".join(lines) + "\n"
+
+
+def _cpu_line(machine: dict[str, Any]) -> list[str]:
+    """The CPU's bf16 features, for reading bf16 figures (absent from reports written before they were recorded)."""
+    flags = machine.get("cpu_flags")
+    if flags is None:
+        return []
+    have = ", ".join(flag for flag, on in flags.items() if on) or "none of them"
+    return [f"CPU features: {have} (of {', '.join(flags)}); native bf16 matmul: {machine.get('native_bf16')}; "
+            f"torch CPU capability {machine.get('torch_cpu_capability', '?')}.  "]
 
 
 def _llamafactory_lines(report: dict[str, Any]) -> list[str]:
@@ -387,13 +456,26 @@ def _llamafactory_lines(report: dict[str, Any]) -> list[str]:
             + " ".join(f"{stage}: {text}" for stage, text in lf["settings_that_differ"].items()) + "  "]
 
 
-def _grpo_table(report: dict[str, Any], mem: str, mem_label: str) -> list[str]:
-    """GRPO rows: completions/s and how a step splits between generating and training."""
-    s, data = report["settings"], report["stages"]["grpo"]
-    lines = ["", f"GRPO: {s['batch']} completions per step ({s['batch'] // s['num_generations']} prompts x "
-             f"{s['num_generations']}), at most {s['max_completion_length']} new tokens each, sampling at each "
-             "tool's default (temperature 1.0), one generation per step; generation time is the sampling call "
-             "alone, training time the rest of the step (log-probs, loss, backward, optimizer).", "",
+# What an online stage's step does, after its sampling, for the table's caption.
+ONLINE_STEP = {"grpo": "GRPO (group-normalised advantages, clipped loss, TRL {trl} GRPOTrainer as the peer)",
+               "rloo": "RLOO (leave-one-out baseline, KL to the adapter-disabled reference folded into the reward, "
+                       "beta 0.05; TRL {trl} RLOOTrainer as the peer)",
+               "distill": "On-policy distillation (the teacher, a second frozen copy of the same model, scores the "
+                          "student's completions; generalized JSD with beta 1.0; TRL {trl} DistillationTrainer as the "
+                          "peer)",
+               "online_dpo": "Online DPO (two answers per prompt judged by the reward, DPO loss against the "
+                             "adapter-disabled reference; TRL {trl} trl.experimental.online_dpo as the peer)"}
+
+
+def _online_table(report: dict[str, Any], stage: str, mem: str, mem_label: str) -> list[str]:
+    """An online stage's rows: completions/s and how a step splits between generating and training."""
+    s, data = report["settings"], report["stages"][stage]
+    per_prompt = completions_per_prompt(stage, s["num_generations"])
+    lines = ["", f"{ONLINE_STEP[stage].format(trl=report['versions'].get('trl'))}: {s['batch']} completions per "
+             f"step ({s['batch'] // per_prompt} prompts x {per_prompt}), at most {s['max_completion_length']} new "
+             "tokens each, sampling at each tool's default (temperature 1.0; online DPO 0.9), one generation per "
+             "step; generation time is the sampling call alone, training time the rest of the step (log-probs, loss, "
+             "backward, optimizer).", "",
              f"| run | step time (s) | completions/s | generation (s/step) | training (s/step) | generated tokens/s "
              f"| {mem_label} | first loss | final loss |", "|---|---|---|---|---|---|---|---|---|"]
     for variant in VARIANTS:
@@ -403,7 +485,8 @@ def _grpo_table(report: dict[str, Any], mem: str, mem_label: str) -> list[str]:
             if failed:
                 lines.append(f"| {variant} | failed: {failed[0].get('error', '?')[:80]} | | | | | | | |")
             continue
-        lines.append(f"| {variant} | {_cell(row['step_time_s'])} | {_cell(row['completions_per_s'])} "
+        lines.append(f"| {variant} ({row.get('precision', '')}) | {_cell(row['step_time_s'])} "
+                     f"| {_cell(row['completions_per_s'])} "
                      f"| {_cell(row['generation_s'])} | {_cell(row['training_s'])} "
                      f"| {_cell(row['generated_tokens_per_s'])} | {_cell(row[mem], 4)} | {_cell(row['first_loss'], 4)} "
                      f"| {_cell(row['final_loss'], 4)} |")
@@ -440,7 +523,8 @@ def _ppo_table(report: dict[str, Any], mem: str, mem_label: str) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description="alignkit vs TRL 1.16 and LLaMA-Factory 0.9.5, side by side.")
     p.add_argument("--stage", nargs="+", choices=STAGES, action="extend", default=None,
-                   help="Stages to run (repeatable; default: every stage alignkit has).")
+                   help=f"Stages to run (repeatable; default: those of {', '.join(DEFAULT_STAGES)} that the chosen "
+                        "tools have).")
     p.add_argument("--model", default=BUNDLED,
                    help=f"`{BUNDLED}` (default: the bundled model's converted cache), `tiny`, or a local directory.")
     p.add_argument("--reps", type=int, default=2, help="Repetitions of each run (alternating tools).")
@@ -451,11 +535,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4, help="Learning rate, in both tools.")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every process.")
     p.add_argument("--num-generations", type=int, default=4,
-                   help="GRPO: completions per prompt (--batch completions per step, so batch/this prompts).")
+                   help="GRPO, RLOO: completions per prompt (--batch completions per step, so batch/this prompts; "
+                        "distill: 1 per prompt; online_dpo: 2).")
     p.add_argument("--max-completion-length", type=int, default=32,
-                   help="GRPO: most new tokens per completion; PPO: per response.")
+                   help="Online stages: most new tokens per completion; PPO: per response.")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cuda: bf16 autocast (bf16=True) in both tools, bf16 matmul probe.")
+                   help="cuda: bf16 autocast (bf16=True) in both tools, bf16 matmul probe. cpu: fp32, plus TRL's real "
+                        "default (bf16=True) as trl_default_bf16, and fp32 and bf16 matmul probes.")
+    p.add_argument("--alignkit-bf16", choices=["false", "true", "auto"], default="false",
+                   help="cpu: alignkit's `bf16` key in its runs (false: fp32, as TRL's fp32 runs; true: bf16 autocast; "
+                        "auto: alignkit's own per-machine choice, where its config has it). MFU follows the precision "
+                        "each run used.")
     p.add_argument("--peer", nargs="+", choices=sorted(PEERS), action="extend", default=None,
                    help="Peers to compare alignkit with (repeatable; default: trl). `llamafactory` creates "
                         "LLaMA-Factory's own environment the first time (bench/llamafactory.py).")
@@ -473,6 +563,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opts.peer = list(dict.fromkeys(opts.peer or ["trl"]))
     if opts.variants is None:
         opts.variants = ["alignkit", *[v for peer in opts.peer for v in PEERS[peer]]]
+        if opts.device == "cpu" and "trl_default" in opts.variants:  # TRL's real default, bf16=True, beside fp32
+            opts.variants.insert(opts.variants.index("trl_default") + 1, "trl_default_bf16")
     else:
         opts.variants = [v.strip() for v in opts.variants.split(",") if v.strip()]
     unknown = set(opts.variants) - set(VARIANTS)
@@ -499,6 +591,8 @@ def plan_runs(opts: argparse.Namespace, stages: list[str], available: dict[str, 
                     continue
                 if variant != "alignkit" and stage not in TOOL_STAGES[tool_of(variant)]:
                     continue
+                if stage not in VARIANT_STAGES.get(variant, (stage,)):
+                    continue
                 plan.append((stage, rep, variant))
     return plan
 
@@ -513,19 +607,24 @@ def main(argv: list[str] | None = None) -> int:
     available = {s: alignkit_has_stage(s) for s in STAGES}
     # Default stages: those a chosen peer runs (TRL: sft rm dpo grpo; LLaMA-Factory: sft rm dpo and its ppo
     # attempt), or alignkit's when it runs alone.
-    peer_stages = {s for v in opts.variants if v != "alignkit" for s in TOOL_STAGES[tool_of(v)]}
+    peer_stages = {s for v in opts.variants if tool_of(v) != "alignkit" for s in TOOL_STAGES[tool_of(v)]}
     stages = (list(dict.fromkeys(opts.stage)) if opts.stage
-              else [s for s in STAGES if s in peer_stages] if peer_stages else [s for s in STAGES if available[s]])
+              else [s for s in DEFAULT_STAGES if s in peer_stages] if peer_stages
+              else [s for s in DEFAULT_STAGES if available[s]])
     lf_wanted = "llamafactory" in opts.variants
     if not stages:
         raise SystemExit("no alignkit stage is available yet; name stages with --stage to benchmark TRL alone.")
-    if "grpo" in stages and opts.batch % opts.num_generations:
-        raise SystemExit(f"--batch {opts.batch} must be a multiple of --num-generations {opts.num_generations}: a GRPO "
-                         "step trains on whole groups of completions.")
+    for stage in stages:
+        if stage in ONLINE_STAGES and opts.batch % completions_per_prompt(stage, opts.num_generations):
+            group = completions_per_prompt(stage, opts.num_generations)
+            raise SystemExit(f"--batch {opts.batch} must be a multiple of {group} for stage {stage} "
+                             f"({'--num-generations' if stage in ('grpo', 'rloo') else 'its answers per prompt'}): "
+                             "a step trains on whole groups of completions.")
     plan = plan_runs(opts, stages, available)
     if opts.dry_run:
         dry: dict[str, Any] = {"stages": stages, "alignkit_available": available, "device": opts.device,
-                               "bf16": opts.device == "cuda", "peers": opts.peer, "runs": plan}
+                               "bf16": opts.device == "cuda", "alignkit_bf16": opts.alignkit_bf16, "peers": opts.peer,
+                               "runs": plan}
         if lf_wanted:
             venv = llamafactory.default_venv_dir()
             dry["llamafactory"] = {
@@ -552,12 +651,21 @@ def main(argv: list[str] | None = None) -> int:
     n_causal = workloads.matmul_params(model_dir, "causal_lm")
     n_reward = workloads.matmul_params(model_dir, "reward")
 
+    # fp32 on a CPU (bf16 on CUDA) is the probe MFU used to be measured against; a CPU also gets a bf16 probe,
+    # against which the runs that compute in bf16 (TRL's real default) are measured.
+    probe_dtypes = ["bfloat16"] if opts.device == "cuda" else ["float32", "bfloat16"]
+
     def probe(tag: str) -> dict[str, Any]:
-        result = run_worker(["--matmul", "--threads", str(opts.threads), "--device", opts.device,
-                             "--matmul-size", str(opts.matmul_size), "--matmul-seconds", str(opts.matmul_seconds)],
-                            opts.threads, opts.run_timeout, work_dir / "logs" / f"matmul_{tag}.log")
-        print(f"[bench] matmul {tag}: {result.get('matmul_gflops', float('nan')):.1f} GFLOP/s", file=sys.stderr)
-        return result
+        results = {}
+        for dtype in probe_dtypes:
+            result = run_worker(["--matmul", "--threads", str(opts.threads), "--device", opts.device,
+                                 "--matmul-size", str(opts.matmul_size), "--matmul-seconds", str(opts.matmul_seconds),
+                                 "--matmul-dtype", dtype],
+                                opts.threads, opts.run_timeout, work_dir / "logs" / f"matmul_{dtype}_{tag}.log")
+            print(f"[bench] matmul {dtype} {tag}: {result.get('matmul_gflops', float('nan')):.1f} GFLOP/s",
+                  file=sys.stderr)
+            results[dtype] = result
+        return results
 
     load_before = os.getloadavg()[0]
     if load_before > 0.5:
@@ -568,13 +676,15 @@ def main(argv: list[str] | None = None) -> int:
     for i, (stage, rep, variant) in enumerate(plan, 1):
         kind = data_kind(stage)
         tool = tool_of(variant)
-        args = ["--tool", tool, "--variant", "best" if variant == "trl_best" else "default", "--stage", stage,
+        args = ["--tool", tool, "--variant", WORKER_VARIANT.get(variant, "default"), "--stage", stage,
                 "--model-dir", model_dir, "--steps", str(opts.steps), "--warmup", str(opts.warmup),
                 "--batch", str(opts.batch), "--cutoff", str(opts.cutoff), "--lr", str(opts.lr),
                 "--threads", str(opts.threads), "--device", opts.device]
+        if tool == "alignkit":
+            args += ["--alignkit-bf16", opts.alignkit_bf16]
         if stage == "ppo":
             args += ["--max-completion-length", str(opts.max_completion_length)]
-        if stage == "grpo":
+        if stage in ONLINE_STAGES:
             args += ["--num-generations", str(opts.num_generations),
                      "--max-completion-length", str(opts.max_completion_length)]
         if tool in ("alignkit", "llamafactory"):  # both read the same dataset_info.json registry
@@ -587,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
                             python=lf_env["python"] if tool == "llamafactory" else None)
         result.update(variant_key=variant, rep=rep, stage=stage,
                       reference_forward=stage == "dpo" and variant != "trl_best")
-        rate = (f"{result['completions_per_s']:.2f} completions/s" if stage == "grpo"
+        rate = (f"{result['completions_per_s']:.2f} completions/s" if stage in ONLINE_STAGES
                 else f"{result['responses_per_s']:.2f} responses/s" if stage == "ppo"
                 else f"{result.get('tokens_per_s') or 0:.0f} tok/s") if result.get("ok") else ""
         status = (f"{result['step_time_s']:.2f} s/step, {rate}, {result['peak_rss_mb']:.0f} MB"
@@ -597,14 +707,19 @@ def main(argv: list[str] | None = None) -> int:
     probes.append(probe("after"))
     load_after = os.getloadavg()[0]
 
-    good = [p["matmul_gflops"] for p in probes if p.get("ok")]
-    peak = max(good) if good else float("nan")
+    measured = {dtype: [p[dtype]["matmul_gflops"] for p in probes if p[dtype].get("ok")] for dtype in probe_dtypes}
+    best = {dtype: max(g) if g else float("nan") for dtype, g in measured.items()}
+    main_dtype = probe_dtypes[0]
+    # CUDA runs are all bf16 autocast: one probe serves both names.
+    peaks = {"fp32": best[main_dtype], "bf16": best["bfloat16"]}
     stage_reports = {}
     for stage in stages:
         stage_runs = [r for r in runs if r["stage"] == stage]
         n = n_reward if stage == "rm" else n_causal
-        stage_reports[stage] = {"matmul_params": n, "runs": stage_runs, **summarise_stage(stage_runs, n, peak)}
-    precision = "bf16 autocast over fp32 weights" if opts.device == "cuda" else "fp32"
+        stage_reports[stage] = {"matmul_params": n, "runs": stage_runs, **summarise_stage(stage_runs, n, peaks)}
+    precision = ("bf16 autocast over fp32 weights" if opts.device == "cuda" else
+                 "fp32" + (f" (alignkit: bf16={opts.alignkit_bf16})" if opts.alignkit_bf16 != "false" else "")
+                 + (" (trl_default_bf16: TRL's bf16=True autocast)" if "trl_default_bf16" in opts.variants else ""))
     report = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
@@ -617,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"steps": opts.steps, "warmup": opts.warmup, "batch": opts.batch, "cutoff": opts.cutoff,
                      "lr": opts.lr, "reps": opts.reps, "threads": opts.threads, "device": opts.device,
                      "num_generations": opts.num_generations, "max_completion_length": opts.max_completion_length,
-                     "precision": precision, "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target": "all linear"},
+                     "precision": precision, "alignkit_bf16": opts.alignkit_bf16, "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target": "all linear"},
                      "variants": opts.variants,
                      "trl_default_overrides": "bf16=True" if opts.device == "cuda" else "bf16=False",
                      "trl_best": TRL_BEST},
@@ -626,8 +741,10 @@ def main(argv: list[str] | None = None) -> int:
                       "chat-formatted by the model's own template in both tools, fitted so nothing is truncated; "
                       + "; ".join(f"{k}: {v['chat_tokens']['min']}–{v['chat_tokens']['max']} tokens, "
                                   f"median {v['chat_tokens']['median']:.0f}" for k, v in data.items()) + "."),
-        "matmul": {"size": opts.matmul_size, "dtype": "bfloat16" if opts.device == "cuda" else "float32",
-                   "probes_gflops": good, "gflops": peak},
+        "matmul": {"size": opts.matmul_size, "dtype": main_dtype, "probes_gflops": measured[main_dtype],
+                   "gflops": best[main_dtype],
+                   **({"bf16": {"probes_gflops": measured["bfloat16"], "gflops": best["bfloat16"]}}
+                      if main_dtype != "bfloat16" else {})},
         "formula": ("FLOPs per real token = 4N for LoRA training (2N forward + 2N backward, no weight gradients "
                     "for frozen weights; 6N would be full fine-tuning), + 2N for DPO's reference forward when it "
                     "runs inside the step (not with TRL's precompute_ref_log_probs); N = weights in matmuls "

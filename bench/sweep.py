@@ -23,6 +23,9 @@ Cost on the 2-core development CPU with the defaults (2 steps, 1 timed; alignkit
 minutes in all at 2 threads on a quiet machine (the length axis about 6 minutes for sft and 12 for dpo, the
 batch axis the rest, most of it batch 32); run it in pieces of `--sweep-budget-s 660` under the heavy-job lock.
 `--quick` uses the tiny model and a small grid (a smoke test, a minute or two).
+
+`--stage grpo ppo` sweeps the online stages instead, over completion length and number of generations
+(`bench.sweep_online`).
 """
 
 from __future__ import annotations
@@ -123,9 +126,14 @@ def add_sweep_arguments(parser) -> None:
     group.add_argument("--sweep-tokens", type=int, default=None,
                        help="Batch x length on the length axis (2048): SFT tokens per step; DPO has twice as many.")
     group.add_argument("--sweep-batch-length", type=int, default=None, help="Length of the batch axis (128).")
+    group.add_argument("--sweep-generations", type=int, nargs="+", default=None,
+                       help="--stage grpo ppo: the generations axis (default 4 8 16; bench/sweep_online.py).")
+    group.add_argument("--sweep-prompts", type=int, default=None,
+                       help="--stage grpo ppo: prompts per step on the generations axis (2).")
     group.add_argument("--sweep-budget-s", type=float, default=None,
                        help="Start no new point after this many seconds (rerun to go on).")
-    group.add_argument("--sweep-name", default="sweep", help="Base name of the sweep's outputs.")
+    group.add_argument("--sweep-name", default=None,
+                       help="Base name of the sweep's outputs (default sweep; sweep_online for --stage grpo ppo).")
     group.add_argument("--fresh", action="store_true", help="Ignore points already in <sweep-name>.json.")
 
 
@@ -140,13 +148,39 @@ def finish_sweep_arguments(opts, parser, argv: list[str]) -> None:
         opts.variants = ["alignkit", "trl_best"]
     if "alignkit" not in opts.variants:
         parser.error("--sweep compares alignkit with TRL: --variants must include alignkit.")
-    quick = QUICK if opts.quick else {}
     if opts.quick and "--model" not in given:
         opts.model = "tiny"
+    if is_online_sweep(opts, parser):
+        from bench import sweep_online
+
+        quick = sweep_online.QUICK if opts.quick else {}
+        opts.sweep_name = opts.sweep_name or "sweep_online"
+        opts.sweep_lengths = tuple(opts.sweep_lengths or quick.get("lengths", sweep_online.LENGTHS))
+        opts.sweep_generations = tuple(opts.sweep_generations or quick.get("generations", sweep_online.GENERATIONS))
+        opts.sweep_prompts = opts.sweep_prompts or quick.get("prompts", sweep_online.PROMPTS)
+        return
+    quick = QUICK if opts.quick else {}
+    opts.sweep_name = opts.sweep_name or "sweep"
     opts.sweep_lengths = tuple(opts.sweep_lengths or quick.get("lengths", LENGTHS))
     opts.sweep_batches = tuple(opts.sweep_batches or quick.get("batches", BATCHES))
     opts.sweep_tokens = opts.sweep_tokens or quick.get("tokens", 2048)
     opts.sweep_batch_length = opts.sweep_batch_length or quick.get("batch_length", 128)
+
+
+def is_online_sweep(opts, parser=None) -> bool:
+    """True when `--stage` names only online stages (grpo, ppo: `bench.sweep_online`); a mix with sft/dpo is an
+    error (their axes differ), reported through `parser` when given."""
+    from bench.sweep_online import ONLINE_SWEEP_STAGES
+
+    named = set(opts.stage or ())
+    online = named & set(ONLINE_SWEEP_STAGES)
+    if online and named - online:
+        message = (f"--sweep --stage: {', '.join(sorted(online))} and {', '.join(sorted(named - online))} have "
+                   "different axes; sweep them in two calls.")
+        if parser is not None:
+            parser.error(message)
+        raise SystemExit(message)
+    return bool(online)
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> dict[str, float] | None:
@@ -174,22 +208,20 @@ def _point_key(stage: str, length: int, batch: int, variant: str) -> str:
     return f"{stage} L{length} b{batch} {variant}"
 
 
-def run_sweep(opts, argv: list[str] | None) -> int:
-    """`python -m bench --sweep`: run the grid's missing points, then write the table and plots; 0 when complete,
-    3 when the budget stopped it early (call again to go on), 1 when a run failed."""
-    from bench.run import machine_info, resolve_model, run_worker, versions
+def open_sweep(opts, argv: list[str] | None, settings_of, prefix: str) -> tuple[dict[str, Any], Path, Path, str]:
+    """The report a sweep goes on with: the one in `<output-dir>/<sweep-name>.json` when its settings equal
+    `settings_of(model name)` (and not `--fresh`), else a new one; with the command, versions and machine of this
+    call. Returns (report, json path, work dir, model dir)."""
+    from bench.run import machine_info, resolve_model, versions
 
     command = "python -m bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    stages = [s for s in (opts.stage or SWEEP_STAGES) if s in SWEEP_STAGES]
-    if not stages:
-        raise SystemExit(f"--sweep measures {', '.join(SWEEP_STAGES)}; --stage named none of them.")
     out_dir = Path(opts.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{opts.sweep_name}.json"
-    work_dir = Path(opts.work_dir or tempfile.mkdtemp(prefix="alignkit-sweep-"))
+    work_dir = Path(opts.work_dir or tempfile.mkdtemp(prefix=prefix))
     (work_dir / "logs").mkdir(parents=True, exist_ok=True)
     model_name, model_dir = resolve_model(opts.model, work_dir)
-    settings = _settings(opts, model_name)
+    settings = settings_of(model_name)
     report: dict[str, Any] = {}
     if json_path.exists() and not opts.fresh:
         previous = json.loads(json_path.read_text(encoding="utf-8"))
@@ -198,66 +230,104 @@ def run_sweep(opts, argv: list[str] | None) -> int:
     report.setdefault("runs", {})
     report.update(settings=settings, command=command, versions=versions(),
                   machine=machine_info(opts.threads, opts.device))
-    grid = points(opts.sweep_lengths, opts.sweep_batches, opts.sweep_tokens, opts.sweep_batch_length, stages)
-    report["grid"] = grid
+    return report, json_path, work_dir, model_dir
 
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    started, failed, stopped = time.time(), False, False
-    # The length axis of both stages first, shortest first, so a sweep cut short by its budget has both curves.
-    order = sorted(grid, key=lambda p: ("length" not in p["axes"], p["length"] if "length" in p["axes"] else 0,
-                                        p["batch"], p["stage"]))
-    todo = [(p, v) for p in order for v in opts.variants
-            if _point_key(p["stage"], p["length"], p["batch"], v) not in report["runs"]]
+def run_points(opts, report: dict[str, Any], json_path: Path, work_dir: Path, model_dir: str,
+               todo: list[tuple[str, list[str], dict[str, Any]]]) -> tuple[bool, bool]:
+    """Run each (key, worker arguments, fields) of `todo` in a fresh `bench.worker` process, in order, until
+    `--sweep-budget-s` is spent; each result (with `fields`, the load average before it and the commit) goes into
+    `report["runs"][key]` and the report is saved after every point, so a later call goes on. Returns (a run
+    failed, the budget stopped it)."""
+    from bench.run import run_worker
+
+    started, failed = time.time(), False
     print(f"[sweep] {len(todo)} runs to do ({len(report['runs'])} kept from {json_path})", file=sys.stderr)
-    for i, (point, variant) in enumerate(todo, 1):
+    for i, (key, args, fields) in enumerate(todo, 1):
         if opts.sweep_budget_s and time.time() - started > opts.sweep_budget_s:
-            stopped = True
             print(f"[sweep] budget of {opts.sweep_budget_s:.0f} s spent; {len(todo) - i + 1} runs left: run the "
                   "same command again to go on.", file=sys.stderr)
-            break
-        stage, length, batch = point["stage"], point["length"], point["batch"]
-        kind = "sft" if stage == "sft" else "pref"
-        data_dir = work_dir / "data" / f"{kind}_L{length}_b{batch}"
-        if not (data_dir / "done").exists():
-            rows = exact_length_rows(tokenizer, kind, opts.steps * batch, length)
-            workloads.write_datasets(rows, data_dir, f"sweep_{kind}")
-            (data_dir / "done").write_text("")
-        tool = "alignkit" if variant == "alignkit" else "trl"
-        args = ["--tool", tool, "--variant", "best" if variant == "trl_best" else "default", "--stage", stage,
-                "--model-dir", model_dir, "--steps", str(opts.steps), "--warmup", str(opts.warmup),
-                "--batch", str(batch), "--cutoff", str(length), "--lr", str(opts.lr), "--threads", str(opts.threads),
-                "--device", opts.device]
-        if tool == "alignkit":
-            args += ["--alignkit-dataset", f"sweep_{kind}", "--alignkit-dataset-dir", str(data_dir)]
-        else:
-            args += ["--trl-file", str(data_dir / f"sweep_{kind}.trl.jsonl")]
-        key = _point_key(stage, length, batch, variant)
+            return failed, True
         print(f"[sweep] {i}/{len(todo)} {key} ...", file=sys.stderr, flush=True)
         load = os.getloadavg()[0]
-        result = run_worker(args, opts.threads, opts.run_timeout, work_dir / "logs" / f"{key.replace(' ', '_')}.log")
+        common = ["--model-dir", model_dir, "--steps", str(opts.steps), "--warmup", str(opts.warmup),
+                  "--lr", str(opts.lr), "--threads", str(opts.threads), "--device", opts.device]
+        result = run_worker([*common, *args], opts.threads, opts.run_timeout,
+                            work_dir / "logs" / f"{key.replace(' ', '_')}.log")
         result.pop("settings", None)
-        result.update(stage=stage, length=length, batch=batch, variant=variant, load_1min_before=round(load, 2),
-                      commit=report["versions"].get("alignkit_commit"))
+        result.update(fields, load_1min_before=round(load, 2), commit=report["versions"].get("alignkit_commit"))
         report["runs"][key] = result
         failed |= not result.get("ok")
         print(f"[sweep]   " + (f"{result['step_time_s']:.2f} s/step, {result['peak_rss_mb']:.0f} MB"
                                if result.get("ok") else f"FAILED: {result.get('error')}"), file=sys.stderr, flush=True)
         report["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         json_path.write_text(json.dumps(report, indent=1), encoding="utf-8")  # after every point: resumable
+    return failed, False
+
+
+def close_sweep(opts, report: dict[str, Any], json_path: Path, work_dir: Path, markdown: str, plot,
+                failed: bool, stopped: bool) -> int:
+    """Save the report, `<sweep-name>.md` and the plots (`plot(report, out_dir, name)`); print the table. Returns 1
+    when a run failed, 3 when the budget stopped the sweep (call again to go on), 0 when complete."""
     report["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    report["complete"] = all(_point_key(p["stage"], p["length"], p["batch"], v) in report["runs"]
-                             for p in grid for v in opts.variants)
-    report["memory_fits"] = memory_fits(report)
     json_path.write_text(json.dumps(report, indent=1), encoding="utf-8")
-    markdown = render_sweep(report)
-    (out_dir / f"{opts.sweep_name}.md").write_text(markdown, encoding="utf-8")
-    plot_sweep(report, out_dir, opts.sweep_name)
+    (json_path.parent / f"{opts.sweep_name}.md").write_text(markdown, encoding="utf-8")
+    plot(report, json_path.parent, opts.sweep_name)
     print(markdown)
     print(f"[sweep] wrote {json_path}, .md and {opts.sweep_name}_time.png / _memory.png; logs in {work_dir / 'logs'}",
           file=sys.stderr)
     return 1 if failed else (3 if stopped else 0)
+
+
+def worker_variant_args(variant: str, stage: str) -> list[str]:
+    """`bench.worker`'s tool, variant and stage arguments for a sweep run of `variant`."""
+    tool = "alignkit" if variant == "alignkit" else "trl"
+    return ["--tool", tool, "--variant", "best" if variant == "trl_best" else "default", "--stage", stage]
+
+
+def run_sweep(opts, argv: list[str] | None) -> int:
+    """`python -m bench --sweep`: run the grid's missing points, then write the table and plots; 0 when complete,
+    3 when the budget stopped it early (call again to go on), 1 when a run failed."""
+    if is_online_sweep(opts):
+        from bench.sweep_online import run_online_sweep
+
+        return run_online_sweep(opts, argv)
+    stages = [s for s in (opts.stage or SWEEP_STAGES) if s in SWEEP_STAGES]
+    if not stages:
+        raise SystemExit(f"--sweep measures {', '.join(SWEEP_STAGES)}; --stage named none of them.")
+    report, json_path, work_dir, model_dir = open_sweep(opts, argv, lambda name: _settings(opts, name),
+                                                        "alignkit-sweep-")
+    grid = points(opts.sweep_lengths, opts.sweep_batches, opts.sweep_tokens, opts.sweep_batch_length, stages)
+    report["grid"] = grid
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # The length axis of both stages first, shortest first, so a sweep cut short by its budget has both curves.
+    order = sorted(grid, key=lambda p: ("length" not in p["axes"], p["length"] if "length" in p["axes"] else 0,
+                                        p["batch"], p["stage"]))
+    todo = []
+    for point in order:
+        stage, length, batch = point["stage"], point["length"], point["batch"]
+        kind = "sft" if stage == "sft" else "pref"
+        data_dir = work_dir / "data" / f"{kind}_L{length}_b{batch}"
+        for variant in opts.variants:
+            key = _point_key(stage, length, batch, variant)
+            if key in report["runs"]:
+                continue
+            if not (data_dir / "done").exists():
+                rows = exact_length_rows(tokenizer, kind, opts.steps * batch, length)
+                workloads.write_datasets(rows, data_dir, f"sweep_{kind}")
+                (data_dir / "done").write_text("")
+            args = [*worker_variant_args(variant, stage), "--batch", str(batch), "--cutoff", str(length)]
+            args += (["--alignkit-dataset", f"sweep_{kind}", "--alignkit-dataset-dir", str(data_dir)]
+                     if variant == "alignkit" else ["--trl-file", str(data_dir / f"sweep_{kind}.trl.jsonl")])
+            todo.append((key, args, {"stage": stage, "length": length, "batch": batch, "variant": variant}))
+    failed, stopped = run_points(opts, report, json_path, work_dir, model_dir, todo)
+    report["complete"] = all(_point_key(p["stage"], p["length"], p["batch"], v) in report["runs"]
+                             for p in grid for v in opts.variants)
+    report["memory_fits"] = memory_fits(report)
+    return close_sweep(opts, report, json_path, work_dir, render_sweep(report), plot_sweep, failed, stopped)
 
 
 def _ok_runs(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -343,40 +413,35 @@ def render_sweep(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_sweep(report: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
-    """`<name>_time.png` and `<name>_memory.png`: each against length (left) and batch (right), log scales."""
+def plot_two_axes(out_dir: Path, name: str, axes: tuple[tuple[str, list[int]], tuple[str, list[int]]], title: str,
+                  curves) -> list[Path]:
+    """`<name>_time.png` and `<name>_memory.png`, each two log-log panels (step time, then peak RSS).
+
+    Args:
+        axes: (x label, x ticks) of the left and the right panel.
+        title: what follows the figure's label in the title.
+        curves: `curves(figure)` yields (panel 0 or 1, legend label, style, [(x, y), ...]) for "step_time_s" or
+            "peak_rss_mb"; empty point lists are skipped.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s = report["settings"]
-    runs = _ok_runs(report)
     written = []
     for figure, label, file_tag in (("step_time_s", "step time (s)", "time"), ("peak_rss_mb", "peak RSS (MB)",
                                                                               "memory")):
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-        for stage in SWEEP_STAGES:
-            for variant in s["variants"]:
-                mine = [r for r in runs if r["stage"] == stage and r["variant"] == variant]
-                style = {"marker": "o" if stage == "sft" else "s",
-                         "linestyle": "-" if variant == "alignkit" else "--"}
-                length_axis = sorted((r["length"], r[figure]) for r in mine if r["length"] in s["lengths"]
-                                     and r["batch"] == max(1, s["tokens"] // r["length"]))
-                batch_axis = sorted((r["batch"], r[figure]) for r in mine
-                                    if r["length"] == s["batch_length"] and r["batch"] in s["batches"])
-                if length_axis:
-                    left.plot(*zip(*length_axis), label=f"{stage} {variant}", **style)
-                if batch_axis:
-                    right.plot(*zip(*batch_axis), label=f"{stage} {variant}", **style)
-        left.set(xscale="log", yscale="log", xlabel=f"sequence length L (batch x L = {s['tokens']})", ylabel=label)
-        right.set(xscale="log", yscale="log", xlabel=f"batch (L = {s['batch_length']})", ylabel=label)
-        for axis, ticks in ((left, s["lengths"]), (right, s["batches"])):
+        fig, panels = plt.subplots(1, 2, figsize=(11, 4.2))
+        for panel, legend, style, xy in curves(figure):
+            if xy:
+                panels[panel].plot(*zip(*sorted(xy)), label=legend, **style)
+        for axis, (xlabel, ticks) in zip(panels, axes):
+            axis.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=label)
             axis.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
             axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             axis.grid(True, which="both", alpha=0.3)
             axis.legend(fontsize=8)
-        fig.suptitle(f"{label}, {s['model']}, {s['threads']} threads")
+        fig.suptitle(f"{label}, {title}")
         fig.tight_layout()
         path = out_dir / f"{name}_{file_tag}.png"
         fig.savefig(path, dpi=110)
@@ -385,4 +450,27 @@ def plot_sweep(report: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
     return written
 
 
-__all__ = ["points", "exact_length_rows", "linear_fit", "memory_fits", "render_sweep", "plot_sweep", "run_sweep"]
+def plot_sweep(report: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
+    """`<name>_time.png` and `<name>_memory.png`: each against length (left) and batch (right), log scales."""
+    s = report["settings"]
+    runs = _ok_runs(report)
+
+    def curves(figure):
+        for stage in SWEEP_STAGES:
+            for variant in s["variants"]:
+                mine = [r for r in runs if r["stage"] == stage and r["variant"] == variant]
+                style = {"marker": "o" if stage == "sft" else "s",
+                         "linestyle": "-" if variant == "alignkit" else "--"}
+                yield 0, f"{stage} {variant}", style, [(r["length"], r[figure]) for r in mine
+                                                       if r["length"] in s["lengths"]
+                                                       and r["batch"] == max(1, s["tokens"] // r["length"])]
+                yield 1, f"{stage} {variant}", style, [(r["batch"], r[figure]) for r in mine
+                                                       if r["length"] == s["batch_length"] and r["batch"] in s["batches"]]
+
+    return plot_two_axes(out_dir, name, ((f"sequence length L (batch x L = {s['tokens']})", s["lengths"]),
+                                         (f"batch (L = {s['batch_length']})", s["batches"])),
+                         f"{s['model']}, {s['threads']} threads", curves)
+
+
+__all__ = ["points", "exact_length_rows", "linear_fit", "memory_fits", "render_sweep", "plot_two_axes", "plot_sweep",
+           "open_sweep", "run_points", "close_sweep", "run_sweep"]

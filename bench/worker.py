@@ -11,16 +11,22 @@ All three tools train with `transformers.Trainer` subclasses, so the same callba
   (one micro-batch per step). Collator calls outside the training loop (TRL's reference precomputation)
   are not counted, because that loop uses its own dataloader;
 - peak resident memory of the whole process: `getrusage(RUSAGE_SELF).ru_maxrss`;
-- GRPO: each generation call is timed (alignkit's `sample_completions`, TRL's `_generate_single_turn`) with
-  the tokens it generated; a GRPO batch is raw prompt rows, so tokens/s is not counted, completions/s is
+- online stages (GRPO, RLOO, distillation, online DPO; `ONLINE_STAGES`): each generation call is timed
+  (alignkit's `sample_completions`; TRL's `_generate_single_turn`, or `_generate` for its experimental online DPO)
+  with the tokens it generated; their batches are raw prompt rows, so tokens/s is not counted, completions/s is
   (`--batch` completions per step, one generation batch per step);
+- precision: at `on_train_begin` the run records `bf16` autocast from the Trainer's arguments and the dtypes of the
+  model's frozen weights (elements per dtype: a 4-bit base shows as uint8); a run that autocasts or whose frozen
+  weights are mostly bf16 is `bf16`, otherwise `fp32`, and its MFU is taken against the matmul probe of that
+  precision;
 - losses: the Trainer's own `log_history` (logging every step);
 - PPO (alignkit only): a step is one rollout and its `ppo_epochs` passes; its split into generation, scoring
   (reward model and the rollout's policy, critic and reference passes) and training is the stage's own
   `time/generation`, `time/scoring`, `time/training` log entries; the reward model is a LoRA reward adapter
   (fresh adapter, seeded score head) on the same base, as `examples/ppo_lora.yaml` uses one (`ppo_reward_model`).
 
-`--matmul` instead times a large square `torch.mm` at the same thread count: the machine's limit.
+`--matmul` instead times a large square `torch.mm` at the same thread count (`--matmul-dtype`: float32 or
+bfloat16): the machine's limit in that precision.
 
 Everything the libraries print goes to stderr, so stdout carries exactly one JSON line.
 """
@@ -53,7 +59,20 @@ TRL_BEST = {
     "rm": {"gradient_checkpointing": False},
     "dpo": {"precompute_ref_log_probs": True, "gradient_checkpointing": False},
     "grpo": {"gradient_checkpointing": False},
+    "rloo": {"gradient_checkpointing": False},
+    "distill": {"gradient_checkpointing": False},
+    "online_dpo": {"gradient_checkpointing": False},
 }
+
+# Stages whose step starts by sampling completions: measured in completions/s with the step split into
+# generation and training. `completions_per_prompt` says how a step's `--batch` completions are grouped.
+ONLINE_STAGES = ("grpo", "rloo", "distill", "online_dpo")
+
+
+def completions_per_prompt(stage: str, num_generations: int) -> int:
+    """Completions sampled per prompt in one step: `num_generations` (GRPO, RLOO), 1 (distillation: the student
+    answers each prompt once), 2 (online DPO: a pair per prompt)."""
+    return {"grpo": num_generations, "rloo": num_generations, "distill": 1, "online_dpo": 2}[stage]
 
 
 class StepRecorder:
@@ -64,7 +83,9 @@ class StepRecorder:
         self.step_ends: list[float] = []
         self.batch_tokens: list[int | None] = []  # None for a batch of raw rows (GRPO prompts)
         self.threads_at_begin = 0
-        # GRPO: one entry per generation call (seconds, new tokens generated).
+        # What the run computed in: Trainer's bf16 (autocast) and the frozen weights' dtypes, at train begin.
+        self.precision: dict[str, Any] = {}
+        # Online stages: one entry per generation call (seconds, new tokens generated).
         self.generation_s: list[float] = []
         self.generated_tokens: list[int] = []
 
@@ -91,14 +112,39 @@ def count_real_tokens(batch: dict[str, Any]) -> int:
     return int(sum(int(t.numel()) for t in ids))
 
 
-def make_callback(recorder: StepRecorder):
-    """The TrainerCallback feeding `recorder` (built here so that `--matmul` never imports transformers)."""
+def run_precision(bf16_autocast: bool, frozen_dtypes: dict[str, int]) -> str:
+    """"bf16" when the run autocasts to bf16 or most of its frozen weights (by element count) are bf16, else
+    "fp32": the matmul probe its MFU is measured against.
+
+    Example: autocast off, frozen {"bfloat16": 900, "float32": 100} (TRL loading a bf16 checkpoint) -> "bf16";
+    frozen {"uint8": 500, "float32": 300} (a 4-bit base computing in fp32) -> "fp32"."""
+    main = max(frozen_dtypes, key=frozen_dtypes.get) if frozen_dtypes else None
+    return "bf16" if bf16_autocast or main == "bfloat16" else "fp32"
+
+
+def record_precision(recorder: StepRecorder, args, model) -> None:
+    """Store the run's precision (`run_precision`) from the Trainer's arguments and the model's frozen weights."""
+    frozen: dict[str, int] = {}
+    for param in model.parameters() if model is not None else ():
+        if not param.requires_grad:
+            name = str(param.dtype).replace("torch.", "")
+            frozen[name] = frozen.get(name, 0) + param.numel()
+    bf16 = bool(getattr(args, "bf16", False))
+    recorder.precision = {"bf16_autocast": bf16, "frozen_weights_dtypes": frozen,
+                          "precision": run_precision(bf16, frozen)}
+
+
+def make_callback(recorder: StepRecorder, count_tokens: bool = True):
+    """The TrainerCallback feeding `recorder` (built here so that `--matmul` never imports transformers).
+
+    `count_tokens=False` (online stages, whose batches are prompt rows) records None for every batch."""
     import torch
     from transformers import TrainerCallback
 
     class _Callback(TrainerCallback):
-        def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        def on_train_begin(self, args, state, control, train_dataloader=None, model=None, **kwargs):
             recorder.threads_at_begin = torch.get_num_threads()
+            record_precision(recorder, args, model)
             if train_dataloader is None:
                 raise RuntimeError("the Trainer did not pass train_dataloader to callbacks; cannot count tokens.")
             loader = getattr(train_dataloader, "base_dataloader", train_dataloader)  # accelerate's wrapper
@@ -107,7 +153,8 @@ def make_callback(recorder: StepRecorder):
             def counting_collate(examples):
                 batch = collate(examples)
                 # A Mapping, not only a dict: LLaMA-Factory's collators return transformers' BatchEncoding.
-                recorder.batch_tokens.append(count_real_tokens(batch) if isinstance(batch, Mapping) else None)
+                recorder.batch_tokens.append(count_real_tokens(batch) if count_tokens and isinstance(batch, Mapping)
+                                             else None)
                 return batch
 
             loader.collate_fn = counting_collate
@@ -154,7 +201,7 @@ def summarise(recorder: StepRecorder, log_history: list[dict[str, Any]], warmup:
 
 def summarise_generation(recorder: StepRecorder, measured: list[int], time_measured: float,
                          completions_per_step: int | None) -> dict[str, Any]:
-    """GRPO figures: generation call k belongs to step k (one generation batch per step, GA 1).
+    """Online-stage figures: generation call k belongs to step k (one generation batch per step, GA 1).
 
     Example: measured steps of 10 s and 12 s with generation calls of 6 s and 8 s, 8 completions per step:
     completions/s = 16 / 22 = 0.727; generation 7 s/step, training 11 - 7 = 4 s/step.
@@ -200,15 +247,10 @@ def run_alignkit(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any
         # alignkit already defaults to report_to none; passing the string would read as YAML null.
         **{k: v for k, v in COMMON_TRAINING.items() if k != "report_to"},
     }
-    if opts.stage == "dpo":
-        values["pref_beta"] = 0.1  # TRL's DPOConfig default, written out so both sides agree
-    if opts.stage == "grpo":
+    values.update(alignkit_stage_settings(opts))
+    if opts.stage in ONLINE_STAGES:
         import alignkit.stages.online as online
 
-        # The same reward function object TRL gets, named by module path; GRPO's other keys keep their
-        # (TRL 1.16) defaults on both sides.
-        values.update(reward_funcs="bench.workloads:bench_reward", num_generations=opts.num_generations,
-                      max_completion_length=opts.max_completion_length)
         online.sample_completions = callback.recorder.timed_generation(  # what `OnlineTrainer.sample` calls
             online.sample_completions, lambda generation: generation.completion_mask.sum())
     if opts.stage == "ppo":
@@ -217,7 +259,11 @@ def run_alignkit(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any
         # Same as the TRL side: fp32 master weights under bf16 autocast.
         values.update(bf16=True, infer_dtype="float32")
     else:
-        values.update(bf16=False, use_cpu=True)
+        # --alignkit-bf16: false (fp32, the default), true (bf16 autocast where the CPU has bf16), or auto
+        # (alignkit's own choice, where its config has that value).
+        values.update(bf16={"false": False, "true": True}.get(opts.alignkit_bf16, opts.alignkit_bf16), use_cpu=True)
+    if opts.variant == "qlora":
+        values.update(QLORA)
     values.update(_parse_extra(opts.extra))
     config = parse_config(values)
     histories: list[list[dict[str, Any]]] = []
@@ -230,6 +276,47 @@ def run_alignkit(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any
 
     run_train(config, callbacks=[callback, _History()])
     return (histories[-1] if histories else []), values
+
+
+# The `alignkit_qlora` variant: LLaMA-Factory's QLoRA keys (its examples/train_qlora), a 4-bit NF4 base under the
+# same LoRA adapter. The adapter and its optimizer stay fp32.
+QLORA = {"quantization_bit": 4, "quantization_method": "bnb", "quantization_type": "nf4", "double_quantization": True}
+
+
+def alignkit_stage_settings(opts: argparse.Namespace) -> dict[str, Any]:
+    """alignkit's stage keys for a run beyond the shared ones; the online stages' mirror `trl_stage_settings`.
+
+    Online stages take `--batch` completions per step (`completions_per_prompt` per prompt) and the same reward
+    function object TRL gets, named by module path (`bench.workloads:bench_reward`); the distillation teacher is the
+    model itself, loaded as a second frozen copy in both tools (the cost does not depend on the teacher's weights).
+    Every other key keeps its TRL 1.16 default on both sides.
+
+    Example: stage online_dpo, --batch 8, --max-completion-length 32: 4 prompts x 2 answers of at most 32 tokens.
+    """
+    if opts.stage == "dpo":
+        return {"pref_beta": 0.1}  # TRL's DPOConfig default, written out so both sides agree
+    if opts.stage in ("grpo", "rloo"):
+        return {"reward_funcs": "bench.workloads:bench_reward", "num_generations": opts.num_generations,
+                "max_completion_length": opts.max_completion_length}
+    if opts.stage == "distill":
+        return {"teacher_model_name_or_path": opts.model_dir, "max_completion_length": opts.max_completion_length}
+    if opts.stage == "online_dpo":  # alignkit's batch counts prompts, two answers each
+        return {"reward_funcs": "bench.workloads:bench_reward", "max_new_tokens": opts.max_completion_length,
+                "per_device_train_batch_size": opts.batch // 2}
+    return {}
+
+
+def trl_stage_settings(opts: argparse.Namespace) -> dict[str, Any]:
+    """TRL's config keys for a run beyond the shared ones (see `alignkit_stage_settings`): the online stages'
+    completions per step and their length; `max_length` (the cutoff) for the others. Online prompts are not
+    truncated (none reaches the cutoff); completions are capped."""
+    if opts.stage in ("grpo", "rloo"):
+        return {"num_generations": opts.num_generations, "max_completion_length": opts.max_completion_length}
+    if opts.stage == "distill":
+        return {"max_completion_length": opts.max_completion_length}
+    if opts.stage == "online_dpo":  # TRL's batch counts prompts too, two answers each
+        return {"max_new_tokens": opts.max_completion_length, "per_device_train_batch_size": opts.batch // 2}
+    return {"max_length": opts.cutoff}
 
 
 def run_trl(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -245,14 +332,12 @@ def run_trl(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any]], d
         "learning_rate": opts.lr,
         **COMMON_TRAINING,
     }
-    if opts.stage == "grpo":  # prompts are not truncated (none reaches the cutoff); completions are capped
-        settings.update(num_generations=opts.num_generations, max_completion_length=opts.max_completion_length)
-    else:
-        settings["max_length"] = opts.cutoff
+    settings.update(trl_stage_settings(opts))
     if opts.device == "cuda":
         settings["bf16"] = True
     else:
-        settings.update(bf16=False, use_cpu=True)
+        # "bf16": TRL's real default (its configs default to bf16=True: autocast on the CPU too); otherwise fp32.
+        settings.update(bf16=opts.variant == "bf16", use_cpu=True)
     if opts.variant == "best":
         settings.update(TRL_BEST[opts.stage])
     settings.update(_parse_extra(opts.extra))
@@ -286,13 +371,43 @@ def run_trl(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any]], d
                               callbacks=[callback])
         trainer._generate_single_turn = callback.recorder.timed_generation(
             trainer._generate_single_turn, lambda output: sum(len(ids) for ids in output[0]))
+    elif opts.stage == "rloo":
+        from trl import RLOOConfig, RLOOTrainer
+
+        from bench.workloads import bench_reward
+
+        trainer = RLOOTrainer(model=opts.model_dir, reward_funcs=bench_reward, args=RLOOConfig(**settings),
+                              train_dataset=dataset, peft_config=LoraConfig(task_type="CAUSAL_LM", **lora),
+                              callbacks=[callback])
+        trainer._generate_single_turn = callback.recorder.timed_generation(  # returns the completion id lists
+            trainer._generate_single_turn, lambda output: sum(len(ids) for ids in output))
+    elif opts.stage == "distill":
+        from trl import DistillationConfig, DistillationTrainer
+
+        trainer = DistillationTrainer(model=opts.model_dir, teacher_model=opts.model_dir,
+                                      args=DistillationConfig(**settings), train_dataset=dataset,
+                                      peft_config=LoraConfig(task_type="CAUSAL_LM", **lora), callbacks=[callback])
+        trainer._generate_single_turn = callback.recorder.timed_generation(
+            trainer._generate_single_turn, lambda output: sum(len(ids) for ids in output))
+    elif opts.stage == "online_dpo":
+        from transformers import AutoTokenizer
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        from bench.workloads import bench_reward
+
+        # Unlike the other trainers it does not load the tokenizer from the model's name itself.
+        trainer = OnlineDPOTrainer(model=opts.model_dir, reward_funcs=bench_reward, args=OnlineDPOConfig(**settings),
+                                   train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(opts.model_dir),
+                                   peft_config=LoraConfig(task_type="CAUSAL_LM", **lora), callbacks=[callback])
+        # (prompt_ids, prompt_mask, completion_ids, completion_mask, ...): both answers of every prompt, one call
+        trainer._generate = callback.recorder.timed_generation(trainer._generate, lambda output: output[3].sum())
     else:
         raise ValueError(f"stage {opts.stage!r} has no TRL runner in the benchmark yet.")
     effective = {k: _jsonable(getattr(trainer.args, k)) for k in
                  ("gradient_checkpointing", "bf16", "max_length", "learning_rate", "lr_scheduler_type",
                   "per_device_train_batch_size", "padding_free", "precompute_ref_log_probs", "packing",
                   "beta", "loss_type", "disable_dropout", "num_generations", "max_completion_length",
-                  "steps_per_generation", "temperature") if hasattr(trainer.args, k)}
+                  "steps_per_generation", "temperature", "max_new_tokens") if hasattr(trainer.args, k)}
     trainer.train()
     return list(trainer.state.log_history), {"passed": {k: _jsonable(v) for k, v in settings.items()},
                                              "effective": effective}
@@ -333,8 +448,9 @@ def make_ppo_callback(recorder: StepRecorder):
     from transformers import TrainerCallback
 
     class _Callback(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
             recorder.threads_at_begin = torch.get_num_threads()
+            record_precision(recorder, args, model)
             recorder.train_begin = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -434,11 +550,13 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def measure_matmul(size: int, device: str, seconds: float) -> dict[str, Any]:
-    """Sustained square-matmul throughput in GFLOP/s (2*n^3 FLOPs per product); fp32 on CPU, bf16 on CUDA."""
+def measure_matmul(size: int, device: str, seconds: float, dtype_name: str | None = None) -> dict[str, Any]:
+    """Sustained square-matmul throughput in GFLOP/s (2*n^3 FLOPs per product); `dtype_name` float32 or
+    bfloat16 (default: float32 on CPU, bfloat16 on CUDA)."""
     import torch
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype_name = dtype_name or ("bfloat16" if device == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
 
@@ -465,9 +583,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.worker", description=__doc__.splitlines()[0])
     p.add_argument("--tool", choices=["alignkit", "trl", "llamafactory"],
                    help="llamafactory: run with the LLaMA-Factory environment's python (bench.llamafactory).")
-    p.add_argument("--variant", choices=["default", "best"], default="default",
-                   help="TRL only: its defaults, or its faster settings (bench.worker.TRL_BEST).")
-    p.add_argument("--stage", choices=["sft", "rm", "dpo", "grpo", "ppo"])
+    p.add_argument("--variant", choices=["default", "best", "bf16", "qlora"], default="default",
+                   help="TRL: its defaults in fp32 (default), its real default bf16=True (bf16), or its faster "
+                        "settings (best, bench.worker.TRL_BEST); alignkit: fp32 LoRA (default) or a 4-bit base "
+                        "(qlora, bench.worker.QLORA).")
+    p.add_argument("--stage", choices=["sft", "rm", "dpo", "grpo", "rloo", "distill", "online_dpo", "ppo"])
+    p.add_argument("--alignkit-bf16", choices=["false", "true", "auto"], default="false",
+                   help="alignkit on a CPU: its `bf16` key (false: fp32; true: bf16 autocast; auto: its own choice).")
     p.add_argument("--model-dir")
     p.add_argument("--alignkit-dataset", help="Name in dataset_info.json (alignkit and LLaMA-Factory read it).")
     p.add_argument("--alignkit-dataset-dir")
@@ -477,15 +599,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--cutoff", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--num-generations", type=int, default=4, help="GRPO: completions per prompt.")
+    p.add_argument("--num-generations", type=int, default=4, help="GRPO, RLOO: completions per prompt.")
     p.add_argument("--max-completion-length", type=int, default=32,
-                   help="GRPO: most new tokens per completion; PPO: per response (max_new_tokens).")
+                   help="Online stages: most new tokens per completion; PPO: per response (max_new_tokens).")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--output-dir", default=None, help="Trainer output_dir (default: a temporary directory).")
     p.add_argument("--extra", nargs="*", default=[], help="key=value training settings added for this run.")
     p.add_argument("--matmul", action="store_true", help="Only measure matmul throughput.")
     p.add_argument("--matmul-size", type=int, default=2048)
+    p.add_argument("--matmul-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="Probe precision (default: float32 on a CPU, bfloat16 on CUDA).")
     p.add_argument("--matmul-seconds", type=float, default=4.0)
     opts = p.parse_args(argv)
     if not opts.matmul:
@@ -518,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if opts.matmul:
             result = {"tool": "matmul", "ok": True, "threads": torch.get_num_threads(),
-                      **measure_matmul(opts.matmul_size, opts.device, opts.matmul_seconds)}
+                      **measure_matmul(opts.matmul_size, opts.device, opts.matmul_seconds, opts.matmul_dtype)}
         else:
             if opts.device == "cuda" and not torch.cuda.is_available():
                 raise RuntimeError("--device cuda was given but torch sees no CUDA device.")
@@ -528,16 +652,17 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ["ALIGNKIT_DATA_CACHE"] = str(Path(tmp) / "alignkit_data")
                 opts.output_dir = opts.output_dir or str(Path(tmp) / "out")
                 recorder = StepRecorder()
-                callback = (make_ppo_callback if opts.stage == "ppo" else make_callback)(recorder)
+                callback = (make_ppo_callback(recorder) if opts.stage == "ppo"
+                            else make_callback(recorder, count_tokens=opts.stage not in ONLINE_STAGES))
                 runner = {"alignkit": run_alignkit, "trl": run_trl, "llamafactory": run_llamafactory}[opts.tool]
                 history, settings = runner(opts, callback)
                 if opts.stage == "ppo":
                     result.update(summarise_ppo(recorder, history, opts.warmup, prompts_per_step=opts.batch))
                 else:
                     result.update(summarise(recorder, history, opts.warmup,
-                                            completions_per_step=opts.batch if opts.stage == "grpo" else None))
+                                            completions_per_step=opts.batch if opts.stage in ONLINE_STAGES else None))
                 result.update(ok=True, settings=settings, threads=torch.get_num_threads(),
-                              threads_at_train_begin=recorder.threads_at_begin,
+                              threads_at_train_begin=recorder.threads_at_begin, **recorder.precision,
                               setup_s=recorder.train_begin - started if recorder.train_begin else None)
     except Exception as err:  # the orchestrator reports a failed run instead of stopping the benchmark
         result.update(error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=8))

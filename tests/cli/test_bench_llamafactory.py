@@ -106,10 +106,11 @@ def test_ensure_venv_returns_a_matching_stamp_without_running_anything(tmp_path,
 
 
 def test_default_peer_is_trl_and_peer_llamafactory_adds_its_runs():
-    assert bench_run.parse_args([]).variants == ["alignkit", "trl_default", "trl_best"]
+    """On a CPU the TRL peer runs its defaults in fp32 and its real default, bf16=True (trl_default_bf16)."""
+    assert bench_run.parse_args([]).variants == ["alignkit", "trl_default", "trl_default_bf16", "trl_best"]
     assert bench_run.parse_args(["--peer", "llamafactory"]).variants == ["alignkit", "llamafactory"]
     both = bench_run.parse_args(["--peer", "trl", "llamafactory"]).variants
-    assert both == ["alignkit", "trl_default", "trl_best", "llamafactory"]
+    assert both == ["alignkit", "trl_default", "trl_default_bf16", "trl_best", "llamafactory"]
 
 
 def test_dry_run_lists_llamafactory_runs_without_installing(tmp_path, monkeypatch, capsys):

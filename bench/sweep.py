@@ -258,7 +258,7 @@ def run_points(opts, report: dict[str, Any], json_path: Path, work_dir: Path, mo
         result.update(fields, load_1min_before=round(load, 2), commit=report["versions"].get("alignkit_commit"))
         report["runs"][key] = result
         failed |= not result.get("ok")
-        print(f"[sweep]   " + (f"{result['step_time_s']:.2f} s/step, {result['peak_rss_mb']:.0f} MB"
+        print("[sweep]   " + (f"{result['step_time_s']:.2f} s/step, {result['peak_rss_mb']:.0f} MB"
                                if result.get("ok") else f"FAILED: {result.get('error')}"), file=sys.stderr, flush=True)
         report["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         json_path.write_text(json.dumps(report, indent=1), encoding="utf-8")  # after every point: resumable

@@ -160,3 +160,69 @@ def test_bad_tool_keys_fail_before_the_model_loads(tiny_model_dir, tmp_path, mon
 
     with pytest.raises(DataError, match="does not write them"):
         run_train(_config(tiny_model_dir, tmp_path, template=None))
+
+
+def seeded_sampler(tokenizer):
+    """A scripted policy whose choice depends on the sampling seeds: at turn 0 a row whose seed is odd calls `add`
+    ("Plan 1."), then answers; an even one answers at once. Later turns read the plan from the context. The real
+    decoder runs one token first, so the model goes through what a real rollout does to it (merged LoRA)."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    decode = online_module.sample_completions
+
+    def sample(model, tok, prompt_ids, *, generation_kwargs, seeds=None, **kwargs):
+        decode(model, tok, prompt_ids, generation_kwargs=dict(generation_kwargs, max_new_tokens=1), seeds=seeds,
+               **kwargs)
+        out = []
+        for ids, seed in zip(prompt_ids, seeds):
+            text = tokenizer.decode(ids)
+            turn = text.count("<|im_start|>assistant") - 1
+            plan = seed % 2 if turn == 0 else int(text.split("Plan ")[1][0])
+            turns = ["Plan 0. It is 2."] if plan == 0 else ["Plan 1.\n" + _call("add", a=1, b=seed % 7), "Done."]
+            out.append(tokenizer(turns[turn], add_special_tokens=False)["input_ids"] + [eos])
+        return generation_from_token_lists(tokenizer, prompt_ids, out, [eos])
+
+    return sample
+
+
+@pytest.mark.fault
+def test_resume_mid_generation_batch_with_tools_equals_the_straight_run(tiny_model_dir, tiny_tokenizer, tmp_path,
+                                                                        monkeypatch, crash_before_step):
+    """steps_per_generation 2: checkpoint-3 falls inside round 1, whose buffered slices (with the tool turns'
+    attention and loss masks) the resumed run reloads; round 2 is generated again under the same per-row, per-turn
+    seeds. The completions (every turn) and rewards after the checkpoint equal the straight run's exactly; losses and
+    the final adapter agree to float rounding only: on this shared 2-core machine two runs of this harness differed by
+    ~1e-7 in the loss (not traced in the time given), so the comparison is within 1e-6."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(online_module, "sample_completions", seeded_sampler(tiny_tokenizer))
+    keys = dict(tools=("add",), per_device_train_batch_size=4, num_generations=4, steps_per_generation=2,
+                max_steps=6, save_strategy="steps", save_steps=3, beta=0.05, max_completion_length=300)
+
+    def config(out):
+        return _config(tiny_model_dir, tmp_path, output_dir=str(tmp_path / out), **keys)
+
+    run_train(config("straight"))
+    with pytest.raises(Exception, match="killed before step"):
+        run_train(config("resumed"), callbacks=[crash_before_step(4)])
+    assert (tmp_path / "resumed" / "checkpoint-3" / grpo_module.ROLLOUT_BUFFER_FILE).is_file()
+    run_train(config("resumed"))
+
+    def losses(out):
+        return {r["current_steps"]: (r["loss"], r["tools/call_frequency"] if "tools/call_frequency" in r else None)
+                for r in read_log(tmp_path / out) if "loss" in r}
+
+    want, got = losses("straight"), losses("resumed")
+    assert set(got) == set(want) == set(range(1, 7))
+    # Equal to float rounding (1e-7 apart was seen between runs of this harness; see the docstring).
+    for step in range(4, 7):
+        assert got[step][0] == pytest.approx(want[step][0], rel=1e-6, abs=1e-7) and got[step][1] == want[step][1]
+    assert 0 < want[5][1] < 1  # some rows called, some did not
+
+    def records(out):
+        return [(r["step"], r["completion"], r["reward"]) for r in
+                map(json.loads, (tmp_path / out / "completions.jsonl").read_text().splitlines())]
+
+    assert records("resumed") == records("straight")
+    a, b = (load_file(str(tmp_path / o / "adapter_model.safetensors")) for o in ("straight", "resumed"))
+    largest = max((a[name] - b[name]).abs().max().item() for name in a)
+    assert largest < 1e-6, largest

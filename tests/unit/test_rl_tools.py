@@ -213,3 +213,16 @@ def test_environment_reset_extends_the_prompt_and_its_methods_are_tools(tiny_tok
     assert loop.tool_names == ["add", "increment"] and set(row_tools[1]) == {"add", "increment"}
     assert row_tools[1]["increment"](2) == 7 and environments[0].total == 1  # one instance per row
     assert '"name": "increment"' in tiny_tokenizer.decode(prompt_ids[0])
+
+
+def test_example_calculator_reads_arithmetic_only():
+    """examples/tools/calculator.py: arithmetic from the syntax tree, no `eval`; anything else raises (the model is
+    told the error)."""
+    from pathlib import Path
+
+    calculate, = load_tools([f"{Path(__file__).resolve().parents[2]}/examples/tools/calculator.py:calculate"])
+    assert calculate("12 * (3 + 4)") == "84" and calculate("7 / 2") == "3.5" and calculate("-2 ** 3") == "-8"
+    for bad in ("__import__('os').system('ls')", "2 ** 1000", "x + 1"):
+        result = run_tool_call({"name": "calculate", "arguments": {"expression": bad}}, {"calculate": calculate},
+                               timeout=1.0, max_chars=200)
+        assert result.failed and result.content.startswith("{'error': ")

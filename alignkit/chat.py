@@ -10,6 +10,7 @@ Tokens are written as they are generated: `generate` runs in a thread and feeds 
 
 from __future__ import annotations
 
+import json
 import sys
 from threading import Thread
 from typing import Any, Callable, Iterator, Optional, Sequence, TextIO
@@ -122,6 +123,48 @@ def stream_reply(model, formatter: ChatFormatter, messages: list[dict[str, str]]
     return "".join(pieces)
 
 
+def tool_reply(model, formatter: ChatFormatter, messages: list[dict[str, Any]], generating_args: GeneratingArguments,
+               tools: list[Callable[..., Any]], stream: TextIO, *, max_iterations: int = 5,
+               tool_timeout: float = 5.0, max_tool_output_chars: int = 10_000) -> list[dict[str, Any]]:
+    """The assistant's reply when it may call `tools`: the same loop as GRPO's tool rollouts (`rl.tools.ToolLoop`),
+    greedy or sampled as `generating_args` says; each turn's text and calls and each tool result are written to `stream`
+    in order once the reply is complete.
+
+    `max_new_tokens` bounds each turn; the whole reply gets that times `max_iterations + 1`.
+
+    Returns:
+        The reply's messages (assistant turns with their `tool_calls`, tool results), to add to the history.
+    """
+    from .rl.tools import ToolLoop
+
+    tokenizer = formatter.tokenizer
+    loop = ToolLoop(tools, None, formatter, formatter.stop_token_ids())
+    _, row_tools, _, prompt_ids = loop.start([messages], [{}])
+    kwargs = generating_args.to_generation_kwargs()
+    per_turn = kwargs.get("max_new_tokens") or 512
+
+    def generate_turn(contexts, rows, turn, max_new_tokens):
+        input_ids, attention_mask = pad_prompts(contexts, tokenizer.pad_token_id)
+        out = generate(model, tokenizer, input_ids, attention_mask, stop_token_ids=formatter.stop_token_ids(),
+                       generation_kwargs={**kwargs, "max_new_tokens": min(per_turn, max_new_tokens)})
+        return [row[:n].tolist() for row, n in zip(out.completion_ids, out.completion_mask.sum(1))]
+
+    rollout = loop.run(generate_turn, prompt_ids, row_tools, max_completion_length=per_turn * (max_iterations + 1),
+                       max_iterations=max_iterations, timeout=tool_timeout,
+                       max_tool_output_chars=max_tool_output_chars)
+    reply = rollout.messages[0]
+    for message in reply:  # in order: each turn's text and calls, each tool's result
+        if message["role"] == "tool":
+            stream.write(f"[{message['name']}] {message['content']}\n")
+            continue
+        if message["content"]:
+            stream.write(message["content"] + "\n")
+        for call in message.get("tool_calls", []):
+            stream.write(f"-> {call['function']['name']}({json.dumps(call['function']['arguments'])})\n")
+    stream.flush()
+    return reply
+
+
 def load_chat_model(model_args: ModelArguments, template: str | None = None) -> tuple[Any, ChatFormatter]:
     """The model (base + merged adapters, eval mode, on the GPU when there is one) and its chat formatter.
 
@@ -174,6 +217,7 @@ def chat(
     stream: TextIO = sys.stdout,
     input_fn: Callable[[str], str] | None = None,
     images: Sequence[str] | None = None,
+    tools: list[str] | None = None,
 ) -> str | None:
     """Answer `prompt` once, or hold an interactive conversation when `prompt` is None.
 
@@ -190,18 +234,36 @@ def chat(
             read, so that the transcript reads as a conversation and does not end in a dangling `User: `.
         images: image files for the first user message (a vision-language model); they stay in the history until
             `clear`.
+        tools: `file.py:function` / `module:function` specs the model may call (`tool_reply`, GRPO's tool loop);
+            checked before the model loads. The template must write tool calls (e.g. `template=chatml`).
 
     Returns:
         The reply for a one-shot prompt, None after an interactive session.
     """
     image_paths = list(images or [])
+    if image_paths and tools:
+        raise ConfigError("alignkit chat: --image and --tools together are not supported yet (the tool loop "
+                          "generates from text only); use one of them.")
     processing = chat_images(model_args, image_paths)
+    functions = None
+    if tools:
+        from .rl.tools import ToolCallFormat, load_tools
+
+        functions = load_tools(tools)
+        ToolCallFormat.from_formatter(ChatFormatter(load_tokenizer(model_args), template))
     model, formatter = load_chat_model(model_args, template)
     image_arguments = (processing, image_paths) if image_paths else ()
+
+    def answer(history: list[dict[str, Any]], query: str) -> tuple[str, list[dict[str, Any]]]:
+        messages = build_messages(history, query, system)
+        if functions is None:
+            reply = stream_reply(model, formatter, messages, generating_args, stream, *image_arguments)
+            return reply, [{"role": "assistant", "content": reply}]
+        turns = tool_reply(model, formatter, messages, generating_args, functions, stream)
+        return (turns[-1]["content"] if turns and turns[-1]["role"] == "assistant" else ""), turns
+
     if prompt is not None:
-        query = with_images(prompt, len(image_paths)) if image_paths else prompt
-        return stream_reply(model, formatter, build_messages([], query, system), generating_args, stream,
-                            *image_arguments)
+        return answer([], with_images(prompt, len(image_paths)) if image_paths else prompt)[0]
 
     stream.write(f"Type `{CLEAR_COMMAND}` to forget the conversation, `{EXIT_COMMAND}` to quit.\n")
     piped = input_fn is None and not sys.stdin.isatty()
@@ -228,10 +290,10 @@ def chat(
         if image_paths and not history:  # the images go with the first message
             query = with_images(query, len(image_paths))
         stream.write("Assistant: ")
-        reply = stream_reply(model, formatter, build_messages(history, query, system), generating_args, stream,
-                             *image_arguments)
-        history += [{"role": "user", "content": query}, {"role": "assistant", "content": reply}]
+        _, turns = answer(history, query)
+        history += [{"role": "user", "content": query}] + turns
     return None
 
 
-__all__ = ["chat", "stream_reply", "reply_pieces", "load_chat_model", "chat_images", "with_images", "build_messages"]
+__all__ = ["chat", "stream_reply", "reply_pieces", "tool_reply", "load_chat_model", "chat_images", "with_images",
+           "build_messages"]

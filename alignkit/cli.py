@@ -2,7 +2,7 @@
 
     alignkit train CONFIG.yaml [key=value ...]   run the stage named by `stage:`
     alignkit train --nproc N CONFIG.yaml          the same in N processes (through torchrun)
-    alignkit chat [--model DIR] [--adapter DIR] [--prompt TEXT]
+    alignkit chat [--model DIR] [--adapter DIR] [--prompt TEXT] [--tools file.py:function,...]
     alignkit export --model DIR [--adapter DIR] --export-dir DIR [--force] [--format gguf [--gguf-type T] [--ollama]]
     alignkit api [--model DIR] [--adapter NAME=DIR ...] [--host H] [--port N] [--api-key KEY]   OpenAI-compatible
     alignkit score --model DIR --input FILE.jsonl [--output FILE.jsonl]
@@ -132,8 +132,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from .chat import chat
 
     config = _model_args(args.model, args.adapter, args.overrides)
+    tools = [t.strip() for t in args.tools.split(",") if t.strip()] if args.tools else None
     chat(config.model, config.generating, prompt=args.prompt, system=args.system, template=config.data.template,
-         images=args.image)
+         images=args.image, tools=tools)
     return 0
 
 
@@ -283,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="system prompt")
     p.add_argument("--image", action="append", help="an image file for the first message (repeat for several; a "
                    "vision-language model, docs/multimodal.md)")
+    p.add_argument("--tools", help="Python functions the model may call, comma-separated file.py:function or "
+                                   "module:function (as GRPO's `tools`; docs/stages/tools.md)")
     p.add_argument("overrides", nargs="*", help="settings as key=value (e.g. max_new_tokens=64 template=chatml)")
     p.set_defaults(func=_cmd_chat)
 

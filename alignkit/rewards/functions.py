@@ -177,15 +177,15 @@ def _check_spec_syntax(spec: str) -> None:
 # ------------------------------------------------------------------------------------------ user functions
 
 
-def _resolve_file(path_text: str, spec: str, config_dir: Optional[str]) -> Path:
+def _resolve_file(path_text: str, spec: str, config_dir: Optional[str], kind: str = "reward function") -> Path:
     try:
         return resolve_config_path(path_text, config_dir)
     except FileNotFoundError as err:
-        raise RewardFunctionError(f"reward function {spec!r}: file not found ({err}). Relative paths are "
+        raise RewardFunctionError(f"{kind} {spec!r}: file not found ({err}). Relative paths are "
                                   "resolved against the config file's folder, then the current directory.") from None
 
 
-def _import_file(path: Path, spec: str):
+def _import_file(path: Path, spec: str, kind: str = "reward function"):
     # A name unique per file, so two reward files called `rewards.py` do not replace each other.
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
     module_name = f"alignkit_user_rewards.{path.stem}_{digest}"
@@ -193,7 +193,7 @@ def _import_file(path: Path, spec: str):
         return sys.modules[module_name]
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise RewardFunctionError(f"reward function {spec!r}: {path} cannot be imported as a Python file.")
+        raise RewardFunctionError(f"{kind} {spec!r}: {path} cannot be imported as a Python file.")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
     # The file's own folder is on the path while it runs, so it can import modules beside it.
@@ -202,20 +202,23 @@ def _import_file(path: Path, spec: str):
         module_spec.loader.exec_module(module)
     except Exception as err:
         del sys.modules[module_name]
-        raise RewardFunctionError(f"reward function {spec!r}: importing {path} raised {type(err).__name__}: {err}. "
+        raise RewardFunctionError(f"{kind} {spec!r}: importing {path} raised {type(err).__name__}: {err}. "
                                   "Fix the file so that `python " + str(path) + "` runs.") from err
     finally:
         sys.path.remove(str(path.parent))
     return module
 
 
-def load_user_function(spec: str, config_dir: Optional[str] = None) -> Callable[..., Any]:
+def load_user_function(spec: str, config_dir: Optional[str] = None, *, kind: str = "reward function",
+                       require_kwargs: bool = True) -> Callable[..., Any]:
     """Import the function a `module:function` or `file.py:function` spec names.
 
     Args:
         spec: `package.module:function` or `path/to/file.py:function`.
         config_dir: folder of the config file; relative file paths are looked up there first, then in the
             current directory.
+        kind: what the object is, for messages (`tool` and `environment_factory` load this way too).
+        require_kwargs: refuse a function without `**kwargs` (reward functions get the dataset's columns).
 
     Raises:
         RewardFunctionError: the module or file does not import, has no such function, or the function
@@ -224,18 +227,18 @@ def load_user_function(spec: str, config_dir: Optional[str] = None) -> Callable[
     target, _, function_name = spec.rpartition(":")
     is_file = target.endswith(".py") or "/" in target or os.sep in target
     if is_file:
-        path = _resolve_file(target, spec, config_dir)
-        module = _import_file(path, spec)
+        path = _resolve_file(target, spec, config_dir, kind)
+        module = _import_file(path, spec, kind)
         where = str(path)
     else:
         try:
             module = importlib.import_module(target)
         except ModuleNotFoundError as err:
             raise RewardFunctionError(
-                f"reward function {spec!r}: cannot import module {target!r} ({err}). Install the package or add its "
+                f"{kind} {spec!r}: cannot import module {target!r} ({err}). Install the package or add its "
                 "folder to PYTHONPATH, or name a file instead: `path/to/file.py:function`.") from err
         except Exception as err:
-            raise RewardFunctionError(f"reward function {spec!r}: importing {target!r} raised "
+            raise RewardFunctionError(f"{kind} {spec!r}: importing {target!r} raised "
                                       f"{type(err).__name__}: {err}.") from err
         where = f"module {target}"
     function = getattr(module, function_name, None)
@@ -247,17 +250,17 @@ def load_user_function(spec: str, config_dir: Optional[str] = None) -> Callable[
             hint = f" Did you mean `{close[0]}`?"
         else:
             hint = f" It defines: {', '.join(available)}." if available else ""
-        raise RewardFunctionError(f"reward function {spec!r}: {where} has no `{function_name}`.{hint}")
+        raise RewardFunctionError(f"{kind} {spec!r}: {where} has no `{function_name}`.{hint}")
     if not callable(function):
-        raise RewardFunctionError(f"reward function {spec!r}: `{function_name}` in {where} is a "
+        raise RewardFunctionError(f"{kind} {spec!r}: `{function_name}` in {where} is a "
                                   f"{type(function).__name__}, not a function.")
     try:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):
         parameters = None  # builtins without a signature: trust them
-    if parameters is not None and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    if require_kwargs and parameters is not None and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         raise RewardFunctionError(
-            f"reward function {spec!r}: `{function_name}` must accept **kwargs: it is called as "
+            f"{kind} {spec!r}: `{function_name}` must accept **kwargs: it is called as "
             "f(prompts=..., completions=..., completion_ids=..., **dataset_columns) (TRL's signature). "
             f"Add `**kwargs` to its parameters.")
     return function

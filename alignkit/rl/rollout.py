@@ -70,6 +70,7 @@ def sample_completions(
     seed: int,
     first_row: int = 0,
     merge_lora: bool = True,
+    seeds: Optional[Sequence[int]] = None,
 ) -> Generation:
     """Sample one completion per prompt row, each row under its own seed, leaving the global RNG as it was.
 
@@ -89,6 +90,7 @@ def sample_completions(
         seed: the round's sampling seed (`rollout_seed`).
         first_row: the index of `prompt_ids[0]` in the round's whole batch (over all processes).
         merge_lora: decode with the LoRA adapter merged into the base weights (restored exactly after).
+        seeds: each row's seed, in place of `row_seeds(seed, first_row, N)` (a tool rollout's later turns).
 
     Returns:
         A `Generation` (see `alignkit.model.generation`).
@@ -96,7 +98,7 @@ def sample_completions(
     input_ids, attention_mask = pad_prompts(prompt_ids, padding_token_id(tokenizer))
     device = next(model.parameters()).device
     generators = [torch.Generator(device=device).manual_seed(row_seed)
-                  for row_seed in row_seeds(seed, first_row, len(prompt_ids))]
+                  for row_seed in (seeds if seeds is not None else row_seeds(seed, first_row, len(prompt_ids)))]
     return generate_with_decode(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_token_ids,
                                 generation_kwargs=generation_kwargs, generator=generators, merge_lora=merge_lora)
 

@@ -81,6 +81,7 @@ import torch
 from torch.utils.data import Sampler
 
 from ..config import check_sampling_knobs
+from ..data.collator import padding_token_id
 from ..env import launched_processes
 from ..errors import ConfigError
 from ..rewards import RewardFunctionArguments, require_reward_funcs
@@ -92,6 +93,7 @@ from ..rl.losses import (CLIPPED_LOSS_TYPES, AdaptiveEntropyController, aggregat
 from ..rl.record import COMPLETIONS_FILE
 from ..rl.rollout import VLLMColocateSampler, completion_logps, rollout_seed
 from ..rl.stats import masked_mean, nan_std
+from ..rl.tools import ToolLoop, rollout_tensors, turn_seeds
 from .base import is_peft_model, run_stage_trainer
 from .online import PROMPT_COLUMNS, OnlineTrainer
 
@@ -151,6 +153,29 @@ class GroupRolloutArguments(RewardFunctionArguments):
                           "extra: pip install 'alignkit[vllm]'). Written against vLLM 0.33's API, not run here."})
     vllm_gpu_memory_utilization: float = field(
         default=0.3, metadata={"help": "Share of GPU memory vLLM may take in colocate mode. TRL default 0.3."})
+    tools: Optional[list[str]] = field(
+        default=None,
+        metadata={"help": "Python functions the policy may call during a rollout: `path/to/file.py:function` or "
+                          "`package.module:function`, a list or comma-separated. Each needs type hints and a Google-style "
+                          "docstring (its JSON schema, shown in the prompt, is derived from them as TRL does). The "
+                          "template must write tool calls (chatml/qwen). See docs/stages/tools.md."})
+    environment_factory: Optional[str] = field(
+        default=None,
+        metadata={"help": "`path/to/file.py:Class`: one instance per rollout row (TRL 1.16's contract): reset(**row) "
+                          "before each rollout (a returned string is appended to the prompt's last message), its "
+                          "public methods are tools; reward functions get the instances as `environments`."})
+    max_tool_calling_iterations: Optional[int] = field(
+        default=None,
+        metadata={"help": "Most tool turns per completion; null (TRL default) = until a turn has no call or the "
+                          "completion reaches max_completion_length."})
+    tool_timeout: float = field(
+        default=5.0,
+        metadata={"help": "Seconds one tool call may take; a call that takes longer gets an error message as its "
+                          "result (it is left running in a daemon thread). 0 = untimed, in the training thread."})
+    max_tool_output_chars: int = field(
+        default=10_000,
+        metadata={"help": "Longest tool result (characters) put back into the conversation; longer ones are cut with "
+                          "a note saying so."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -177,6 +202,23 @@ class GroupRolloutArguments(RewardFunctionArguments):
             raise ConfigError(f"epsilon_high={self.epsilon_high} must be >= 0 (default: epsilon).")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
+        if isinstance(self.tools, str):
+            self.tools = [t.strip() for t in self.tools.split(",") if t.strip()]
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ConfigError(f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 (null: no "
+                              "cap).")
+        if not self.tool_timeout >= 0:
+            raise ConfigError(f"tool_timeout={self.tool_timeout} must be >= 0 seconds (0 = untimed).")
+        if self.max_tool_output_chars < 1:
+            raise ConfigError(f"max_tool_output_chars={self.max_tool_output_chars} must be at least 1.")
+        if self.uses_tools and self.use_vllm:
+            raise ConfigError("tools / environment_factory with use_vllm: true is not supported: the tool loop "
+                              "generates with transformers; set use_vllm: false.")
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether rollouts call tools (`tools` or `environment_factory` set)."""
+        return bool(self.tools) or bool(self.environment_factory)
 
 
 @dataclass
@@ -323,6 +365,10 @@ def check_config(config: "Config") -> None:
                           "reward on held-out prompts with `alignkit eval` (greedy) before and after training.")
     require_reward_funcs(g, config.finetuning.stage)
     check_generation_loop(g, t)
+    if g.uses_tools:
+        from ..rl.tools import check_tool_keys
+
+        check_tool_keys(g, str(Path(config.source).parent) if config.source else None)
 
 
 def check_generation_loop(g: Any, t: Any) -> None:
@@ -419,6 +465,7 @@ class GRPOTrainer(OnlineTrainer):
     advantage_estimator = "group"
 
     def __init__(self, *args, grpo_args: GroupRolloutArguments, reward_functions, stop_token_ids: Sequence[int],
+                 tools: Sequence[Any] = (), environment_factory: Optional[Any] = None, formatter: Optional[Any] = None,
                  **kwargs) -> None:
         kwargs.setdefault("data_collator", collate_prompt_rows)
         super().__init__(*args, reward_functions=reward_functions, stop_token_ids=stop_token_ids,
@@ -450,6 +497,9 @@ class GRPOTrainer(OnlineTrainer):
         self._entropy_bonus_enabled = False
         self._entropy_controller: Optional[AdaptiveEntropyController] = None
         self._entropy_window: Optional[torch.Tensor] = None
+        # Tool-calling rollouts (`rl.tools`): None without tools, the common case.
+        self.tool_loop = ToolLoop(tools, environment_factory, formatter, self.stop_token_ids) \
+            if (tools or environment_factory) else None
         self._init_loss_state()
 
     def _init_loss_state(self) -> None:
@@ -541,7 +591,13 @@ class GRPOTrainer(OnlineTrainer):
         seed = rollout_seed(self.args.seed, round_index)
         # This process holds rows first_row .. first_row + len(rows) - 1 of the global generation batch.
         first_row = self.accelerator.process_index * len(rows)
-        if self.grpo_args.use_vllm:
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key not in PROMPT_COLUMNS}
+        prompt_messages = [row["prompt_messages"] for row in rows]
+        tool_mask = tool_completions = None
+        if self.tool_loop is not None:
+            generation, tool_mask, tool_completions, prompt_messages = self._tool_generation(
+                rows, columns, seed, first_row)
+        elif self.grpo_args.use_vllm:
             generation = self._vllm_sampler().sample(self.processing_class, prompt_ids,
                                                      stop_token_ids=self.stop_token_ids,
                                                      generation_kwargs=self.generation_kwargs, seed=seed,
@@ -555,28 +611,35 @@ class GRPOTrainer(OnlineTrainer):
         device = self.args.device
         prompt_ids, prompt_mask = generation.prompt_ids.to(device), generation.prompt_mask.to(device)
         completion_ids = generation.completion_ids.to(device)
-        completion_mask = generation.completion_mask.to(device)
+        # The attention over the completion; with tools the loss mask leaves the tool turns out of it (`tool_mask`).
+        attention_mask = generation.completion_mask.to(device)
         truncated = generation.truncated.to(device)
-        lengths = completion_mask.sum(1)
+        lengths = attention_mask.sum(1)
+        # The policy's own tokens per completion, as TRL counts them for the length metrics and tokens seen.
+        policy_lengths = lengths if tool_mask is None else (attention_mask * tool_mask.to(device)).sum(1)
         if self.grpo_args.mask_truncated_completions:
-            completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
+            attention_mask = attention_mask * (~truncated).unsqueeze(1).long()
+        completion_mask = attention_mask if tool_mask is None else attention_mask * tool_mask.to(device)
 
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key not in PROMPT_COLUMNS}
+        if tool_completions is not None and self.tool_loop.environment_factory is not None:
+            columns["environments"] = self.tool_loop.environments(len(rows))
         completion_id_lists = [ids[:n].tolist() for ids, n in zip(generation.completion_ids, lengths.tolist())]
         prompts, completions, per_function, rewards = self.score(
-            [row["prompt_messages"] for row in rows], [bool(row["prompt_conversational"]) for row in rows],
-            generation.texts, columns, completion_id_lists, truncated.tolist())
+            prompt_messages, [bool(row["prompt_conversational"]) for row in rows],
+            generation.texts, columns, completion_id_lists, truncated.tolist(), completions=tool_completions)
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                  "completion_mask": completion_mask}
+        if tool_mask is not None:
+            batch["completion_attention_mask"] = attention_mask
         with torch.no_grad():
             if self.needs_old_logps:
                 batch["old_logps"], _ = completion_logps(
-                    self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                    self.model, prompt_ids, prompt_mask, completion_ids, attention_mask,
                     temperature=self.grpo_args.temperature, batch_size=self.args.per_device_train_batch_size)
             if self.grpo_args.beta != 0:
                 with self.reference() as reference:
                     batch["ref_logps"], _ = completion_logps(
-                        reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        reference, prompt_ids, prompt_mask, completion_ids, attention_mask,
                         temperature=self.grpo_args.temperature, batch_size=self.args.per_device_train_batch_size)
         # Groups may straddle processes: normalise over the gathered batch, then keep this process's slice.
         gather = self.accelerator.gather
@@ -585,9 +648,9 @@ class GRPOTrainer(OnlineTrainer):
                                                           slice(first_row, first_row + len(rows)))
         batch["advantages"] = advantages
 
-        all_lengths, all_truncated = gather(lengths), gather(truncated.long()).bool()
+        all_lengths, all_truncated = gather(policy_lengths), gather(truncated.long()).bool()
         token_counts = self.accelerator.reduce(
-            torch.stack([prompt_mask.sum() + lengths.sum(), completion_mask.sum()]).long(), reduction="sum")
+            torch.stack([prompt_mask.sum() + policy_lengths.sum(), completion_mask.sum()]).long(), reduction="sum")
         self.state.num_input_tokens_seen += int(token_counts[0].item())
         self._record_rollout_metrics(all_per_function, all_rewards, std_is_zero, all_lengths, all_truncated)
         self.write_completions(self.completion_records(self.state.global_step + 1, prompts, completions,
@@ -605,6 +668,40 @@ class GRPOTrainer(OnlineTrainer):
             piece["generation_tokens"] = generation_tokens
             slices.append(piece)
         return slices
+
+    def _tool_generation(self, rows: list[dict[str, Any]], columns: dict[str, list], seed: int, first_row: int
+                         ) -> tuple[Any, torch.Tensor, list[list[dict[str, Any]]], list[list[dict[str, Any]]]]:
+        """A tool-calling rollout of this process's rows (`rl.tools.ToolLoop`): each turn sampled under per-row,
+        per-turn seeds (`rl.tools.turn_seeds`), so it is the same in a resumed run and with any number of processes.
+
+        Returns:
+            `(generation, tool_mask [N, C], completions, prompt_messages)`: the completions as message lists (what the
+            reward functions get) and the prompts as the environments' `reset` left them.
+        """
+        g = self.grpo_args
+        loop = self.tool_loop
+        reset_kwargs = [{**{key: values[i] for key, values in columns.items()}, "prompt": row["prompt_messages"]}
+                        for i, row in enumerate(rows)]
+        messages, row_tools, _, prompt_ids = loop.start([row["prompt_messages"] for row in rows], reset_kwargs)
+
+        def generate(contexts: list[list[int]], turn_rows: list[int], turn: int, max_new_tokens: int) -> list[list[int]]:
+            kwargs = dict(self.generation_kwargs, max_new_tokens=max_new_tokens)
+            seeds = turn_seeds(seed, turn, [first_row + r for r in turn_rows])
+            generation = self.sample(contexts, generation_kwargs=kwargs, seed=seed, first_row=first_row, seeds=seeds)
+            return [ids[:n].tolist() for ids, n in zip(generation.completion_ids, generation.completion_mask.sum(1))]
+
+        config = self.model.config
+        out = loop.run(generate, prompt_ids, row_tools, max_completion_length=g.max_completion_length,
+                       max_iterations=g.max_tool_calling_iterations, timeout=g.tool_timeout,
+                       max_tool_output_chars=g.max_tool_output_chars,
+                       max_context_length=getattr(config, "max_position_embeddings", None))
+        device = self.args.device
+        self.record_metrics(loop.metrics(
+            out, lambda t: self.accelerator.reduce(t.to(device), reduction="sum").cpu(),
+            len(rows) * self.accelerator.num_processes), 1)
+        generation, tool_mask = rollout_tensors(out, prompt_ids, padding_token_id(self.processing_class),
+                                                self.stop_token_ids)
+        return generation, tool_mask, out.messages, messages
 
     def compute_advantages(self, all_per_function: torch.Tensor, all_rewards: torch.Tensor,
                            batch: dict[str, torch.Tensor], local: slice) -> tuple[torch.Tensor, torch.Tensor]:
@@ -683,9 +780,10 @@ class GRPOTrainer(OnlineTrainer):
             raise ValueError("GRPOTrainer.compute_loss returns the loss only.")
         g = self.grpo_args
         mask = inputs["completion_mask"]
+        # With tools the forward attends to the tool turns too (`completion_attention_mask`); the loss mask does not.
         logps, entropy = completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"],
-                                          inputs["completion_ids"], mask, temperature=g.temperature,
-                                          with_entropy=True)
+                                          inputs["completion_ids"], inputs.get("completion_attention_mask", mask),
+                                          temperature=g.temperature, with_entropy=True)
         old_logps = inputs.get("old_logps", logps.detach())
         advantages = inputs["advantages"]
         entropy_mask = None
@@ -880,10 +978,19 @@ def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
     config_dir = config.dir
     check_reward_functions(config.method, config_dir=config_dir)  # before anything loads
     tokenizer = load_tokenizer(config.model)
+    formatter = ChatFormatter(tokenizer, config.data.template)
+    tool_kwargs: dict[str, Any] = {}
+    if getattr(config.method, "uses_tools", False):  # checked before the data and the model load
+        from ..rl.tools import ToolCallFormat, load_environment_factory, load_tools
+
+        ToolCallFormat.from_formatter(formatter)  # the template must write tool calls
+        tools = load_tools(config.method.tools or [], config_dir)
+        factory = (load_environment_factory(config.method.environment_factory, config_dir, tools)
+                   if config.method.environment_factory else None)
+        tool_kwargs = {"tools": tools, "environment_factory": factory, "formatter": formatter}
     datasets = get_dataset(config, tokenizer, DATA_KIND)
     check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
-    formatter = ChatFormatter(tokenizer, config.data.template)
     reward_functions = build_reward_functions(
         config.method, model=model, formatter=formatter, model_args=config.model, config_dir=config_dir)
     return trainer_class(
@@ -895,6 +1002,7 @@ def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
         processing_class=tokenizer,
         callbacks=callbacks,
         train_dataset=datasets["train_dataset"],
+        **tool_kwargs,
     )
 
 

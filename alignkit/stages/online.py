@@ -60,21 +60,24 @@ class OnlineTrainer(StageTrainer):
     # ---- generate ----
 
     def sample(self, prompt_ids: Sequence[Sequence[int]], *, generation_kwargs: dict[str, Any], seed: int,
-               first_row: int) -> Generation:
+               first_row: int, seeds: Optional[Sequence[int]] = None) -> Generation:
         """One completion per prompt row of this process (`first_row`: the index of its first row in the round's
-        global batch), the policy's sharded weights gathered once for the batch (a no-op without sharding, and
-        inside a caller's own `full_weights` block)."""
+        global batch; `seeds`: each row's own seed instead, as a tool rollout's later turns give them), the policy's
+        sharded weights gathered once for the batch (a no-op without sharding, and inside a caller's own
+        `full_weights` block)."""
         # Given the DeepSpeed engine, whose per-module hooks would otherwise release each layer after its forward.
         engine = self.model_wrapped if self.is_deepspeed_enabled else None
         with full_weights(self.model, engine) as model:
             return sample_completions(model, self.processing_class, prompt_ids, stop_token_ids=self.stop_token_ids,
-                                      generation_kwargs=generation_kwargs, seed=seed, first_row=first_row)
+                                      generation_kwargs=generation_kwargs, seed=seed, first_row=first_row,
+                                      seeds=seeds)
 
     # ---- score ----
 
     def score(self, prompt_messages: Sequence[list[dict[str, str]]], conversational: Sequence[bool],
               texts: Sequence[str], columns: dict[str, list], completion_ids: list[list[int]],
-              truncated: Sequence[bool]) -> tuple[list[Any], list[Any], torch.Tensor, torch.Tensor]:
+              truncated: Sequence[bool], completions: Optional[list[Any]] = None
+              ) -> tuple[list[Any], list[Any], torch.Tensor, torch.Tensor]:
         """Every reward on every completion of this process.
 
         Args:
@@ -84,13 +87,15 @@ class OnlineTrainer(StageTrainer):
             columns: the dataset's other columns (`PROMPT_COLUMNS` left out), one list of N values each.
             completion_ids: each completion's token ids (up to and including its stop token).
             truncated: N flags, True where a completion hit the length limit without stopping.
+            completions: the completions as given (a tool rollout's message lists) instead of from `texts`.
 
         Returns:
             `(prompts, completions, per_function [N, F], rewards [N])`: prompts and completions in TRL's shapes,
             as the functions got them; NaN where a function (or every function) returned None.
         """
         prompts = trl_prompts(prompt_messages, conversational)
-        completions = trl_completions(texts, conversational)
+        if completions is None:
+            completions = trl_completions(texts, conversational)
         per_function, rewards = score_completions(self.reward_functions, prompts, completions, columns,
                                                   completion_ids, list(truncated))
         return prompts, completions, per_function, rewards

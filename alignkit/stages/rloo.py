@@ -107,8 +107,8 @@ class RLOOTrainer(GRPOTrainer):
         g = self.grpo_args
         mask = inputs["completion_mask"]
         logps, entropy = completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"],
-                                          inputs["completion_ids"], mask, temperature=g.temperature,
-                                          with_entropy=True)
+                                          inputs["completion_ids"], inputs.get("completion_attention_mask", mask),
+                                          temperature=g.temperature, with_entropy=True)
         mask_f = mask.to(logps.dtype)
         sequence_logps = (logps * mask_f).sum(1, keepdim=True)
         old_sequence_logps = (inputs["old_logps"] * mask_f).sum(1, keepdim=True)

@@ -95,8 +95,11 @@ def format_log_line(logs: dict[str, Any], step: int, total: int) -> str:
     (`{'loss': '1.069', ...}`) under a progress bar, or with no bar, the raw floats to 17 digits.
     """
     parts = [f"step {step}/{total}" if total else f"step {step}"]
+    is_step_log = "loss" in logs
     for key, value in logs.items():
-        if key == "total_flos":
+        # As in trainer_log.jsonl: the running speed the Trainer repeats in every step's logs is left to the bar
+        # and the final summary.
+        if key == "total_flos" or (is_step_log and (key in _RUNNING_SPEED_KEYS or key == "num_input_tokens_seen")):
             continue
         parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
     return "  ".join(parts)

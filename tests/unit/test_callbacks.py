@@ -110,10 +110,11 @@ def test_a_logging_step_prints_as_one_line_of_rounded_numbers():
     from alignkit.callbacks import format_log_line
 
     logs = {"loss": 1.0689021110534669, "grad_norm": 0.51234567, "learning_rate": 0.0003, "epoch": 0.13333333,
-            "num_input_tokens_seen": 4096, "total_flos": 123456.0}
-    assert format_log_line(logs, 5, 30) == ("step 5/30  loss 1.069  grad_norm 0.5123  learning_rate 0.0003  "
-                                            "epoch 0.1333  num_input_tokens_seen 4096")
-    assert format_log_line({"train_runtime": 61.234}, 30, 0) == "step 30  train_runtime 61.23"
+            "num_input_tokens_seen": 4096, "train_runtime": 160.5, "train_tokens_per_second": 23.11,
+            "total_flos": 123456.0}
+    assert format_log_line(logs, 5, 30) == "step 5/30  loss 1.069  grad_norm 0.5123  learning_rate 0.0003  epoch 0.1333"
+    summary = {"train_runtime": 61.234, "train_loss": 0.4}  # the run's summary keeps its speed
+    assert format_log_line(summary, 30, 0) == "step 30  train_runtime 61.23  train_loss 0.4"
 
 
 @pytest.mark.parametrize("disable_tqdm", [False, True])

@@ -13,6 +13,7 @@ the end of the current step, with a checkpoint, so that the run can be resumed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .errors import TrainingDiverged
 from .jsonl import append_jsonl, keep_jsonl_rows
@@ -84,6 +86,59 @@ class LogCallback(TrainerCallback):
                 value = None
             record[key] = value
         append_jsonl(Path(args.output_dir) / LOG_FILE, [record])
+
+
+def format_log_line(logs: dict[str, Any], step: int, total: int) -> str:
+    """A logging step as one line of rounded numbers: `step 5/30  loss 1.069  grad_norm 0.5123  learning_rate 0.0003`.
+
+    What transformers prints instead is the logs dict with every float turned into a string
+    (`{'loss': '1.069', ...}`) under a progress bar, or with no bar, the raw floats to 17 digits.
+    """
+    parts = [f"step {step}/{total}" if total else f"step {step}"]
+    is_step_log = "loss" in logs
+    for key, value in logs.items():
+        # As in trainer_log.jsonl: the running speed the Trainer repeats in every step's logs is left to the bar
+        # and the final summary.
+        if key == "total_flos" or (is_step_log and (key in _RUNNING_SPEED_KEYS or key == "num_input_tokens_seen")):
+            continue
+        parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+    return "  ".join(parts)
+
+
+class _ProgressLines(ProgressCallback):
+    """transformers' progress bar, with each logging step written by `format_log_line`."""
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None and logs:
+            self.training_bar.write(format_log_line(logs, state.global_step, state.max_steps))
+
+
+class _PrinterLines(PrinterCallback):
+    """transformers' printer for `disable_tqdm: true`, each logging step written by `format_log_line`."""
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
+        if state.is_local_process_zero and logs:
+            print(format_log_line(logs, state.global_step, state.max_steps))
+
+
+@contextlib.contextmanager
+def readable_trainer_logs():
+    """Trainers built inside print their logging steps as `format_log_line` does.
+
+    The Trainer picks its printer from two names in `transformers.trainer` when it is built (transformers sets
+    the first itself to a notebook bar in Jupyter, which is left alone); a callback of ours passed beside
+    it would print every line twice. The names are restored on exit.
+    """
+    import transformers.trainer as hf_trainer
+
+    saved = hf_trainer.DEFAULT_PROGRESS_CALLBACK, hf_trainer.PrinterCallback
+    if saved[0] is ProgressCallback:
+        hf_trainer.DEFAULT_PROGRESS_CALLBACK = _ProgressLines
+    hf_trainer.PrinterCallback = _PrinterLines
+    try:
+        yield
+    finally:
+        hf_trainer.DEFAULT_PROGRESS_CALLBACK, hf_trainer.PrinterCallback = saved
 
 
 class DivergenceGuard(TrainerCallback):

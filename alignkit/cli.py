@@ -9,7 +9,7 @@
     alignkit eval --dataset NAME --reward SPEC [--model DIR] [--adapter DIR]   mean rewards, greedy (before/after RL)
     alignkit eval --tasks NAME|task.yaml [--model DIR] [--adapter DIR]        lm-eval benchmarks (the lm-eval extra)
     alignkit board [--runs DIR] [--host H] [--port N]  web page: launch, watch, compare, stop runs, chat
-    alignkit demo                                 a short LoRA SFT of the bundled model, before/after
+    alignkit demo                                 a short LoRA SFT of the bundled model, checked before/after
     alignkit env                                  versions and device
 """
 
@@ -244,8 +244,8 @@ def _cmd_board(args: argparse.Namespace) -> int:
     try:
         import gradio  # noqa: F401
     except ImportError:
-        raise ConfigError("alignkit board needs Gradio: pip install 'alignkit[board]' (scripts/setup.sh installs "
-                          "it).") from None
+        raise ConfigError("alignkit board needs Gradio: pip install 'alignkit[board]' (bash scripts/test.sh "
+                          "installs it; scripts/demo.sh does not).") from None
     from .board.app import serve
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -358,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("demo", help="a short LoRA fine-tune of the bundled model, answers before and after")
-    p.add_argument("--output-dir", default="outputs/demo")
+    p.add_argument("--output-dir", default="saves/demo", help="where the adapter goes (under saves/, where alignkit "
+                   "board looks)")
     p.add_argument("--steps", type=int, default=None, help="override the number of SFT steps")
     p.set_defaults(func=_cmd_demo)
 

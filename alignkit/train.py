@@ -16,7 +16,7 @@ from pathlib import Path
 from transformers import TrainerCallback, enable_full_determinism, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .callbacks import STOP_FILE, DivergenceGuard, LogCallback, StopOnRequest
+from .callbacks import STOP_FILE, DivergenceGuard, LogCallback, StopOnRequest, readable_trainer_logs
 from .trackers import tracker_callbacks
 from .config import Config
 from .errors import ConfigError
@@ -221,7 +221,8 @@ def run_train(config: Config, callbacks: list[TrainerCallback] | None = None) ->
             from .model.pissa import PissaConvertCallback
 
             all_callbacks.append(PissaConvertCallback())
-        stage.run(config, all_callbacks)
+        with readable_trainer_logs():
+            stage.run(config, all_callbacks)
 
 
 def write_run_config(config: Config) -> Path:

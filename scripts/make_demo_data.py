@@ -281,6 +281,53 @@ def _pt_row(rng: random.Random) -> dict:
     return {"text": text}
 
 
+# The demo's task (`alignkit demo`): a fixed output format the bundled model does not produce on its own and
+# learns in a few dozen LoRA steps. Each row is a sentence about a made-up person; the reply is their contact
+# card, one JSON object with the fields name, age, city, job in that order. The instruction never names the
+# fields, so only training can teach them; the values are copied from the sentence, which a 135M model does well.
+# Common names, cities and jobs, each one token after a space in the bundled model's tokenizer: with rare names
+# (Esme, Ingrid Thorne) the model learnt the card but copied 1 name in 2 wrong ("Esmé", "Hilke Thorne").
+CARD_FIRST = ["Anna", "Tom", "Maria", "John", "Sarah", "David", "Laura", "Peter", "Emma", "James", "Lucy", "Mark",
+              "Kate", "Paul", "Alice", "Daniel", "Helen", "Adam", "Julia", "Sam", "Rachel", "Simon", "Grace", "Oliver",
+              "Emily", "Jack", "Clara", "Leo", "Nina", "Max", "Sofia", "Ben", "Eva", "Hugo", "Ella", "Victor"]
+CARD_LAST = ["Smith", "Brown", "Wilson", "Taylor", "Clark", "Hall", "Young", "King", "Wright", "Green", "Baker",
+             "Adams", "Hill", "Moore", "Cooper", "Ward", "Turner", "Parker", "Evans", "Morgan", "Bell", "Murphy",
+             "Cook", "Reed"]
+CARD_CITIES = ["Lisbon", "Oslo", "Nairobi", "Lyon", "Leeds", "Paris", "London", "Berlin", "Madrid", "Rome", "Vienna",
+               "Dublin", "Prague", "Boston", "Denver", "Chicago", "Seattle", "Sydney", "Toronto", "Cairo", "Lima",
+               "Bristol", "Munich", "Milan"]
+CARD_JOBS = ["nurse", "baker", "pilot", "teacher", "architect", "librarian", "chemist", "gardener", "engineer",
+             "translator", "carpenter", "dentist", "journalist", "tailor", "doctor", "lawyer", "farmer", "painter"]
+CARD_INSTRUCTIONS = ["Make a contact card for this person.", "Turn this note into a contact card.",
+                     "Write the contact card for the person below."]
+CARD_NOTES = ["{name} is {age} and works as {a_job} in {city}.",
+              "Meet {name}, {a_age_year_old} {job} from {city}.",
+              "{name} ({age}) lives in {city} and is {a_job}.",
+              "From {city}: {name}, {job}, age {age}.",
+              "Our new neighbour is {name}. {pronoun} is {age}, moved here from {city} and works as {a_job}."]
+
+
+def _a(word: str) -> str:
+    """`word` with its indefinite article: "an engineer", "an 18-year-old", "a 21-year-old"."""
+    vowel_sound = word[0] in "aeiou" or word.startswith(("8", "11-", "18-"))
+    return ("an " if vowel_sound else "a ") + word
+
+
+def make_card(rng: random.Random, n: int) -> list[dict]:
+    """`n` contact-card rows, each about a different person (no full name repeats, so held-out people are new)."""
+    people = [f"{first} {last}" for first in CARD_FIRST for last in CARD_LAST]
+    rng.shuffle(people)
+    rows = []
+    for name in people[:n]:
+        age, city, job = rng.randint(19, 78), rng.choice(CARD_CITIES), rng.choice(CARD_JOBS)
+        note = rng.choice(CARD_NOTES).format(name=name, age=age, city=city, job=job, a_job=_a(job),
+                                             a_age_year_old=_a(f"{age}-year-old"), pronoun=rng.choice(["She", "He"]))
+        card = {"name": name, "age": age, "city": city, "job": job}
+        rows.append({"instruction": rng.choice(CARD_INSTRUCTIONS), "input": note,
+                     "output": json.dumps(card, ensure_ascii=False)})
+    return rows
+
+
 REGISTRY = {
     "demo_sft": {"file_name": "demo_sft.json",
                  "columns": {"prompt": "instruction", "query": "input", "response": "output", "system": "system"}},
@@ -297,6 +344,8 @@ REGISTRY = {
     # Held-out math problems for `alignkit eval`, written by scripts/make_math_eval.py (run it after this).
     "demo_math_eval": {"file_name": "demo_math_eval.json", "columns": {"prompt": "prompt", "response": "answer"}},
     "demo_pt": {"file_name": "demo_pt.json", "columns": {"prompt": "text"}},
+    **{name: {"file_name": f"{name}.json", "columns": {"prompt": "instruction", "query": "input", "response": "output"}}
+       for name in ("demo_card", "demo_card_eval")},
     **{name: {"file_name": f"{name}.json", "formatting": "sharegpt", "columns": {"messages": "messages", "kto_tag": "label"},
               "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}
        for name in ("demo_kto", "demo_kto_eval")},
@@ -315,7 +364,7 @@ def main() -> None:
     # training rows are the same whatever the held-out count.
     datasets = [("demo_sft", make_sft, 300, 60), ("demo_sft_sharegpt", make_sharegpt, 100, 0),
                 ("demo_pref", make_pref, 300, 60), ("demo_math", make_math, 300, 0), ("demo_pt", make_pt, 200, 0),
-                ("demo_kto", make_kto, 300, 60)]
+                ("demo_kto", make_kto, 300, 60), ("demo_card", make_card, 240, 40)]
     # One generator per file so that changing one dataset does not reshuffle the others.
     for i, (name, make, n_train, n_eval) in enumerate(datasets):
         rows = make(random.Random(args.seed * 1000 + i), n_train + n_eval)

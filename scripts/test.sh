@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Install (once) and run the test suite. Extra arguments go to pytest (e.g. -m "not slow").
+# Install (once) the test stack (scripts/setup.sh test: the dev and board extras and the system's Chromium) and run the
+# test suite. Extra arguments go to pytest (e.g. -m "not slow").
 # --fast (first argument): the tier to run while working: tests/unit without the bundled-model and multi-process
 # tests (docs/testing.md).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$root/scripts/setup.sh"
+bash "$root/scripts/setup.sh" test
 cd "$root"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ "${1:-}" = "--fast" ]; then

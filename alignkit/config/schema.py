@@ -523,7 +523,7 @@ ARG_CLASSES = (ModelArguments, DataArguments, TrainingArguments, FinetuningArgum
 # Our defaults where transformers' do not suit this toolkit: logging often enough to see a curve,
 # no third-party reporters, and keep our own columns (collators decide what reaches the model).
 TRAINING_DEFAULTS: dict[str, Any] = {
-    "output_dir": "outputs/run",
+    "output_dir": "saves/run",  # under saves/, where the examples write and `alignkit board` looks
     "logging_steps": 1,
     "report_to": "none",
     "remove_unused_columns": False,

@@ -99,7 +99,8 @@ def test_broken_jsonl_line_exits_non_zero_naming_file_and_line(tmp_path, tiny_mo
 
 
 def test_the_board_shows_by_default_the_folder_every_example_writes_to():
-    """Issue 32: the default `--runs` was `outputs/` while every example writes under `saves/`."""
+    """Issue 32: the default `--runs` was `outputs/` while every example writes under `saves/` (and a run without
+    output_dir and the demo wrote under `outputs/`)."""
     from pathlib import Path
 
     import yaml
@@ -110,6 +111,11 @@ def test_the_board_shows_by_default_the_folder_every_example_writes_to():
     examples = sorted(Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml"))
     tops = {Path(yaml.safe_load(p.read_text())["output_dir"]).parts[0] for p in examples}
     assert examples and tops == {runs} == {"saves"}
+    # A run without output_dir, and the demo, land there too.
+    from alignkit.config.parse import parse_config
+
+    assert Path(parse_config({}).training.output_dir).parts[0] == runs
+    assert Path(build_parser().parse_args(["demo"]).output_dir).parts[0] == runs
 
 
 def test_no_deepspeed_cpu_notice_on_stdout_unless_deepspeed_is_used(tmp_path, tiny_model_dir):

@@ -103,3 +103,37 @@ def test_divergence_guard_warns_once_when_finite_weights_explode(tmp_path, caplo
         warnings = [r.getMessage() for r in caplog.records if "diverging" in r.getMessage()]
         assert len(warnings) == (0 if step == 0 else 1)
     assert "at step 2" in warnings[0] and "from 5 to 5e+03" in warnings[0] and "learning_rate (now 1e+06)" in warnings[0]
+
+
+def test_a_logging_step_prints_as_one_line_of_rounded_numbers():
+    """Issue 32: transformers printed {'loss': '1.069', ...} (numbers as strings) or 17-digit floats."""
+    from alignkit.callbacks import format_log_line
+
+    logs = {"loss": 1.0689021110534669, "grad_norm": 0.51234567, "learning_rate": 0.0003, "epoch": 0.13333333,
+            "num_input_tokens_seen": 4096, "train_runtime": 160.5, "train_tokens_per_second": 23.11,
+            "total_flos": 123456.0}
+    assert format_log_line(logs, 5, 30) == "step 5/30  loss 1.069  grad_norm 0.5123  learning_rate 0.0003  epoch 0.1333"
+    summary = {"train_runtime": 61.234, "train_loss": 0.4}  # the run's summary keeps its speed
+    assert format_log_line(summary, 30, 0) == "step 30  train_runtime 61.23  train_loss 0.4"
+
+
+@pytest.mark.parametrize("disable_tqdm", [False, True])
+def test_trainers_built_under_readable_logs_print_those_lines(tmp_path, capsys, disable_tqdm):
+    import torch
+    import transformers.trainer as hf_trainer
+    from transformers import Trainer
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from alignkit.callbacks import readable_trainer_logs
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", disable_tqdm=disable_tqdm)
+    with readable_trainer_logs():
+        trainer = Trainer(model=torch.nn.Linear(2, 2), args=args)
+    assert (hf_trainer.DEFAULT_PROGRESS_CALLBACK, hf_trainer.PrinterCallback) == (ProgressCallback, PrinterCallback)
+    printers = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, (ProgressCallback, PrinterCallback))]
+    assert len(printers) == 1 and type(printers[0]) not in (ProgressCallback, PrinterCallback)
+    state = TrainerState(max_steps=4, global_step=2)
+    printers[0].on_train_begin(args, state, TrainerControl())
+    printers[0].on_log(args, state, TrainerControl(), logs={"loss": 0.123456})
+    printers[0].on_train_end(args, state, TrainerControl())
+    assert "step 2/4  loss 0.1235" in capsys.readouterr().out.splitlines()

@@ -1,4 +1,4 @@
-"""The demo's held-out number: mean loss per reply token on `demo_sft_eval` (issue 10 item 10)."""
+"""The demo's held-out checks: the exact-card check and the mean loss per reply token (issues 10 and 32)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from alignkit.config.parse import parse_config
 from alignkit.data import get_dataset
-from alignkit.demo import DEMO_EVAL_DATASET, held_out_loss
+from alignkit.demo import (DEMO_CUTOFF_LEN, DEMO_DATASET, DEMO_EVAL_DATASET, NUM_PROMPTS, card_matches, demo_data_dir,
+                           format_report, held_out_loss)
 from alignkit.model.loader import load_tokenizer
 
 ROWS = [{"instruction": "What is 3 plus 4?", "output": "3 plus 4 is 7."},
@@ -49,3 +50,63 @@ def test_held_out_loss_sees_the_adapter(tiny_model_dir, data_dir, tmp_path, save
     base = parse_config({"model_name_or_path": tiny_model_dir})
     tuned = parse_config({"model_name_or_path": tiny_model_dir, "adapter_name_or_path": str(tmp_path / "adapter")})
     assert held_out_loss(tuned.model, data_dir)[0] != pytest.approx(held_out_loss(base.model, data_dir)[0], rel=1e-3)
+
+
+def test_card_matches_only_the_exact_card():
+    reference = '{"name": "Esme Mbeki", "age": 29, "city": "Tampere", "job": "nurse"}'
+    assert card_matches(reference, reference)
+    assert card_matches('  {"job": "nurse", "city": "Tampere", "age": 29,  "name": "Esme Mbeki"}\n', reference)
+    for wrong in ['{"name": "Esme Mbeki", "age": "29", "city": "Tampere", "job": "nurse"}',  # age as a string
+                  '{"name": "Esme Mbeki", "age": 29, "city": "Tampere", "occupation": "nurse"}',  # renamed field
+                  '{"name": "Esme Mbeki", "age": 29, "city": "Tampere"}',  # missing field
+                  '```json\n' + reference + '\n```',  # fenced
+                  "Here is the card: " + reference,  # prose around it
+                  "Name: Esme Mbeki\nAge: 29", ""]:
+        assert not card_matches(wrong, reference), wrong
+
+
+def test_the_report_puts_both_answers_and_their_check_side_by_side():
+    prompts = [{"prompt": "Make a contact card for this person.\nFrom Oslo: Ana Quint, baker, age 40.",
+                "reference": '{"name": "Ana Quint", "age": 40, "city": "Oslo", "job": "baker"}'}] * 2
+    before = ["Sure! Here is a contact card\nfor Ana.", "Ana Quint, Oslo"]
+    after = [prompts[0]["reference"], '{"name": "Ana Quint", "age": 41, "city": "Oslo", "job": "baker"}']
+    report = format_report(prompts, before, after, loss_before=2.34567, loss_after=0.12345)
+    assert "[1] From Oslo: Ana Quint, baker, age 40." in report
+    assert "before  fail    Sure! Here is a contact card ⏎ for Ana." in report
+    assert f"after   PASS    {after[0]}" in report and f"after   fail    {after[1]}" in report
+    rows = {line[:36].strip(): line[36:].split() for line in report.splitlines()[-3:]}
+    assert rows == {"exact contact card (held-out)": ["0/2", "1/2"],
+                    "loss per reply token (held-out)": ["2.346", "0.123"],
+                    "perplexity (held-out)": ["10.44", "1.13"]}
+
+
+def test_the_shipped_card_data_is_learnable_and_held_out():
+    """Every reply is the card of the person in its note (values copied from it), and no held-out person
+    is trained on; the instruction never names the fields, so only training teaches them."""
+    data_dir = demo_data_dir()
+    rows = {name: json.loads((data_dir / f"{name}.json").read_text(encoding="utf-8"))
+            for name in (DEMO_DATASET, DEMO_EVAL_DATASET)}
+    assert len(rows[DEMO_EVAL_DATASET]) >= NUM_PROMPTS
+    for row in rows[DEMO_DATASET] + rows[DEMO_EVAL_DATASET]:
+        card = json.loads(row["output"])
+        assert list(card) == ["name", "age", "city", "job"] and isinstance(card["age"], int)
+        assert all(str(value) in row["input"] for value in card.values()), row
+        assert not any(field in row["instruction"].lower() for field in card)
+    trained = {json.loads(row["output"])["name"] for row in rows[DEMO_DATASET]}
+    assert not trained & {json.loads(row["output"])["name"] for row in rows[DEMO_EVAL_DATASET]}
+
+
+def test_the_card_data_loads_through_its_registry_entries(tiny_tokenizer):
+    """Every row becomes one example whose trained tokens are exactly its card. With the bundled tokenizer the
+    longest row, system prompt included, is 95 tokens, inside DEMO_CUTOFF_LEN; the tiny test tokenizer splits
+    words finer, so it is given room here."""
+    assert DEMO_CUTOFF_LEN >= 96
+    data_dir = demo_data_dir()
+    for name in (DEMO_DATASET, DEMO_EVAL_DATASET):
+        rows = json.loads((data_dir / f"{name}.json").read_text(encoding="utf-8"))
+        config = parse_config({"stage": "sft", "dataset": name, "dataset_dir": str(data_dir), "cutoff_len": 512})
+        examples = get_dataset(config, tiny_tokenizer, "supervised")["train_dataset"]
+        assert len(examples) == len(rows)
+        for example, row in zip(examples, rows):
+            reply = tiny_tokenizer.decode([t for t in example["labels"] if t != -100])
+            assert reply == row["output"] + "<|im_end|>\n", row

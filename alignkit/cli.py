@@ -11,6 +11,10 @@
     alignkit board [--runs DIR] [--host H] [--port N]  web page: launch, watch, compare, stop runs, chat
     alignkit demo                                 a short LoRA SFT of the bundled model, checked before/after
     alignkit env                                  versions and device
+
+Start-up: this module imports nothing heavy at its top (torch, transformers, peft and datasets take seconds to
+import). The help, argument errors and the first reading of a config file and its overrides come back without
+them; each command imports what it runs.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import logging
 import os
 import sys
 
-from .config import DataArguments
 from .env import launched_processes, silence_deepspeed_cpu_notice
 from .errors import ConfigError, DataError, RewardFunctionError, TrainingDiverged
 
@@ -49,8 +52,6 @@ def _print_help_keys() -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .config.parse import read_config
-
     if args.help_keys:
         _print_help_keys()
         return 0
@@ -59,9 +60,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .launch import asks_for_deepspeed, relaunch, single_process_rendezvous, torchrun_command
 
     command = torchrun_command([args.config, *args.overrides], args.nproc, os.environ)
-    if command is None and asks_for_deepspeed(args.config, args.overrides):
+    # Reads the YAML file and splits the overrides before the config parser (and with it torch) is imported:
+    # a missing or malformed file, or an override without `=`, fails at once.
+    deepspeed = asks_for_deepspeed(args.config, args.overrides)
+    if command is None and deepspeed:
         # Before the config is read: reading it sets up the process group (transformers' TrainingArguments).
         os.environ.update(single_process_rendezvous(os.environ))
+    from .config.parse import read_config
+
     config = read_config(args.config, args.overrides)  # checked here first: a bad key fails before any launch
     if command is not None:
         return relaunch(command)
@@ -139,12 +145,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    if args.gguf_type != "f16" and args.format != "gguf":
+        raise ConfigError("--gguf-type applies to --format gguf; add --format gguf.")
     from .export import export_model
 
     config = _model_args(args.model, args.adapter)
     gguf_type = args.gguf_type if args.format == "gguf" else None
-    if args.gguf_type != "f16" and args.format != "gguf":
-        raise ConfigError("--gguf-type applies to --format gguf; add --format gguf.")
     path = export_model(config.model, args.export_dir, force=args.force, gguf_type=gguf_type, ollama=args.ollama)
     print(f"Exported to {path}")
     return 0
@@ -165,10 +171,12 @@ def _cmd_api(args: argparse.Namespace) -> int:
 
 
 def _cmd_score(args: argparse.Namespace) -> int:
+    from .config import DataArguments
     from .score import score_file
 
     output = args.output or os.path.splitext(args.input)[0] + ".scored.jsonl"
-    score_file(args.model, args.input, output, batch_size=args.batch_size, cutoff_len=args.cutoff_len,
+    cutoff_len = DataArguments().cutoff_len if args.cutoff_len is None else args.cutoff_len
+    score_file(args.model, args.input, output, batch_size=args.batch_size, cutoff_len=cutoff_len,
                template=args.template)
     print(f"Scores written to {output}")
     return 0
@@ -325,8 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="jsonl with prompt + response, or messages")
     p.add_argument("--output", help="where to write the scores (default: INPUT.scored.jsonl)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--cutoff-len", type=int, default=DataArguments().cutoff_len,
-                   help="most tokens per sequence, as the config's cutoff_len (default %(default)s)")
+    p.add_argument("--cutoff-len", type=int,
+                   help="most tokens per sequence, as the config's cutoff_len (default: cutoff_len's default)")
     p.add_argument("--template", default=None, help="chat template (default: the tokenizer's own)")
     p.set_defaults(func=_cmd_score)
 

@@ -9,8 +9,10 @@ trained on, with greedy decoding so that two evaluations of one model agree. Run
 
 Prompts go through the data layer as GRPO's do (`convert_dataset` to prompt examples, `encode_prompt`:
 the template's rendering, left-truncated to `cutoff_len`), so every other column of a row (`answer`)
-reaches the reward functions; completions come from `model.generation.generate`, stopping at the
-template's end of turn, and the `length` reward gets their token ids and truncation flags.
+reaches the reward functions; completions come from the rollouts' decode loop
+(`model.generation.generate_with_decode`: greedy, token for token `model.generate`'s, on oneDNN-packed
+weights and a KV cache grown in place), stopping at the template's end of turn, and the `length` reward gets
+their token ids and truncation flags.
 
 With a reference (`kl_reference`, `alignkit eval --kl-reference DIR|base`) it also reports how far the model
 moved from it on those answers: the KL divergence of the model's next-token distribution from the
@@ -185,7 +187,7 @@ def evaluate_rewards(
     """
     from dataclasses import replace
 
-    from .model.generation import generate, pad_prompts
+    from .model.generation import DECODE_KEYS, generate_with_decode, pad_prompts
     from .model.loader import load_model, load_tokenizer
 
     if batch_size < 1:
@@ -225,6 +227,8 @@ def evaluate_rewards(
     rewards = build_reward_functions(reward_args, model=model, formatter=formatter, model_args=config.model,
                                      config_dir=config_dir, max_completion_length=max_new_tokens)
     generating = replace(config.generating, do_sample=False, num_beams=1)
+    # Greedy: max_new_tokens and repetition_penalty are all the decode loop needs (num_beams=1 is no beam search).
+    decode_kwargs = {key: value for key, value in generating.to_generation_kwargs().items() if key in DECODE_KEYS}
     stop_ids = formatter.stop_token_ids()
     pad_id = padding_token_id(tokenizer)
 
@@ -233,8 +237,8 @@ def evaluate_rewards(
         batch = examples[start:start + batch_size]
         features = encoded[start:start + batch_size]
         input_ids, attention_mask = pad_prompts([f["input_ids"] for f in features], pad_id)
-        out = generate(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_ids,
-                       generation_kwargs=generating.to_generation_kwargs())
+        out = generate_with_decode(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_ids,
+                                   generation_kwargs=decode_kwargs)
         completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(out.completion_ids.cpu(),
                                                                            out.completion_mask.cpu())]
         prompts = [example["prompt"] for example in batch]

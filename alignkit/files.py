@@ -8,6 +8,7 @@ parser, the data layer, `alignkit score`, the reward loaders and the board use o
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -84,4 +85,17 @@ def resolve_config_path(text: str, config_dir: Optional[str], *, directory: bool
     raise FileNotFoundError("looked at " + " and ".join(dict.fromkeys(str(c) for c in candidates)))  # a folder once
 
 
-__all__ = ["TOP_LEVEL_MAPPING", "parse_mapping", "resolve_config_path"]
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML config into a flat mapping, with errors that name the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist.")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: byte {err.start} (0x{err.object[err.start]:02x}) is not UTF-8; save the file "
+                          "as UTF-8.") from None
+    return parse_mapping(text, str(p))
+
+
+__all__ = ["TOP_LEVEL_MAPPING", "load_yaml", "parse_mapping", "resolve_config_path"]

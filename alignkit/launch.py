@@ -92,7 +92,8 @@ def torchrun_command(train_args: Sequence[str], nproc: Optional[int], env: Mappi
 
 def asks_for_deepspeed(config_path: str, overrides: Sequence[str]) -> bool:
     """Whether `alignkit train CONFIG key=value ...` sets the `deepspeed` key (a later override wins)."""
-    from .config.parse import load_yaml, parse_override
+    from .config.values import parse_override
+    from .files import load_yaml
 
     value = load_yaml(config_path).get("deepspeed")
     for item in overrides:

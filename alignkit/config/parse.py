@@ -20,14 +20,11 @@ import dataclasses
 import difflib
 import logging
 import os
-from pathlib import Path
 from typing import Any, Optional
-
-import yaml
 
 from ..env import launched_processes
 from ..errors import ConfigError
-from ..files import parse_mapping
+from ..files import load_yaml
 from ..stages import STAGES
 from ..trackers import check_report_to
 from .schema import (
@@ -42,7 +39,7 @@ from .schema import (
     ModelArguments,
     TrainingArguments,
 )
-from .values import convert_value, field_types
+from .values import convert_value, field_types, parse_override
 
 logger = logging.getLogger(__name__)
 
@@ -189,36 +186,6 @@ def _owners(stage: Optional[str] = None) -> dict[str, type]:
         for name in field_types(cls):
             owners.setdefault(name, cls)
     return owners
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """Split one `key=value` command-line override; the value stays a string unless it is YAML-structured."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. learning_rate=1e-4).")
-    key, value = text.split("=", 1)
-    key = key.strip().lstrip("-").replace("-", "_")
-    if not key:
-        raise ConfigError(f"override {text!r} has no key before '='.")
-    stripped = value.strip()
-    if stripped.startswith(("{", "[")):
-        try:
-            return key, yaml.safe_load(stripped)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{key}: cannot parse {value!r}: {err}") from None
-    return key, value
-
-
-def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a YAML config into a flat mapping, with errors that name the file."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist.")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{p}: byte {err.start} (0x{err.object[err.start]:02x}) is not UTF-8; save the file "
-                          "as UTF-8.") from None
-    return parse_mapping(text, str(p))
 
 
 def parse_config(

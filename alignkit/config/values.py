@@ -128,4 +128,21 @@ def _type_name(tp: Any) -> str:
     return " or ".join(names)
 
 
-__all__ = ["convert_value", "field_types"]
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split one `key=value` command-line override; the value stays a string unless it is YAML-structured."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. learning_rate=1e-4).")
+    key, value = text.split("=", 1)
+    key = key.strip().lstrip("-").replace("-", "_")
+    if not key:
+        raise ConfigError(f"override {text!r} has no key before '='.")
+    stripped = value.strip()
+    if stripped.startswith(("{", "[")):
+        try:
+            return key, yaml.safe_load(stripped)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{key}: cannot parse {value!r}: {err}") from None
+    return key, value
+
+
+__all__ = ["convert_value", "field_types", "parse_override"]

@@ -15,6 +15,10 @@
   its weights gathered once for the pass (`full_weights`; no engine runs over the reference, so nothing else
   gathers them). That holds the whole reference on every process during the pass, see docs/ARCHITECTURE.md.
 - `run_stage_trainer` is the train / evaluate / predict / save sequence every `run_<stage>` ends with.
+- Evaluation and prediction share one pass: a stage whose predictions are a few numbers per example (rm, dpo,
+  kto: `predictions_from_evaluation`) gathers them while it evaluates, and `predict` on the data just evaluated,
+  with the same weights, takes them from there (`StageTrainer.evaluation_predictions`) instead of running
+  every example through the model (and the reference) again.
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ import logging
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
 from accelerate.utils import gather_object
 from torch import nn
 from transformers import Trainer
+from transformers.trainer_utils import EvalLoopOutput, PredictionOutput
 
 from ..constants import IGNORE_INDEX
 from ..jsonl import write_jsonl
@@ -40,8 +45,6 @@ from ..model.adapters import adapters_disabled
 from ..model.distributed import full_weights, sharding_of, unwrap_without_importing_deepspeed, zero3_enabled
 
 if TYPE_CHECKING:
-    from transformers.trainer_utils import PredictionOutput
-
     from ..config import Config
 
 unwrap_without_importing_deepspeed()  # every stage trainer unwraps its model through accelerate
@@ -65,6 +68,15 @@ def weighted_means(sums: dict[str, float], counts: dict[str, float]) -> dict[str
     return {key: sums[key] / counts[key] for key in sums if counts.get(key, 0) > 0}
 
 
+class _Evaluation(NamedTuple):
+    """One evaluation pass kept for prediction: the data, the step whose weights it ran, its output and metrics."""
+
+    dataset: Any
+    step: int
+    output: EvalLoopOutput
+    metrics: dict[str, Any]
+
+
 class StageTrainer(Trainer):
     """`transformers.Trainer` with a metric buffer and a reference-model context for the stage trainers.
 
@@ -82,6 +94,10 @@ class StageTrainer(Trainer):
         "this trainer keeps no reference copy of a full/freeze fine-tuned policy (reference outputs were meant to "
         "be computed before training), and the policy has been trained since."
     )
+    # Whether an evaluation gathers the predictions and keeps them for `predict` on the same data and weights
+    # (`evaluation_predictions`). The stages whose predictions are a few numbers per example set it (rm, dpo,
+    # kto); SFT's are tokens or logits, too large to keep through training.
+    predictions_from_evaluation = False
 
     def __init__(self, *args, ref_model: Optional[nn.Module] = None, keep_reference_copy: bool = False,
                  **kwargs) -> None:
@@ -105,6 +121,9 @@ class StageTrainer(Trainer):
             # before training gets the matching reference).
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self._add_pair_lengths_for_grouping()
+        self._last_evaluation: Optional[_Evaluation] = None
+        self._gather_predictions = False  # inside an evaluation that keeps its predictions
+        self._evaluation_output: Optional[EvalLoopOutput] = None
 
     # ---- metrics ----
 
@@ -237,6 +256,55 @@ class StageTrainer(Trainer):
         if self.args.should_save:
             save_base_adapters(self.model, output_dir or self.args.output_dir)
             save_base_quantization(self.model, output_dir or self.args.output_dir)
+
+    # ---- evaluation and prediction: one pass ----
+
+    def train(self, *args, **kwargs):
+        result = super().train(*args, **kwargs)
+        if self.args.load_best_model_at_end and self.state.best_global_step not in (None, self.state.global_step):
+            self._last_evaluation = None  # an earlier checkpoint's weights are back: not those last evaluated
+        return result
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """`Trainer.evaluate`; with `predictions_from_evaluation`, the pass's predictions are kept for `predict`."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        # Several named evaluation sets: Trainer calls this again for each set, by name.
+        keep = self.predictions_from_evaluation and not isinstance(dataset, (dict, str))
+        self._gather_predictions, self._evaluation_output = keep, None
+        try:
+            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        finally:
+            self._gather_predictions = False
+        if keep and self._evaluation_output is not None:
+            self._last_evaluation = _Evaluation(dataset, self.state.global_step, self._evaluation_output, metrics)
+        self._evaluation_output = None
+        return metrics
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        if self._gather_predictions:
+            # Trainer gathers no predictions for a trainer without `compute_metrics`; these are a few numbers per
+            # example, computed by the pass anyway, and spare `predict` a second pass.
+            prediction_loss_only = False
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                         metric_key_prefix)
+        if self._gather_predictions:
+            self._evaluation_output = output
+        return output
+
+    def evaluation_predictions(self, dataset: Any) -> Optional[PredictionOutput]:
+        """What `predict(dataset)` would return, taken from the last evaluation, or None if it cannot be.
+
+        It can when that evaluation ran on `dataset` (the same object) at the current step (no optimizer step
+        since, and no earlier checkpoint's weights loaded) and kept its predictions. The metrics are the
+        evaluation's under `predict_` names (`eval_loss` -> `predict_loss`).
+        """
+        last = self._last_evaluation
+        if last is None or last.dataset is not dataset or last.step != self.state.global_step:
+            return None
+        metrics = {"predict_" + key[len("eval_"):]: value for key, value in last.metrics.items()
+                   if key.startswith("eval_")}
+        return PredictionOutput(last.output.predictions, last.output.label_ids, metrics)
 
     # ---- prediction ----
 
@@ -400,7 +468,9 @@ def run_stage_trainer(
       last evaluation is the end-of-run one (same weights, same data), so its metrics are written and it is
       not run a second time. An evaluation runs after training only when the loop did not evaluate at its
       last step (`eval_strategy: no`), or when `load_best_model_at_end` brought back other weights.
-    - do_predict: `predict_results.json`, then `save_predictions(output)` on the main process.
+    - do_predict: `predict_results.json`, then `save_predictions(output)` on the main process. When the
+      end-of-run evaluation ran on the same data and kept its predictions (`StageTrainer.evaluation_predictions`),
+      those are the predictions and its metrics `predict_results.json` (printed once, as eval's).
 
     Args:
         trainer: a built stage trainer.
@@ -437,9 +507,14 @@ def run_stage_trainer(
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", json_safe(metrics))
     if t.do_predict:
-        output = trainer.predict(predict_dataset if predict_dataset is not None else trainer.eval_dataset,
-                                 metric_key_prefix="predict")
-        trainer.log_metrics("predict", output.metrics)
+        dataset = predict_dataset if predict_dataset is not None else trainer.eval_dataset
+        output = trainer.evaluation_predictions(dataset) if isinstance(trainer, StageTrainer) else None
+        if output is None:
+            output = trainer.predict(dataset, metric_key_prefix="predict")
+            trainer.log_metrics("predict", output.metrics)
+        else:
+            logger.info("Predictions from the evaluation of these weights on the same data: not computed again "
+                        "(predict_results.json holds its metrics).")
         trainer.save_metrics("predict", json_safe(output.metrics))
         if save_predictions is not None and trainer.is_world_process_zero():
             path = save_predictions(output)

@@ -252,6 +252,7 @@ class KTOTrainer(StageTrainer):
 
     # The loss is a per-micro-batch mean over examples: let Trainer divide it by the accumulation steps.
     loss_is_scaled_for_ga = False
+    predictions_from_evaluation = True  # predict reuses the evaluation's pass (StageTrainer)
 
     def __init__(self, *args, kto_args: KTOArguments, ref_model: Optional[nn.Module] = None,
                  kl_max_length: Optional[int] = None, **kwargs) -> None:

@@ -81,6 +81,31 @@ def test_greedy_is_repeatable_and_the_adapter_is_used(workspace, tiny_model_dir,
     assert f"+ {adapter}" in capsys.readouterr().out
 
 
+def test_completions_are_model_generates_greedy_ones(workspace, tiny_model_dir, monkeypatch):
+    """Issue 30: eval decodes on the rollouts' loop (`generate_with_decode`: packed weights, its own KV cache);
+    each batch's greedy completions are those `model.generate` gives for the same prompts, token for token."""
+    import torch
+
+    import alignkit.model.generation as generation
+
+    batches = []
+    decode = generation.generate_with_decode
+
+    def decode_and_generate(model, tokenizer, input_ids, attention_mask, **kwargs):
+        out = decode(model, tokenizer, input_ids, attention_mask, **kwargs)
+        batches.append((out, generation.generate(model, tokenizer, input_ids, attention_mask, **kwargs)))
+        return out
+
+    monkeypatch.setattr(generation, "generate_with_decode", decode_and_generate)
+    assert _eval(workspace, tiny_model_dir, "--reward", "length", "--max-new-tokens", "12") == 0
+    assert [len(out.texts) for out, _ in batches] == [3, 1]
+    for out, expected in batches:
+        assert out.texts == expected.texts
+        assert torch.equal(out.completion_mask, expected.completion_mask)
+        assert torch.equal(out.completion_ids[out.completion_mask.bool()],
+                           expected.completion_ids[expected.completion_mask.bool()])
+
+
 def test_a_failing_reward_function_is_a_clean_error(workspace, tiny_model_dir, capsys):
     code = _eval(workspace, tiny_model_dir, "--reward", f"{workspace / 'my_rewards.py'}:fails_on_spiders")
     err = capsys.readouterr().err

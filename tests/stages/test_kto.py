@@ -227,3 +227,24 @@ def test_zero3_full_finetuning_reference_is_a_second_load_gathered_per_pass(tiny
     assert reference.gathers == 3 and reference.is_partitioned()  # one gather per batch's reference passes
     losses = [[r["loss"] for r in read_log(out) if "loss" in r] for out in (plain, zero3)]
     assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], abs=1e-5)
+
+
+def test_prediction_on_the_data_just_evaluated_is_that_evaluation(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """Issue 30: evaluation gathers each row's implicit reward and flag, and `predict` on the same rows with the
+    same weights is that pass (`StageTrainer.evaluation_predictions`), equal to running it again; an optimizer step,
+    or other data, means a new pass."""
+    eval_rows = unpaired_dataset(tiny_tokenizer)
+    trainer = make_trainer(lora_model(tiny_model_dir, init_lora_weights=False), make_config(tmp_path, max_steps=1),
+                           unpaired_dataset(tiny_tokenizer), eval_dataset=eval_rows)
+    metrics = trainer.evaluate()
+    evaluated = trainer.eval_dataset  # the rows with their KL rows added by the trainer
+    reused = trainer.evaluation_predictions(evaluated)
+    fresh = trainer.predict(evaluated, metric_key_prefix="predict")
+    assert reused is not None and reused.predictions.shape == (len(ROWS),)
+    assert reused.predictions == pytest.approx(fresh.predictions, abs=1e-6)
+    assert reused.label_ids.tolist() == fresh.label_ids.tolist() == [int(d) for _, _, d in ROWS]
+    assert reused.metrics["predict_loss"] == pytest.approx(fresh.metrics["predict_loss"], abs=1e-6)
+    assert reused.metrics["predict_loss"] == metrics["eval_loss"]
+    assert trainer.evaluation_predictions(eval_rows) is None  # other data
+    trainer.train()
+    assert trainer.evaluation_predictions(evaluated) is None  # the weights moved since

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, TrainerCallback
 
 from alignkit.callbacks import read_log
 from alignkit.config.parse import parse_config
@@ -124,6 +124,37 @@ def test_lora_run_logs_metrics_writes_outputs_and_trains_only_adapter_and_head(t
     with torch.no_grad():
         scores = plain(input_ids=ids, attention_mask=mask).logits[:, 0]
     assert scores.tolist() == pytest.approx(expected, abs=1e-4)
+
+
+class PredictionBatches(TrainerCallback):
+    """How many batches went through `prediction_step`, in evaluation and prediction together."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        self.count += 1
+
+
+def test_prediction_takes_the_scores_of_the_end_of_run_evaluation(tmp_path, tiny_model_dir, capsys):
+    """Issue 30: the loop evaluates the 4 held-out pairs at its last step, that is the end-of-run evaluation,
+    and prediction on the same pairs takes its scores instead of scoring them again: one batch in all. The
+    metrics print once; predict_results.json holds them under predict_ names."""
+    batches = PredictionBatches()
+    config = _config(tmp_path, tiny_model_dir, do_predict=True, eval_strategy="steps", eval_steps=3,
+                     per_device_eval_batch_size=4)
+    run_train(config, callbacks=[batches])
+    assert batches.count == 1
+    out = Path(config.training.output_dir)
+    eval_results = json.loads((out / "eval_results.json").read_text())
+    predict_results = json.loads((out / "predict_results.json").read_text())
+    for key in ("loss", "accuracy", "rewards/margins"):
+        assert predict_results[f"predict_{key}"] == eval_results[f"eval_{key}"]
+    predictions = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
+    assert len(predictions) == 4
+    assert eval_results["eval_accuracy"] == pytest.approx(sum(p["chosen"] > p["rejected"] for p in predictions) / 4)
+    printed = capsys.readouterr().out
+    assert printed.count("***** eval metrics *****") == 1 and "predict metrics" not in printed
 
 
 def test_margin_column_changes_the_loss(tmp_path, tiny_model_dir):

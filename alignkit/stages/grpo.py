@@ -92,7 +92,7 @@ from ..rl.losses import (CLIPPED_LOSS_TYPES, AdaptiveEntropyController, aggregat
 from ..rl.record import COMPLETIONS_FILE
 from ..rl.rollout import VLLMColocateSampler, completion_logps, rollout_seed
 from ..rl.stats import masked_mean, nan_std
-from .base import is_peft_model, run_stage_trainer
+from .base import ReferenceSyncArguments, check_reference_sync, is_peft_model, run_stage_trainer
 from .online import PROMPT_COLUMNS, OnlineTrainer
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ ENTROPY_CONTROLLER_FILE = "grpo_entropy_controller.json"
 
 
 @dataclass
-class GroupRolloutArguments(RewardFunctionArguments):
+class GroupRolloutArguments(ReferenceSyncArguments, RewardFunctionArguments):
     """The keys GRPO and RLOO share (TRL 1.16's names): sampling groups of completions, the generation batch, the
     KL weight and the clip range, plus the reward keys. Each stage's own dataclass adds its keys and defaults."""
 
@@ -323,6 +323,7 @@ def check_config(config: "Config") -> None:
                           "reward on held-out prompts with `alignkit eval` (greedy) before and after training.")
     require_reward_funcs(g, config.finetuning.stage)
     check_generation_loop(g, t)
+    check_reference_sync(config, g.beta != 0, "beta=0 (no KL term)")
 
 
 def check_generation_loop(g: Any, t: Any) -> None:
@@ -422,7 +423,8 @@ class GRPOTrainer(OnlineTrainer):
                  **kwargs) -> None:
         kwargs.setdefault("data_collator", collate_prompt_rows)
         super().__init__(*args, reward_functions=reward_functions, stop_token_ids=stop_token_ids,
-                         log_completions=grpo_args.log_completions, keep_reference_copy=grpo_args.beta != 0, **kwargs)
+                         log_completions=grpo_args.log_completions, keep_reference_copy=grpo_args.beta != 0,
+                         reference_sync=grpo_args, **kwargs)
         self.grpo_args = grpo_args
         self.num_generations = grpo_args.num_generations
         self.steps_per_generation, self.generation_batch_size = resolve_generation_batch(

@@ -8,7 +8,8 @@ stage logged. A resumed run first cuts the file back to the resumed step, so eac
 `plot_loss` turns that file into one PNG per series. `DivergenceGuard` stops training at the first
 non-finite gradient, weight or loss, before that step can be saved. `StopOnRequest` ends a run cleanly
 when `output_dir/alignkit.stop` appears (`alignkit board`'s Stop button writes it; so can `touch`): at
-the end of the current step, with a checkpoint, so that the run can be resumed.
+the end of the current step, with a checkpoint, so that the run can be resumed. `ReferenceSync` moves a separate
+reference model towards the policy every `ref_model_sync_steps` steps (TR-DPO; TRL's `sync_ref_model`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -252,6 +254,81 @@ class StopOnRequest(TrainerCallback):
             control.should_training_stop = True
             control.should_save = True
         return control
+
+
+def mix_into_reference(policy: torch.Tensor, reference: torch.Tensor, alpha: float) -> torch.Tensor:
+    """TR-DPO's soft reference update (Gorbatovski et al. 2024, eq. 5), in place: `reference <- alpha * policy +
+    (1 - alpha) * reference`, as TRL's `SyncRefModelCallback` computes it (`mul_(1 - alpha).add_(policy, alpha)`).
+
+    Args:
+        policy: a weight of the trained policy, any shape.
+        reference: the same weight of the reference, same shape; overwritten.
+        alpha: `ref_model_mixup_alpha` in [0, 1]; 1 copies the policy.
+
+    Returns:
+        `reference`, updated.
+
+    Example: policy [1, 2], reference [3, 5], alpha 0.6 -> [0.6 + 1.2, 1.2 + 2.0] = [1.8, 3.2].
+    """
+    return reference.mul_(1.0 - alpha).add_(policy.to(reference.dtype), alpha=alpha)
+
+
+class ReferenceSync(TrainerCallback):
+    """Every `sync_steps` optimizer steps, mix the policy's weights into the separate reference model
+    (`mix_into_reference`), as TRL's `SyncRefModelCallback` does at the end of each step whose number is a multiple
+    of `ref_model_sync_steps`.
+
+    The reference changes during training, so it is saved with each checkpoint (`reference_model.safetensors`) and
+    read back when a run resumes from one, so that a resumed run continues with the reference it had. Weights are
+    matched by name; a policy and reference that differ in names or shapes are an error (the reference is a copy
+    of the policy made before training, so they never should).
+
+    Args:
+        ref_model: the frozen reference (a full copy; a LoRA policy has none, its reference being the base).
+        alpha: `ref_model_mixup_alpha`.
+        sync_steps: `ref_model_sync_steps`.
+    """
+
+    FILE = "reference_model.safetensors"
+
+    def __init__(self, ref_model: torch.nn.Module, alpha: float, sync_steps: int) -> None:
+        self.ref_model, self.alpha, self.sync_steps = ref_model, alpha, sync_steps
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            return
+        from safetensors.torch import load_file
+
+        path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / self.FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"sync_ref_model: resuming at step {state.global_step} needs the reference as it was then, {path}, "
+                "which is not there (resume from a checkpoint in this run's output_dir, or start again).")
+        saved = load_file(str(path))
+        with torch.no_grad():
+            for name, param in self.ref_model.named_parameters():
+                param.copy_(saved[name].to(param.device, param.dtype))
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.sync_steps != 0:
+            return
+        policy = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, param in self.ref_model.named_parameters():
+                if name not in policy or policy[name].shape != param.shape:
+                    raise ValueError(f"sync_ref_model: the reference weight {name} has no policy weight of its "
+                                     "name and shape to mix in.")
+                mix_into_reference(policy[name].detach().to(param.device), param.data, self.alpha)
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        from safetensors.torch import save_file
+
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():
+            save_file({name: param.detach().cpu().contiguous() for name, param in self.ref_model.named_parameters()},
+                      str(folder / self.FILE))
 
 
 def request_stop(output_dir: str | os.PathLike) -> Path:

@@ -219,7 +219,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(result.summary())
     if args.output:
         print(f"Per-row completions and rewards written to {args.output}")
+    _report_evaluation(config, result.metrics())
     return 0
+
+
+def _report_evaluation(config, metrics: dict[str, float]) -> None:
+    """`alignkit eval`'s result to the trackers of `report_to=...` (none by default; docs/trackers.md)."""
+    from .trackers import report_evaluation
+
+    sent = report_evaluation(config.training, metrics)
+    if sent:
+        print(f"Sent {len(sent)} metrics to {', '.join(config.training.report_to)} (run {config.training.output_dir})")
 
 
 def _eval_tasks(args: argparse.Namespace) -> int:
@@ -227,7 +237,9 @@ def _eval_tasks(args: argparse.Namespace) -> int:
 
     check_installed()
     tasks = [task.strip() for item in args.tasks for task in item.split(",") if task.strip()]
-    config = _model_args(args.model, args.adapter, args.overrides)
+    given_output_dir = any(item.split("=", 1)[0].strip() == "output_dir" for item in args.overrides)
+    config = _model_args(args.model, args.adapter, args.overrides + (
+        [f"output_dir={args.output_dir}"] if args.output_dir and not given_output_dir else []))
     scores = run_tasks(config.model, tasks, limit=args.max_samples, batch_size=args.batch_size,
                        output_dir=args.output_dir)
     adapter = f" + {args.adapter}" if args.adapter else ""
@@ -238,6 +250,8 @@ def _eval_tasks(args: argparse.Namespace) -> int:
         print(f"  {task}: {shown}")
     if args.output_dir:
         print(f"Scores written to {os.path.join(args.output_dir, 'eval_results.json')}")
+    _report_evaluation(config, {f"{task}/{name}": value for task, metrics in scores.items()
+                                for name, value in metrics.items() if name != "sample_len"})
     return 0
 
 

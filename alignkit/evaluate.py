@@ -69,6 +69,15 @@ class RewardEvaluation:
     kl_mean: Optional[float] = None
     kl_reference: Optional[str] = None
 
+    def metrics(self) -> dict[str, float]:
+        """The scalars a tracker receives (`trackers.report_evaluation`), named as the online stages log them:
+        `rewards/<name>/mean` per function, `reward` (the weighted sum), `kl` with a reference."""
+        values = {f"rewards/{name}/mean": self.means[name] for name in self.names}
+        values["reward"] = self.reward_mean
+        if self.kl_mean is not None:
+            values["kl"] = self.kl_mean
+        return values
+
     def summary(self) -> str:
         """Lines for the terminal: one per function, then the weighted sum when there are several."""
         lines = [f"{name}: {self.means[name]:.4f} (mean over {self.scored[name]} of {self.num_rows} rows)"

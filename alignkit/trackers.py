@@ -8,7 +8,8 @@ receives the same scalars as `trainer_log.jsonl` (docs/trackers.md lists the nam
 What transformers leaves late is the missing package: it fails when the Trainer is built, after the data and the
 model have loaded, and a comma-separated `report_to=tensorboard,wandb` from the command line is read there as
 one integration's name. `check_report_to` splits the list and names the install command first.
-`WandbCompletionsTable` adds what transformers does not send: GRPO's and PPO's completions as a wandb Table.
+`WandbCompletionsTable` adds what transformers does not send: GRPO's and PPO's completions as a wandb Table, and
+`report_evaluation` sends `alignkit eval`'s results (rewards or lm-eval tasks) through the same integrations.
 """
 
 from __future__ import annotations
@@ -142,10 +143,58 @@ class WandbCompletionsTable(TrainerCallback):
                        "train/global_step": state.global_step})
 
 
+def report_evaluation(args, metrics: dict[str, float], model: Any = None) -> list[str]:
+    """Send an `alignkit eval` result to the trackers `args.report_to` names, as evaluation metrics at step 0.
+
+    The same integration callbacks as training (`get_reporting_integration_callbacks`) receive one `on_log` of
+    `eval_<name>` values between `on_train_begin` and `on_train_end`, so each tracker files them where it files a
+    training run's evaluation: TensorBoard event files under `args.output_dir/runs/` (or `TENSORBOARD_LOGGING_DIR`)
+    as `eval/<name>`, a wandb run (`WANDB_MODE=offline` keeps it local) with `eval/<name>`, an MLflow run with
+    `eval_<name>`. Values that are None or not finite are left out.
+
+    Args:
+        args: the run's `TrainingArguments` (`report_to`, `output_dir`, `run_name`).
+        metrics: name -> value, e.g. {"reward": 0.4, "rewards/accuracy/mean": 0.4} (`RewardEvaluation.metrics`).
+        model: the evaluated model, for the trackers that record its config (None: none is recorded).
+
+    Returns:
+        The `eval_` names sent (empty when `report_to` names no tracker).
+    """
+    import math
+
+    from transformers import TrainerControl, TrainerState
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    callbacks = [callback() for callback in get_reporting_integration_callbacks(args.report_to)]
+    logs = {f"eval_{name}": float(value) for name, value in metrics.items()
+            if value is not None and math.isfinite(float(value))}
+    if not callbacks or not logs:
+        return []
+    state, control = TrainerState(), TrainerControl()
+    wandb_run_before = _wandb_run() if "wandb" in args.report_to else None
+    for callback in callbacks:
+        callback.on_train_begin(args, state, control, model=model)
+        callback.on_log(args, state, control, model=model, logs=dict(logs))
+        callback.on_train_end(args, state, control, model=None)  # None: wandb's model upload stays off
+    if "wandb" in args.report_to and wandb_run_before is None and _wandb_run() is not None:
+        import wandb
+
+        wandb.finish()  # the run this evaluation started is complete (and an offline run is written out)
+    return list(logs)
+
+
+def _wandb_run():
+    import sys
+
+    wandb = sys.modules.get("wandb")
+    return getattr(wandb, "run", None)
+
+
 def tracker_callbacks(report_to: Any) -> list[TrainerCallback]:
     """alignkit's own additions to transformers' reporting for the trackers `report_to` names."""
     names = report_to if isinstance(report_to, (list, tuple)) else [report_to]
     return [WandbCompletionsTable()] if "wandb" in names else []
 
 
-__all__ = ["TRACKERS", "check_report_to", "check_mlflow_store", "WandbCompletionsTable", "tracker_callbacks"]
+__all__ = ["TRACKERS", "check_report_to", "check_mlflow_store", "WandbCompletionsTable", "report_evaluation",
+           "tracker_callbacks"]

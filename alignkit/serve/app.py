@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import DataError
 from ..model.generation import encode_prompts
 from .engine import BatchEngine, Job, QueueFull, ServedModel
-from .tools import call_wrapper, parse_tool_calls, to_template_messages
+from .tools import ToolCallStream, call_wrapper, parse_tool_calls, to_template_messages
 
 MAX_CHOICES = 8  # most `n` per request
 MAX_STOP = 4  # most stop strings, as OpenAI allows
@@ -231,8 +231,10 @@ def _usage(job: Job) -> dict[str, int]:
 def _stream(job: Job, events: asyncio.Queue, body: ChatCompletionRequest, completion_id: str, created: int, wrapper):
     """Server-sent events: a role chunk per choice, content deltas, a finish chunk per choice, usage, [DONE].
 
-    With tools the text of a choice is held back and sent whole at its end, parsed into `tool_calls` where it
-    holds them (a call's JSON is not useful in pieces).
+    With tools, each choice's text goes through a `ToolCallStream`: content is streamed as soon as it cannot be
+    part of a call, and each call, once its JSON is complete, as OpenAI streams one: a delta with the call's
+    `index`, `id`, `type` and `function.name` (arguments ""), then one with its `function.arguments`. The finish
+    reason of a choice that called is `tool_calls`.
     """
     from sse_starlette.sse import EventSourceResponse
 
@@ -245,6 +247,21 @@ def _stream(job: Job, events: asyncio.Queue, body: ChatCompletionRequest, comple
             for choice in job.choices:
                 yield chunk([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
                               "finish_reason": None}])
+            splitters = {choice.index: ToolCallStream(wrapper) for choice in job.choices} if wrapper else {}
+            calls = {choice.index: 0 for choice in job.choices}
+
+            def deltas(index: int, decided: list[tuple[str, Any]]):
+                for kind, value in decided:
+                    if kind == "content":
+                        yield chunk([{"index": index, "delta": {"content": value}, "finish_reason": None}])
+                        continue
+                    call = {"index": calls[index], "id": value["id"], "type": "function",
+                            "function": {"name": value["function"]["name"], "arguments": ""}}
+                    arguments = {"index": calls[index], "function": {"arguments": value["function"]["arguments"]}}
+                    calls[index] += 1
+                    for part in (call, arguments):
+                        yield chunk([{"index": index, "delta": {"tool_calls": [part]}, "finish_reason": None}])
+
             while True:
                 kind, index, text = await events.get()
                 if kind == "error":
@@ -255,14 +272,15 @@ def _stream(job: Job, events: asyncio.Queue, body: ChatCompletionRequest, comple
                     break
                 if wrapper is None:
                     yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
+                else:
+                    for event in deltas(index, splitters[index].feed(text)):
+                        yield event
             for choice in job.choices:
-                final = _final_choice(choice, wrapper)
                 if wrapper is not None:
-                    delta = {key: final["message"][key] for key in ("content", "tool_calls") if key in final["message"]}
-                    for i, call in enumerate(delta.get("tool_calls", [])):
-                        call["index"] = i
-                    yield chunk([{"index": choice.index, "delta": delta, "finish_reason": None}])
-                yield chunk([{"index": choice.index, "delta": {}, "finish_reason": final["finish_reason"]}])
+                    for event in deltas(choice.index, splitters[choice.index].finish()):
+                        yield event
+                finish_reason = "tool_calls" if calls[choice.index] else choice.finish_reason
+                yield chunk([{"index": choice.index, "delta": {}, "finish_reason": finish_reason}])
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield chunk([], usage=_usage(job))
             yield {"data": "[DONE]"}

@@ -96,6 +96,92 @@ def parse_tool_calls(text: str, wrapper: tuple[str, str]) -> tuple[Optional[str]
     return (content or None), calls
 
 
+class ToolCallStream:
+    """`parse_tool_calls` as text arrives: content pieces are released as soon as they cannot be part of a call,
+    each call once its JSON object is complete.
+
+    Text that may still open a call (a tail that is a prefix of the wrapper's opening; from the opening, or from a
+    `{` for a bare-JSON wrapper, until its object parses or cannot) is held back. Whitespace around the content is
+    held too and dropped at its ends, so the pieces join into the content `parse_tool_calls` returns for the whole
+    text, and its calls are the same calls (ids aside).
+
+    Example (ChatML wrapper): `feed("Sure.\\n<tool")` gives `[("content", "Sure.")]`; `feed("_call>\\n{\"name\": \"f\",
+    \"arguments\": {}}\\n</tool_call>")` gives `[("call", {... "name": "f", "arguments": "{}" ...})]`; `finish()` gives
+    `[]`.
+    """
+
+    def __init__(self, wrapper: tuple[str, str]) -> None:
+        self.opening, self.closing = wrapper[0].strip(), wrapper[1].strip()
+        self.text = ""
+        self.position = 0  # self.text[:position] is decided (released or dropped)
+        self.after_call = False  # a call just ended: its closing text may follow
+        self.started = False  # some content was released (leading whitespace is dropped before)
+        self.space = ""  # whitespace decided as content but held until more content follows it
+
+    def feed(self, piece: str) -> list[tuple[str, Any]]:
+        """Events `("content", text)` and `("call", tool_call)` that `piece` decides, in order."""
+        self.text += piece
+        return self._drain(final=False)
+
+    def finish(self) -> list[tuple[str, Any]]:
+        """The events of the held text at the end of the reply (an unfinished call stays content)."""
+        return self._drain(final=True)
+
+    def _content(self, text: str, events: list) -> None:
+        body = text.rstrip()
+        if body.strip():
+            lead = self.space if self.started else ""
+            events.append(("content", lead + (body if self.started else body.lstrip())))
+            self.started, self.space = True, text[len(body):]
+        else:
+            self.space += text
+
+    def _drain(self, final: bool) -> list[tuple[str, Any]]:
+        events: list[tuple[str, Any]] = []
+        while self.position < len(self.text):
+            rest = self.text[self.position:]
+            if self.after_call and self.closing:
+                stripped = rest.lstrip()
+                if stripped.startswith(self.closing):
+                    self.position += len(rest) - len(stripped) + len(self.closing)
+                    self.after_call = False
+                    continue
+                if not final and self.closing.startswith(stripped):
+                    break
+            self.after_call = False
+            at = rest.find(self.opening) if self.opening else rest.find("{")
+            if at < 0:
+                keep = 0 if final else _prefix_tail(rest, self.opening)
+                self._content(rest[:len(rest) - keep], events)
+                self.position += len(rest) - keep
+                break
+            self._content(rest[:at], events)
+            self.position += at
+            marker = len(self.opening) or 1  # the opening, or the bare object's "{" when there is none
+            start = self.position + len(self.opening)
+            while start < len(self.text) and self.text[start].isspace():
+                start += 1
+            end = _json_end(self.text, start) if self.text.startswith("{", start) else None
+            if end is None and not final and (start == len(self.text) or self.text.startswith("{", start)):
+                break  # the object may still be arriving
+            call = _as_call(self.text[start:end]) if end is not None else None
+            if call is None:
+                self._content(self.text[self.position:self.position + marker], events)
+                self.position += marker
+                continue
+            events.append(("call", call))
+            self.position, self.after_call = end, True
+        return events
+
+
+def _prefix_tail(text: str, opening: str) -> int:
+    """The length of the longest end of `text` that is a proper beginning of `opening` (0 for none)."""
+    for size in range(min(len(opening) - 1, len(text)), 0, -1):
+        if opening.startswith(text[-size:]):
+            return size
+    return 0
+
+
 def _as_call(json_text: str) -> Optional[dict[str, Any]]:
     try:
         value = json.loads(json_text)
@@ -146,4 +232,4 @@ def _arguments_object(arguments: Any) -> Any:
     return arguments if arguments is not None else {}
 
 
-__all__ = ["call_wrapper", "parse_tool_calls", "to_template_messages", "content_text"]
+__all__ = ["call_wrapper", "parse_tool_calls", "ToolCallStream", "to_template_messages", "content_text"]

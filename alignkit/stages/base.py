@@ -14,6 +14,9 @@
   (`loader.load_frozen_copy`, partitioned by `from_pretrained` like the policy), and each reference pass runs with
   its weights gathered once for the pass (`full_weights`; no engine runs over the reference, so nothing else
   gathers them). That holds the whole reference on every process during the pass, see docs/ARCHITECTURE.md.
+- `ReferenceSyncArguments` are TRL's `sync_ref_model` keys (TR-DPO) for the stages TRL has them in (dpo, grpo,
+  rloo); `check_reference_sync` refuses what cannot be synced before anything loads, and `StageTrainer` adds the
+  `callbacks.ReferenceSync` callback that does it (when things happen belongs in callbacks).
 - `run_stage_trainer` is the train / evaluate / predict / save sequence every `run_<stage>` ends with.
 - Evaluation and prediction share one pass: a stage whose predictions are a few numbers per example (rm, dpo,
   kto: `predictions_from_evaluation`) gathers them while it evaluates, and `predict` on the data just evaluated,
@@ -28,6 +31,7 @@ import copy
 import logging
 import os
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional
 
@@ -77,11 +81,81 @@ class _Evaluation(NamedTuple):
     metrics: dict[str, Any]
 
 
+@dataclass
+class ReferenceSyncArguments:
+    """TRL 1.16's reference-sync keys (TR-DPO, Gorbatovski et al. 2024), names and defaults as in its `DPOConfig`,
+    `GRPOConfig` and `RLOOConfig`."""
+
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={"help": "Mix the policy into the reference model every ref_model_sync_steps steps (TR-DPO). Needs "
+                          "a separate reference: finetuning_type full or freeze (a LoRA policy's reference is its "
+                          "base with the adapter disabled, nothing to sync). TRL default false."})
+    ref_model_mixup_alpha: float = field(
+        default=0.6,
+        metadata={"help": "sync_ref_model: alpha in ref = alpha x policy + (1 - alpha) x ref, in [0, 1]. TRL default "
+                          "0.6."})
+    ref_model_sync_steps: int = field(
+        default=512,
+        metadata={"help": "sync_ref_model: optimizer steps between two reference updates (TR-DPO's tau). TRL "
+                          "default 512."})
+
+    def __post_init__(self) -> None:
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:  # the next keys class of a stage's own (GRPO: the reward keys)
+            parent()
+        from ..errors import ConfigError
+
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise ConfigError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1] (TR-DPO's alpha; "
+                              "TRL's default is 0.6).")
+        if self.ref_model_sync_steps < 1:
+            raise ConfigError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be at least 1 (TRL's default "
+                              "is 512).")
+
+
+def check_reference_sync(config: "Config", uses_reference: bool, no_reference_reason: str = "") -> None:
+    """Refuse `sync_ref_model` where there is no separate reference model to sync, before anything loads.
+
+    Args:
+        config: the parsed config; `config.method` holds `ReferenceSyncArguments`.
+        uses_reference: whether the stage's settings use a reference at all.
+        no_reference_reason: the settings that make it use none (for the message).
+
+    Raises:
+        ConfigError: under LoRA (the reference is the base with the adapter disabled, as in TRL, which refuses
+            `sync_ref_model` with PEFT for the same reason), without a reference, or with the weights sharded
+            (DeepSpeed ZeRO-3, FSDP), which the sync does not gather.
+    """
+    from ..errors import ConfigError
+
+    if not getattr(config.method, "sync_ref_model", False):
+        return
+    stage, finetuning_type = config.finetuning.stage, config.finetuning.finetuning_type
+    if not uses_reference:
+        raise ConfigError(f"sync_ref_model: stage {stage} uses no reference model with {no_reference_reason}, so "
+                          "there is nothing to sync; set sync_ref_model: false.")
+    if finetuning_type not in ("full", "freeze"):
+        raise ConfigError(
+            f"sync_ref_model with finetuning_type={finetuning_type}: the reference of a LoRA policy is the same "
+            "weights with the adapter disabled (no second copy in memory), so there is no separate reference model "
+            "to move towards the policy (TRL refuses sync_ref_model with PEFT for the same reason). Use "
+            "finetuning_type: full or freeze, which keep a frozen reference copy, or set sync_ref_model: false.")
+    training = config.training
+    deepspeed = getattr(training, "hf_deepspeed_config", None)
+    if (deepspeed is not None and deepspeed.is_zero3()) or training.fsdp:
+        raise ConfigError("sync_ref_model with DeepSpeed ZeRO-3 or FSDP: the reference sync mixes whole weights and "
+                          "does not gather sharded ones yet; use ZeRO-2 or data parallel, or set sync_ref_model: "
+                          "false.")
+
+
 class StageTrainer(Trainer):
     """`transformers.Trainer` with a metric buffer and a reference-model context for the stage trainers.
 
     Args:
         ref_model: an explicit frozen reference model (moved to the training device, eval mode).
+        reference_sync: the stage's `sync_ref_model` keys; when it is on, `callbacks.ReferenceSync` mixes the
+            policy into the reference as they say.
         keep_reference_copy: with no `ref_model` and a policy that is not a PEFT model, keep a frozen
             in-memory copy of the policy as it is now to serve as the reference (under ZeRO-3: the policy loaded
             again from its source, partitioned). False when the stage needs no reference, or needs it only
@@ -100,7 +174,7 @@ class StageTrainer(Trainer):
     predictions_from_evaluation = False
 
     def __init__(self, *args, ref_model: Optional[nn.Module] = None, keep_reference_copy: bool = False,
-                 **kwargs) -> None:
+                 reference_sync: Optional[ReferenceSyncArguments] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Per mode: per-batch means, and how many examples each mean covers.
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
@@ -120,6 +194,15 @@ class StageTrainer(Trainer):
             # The policy as it is now, in memory (never re-read from disk, so a policy changed in memory
             # before training gets the matching reference).
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if reference_sync is not None and reference_sync.sync_ref_model:
+            if self.ref_model is None:  # `check_reference_sync` refuses such configs; this guards direct use
+                raise ValueError("sync_ref_model needs a separate reference model (full or freeze fine-tuning, or an "
+                                 "explicit ref_model); this trainer's reference is the policy with its adapter "
+                                 "disabled.")
+            from ..callbacks import ReferenceSync
+
+            self.add_callback(ReferenceSync(self.ref_model, reference_sync.ref_model_mixup_alpha,
+                                            reference_sync.ref_model_sync_steps))
         self._add_pair_lengths_for_grouping()
         self._last_evaluation: Optional[_Evaluation] = None
         self._gather_predictions = False  # inside an evaluation that keeps its predictions

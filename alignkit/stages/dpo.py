@@ -46,7 +46,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..model.logprobs import forward_sequence_logps
 from ..model.distributed import full_weights
-from .base import StageTrainer, run_stage_trainer, save_pair_predictions
+from .base import ReferenceSyncArguments, StageTrainer, check_reference_sync, run_stage_trainer, save_pair_predictions
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -64,8 +64,8 @@ REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
 @dataclass
-class DPOArguments:
-    """The keys of `stage: dpo` (LLaMA-Factory's names)."""
+class DPOArguments(ReferenceSyncArguments):
+    """The keys of `stage: dpo` (LLaMA-Factory's names; TRL's for the reference sync)."""
 
     pref_beta: float = field(default=0.1, metadata={"help": "DPO-family beta: how far the policy may move."})
     pref_loss: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = field(
@@ -87,6 +87,7 @@ class DPOArguments:
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.pref_beta > 0:  # also refuses NaN
             raise ConfigError(f"pref_beta={self.pref_beta} must be > 0: at 0 the preference loss has no gradient.")
         if not 0 <= self.dpo_label_smoothing < 0.5:
@@ -103,6 +104,11 @@ def check_config(config: "Config") -> None:
     """What `stage: dpo` refuses beyond its own keys."""
     if config.training.predict_with_generate:
         raise ConfigError("predict_with_generate applies to stage sft, not dpo; remove it.")
+    d = config.method
+    if d.sync_ref_model and d.precompute_ref_log_probs:
+        raise ConfigError("sync_ref_model moves the reference during training, so reference log-probs computed "
+                          "before it (precompute_ref_log_probs) would be stale; set one of them to false.")
+    check_reference_sync(config, d.pref_loss not in REFERENCE_FREE_LOSSES, f"pref_loss={d.pref_loss}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -404,7 +410,8 @@ class DPOTrainer(StageTrainer):
         if self.precompute_ref_logps and kwargs.get("data_collator") is not None:
             kwargs["data_collator"] = _CollateWithReference(kwargs["data_collator"])
         super().__init__(*args, ref_model=ref_model if self.needs_reference else None,
-                         keep_reference_copy=self.needs_reference and not self.precompute_ref_logps, **kwargs)
+                         keep_reference_copy=self.needs_reference and not self.precompute_ref_logps,
+                         reference_sync=dpo_args, **kwargs)
 
         if self.precompute_ref_logps:
             # Before any update, so that a full fine-tuning policy can serve as its own reference here. Under

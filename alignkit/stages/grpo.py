@@ -94,7 +94,7 @@ from ..rl.record import COMPLETIONS_FILE
 from ..rl.rollout import VLLMColocateSampler, completion_logps, rollout_seed
 from ..rl.stats import masked_mean, nan_std
 from ..rl.tools import ToolLoop, rollout_tensors, turn_seeds
-from .base import is_peft_model, run_stage_trainer
+from .base import ReferenceSyncArguments, check_reference_sync, is_peft_model, run_stage_trainer
 from .online import PROMPT_COLUMNS, OnlineTrainer
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ ENTROPY_CONTROLLER_FILE = "grpo_entropy_controller.json"
 
 
 @dataclass
-class GroupRolloutArguments(RewardFunctionArguments):
+class GroupRolloutArguments(ReferenceSyncArguments, RewardFunctionArguments):
     """The keys GRPO and RLOO share (TRL 1.16's names): sampling groups of completions, the generation batch, the
     KL weight and the clip range, plus the reward keys. Each stage's own dataclass adds its keys and defaults."""
 
@@ -368,7 +368,8 @@ def check_config(config: "Config") -> None:
     if g.uses_tools:
         from ..rl.tools import check_tool_keys
 
-        check_tool_keys(g, str(Path(config.source).parent) if config.source else None)
+        check_tool_keys(g, config.dir)
+    check_reference_sync(config, g.beta != 0, "beta=0 (no KL term)")
 
 
 def check_generation_loop(g: Any, t: Any) -> None:
@@ -469,7 +470,8 @@ class GRPOTrainer(OnlineTrainer):
                  **kwargs) -> None:
         kwargs.setdefault("data_collator", collate_prompt_rows)
         super().__init__(*args, reward_functions=reward_functions, stop_token_ids=stop_token_ids,
-                         log_completions=grpo_args.log_completions, keep_reference_copy=grpo_args.beta != 0, **kwargs)
+                         log_completions=grpo_args.log_completions, keep_reference_copy=grpo_args.beta != 0,
+                         reference_sync=grpo_args, **kwargs)
         self.grpo_args = grpo_args
         self.num_generations = grpo_args.num_generations
         self.steps_per_generation, self.generation_batch_size = resolve_generation_batch(

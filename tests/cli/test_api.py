@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("sse_starlette")
 openai = pytest.importorskip("openai")
+from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
 
 KEY = "test-key"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -219,7 +220,8 @@ def test_tool_calls_come_back_parsed(tiny_model_dir):
     config = parse_config({"model_name_or_path": tiny_model_dir})
     models = ServedModels(config.model, {}, "chatml", "tiny")
     tokenizer = models.models["tiny"].formatter.tokenizer
-    reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    reply = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>')
     seen_prompts = []
 
     def scripted(model, tokenizer_, input_ids, attention_mask, *, on_step, **kwargs):
@@ -237,17 +239,60 @@ def test_tool_calls_come_back_parsed(tiny_model_dir):
                                                               "properties": {"city": {"type": "string"}}}}}]
     with TestClient(create_app(engine)) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
-        answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools, max_tokens=128)
-        chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools, max_tokens=128,
+        answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools, max_tokens=300)
+        chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools, max_tokens=300,
                                                      stream=True))
     assert "<tools>" in seen_prompts[0] and '"get_weather"' in seen_prompts[0]
     choice = answer.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    call = choice.message.tool_calls[0]
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-    streamed = [d.tool_calls[0] for c in chunks if c.choices for d in [c.choices[0].delta] if d.tool_calls]
-    assert streamed[0].function.name == "get_weather"
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"})]
+    # Streamed as OpenAI streams calls: per call a delta with index, id, type and name, then its arguments;
+    # the openai library's own accumulator rebuilds the same message from the chunks.
+    calls = [call for c in chunks if c.choices and c.choices[0].delta.tool_calls for call in c.choices[0].delta.tool_calls]
+    assert [(call.index, call.id is not None, call.function.name) for call in calls] == [
+        (0, True, "get_weather"), (0, False, None), (1, True, "get_weather"), (1, False, None)]
+    assert calls[0].function.arguments == "" and calls[0].type == "function"
+    state = ChatCompletionStreamState()
+    for c in chunks:
+        state.handle_chunk(c)
+    streamed = state.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls" and streamed.message.content == "Let me look."
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert "tool_call" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("wrapper", [("<tool_call>\n", "\n</tool_call>"), ("", "")])
+@pytest.mark.parametrize("text", [
+    'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": [1, "}"]}}\n</tool_call>\nDone. ',
+    '{"name": "f", "arguments": {}}{"name": "g", "parameters": {"y": 2}}',
+    'no call here, only <tool_ and { braces',
+    '<tool_call>\n{"name": "f", "arguments": {"x": 1}',  # cut off mid-call: stays text
+    '<tool_call>\n{"not": "a call"}\n</tool_call> and {"name": "h"}',
+])
+def test_tool_call_stream_splits_as_the_whole_text_parses(text, wrapper):
+    """Fed one character at a time, the stream's content pieces join into `parse_tool_calls`' content and its
+    calls are the same calls."""
+    from alignkit.serve.tools import ToolCallStream, parse_tool_calls
+
+    stream = ToolCallStream(wrapper)
+    events = [event for ch in text for event in stream.feed(ch)] + stream.finish()
+    content, calls = parse_tool_calls(text, wrapper)
+    assert ("".join(v for k, v in events if k == "content") or None) == content
+    assert [v["function"] for k, v in events if k == "call"] == [c["function"] for c in calls]
+
+
+def test_tool_call_stream_releases_content_before_the_reply_ends():
+    from alignkit.serve.tools import ToolCallStream
+
+    stream = ToolCallStream(("<tool_call>\n", "\n</tool_call>"))
+    assert stream.feed("Hello there") == [("content", "Hello there")]
+    assert stream.feed(" <tool") == []  # may open a call: held
+    assert stream.feed('_call>\n{"name": "f", "argu') == []  # the call is still arriving
+    [(kind, call)] = stream.feed('ments": {}}\n</tool_call>')
+    assert kind == "call" and call["function"] == {"name": "f", "arguments": "{}"}
+    assert stream.finish() == []
 
 
 def test_tool_call_format_round_trips_through_the_template(tiny_tokenizer):

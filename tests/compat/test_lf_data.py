@@ -120,8 +120,9 @@ def test_kto_tags_under_sft_warn_with_the_rows(train, caplog):
 
 
 def test_multimodal_dataset_is_refused(train, tmp_path):
-    """Item 10: mllm_demo stops before the model loads, naming the dataset and the column."""
-    with pytest.raises(DataError, match="dataset 'mllm_demo': dataset_info.json maps `images`.*not supported yet"):
+    """Item 10: mllm_demo on a text-only model stops before the model loads, naming the dataset and the column
+    (vision-language models train on it: docs/multimodal.md)."""
+    with pytest.raises(DataError, match="dataset 'mllm_demo': dataset_info.json maps `images`.*The model is text-only"):
         train(dataset="mllm_demo")
     assert not list((tmp_path / "saves").glob("*/adapter_model.safetensors"))
 

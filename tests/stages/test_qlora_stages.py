@@ -1,7 +1,7 @@
 """LoRA on a 4-bit base (QLoRA) in the online stages and across a resume, on the tiny model (bitsandbytes quantizes
 its linear layers on the CPU).
 
-GRPO and PPO train two steps: rollouts decode on the quantized base with the adapter unmerged (`merged_lora` and
+GRPO and PPO train two steps (RLOO, distillation and online DPO too): rollouts decode on the quantized base with the adapter unmerged (`merged_lora` and
 `packed_linears` decline it), the reference is the quantized base with the adapter disabled, and PPO's reward
 adapter and critic adapter sit on the same quantized base. An SFT run killed after its checkpoint and resumed
 equals the straight run bit for bit (the base is quantized again from the same weights on each load).
@@ -21,7 +21,9 @@ from alignkit.callbacks import read_log
 from alignkit.model import generation
 from alignkit.train import run_train
 
+from .test_distill import _config as distill_config, teacher_adapter  # noqa: F401 (fixture)
 from .test_grpo import _config as grpo_config
+from .test_online_dpo import _config as online_dpo_config
 from .test_ppo import _config as ppo_config, prompts_file, reward_dir  # noqa: F401 (fixtures)
 from .test_resume_losses import CHECKPOINT_STEP, STEPS, _config as resume_config, _data, _logged
 
@@ -57,6 +59,21 @@ def _losses(out) -> list[float]:
 def test_grpo_two_steps_on_a_4bit_base(tiny_model_dir, tmp_path, merges):
     out = tmp_path / "grpo"
     run_train(grpo_config(tiny_model_dir, tmp_path, out, max_steps=2, quantization_bit=4))
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 2
+    assert all(math.isfinite(x) for x in _losses(out)) and len(_losses(out)) == 2
+    assert merges and not any(merges)  # every rollout decoded with the adapter unmerged
+    assert json.loads((out / "base_quantization.json").read_text())["quantization_bit"] == 4
+
+
+@pytest.mark.parametrize("stage", ["rloo", "distill", "online_dpo"])
+def test_the_other_online_stages_train_two_steps_on_a_4bit_base(stage, tiny_model_dir, tmp_path, teacher_adapter,
+                                                                 merges):
+    out = tmp_path / stage
+    keys = {"max_steps": 2, "quantization_bit": 4}
+    config = {"rloo": lambda: grpo_config(tiny_model_dir, tmp_path, out, stage="rloo", **keys),
+              "distill": lambda: distill_config(tiny_model_dir, tmp_path, out, teacher_adapter, **keys),
+              "online_dpo": lambda: online_dpo_config(tiny_model_dir, tmp_path, out, **keys)}[stage]()
+    run_train(config)
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 2
     assert all(math.isfinite(x) for x in _losses(out)) and len(_losses(out)) == 2
     assert merges and not any(merges)  # every rollout decoded with the adapter unmerged

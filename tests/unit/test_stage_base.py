@@ -127,7 +127,8 @@ def test_help_keys_are_grouped_with_a_group_per_stage():
     assert "lora_rank" in groups["finetuning"]
     assert "padding_free" in groups["training"] and "learning_rate" in groups["training (transformers)"]
     assert set(groups["stage dpo"]) == {"pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing",
-                                                       "simpo_gamma", "precompute_ref_log_probs"}
+                                        "simpo_gamma", "precompute_ref_log_probs",
+                                        "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"}
     assert set(groups["stage rm"]) == {"center_rewards_coefficient"}
     every_key = [key for keys in groups.values() for key in keys]
     assert len(every_key) == len(set(every_key))  # each key listed once

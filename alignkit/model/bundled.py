@@ -79,7 +79,7 @@ def ensure_bundled_model() -> Path:
     gguf_path = find_gguf_file()  # fail before taking the lock when the package is missing
 
     def convert(out_dir: Path) -> dict:
-        logger.warning("Converting the bundled %s from %s once (about a minute) into %s.",
+        logger.warning("Converting the bundled %s from %s once (a few seconds) into %s.",
                        BUNDLED_MODEL_NAME, gguf_path, target)
         convert_gguf(gguf_path, out_dir)
         return {"source": str(gguf_path)}

@@ -16,16 +16,14 @@ import json
 import shutil
 
 import pytest
-import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from alignkit.config.parse import parse_config
 from alignkit.data.template import ChatFormatter
 from alignkit.rewards import RewardFunction, RewardFunctions
-from alignkit.rl.rollout import generation_from_token_lists
 from alignkit.stages import grpo as grpo_module
-from alignkit.stages import online as online_module
+from tests.helpers import inject_completions
 
 pytestmark = pytest.mark.parity
 trl = pytest.importorskip("trl")
@@ -177,10 +175,7 @@ def _run_ours(model_dir, tmp_path, monkeypatch, tool_kwargs, **method):
         "shuffle_dataset": False, "save_strategy": "no", "seed": 0, "disable_tqdm": True,
         "max_tool_calling_iterations": 2, **method})
 
-    def sample(model, tok, prompt_ids, **kwargs):
-        return generation_from_token_lists(tokenizer, prompt_ids, policy(prompt_ids), stop_ids)
-
-    monkeypatch.setattr(online_module, "sample_completions", sample)
+    inject_completions(monkeypatch, tokenizer, policy, stop_ids)
     rollouts = []
     tool_generation = grpo_module.GRPOTrainer._tool_generation
 

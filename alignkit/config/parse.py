@@ -121,6 +121,34 @@ def _cpu_has_bf16() -> bool:
     return cpu_supports_bf16()
 
 
+def settle_auto_bf16(train_kwargs: dict[str, Any], engine: bool = False) -> None:
+    """Settle `bf16: auto` (the default) where no probe is needed; leave `auto` for the CPU probe otherwise.
+
+    - with `fp16: true`: fp16 as asked;
+    - an accelerator: bf16 where it computes in bf16 (as TRL's default `bf16=True` and LLaMA-Factory's examples),
+      fp32 elsewhere;
+    - the CPU without bf16 hardware: fp32;
+    - the CPU under DeepSpeed or FSDP (`engine`): fp32, since the engine reads the precision from its config
+      before the model exists;
+    - otherwise (a CPU with AVX512-BF16 or AMX): still `auto`; the training run's first trainer probes a step at
+      the model's own shapes and keeps fp32 unless bf16 autocast is clearly faster
+      (`alignkit.model.precision`).
+
+    Args:
+        train_kwargs: the `TrainingArguments` keys of the config; `bf16` is updated in place.
+        engine: DeepSpeed or FSDP was asked for.
+    """
+    if train_kwargs.get("bf16") != "auto":
+        return
+    on_cpu = bool(train_kwargs.get("use_cpu")) or not _has_accelerator()
+    if train_kwargs.get("fp16"):
+        train_kwargs["bf16"] = False
+    elif not on_cpu:
+        train_kwargs["bf16"] = _accelerator_has_bf16()
+    elif engine or not _cpu_has_bf16():
+        train_kwargs["bf16"] = False
+
+
 def choose_precision(train_kwargs: dict[str, Any]) -> None:
     """Settle `fp16` / `bf16` for the device the run will use, before transformers checks them.
 
@@ -150,7 +178,7 @@ def choose_precision(train_kwargs: dict[str, Any]) -> None:
         raise ConfigError("fp16=true needs a GPU: this run is on the CPU, where float16 gives no speed (about 3x "
                           "slower than fp32) and loses precision. Remove fp16 (alignkit trains in fp32 on a CPU, "
                           "or in bf16 with bf16=true where the CPU has bf16 hardware).")
-    asked = [key for key in ("bf16", "bf16_full_eval") if train_kwargs.get(key)]
+    asked = [key for key in ("bf16", "bf16_full_eval") if train_kwargs.get(key) is True]
     if not asked or (not use_cpu and _accelerator_has_bf16()) or not on_cpu:
         return
     if _cpu_has_bf16():
@@ -213,6 +241,9 @@ def parse_config(
             origin = f" on the command line ({from_command_line[key]})" if key in from_command_line else where
             raise ConfigError(f"unknown key `{key}`{origin}.{hint}")
         cls = owners[key]
+        if key == "bf16" and isinstance(value, str) and value.strip().lower() == "auto":
+            per_class[cls][key] = "auto"  # settled by `choose_precision` (and, on a CPU, a probe)
+            continue
         per_class[cls][key] = convert_value(key, value, field_types(cls)[key])
 
     for key, value in TRAINING_DEFAULTS.items():
@@ -245,6 +276,8 @@ def parse_config(
         per_class[TrainingArguments].setdefault("train_sampling_strategy", "group_by_length")
 
     train_kwargs = per_class[TrainingArguments]
+    train_kwargs.setdefault("bf16", TrainingArguments.bf16)
+    settle_auto_bf16(train_kwargs, engine=fsdp_asked or deepspeed_asked)
     if train_kwargs.get("fp16") and train_kwargs.get("bf16"):
         raise ConfigError(f"fp16 and bf16 are both true{where}; choose one.")
     choose_precision(train_kwargs)
@@ -396,5 +429,5 @@ def all_keys() -> dict[str, dict[str, str]]:
     return groups
 
 
-__all__ = ["KEY_GROUPS", "TRANSFORMERS_TRAINING_DOCS", "TRANSFORMERS_TRAINING_GROUP", "all_keys", "check_combinations", "check_stage", "choose_precision", "load_yaml", "parse_config",
+__all__ = ["KEY_GROUPS", "TRANSFORMERS_TRAINING_DOCS", "TRANSFORMERS_TRAINING_GROUP", "all_keys", "check_combinations", "check_stage", "choose_precision", "settle_auto_bf16", "load_yaml", "parse_config",
            "parse_override", "read_config", "stage_names"]

@@ -175,6 +175,12 @@ class StageTrainer(Trainer):
 
     def __init__(self, *args, ref_model: Optional[nn.Module] = None, keep_reference_copy: bool = False,
                  reference_sync: Optional[ReferenceSyncArguments] = None, **kwargs) -> None:
+        training_args = kwargs.get("args")
+        if getattr(training_args, "bf16_auto", False):
+            # Before `Trainer.__init__`, which builds the accelerator (and its autocast) from `args.bf16`.
+            from ..model.precision import resolve_auto_bf16
+
+            resolve_auto_bf16(kwargs["model"], training_args)
         super().__init__(*args, **kwargs)
         # Per mode: per-batch means, and how many examples each mean covers.
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}

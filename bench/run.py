@@ -542,10 +542,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: bf16 autocast (bf16=True) in both tools, bf16 matmul probe. cpu: fp32, plus TRL's real "
                         "default (bf16=True) as trl_default_bf16, and fp32 and bf16 matmul probes.")
-    p.add_argument("--alignkit-bf16", choices=["false", "true", "auto"], default="false",
-                   help="cpu: alignkit's `bf16` key in its runs (false: fp32, as TRL's fp32 runs; true: bf16 autocast; "
-                        "auto: alignkit's own per-machine choice, where its config has it). MFU follows the precision "
-                        "each run used.")
+    p.add_argument("--alignkit-bf16", choices=["false", "true", "auto"], default="auto",
+                   help="cpu: alignkit's `bf16` key in its runs (auto, its default: its own per-machine choice, a "
+                        "probe at the model's shapes; false: fp32, as TRL's fp32 runs; true: bf16 autocast). MFU "
+                        "follows the precision each run used.")
     p.add_argument("--peer", nargs="+", choices=sorted(PEERS), action="extend", default=None,
                    help="Peers to compare alignkit with (repeatable; default: trl). `llamafactory` creates "
                         "LLaMA-Factory's own environment the first time (bench/llamafactory.py).")

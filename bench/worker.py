@@ -259,8 +259,8 @@ def run_alignkit(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any
         # Same as the TRL side: fp32 master weights under bf16 autocast.
         values.update(bf16=True, infer_dtype="float32")
     else:
-        # --alignkit-bf16: false (fp32, the default), true (bf16 autocast where the CPU has bf16), or auto
-        # (alignkit's own choice, where its config has that value).
+        # --alignkit-bf16: auto (alignkit's own choice, its config default), false (fp32) or true (bf16 autocast
+        # where the CPU has bf16).
         values.update(bf16={"false": False, "true": True}.get(opts.alignkit_bf16, opts.alignkit_bf16), use_cpu=True)
     if opts.variant == "qlora":
         values.update(QLORA)
@@ -588,8 +588,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "settings (best, bench.worker.TRL_BEST); alignkit: fp32 LoRA (default) or a 4-bit base "
                         "(qlora, bench.worker.QLORA).")
     p.add_argument("--stage", choices=["sft", "rm", "dpo", "grpo", "rloo", "distill", "online_dpo", "ppo"])
-    p.add_argument("--alignkit-bf16", choices=["false", "true", "auto"], default="false",
-                   help="alignkit on a CPU: its `bf16` key (false: fp32; true: bf16 autocast; auto: its own choice).")
+    p.add_argument("--alignkit-bf16", choices=["false", "true", "auto"], default="auto",
+                   help="alignkit on a CPU: its `bf16` key (auto: its own choice, the default; false: fp32; true: bf16 "
+                        "autocast).")
     p.add_argument("--model-dir")
     p.add_argument("--alignkit-dataset", help="Name in dataset_info.json (alignkit and LLaMA-Factory read it).")
     p.add_argument("--alignkit-dataset-dir")

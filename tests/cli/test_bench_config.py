@@ -82,9 +82,9 @@ def test_plan_adds_trl_real_default_on_cpu_and_qlora_only_for_sft():
     assert plan == [("sft", 0, "alignkit"), ("sft", 0, "alignkit_qlora"), ("sft", 0, "trl_default_bf16"),
                     ("rloo", 0, "alignkit"), ("rloo", 0, "trl_default_bf16")]
     assert bench_run.tool_of("alignkit_qlora") == "alignkit" and bench_run.tool_of("trl_default_bf16") == "trl"
-    # alignkit's own bf16 key: fp32 unless asked; the worker passes the value through to its config.
-    assert opts.alignkit_bf16 == "false"
-    assert bench_run.parse_args(["--alignkit-bf16", "auto"]).alignkit_bf16 == "auto"
+    # alignkit's own bf16 key: its default, auto, unless asked; the worker passes the value through to its config.
+    assert opts.alignkit_bf16 == "auto"
+    assert bench_run.parse_args(["--alignkit-bf16", "false"]).alignkit_bf16 == "false"
     assert worker.parse_args(["--tool", "alignkit", "--stage", "sft", "--model-dir", "m", "--alignkit-dataset", "d",
                               "--alignkit-bf16", "true"]).alignkit_bf16 == "true"
 

@@ -327,6 +327,10 @@ def evaluate_rewards(
         return generate_with_decode(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_ids,
                                     generation_kwargs=kwargs)
 
+    def generate_turn(contexts: list[list[int]], _rows: list[int], _turn: int, budget: int) -> list[list[int]]:
+        """One turn of the tool loop for the rows still calling, greedy, at most `budget` new tokens."""
+        return _decoded_ids(decode(*pad_prompts(contexts, pad_id), {**decode_kwargs, "max_new_tokens": budget}))
+
     tool_use = ToolUse() if tool_loop is not None else None
     per_function, rows, kls = [], [], []
     for start in range(0, len(examples), batch_size):
@@ -336,15 +340,12 @@ def evaluate_rewards(
         if tool_loop is None:
             input_ids, attention_mask = pad_prompts([f["input_ids"] for f in features], pad_id)
             out = decode(input_ids, attention_mask, decode_kwargs)
-            completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(out.completion_ids.cpu(),
-                                                                               out.completion_mask.cpu())]
+            completion_ids = _decoded_ids(out)
             texts, truncated = out.texts, out.truncated.tolist()
             completions = [[{"role": "assistant", "content": text}] for text in texts]
         else:
             rollout = tool_loop.run(
-                lambda contexts, _rows, _turn, budget: _decoded_ids(decode(*pad_prompts(contexts, pad_id), {
-                    **decode_kwargs, "max_new_tokens": budget})),
-                tool_prompt_ids[start:start + batch_size], row_tools[start:start + batch_size],
+                generate_turn, tool_prompt_ids[start:start + batch_size], row_tools[start:start + batch_size],
                 max_completion_length=max_new_tokens, max_iterations=tool_args.max_tool_calling_iterations,
                 timeout=tool_args.tool_timeout, max_tool_output_chars=tool_args.max_tool_output_chars,
                 max_context_length=getattr(model.config, "max_position_embeddings", None))
@@ -388,7 +389,7 @@ def _as_messages(prompt: Any) -> list[dict[str, Any]]:
 
 
 def _decoded_ids(out) -> list[list[int]]:
-    """Each row's generated ids, without the padding (one turn of the tool loop)."""
+    """Each row's generated ids, without the padding."""
     return [ids[mask.bool()].tolist() for ids, mask in zip(out.completion_ids.cpu(), out.completion_mask.cpu())]
 
 

@@ -225,8 +225,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     with_tools = ""
     if tool_args is not None:
         cap = tool_args.max_tool_calling_iterations
-        with_tools = (f", tools {', '.join(tools)} (at most {cap if cap is not None else 'unlimited'} tool turns, "
-                      f"tool_timeout {tool_args.tool_timeout:g} s)")
+        turns = f"at most {cap} tool turns" if cap is not None else "no cap on tool turns"
+        with_tools = f", tools {', '.join(tools)} ({turns}, tool_timeout {tool_args.tool_timeout:g} s)"
     print(f"eval: {result.num_rows} prompts of {args.dataset}, model {config.model.model_name_or_path or 'bundled'}"
           f"{adapter}, greedy, max_new_tokens {config.generating.max_new_tokens}{with_tools}")
     print(result.summary())

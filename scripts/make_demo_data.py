@@ -6,6 +6,8 @@ Every row is generated here from small hand-written lists and templates: short f
 arithmetic, rewriting, lists, word translations, about 15% in Chinese. Answers follow one fixed style per
 task so a short LoRA SFT run measurably lowers eval loss, and the rejected side of each preference pair is
 worse in one systematic way (wrong number, off-topic, rude, or cut off) so a reward model can learn it.
+`demo_tools_sft` solves word problems with a calculator tool call; it avoids the problems of `demo_math` and of
+the held-out set scripts/make_math_eval.py draws from them (computed here with that script's defaults).
 """
 
 from __future__ import annotations

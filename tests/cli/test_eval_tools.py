@@ -77,7 +77,7 @@ def test_eval_with_tools_counts_calls_and_scores_the_final_answer(tmp_path, tiny
     assert "accuracy: 0.7500 (mean over 4 of 4 rows)" in printed
     assert "tool calls: 5 over 4 prompts (1.2500 per prompt), 3 ran without error (success rate 0.6000)" in printed
     assert "  add: 3 calls, 0 failed" in printed and "  unknown: 2 calls, 2 failed" in printed
-    assert "tools " in printed and "unlimited tool turns, tool_timeout 5 s" in printed
+    assert "tools " in printed and "(no cap on tool turns, tool_timeout 5 s)" in printed
     rows = [json.loads(line) for line in out_file.read_text(encoding="utf-8").splitlines()]
     assert [r["completion"] for r in rows] == ["It is 5.", "8", "It is 6.", "18"]
     assert [r["rewards"]["accuracy"] for r in rows] == [1.0, 1.0, 0.0, 1.0]

@@ -94,8 +94,10 @@ class ToolUse:
     def summary(self, rows: int) -> list[str]:
         """Lines for the terminal, e.g. `tool calls: 12 over 10 prompts (1.2000 per prompt), 11 ran without
         error (success rate 0.9167)` then one line per tool."""
+        ran = (f", {self.calls - self.failures} ran without error (success rate {self.success_rate:.4f})"
+               if self.calls else ", so no success rate")
         lines = [f"tool calls: {self.calls} over {rows} prompts ({self.calls / rows if rows else math.nan:.4f} per "
-                 f"prompt), {self.calls - self.failures} ran without error (success rate {self.success_rate:.4f})"]
+                 f"prompt){ran}"]
         lines += [f"  {name}: {self.calls_per_tool[name]} calls, {self.failures_per_tool[name]} failed"
                   for name in sorted(self.calls_per_tool)]
         return lines

@@ -112,6 +112,7 @@ def test_tool_metrics_by_hand():
     use = ToolUse(calls=3, failures=2)
     use.calls_per_tool.update({"add": 1, "unknown": 2})
     use.failures_per_tool.update({"unknown": 2})
+    assert ToolUse().summary(4) == ["tool calls: 0 over 4 prompts (0.0000 per prompt), so no success rate"]
     assert use.metrics(4) == {"tools/call_frequency": 0.75, "tools/success_rate": pytest.approx(1 / 3),
                               "tools/add/calls": 1.0, "tools/add/failures": 0.0, "tools/unknown/calls": 2.0,
                               "tools/unknown/failures": 2.0}

@@ -123,14 +123,13 @@ def stream_reply(model, formatter: ChatFormatter, messages: list[dict[str, str]]
     return "".join(pieces)
 
 
-def tool_reply(model, formatter: ChatFormatter, messages: list[dict[str, Any]], generating_args: GeneratingArguments,
-               tools: list[Callable[..., Any]], stream: TextIO, *, max_iterations: int = 5,
-               tool_timeout: float = 5.0, max_tool_output_chars: int = 10_000) -> list[dict[str, Any]]:
+def tool_turns(model, formatter: ChatFormatter, messages: list[dict[str, Any]], generating_args: GeneratingArguments,
+               tools: list[Callable[..., Any]], *, max_iterations: Optional[int] = 5, tool_timeout: float = 5.0,
+               max_tool_output_chars: int = 10_000) -> list[dict[str, Any]]:
     """The assistant's reply when it may call `tools`: the same loop as GRPO's tool rollouts (`rl.tools.ToolLoop`),
-    greedy or sampled as `generating_args` says; each turn's text and calls and each tool result are written to `stream`
-    in order once the reply is complete.
+    greedy or sampled as `generating_args` says.
 
-    `max_new_tokens` bounds each turn; the whole reply gets that times `max_iterations + 1`.
+    `max_new_tokens` bounds each turn; the whole reply gets that times `max_iterations + 1` (6 turns without a cap).
 
     Returns:
         The reply's messages (assistant turns with their `tool_calls`, tool results), to add to the history.
@@ -149,18 +148,41 @@ def tool_reply(model, formatter: ChatFormatter, messages: list[dict[str, Any]], 
                        generation_kwargs={**kwargs, "max_new_tokens": min(per_turn, max_new_tokens)})
         return [row[:n].tolist() for row, n in zip(out.completion_ids, out.completion_mask.sum(1))]
 
-    rollout = loop.run(generate_turn, prompt_ids, row_tools, max_completion_length=per_turn * (max_iterations + 1),
+    turns = (max_iterations if max_iterations is not None else 5) + 1
+    rollout = loop.run(generate_turn, prompt_ids, row_tools, max_completion_length=per_turn * turns,
                        max_iterations=max_iterations, timeout=tool_timeout,
                        max_tool_output_chars=max_tool_output_chars)
-    reply = rollout.messages[0]
-    for message in reply:  # in order: each turn's text and calls, each tool's result
+    return rollout.messages[0]
+
+
+def tool_turn_lines(reply: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """A tool reply (`tool_turns`) as lines to show, in order: `("text", ...)` for what the model wrote,
+    `("call", '-> add({"a": 2, "b": 3})')` for each call, `("result", "[add] 5")` for each tool result."""
+    lines = []
+    for message in reply:
         if message["role"] == "tool":
-            stream.write(f"[{message['name']}] {message['content']}\n")
+            lines.append(("result", f"[{message['name']}] {message['content']}"))
             continue
         if message["content"]:
-            stream.write(message["content"] + "\n")
+            lines.append(("text", message["content"]))
         for call in message.get("tool_calls", []):
-            stream.write(f"-> {call['function']['name']}({json.dumps(call['function']['arguments'])})\n")
+            lines.append(("call", f"-> {call['function']['name']}({json.dumps(call['function']['arguments'])})"))
+    return lines
+
+
+def tool_reply(model, formatter: ChatFormatter, messages: list[dict[str, Any]], generating_args: GeneratingArguments,
+               tools: list[Callable[..., Any]], stream: TextIO, *, max_iterations: Optional[int] = 5,
+               tool_timeout: float = 5.0, max_tool_output_chars: int = 10_000) -> list[dict[str, Any]]:
+    """`tool_turns`, each turn's text and calls and each tool result written to `stream` in order once the reply is
+    complete (`tool_turn_lines`).
+
+    Returns:
+        The reply's messages, to add to the history.
+    """
+    reply = tool_turns(model, formatter, messages, generating_args, tools, max_iterations=max_iterations,
+                       tool_timeout=tool_timeout, max_tool_output_chars=max_tool_output_chars)
+    for _, line in tool_turn_lines(reply):
+        stream.write(line + "\n")
     stream.flush()
     return reply
 
@@ -295,5 +317,5 @@ def chat(
     return None
 
 
-__all__ = ["chat", "stream_reply", "reply_pieces", "tool_reply", "load_chat_model", "chat_images", "with_images",
-           "build_messages"]
+__all__ = ["chat", "stream_reply", "reply_pieces", "tool_reply", "tool_turns", "tool_turn_lines", "load_chat_model",
+           "chat_images", "with_images", "build_messages"]

@@ -7,6 +7,7 @@
     alignkit api [--model DIR] [--adapter NAME=DIR ...] [--host H] [--port N] [--api-key KEY]   OpenAI-compatible
     alignkit score --model DIR --input FILE.jsonl [--output FILE.jsonl]
     alignkit eval --dataset NAME --reward SPEC [--model DIR] [--adapter DIR]   mean rewards, greedy (before/after RL)
+                  [--tools file.py:function,...]                           ... answering through the tool loop
     alignkit eval --tasks NAME|task.yaml [--model DIR] [--adapter DIR]        lm-eval benchmarks (the lm-eval extra)
     alignkit board [--runs DIR] [--host H] [--port N]  web page: launch, watch, compare, stop runs, chat
     alignkit demo                                 a short LoRA SFT of the bundled model, checked before/after
@@ -190,18 +191,25 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                           "benchmarks).")
     from dataclasses import fields
 
-    from .evaluate import default_dataset_dir, evaluate_rewards, reward_arguments
+    from .evaluate import TOOL_KEYS, default_dataset_dir, evaluate_rewards, reward_arguments, tool_arguments
     from .config.parse import parse_override
     from .rewards import RewardFunctionArguments
 
     reward_keys = {f.name for f in fields(RewardFunctionArguments)}
-    reward_settings, config_overrides = {}, []
+    reward_settings, tool_settings, config_overrides = {}, {}, []
     for item in args.overrides:
         key, value = parse_override(item)
         if key in reward_keys:
             reward_settings[key] = value
+        elif key in TOOL_KEYS:
+            tool_settings[key] = value
         else:
             config_overrides.append(item)
+    tools = [t.strip() for t in args.tools.split(",") if t.strip()] if args.tools else []
+    if tool_settings and not tools:
+        raise ConfigError(f"alignkit eval: {', '.join(sorted(tool_settings))} apply to the tool loop; add --tools "
+                          "file.py:function.")
+    tool_args = tool_arguments(tools, tool_settings) if tools else None
     if args.reward_weights:
         reward_settings["reward_weights"] = args.reward_weights
     reward_args = reward_arguments(args.reward, reward_settings)
@@ -212,10 +220,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     config_overrides.append(f"dataset_dir={args.dataset_dir or default_dataset_dir(args.dataset)}")
     config = _model_args(args.model, args.adapter, config_overrides)
     result = evaluate_rewards(config, reward_args, batch_size=args.batch_size, output=args.output,
-                              kl_reference=args.kl_reference)
+                              kl_reference=args.kl_reference, tool_args=tool_args)
     adapter = f" + {args.adapter}" if args.adapter else ""
+    with_tools = ""
+    if tool_args is not None:
+        cap = tool_args.max_tool_calling_iterations
+        turns = f"at most {cap} tool turns" if cap is not None else "no cap on tool turns"
+        with_tools = f", tools {', '.join(tools)} ({turns}, tool_timeout {tool_args.tool_timeout:g} s)"
     print(f"eval: {result.num_rows} prompts of {args.dataset}, model {config.model.model_name_or_path or 'bundled'}"
-          f"{adapter}, greedy, max_new_tokens {config.generating.max_new_tokens}")
+          f"{adapter}, greedy, max_new_tokens {config.generating.max_new_tokens}{with_tools}")
     print(result.summary())
     if args.output:
         print(f"Per-row completions and rewards written to {args.output}")
@@ -375,6 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write one jsonl line per prompt: completion, columns, rewards")
     p.add_argument("--kl-reference", help="also report the KL of the model to this reference on its answers: "
                    "adapter directory (e.g. the SFT adapter a PPO run started from), or `base`")
+    p.add_argument("--tools", help="answer through GRPO's tool loop with these Python functions, comma-separated "
+                   "file.py:function or module:function (docs/stages/tools.md); reports tool calls and their success "
+                   "rate too. The loop's limits as the run's keys: max_tool_calling_iterations=N tool_timeout=S "
+                   "max_tool_output_chars=N")
     p.add_argument("overrides", nargs="*", help="more settings as key=value, e.g. format_reward_pattern=... "
                    "length_reward_window=64")
     p.set_defaults(func=_cmd_eval)

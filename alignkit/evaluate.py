@@ -19,6 +19,14 @@ moved from it on those answers: the KL divergence of the model's next-token dist
 reference's, over the whole vocabulary, summed over each answer's tokens (nats per answer). For a PPO or
 GRPO adapter the reference is the model the run started from (the SFT adapter, or `base`), so the figure
 sits beside the run's `objective/kl` (the same divergence, estimated from sampled tokens).
+
+With tools (`alignkit eval --tools file.py:function`, and the run's `max_tool_calling_iterations`, `tool_timeout`,
+`max_tool_output_chars` as key=value), each prompt is answered by GRPO's tool loop (`rl.tools.ToolLoop`, greedy,
+batched): the prompt shows the tool schemas, calls are run and their results fed back until the model answers
+without a call, and the reward functions get the whole conversation as a message list, as in training;
+`max_new_tokens` counts the whole multi-turn completion, as `max_completion_length` does. Beside the rewards it
+reports the tool use (`ToolUse`): calls per prompt, the share of calls that parsed and ran without error, and the
+counts per tool.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -38,10 +47,60 @@ from .constants import IGNORE_INDEX
 from .data.processors import encode_prompt, warn_cut_prompts
 from .data.template import ChatFormatter
 from .config import Config, FinetuningArguments, convert_value, field_types
+from .errors import ConfigError
 from .jsonl import write_jsonl
 from .rewards import RewardFunctionArguments, build_reward_functions, check_reward_functions, combine_rewards
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ToolUse:
+    """The tool calls of an evaluation with tools (`rl.tools.ToolRollout`'s counts, summed over batches).
+
+    Attributes:
+        calls: calls made (each `<tool_call>` block, readable or not).
+        failures: calls that did not parse, named no tool, raised or timed out.
+        calls_per_tool, failures_per_tool: the same per tool name (`unknown` for unreadable calls or unknown names).
+    """
+
+    calls: int = 0
+    failures: int = 0
+    calls_per_tool: Counter = field(default_factory=Counter)
+    failures_per_tool: Counter = field(default_factory=Counter)
+
+    def add(self, rollout) -> None:
+        """Count one batch's `ToolRollout`."""
+        self.calls += rollout.calls
+        self.failures += rollout.failures
+        self.calls_per_tool.update(rollout.calls_per_tool)
+        self.failures_per_tool.update(rollout.failures_per_tool)
+
+    @property
+    def success_rate(self) -> float:
+        """Calls that parsed and ran without error over all calls (NaN without calls)."""
+        return (self.calls - self.failures) / self.calls if self.calls else math.nan
+
+    def metrics(self, rows: int) -> dict[str, float]:
+        """`tools/call_frequency` (calls per prompt, TRL's name), `tools/success_rate`, and per tool
+        `tools/<name>/calls` and `tools/<name>/failures`."""
+        values = {"tools/call_frequency": self.calls / rows if rows else math.nan,
+                  "tools/success_rate": self.success_rate}
+        for name in sorted(self.calls_per_tool):
+            values[f"tools/{name}/calls"] = float(self.calls_per_tool[name])
+            values[f"tools/{name}/failures"] = float(self.failures_per_tool[name])
+        return values
+
+    def summary(self, rows: int) -> list[str]:
+        """Lines for the terminal, e.g. `tool calls: 12 over 10 prompts (1.2000 per prompt), 11 ran without
+        error (success rate 0.9167)` then one line per tool."""
+        ran = (f", {self.calls - self.failures} ran without error (success rate {self.success_rate:.4f})"
+               if self.calls else ", so no success rate")
+        lines = [f"tool calls: {self.calls} over {rows} prompts ({self.calls / rows if rows else math.nan:.4f} per "
+                 f"prompt){ran}"]
+        lines += [f"  {name}: {self.calls_per_tool[name]} calls, {self.failures_per_tool[name]} failed"
+                  for name in sorted(self.calls_per_tool)]
+        return lines
 
 
 @dataclass
@@ -58,6 +117,7 @@ class RewardEvaluation:
             (and `kl` with a reference).
         kl_mean: with a reference, the mean over answers of the KL to it (`answer_kl`), nats per answer.
         kl_reference: the reference it was measured against (adapter directories, or "base").
+        tool_use: with tools, the calls made (`ToolUse`); None without.
     """
 
     names: list[str]
@@ -68,6 +128,7 @@ class RewardEvaluation:
     rows: list[dict[str, Any]] = field(default_factory=list)
     kl_mean: Optional[float] = None
     kl_reference: Optional[str] = None
+    tool_use: Optional[ToolUse] = None
 
     def metrics(self) -> dict[str, float]:
         """The scalars a tracker receives (`trackers.report_evaluation`), named as the online stages log them:
@@ -76,6 +137,8 @@ class RewardEvaluation:
         values["reward"] = self.reward_mean
         if self.kl_mean is not None:
             values["kl"] = self.kl_mean
+        if self.tool_use is not None:
+            values.update(self.tool_use.metrics(self.num_rows))
         return values
 
     def summary(self) -> str:
@@ -87,6 +150,8 @@ class RewardEvaluation:
         if self.kl_mean is not None:
             lines.append(f"KL to the reference ({self.kl_reference}): {self.kl_mean:.4f} nats per answer "
                          f"(mean over {self.num_rows} answers; full vocabulary, summed over answer tokens)")
+        if self.tool_use is not None:
+            lines += self.tool_use.summary(self.num_rows)
         return "\n".join(lines)
 
 
@@ -174,6 +239,7 @@ def evaluate_rewards(
     output: Optional[str] = None,
     config_dir: Optional[str] = None,
     kl_reference: Optional[str] = None,
+    tool_args: Optional[Any] = None,
 ) -> RewardEvaluation:
     """Generate greedily for every prompt of `config.data.dataset` and score the completions.
 
@@ -189,6 +255,9 @@ def evaluate_rewards(
         kl_reference: also measure the KL of the model to this reference on its answers (`answers_kl`): adapter
             directories (comma-separated) on `model_name_or_path`, e.g. the SFT adapter a PPO run started from,
             or "base" for the model without adapters. It is loaded beside the model (a second copy in memory).
+        tool_args: the tool keys of a GRPO/RLOO run (`tools`, `max_tool_calling_iterations`, `tool_timeout`,
+            `max_tool_output_chars`; `tool_arguments` builds them): answer through the tool loop (module docstring).
+            None or no `tools`: plain generation.
 
     Raises:
         ConfigError, DataError: bad settings or data, before the model loads.
@@ -212,8 +281,23 @@ def evaluate_rewards(
         examples = examples[:d.max_samples]
     check_reward_functions(reward_args, config_dir=config_dir, max_completion_length=config.generating.max_new_tokens,
                            key="--reward")
+    tool_functions = None
+    if tool_args is not None and tool_args.tools:
+        from .rl.tools import load_tools
+
+        if kl_reference:
+            raise ConfigError("alignkit eval: --kl-reference with --tools is not supported yet (the KL would have to "
+                              "leave the tool results out); evaluate them in two runs.")
+        tool_functions = load_tools(tool_args.tools, config_dir)
     tokenizer = load_tokenizer(config.model)
     formatter = ChatFormatter(tokenizer, d.template)
+    tool_loop = tool_prompt_ids = row_tools = None
+    if tool_functions is not None:  # the template must write tool calls: checked here, before the model loads
+        from .rl.tools import ToolLoop
+
+        tool_loop = ToolLoop(tool_functions, None, formatter, formatter.stop_token_ids())
+        _, row_tools, _, tool_prompt_ids = tool_loop.start([_as_messages(e["prompt"]) for e in examples],
+                                                           [{} for _ in examples])
     encoded, cut = [], []
     for row, example in enumerate(examples, start=1):
         features, tokens_cut = encode_prompt(formatter, example, d.cutoff_len)
@@ -241,28 +325,49 @@ def evaluate_rewards(
     stop_ids = formatter.stop_token_ids()
     pad_id = padding_token_id(tokenizer)
 
+    def decode(input_ids: torch.Tensor, attention_mask: torch.Tensor, kwargs: dict[str, Any]):
+        return generate_with_decode(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_ids,
+                                    generation_kwargs=kwargs)
+
+    def generate_turn(contexts: list[list[int]], _rows: list[int], _turn: int, budget: int) -> list[list[int]]:
+        """One turn of the tool loop for the rows still calling, greedy, at most `budget` new tokens."""
+        return _decoded_ids(decode(*pad_prompts(contexts, pad_id), {**decode_kwargs, "max_new_tokens": budget}))
+
+    tool_use = ToolUse() if tool_loop is not None else None
     per_function, rows, kls = [], [], []
     for start in range(0, len(examples), batch_size):
         batch = examples[start:start + batch_size]
         features = encoded[start:start + batch_size]
-        input_ids, attention_mask = pad_prompts([f["input_ids"] for f in features], pad_id)
-        out = generate_with_decode(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_ids,
-                                   generation_kwargs=decode_kwargs)
-        completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(out.completion_ids.cpu(),
-                                                                           out.completion_mask.cpu())]
+        messages = None
+        if tool_loop is None:
+            input_ids, attention_mask = pad_prompts([f["input_ids"] for f in features], pad_id)
+            out = decode(input_ids, attention_mask, decode_kwargs)
+            completion_ids = _decoded_ids(out)
+            texts, truncated = out.texts, out.truncated.tolist()
+            completions = [[{"role": "assistant", "content": text}] for text in texts]
+        else:
+            rollout = tool_loop.run(
+                generate_turn, tool_prompt_ids[start:start + batch_size], row_tools[start:start + batch_size],
+                max_completion_length=max_new_tokens, max_iterations=tool_args.max_tool_calling_iterations,
+                timeout=tool_args.tool_timeout, max_tool_output_chars=tool_args.max_tool_output_chars,
+                max_context_length=getattr(model.config, "max_position_embeddings", None))
+            tool_use.add(rollout)
+            completion_ids, messages = rollout.completion_ids, rollout.messages
+            completions = messages  # the whole conversation, as GRPO's reward functions get it
+            texts = [m[-1]["content"] if m and m[-1]["role"] == "assistant" else "" for m in messages]
+            truncated = [not ids or ids[-1] not in stop_ids for ids in completion_ids]
         prompts = [example["prompt"] for example in batch]
-        completions = [[{"role": "assistant", "content": text}] for text in out.texts]
         extra_keys = [k for k in features[0] if k not in ("input_ids", "attention_mask")]
         columns = {key: [f.get(key) for f in features] for key in extra_keys}
-        scores = rewards(prompts, completions, columns, completion_ids=completion_ids,
-                         truncated=out.truncated.tolist())
+        scores = rewards(prompts, completions, columns, completion_ids=completion_ids, truncated=truncated)
         per_function.append(scores)
         if reference is not None:
             kls.append(answers_kl(model, reference, out, pad_id))
-        for i, text in enumerate(out.texts):
+        for i, text in enumerate(texts):
             rows.append({"prompt": prompts[i], "completion": text, **{k: columns[k][i] for k in extra_keys},
+                         **({"messages": messages[i]} if messages is not None else {}),
                          "rewards": {name: _nan_to_none(float(scores[i, j])) for j, name in enumerate(rewards.names)},
-                         "truncated": bool(out.truncated[i]), "completion_tokens": len(completion_ids[i]),
+                         "truncated": bool(truncated[i]), "completion_tokens": len(completion_ids[i]),
                          **({"kl": float(kls[-1][i])} if reference is not None else {})})
         logger.info("eval: %d of %d prompts", min(start + batch_size, len(examples)), len(examples))
 
@@ -277,8 +382,36 @@ def evaluate_rewards(
         logger.info("Wrote %d rows to %s", len(rows), path)
     kl_mean = float(torch.cat(kls).mean()) if kls else None
     return RewardEvaluation(rewards.names, means, scored, reward_mean, len(rows), rows, kl_mean,
-                            kl_reference if reference is not None else None)
+                            kl_reference if reference is not None else None, tool_use)
 
 
-__all__ = ["RewardEvaluation", "answer_kl", "answers_kl", "default_dataset_dir", "evaluate_rewards",
-           "reward_arguments"]
+def _as_messages(prompt: Any) -> list[dict[str, Any]]:
+    """A prompt example's prompt as messages (a plain-text prompt is one user turn, as the template renders it)."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def _decoded_ids(out) -> list[list[int]]:
+    """Each row's generated ids, without the padding."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(out.completion_ids.cpu(), out.completion_mask.cpu())]
+
+
+def tool_arguments(tools: list[str], overrides: dict[str, Any]):
+    """The tool keys of a GRPO/RLOO run for `evaluate_rewards(tool_args=...)`: `tools` and the `key=value` settings
+    of `TOOL_KEYS`, converted and checked as in a config file (`GroupRolloutArguments`'s fields and checks).
+
+    Raises:
+        ConfigError: a value of the wrong type or out of range.
+    """
+    from .stages.grpo import GroupRolloutArguments
+
+    types = field_types(GroupRolloutArguments)
+    values = {key: convert_value(key, value, types[key]) for key, value in overrides.items()}
+    return GroupRolloutArguments(tools=list(tools), **values)
+
+
+# The keys of a run's config that `alignkit eval --tools` takes as key=value (the loop's limits).
+TOOL_KEYS = ("max_tool_calling_iterations", "tool_timeout", "max_tool_output_chars")
+
+
+__all__ = ["RewardEvaluation", "TOOL_KEYS", "ToolUse", "answer_kl", "answers_kl", "default_dataset_dir",
+           "evaluate_rewards", "reward_arguments", "tool_arguments"]

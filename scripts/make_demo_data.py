@@ -6,6 +6,8 @@ Every row is generated here from small hand-written lists and templates: short f
 arithmetic, rewriting, lists, word translations, about 15% in Chinese. Answers follow one fixed style per
 task so a short LoRA SFT run measurably lowers eval loss, and the rejected side of each preference pair is
 worse in one systematic way (wrong number, off-topic, rude, or cut off) so a reward model can learn it.
+`demo_tools_sft` solves word problems with a calculator tool call; it avoids the problems of `demo_math` and of
+the held-out set scripts/make_math_eval.py draws from them (computed here with that script's defaults).
 """
 
 from __future__ import annotations
@@ -238,6 +240,11 @@ def make_math(rng: random.Random, n: int = 300) -> list[dict]:
 
 
 def _math_row(rng: random.Random) -> dict:
+    return _math_problem(rng)[0]
+
+
+def _math_problem(rng: random.Random) -> tuple[dict, str, int, int]:
+    """A word problem row (`prompt`, `answer`) with the template and the two numbers it was written from."""
     zh = rng.random() < 0.15
     template, solve = rng.choice(MATH_TEMPLATES_ZH if zh else MATH_TEMPLATES)
     a, b = rng.randint(4, 60), rng.randint(2, 12)
@@ -246,7 +253,62 @@ def _math_row(rng: random.Random) -> dict:
     if "takes" in template and b > a:
         a, b = b, a
     name = rng.choice(NAMES_ZH if zh else NAMES)
-    return {"prompt": template.format(name=name, a=a, b=b), "answer": str(solve(a, b))}
+    return {"prompt": template.format(name=name, a=a, b=b), "answer": str(solve(a, b))}, template, a, b
+
+
+# The tool-use SFT set (`demo_tools_sft`): the same word problems, solved by calling the calculator of
+# examples/tools/calculator.py, so a short SFT run teaches the call format before GRPO with tools
+# (examples/sft_tools_lora.yaml, then examples/grpo_tools_lora.yaml). Each row: the problem; an assistant turn that
+# is only the call; the tool's result; the answer. The schema is the one the GRPO prompt shows (transformers'
+# `get_json_schema` of `calculate`, checked by tests/unit/test_demo_tools_sft.py), so the SFT prompt and the RL
+# prompt are the same text. The expression of each problem family, in the order of MATH_TEMPLATES(_ZH):
+CALCULATOR_SCHEMA = {"type": "function", "function": {
+    "name": "calculate", "description": "Evaluate an arithmetic expression and return the result.",
+    "parameters": {"type": "object", "properties": {"expression": {
+        "type": "string", "description": 'numbers with + - * / // % ** and parentheses, e.g. "12 * (3 + 4)".'}},
+        "required": ["expression"]},
+    "return": {"type": "string"}}}
+MATH_EXPRESSIONS = ["{a} + {b}", "{a} - {b}", "{a} * {b}", "{a} / {b}", "{a} + {b} - 3", "{a} * {b} + 10"]
+MATH_EXPRESSIONS_ZH = ["{a} + {b}", "{a} * {b}"]
+# make_math_eval.py's defaults: the held-out problems the tool set must not contain.
+MATH_EVAL_ROWS, MATH_EVAL_SEED = 100, 12
+
+
+def _math_eval_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_math_eval", Path(__file__).with_name("make_math_eval.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_tools_sft(rng: random.Random, n: int, math_rows: list[dict]) -> list[dict]:
+    """`n` tool-use conversations (sharegpt, LLaMA-Factory's `function_call`/`observation` turns) on word problems
+    that are in neither `math_rows` (GRPO's) nor the held-out set make_math_eval.py draws from them (a problem is its
+    prompt with the name blanked, as there)."""
+    math_eval = _math_eval_script()
+    held_out = math_eval.make_eval_rows(math_rows, MATH_EVAL_ROWS, MATH_EVAL_SEED)
+    seen = {math_eval.problem_key(row["prompt"]) for row in math_rows + held_out}
+    tools = json.dumps([CALCULATOR_SCHEMA], ensure_ascii=False)
+    expressions = dict(zip([t for t, _ in MATH_TEMPLATES + MATH_TEMPLATES_ZH], MATH_EXPRESSIONS + MATH_EXPRESSIONS_ZH))
+    rows = []
+    while len(rows) < n:
+        row, template, a, b = _math_problem(rng)
+        key = math_eval.problem_key(row["prompt"])
+        if key in seen:
+            continue
+        seen.add(key)
+        expression = expressions[template].format(a=a, b=b)
+        zh = not row["prompt"].isascii()
+        answer = row["answer"]
+        rows.append({"conversations": [
+            {"from": "human", "value": row["prompt"]},
+            {"from": "function_call", "value": json.dumps({"name": "calculate", "arguments": {"expression": expression}})},
+            {"from": "observation", "value": answer},
+            {"from": "gpt", "value": f"答案是{answer}。" if zh else f"The answer is {answer}."}],
+            "tools": tools})
+    return rows
 
 
 ANIMAL_FACTS = [("owl", "bird", "forests", "mice and insects", "hunts at night"),
@@ -344,6 +406,9 @@ REGISTRY = {
     # Held-out math problems for `alignkit eval`, written by scripts/make_math_eval.py (run it after this).
     "demo_math_eval": {"file_name": "demo_math_eval.json", "columns": {"prompt": "prompt", "response": "answer"}},
     "demo_pt": {"file_name": "demo_pt.json", "columns": {"prompt": "text"}},
+    # Tool-use conversations for the calculator demo (make_tools_sft).
+    "demo_tools_sft": {"file_name": "demo_tools_sft.json", "formatting": "sharegpt",
+                       "columns": {"messages": "conversations", "tools": "tools"}},
     **{name: {"file_name": f"{name}.json", "columns": {"prompt": "instruction", "query": "input", "response": "output"}}
        for name in ("demo_card", "demo_card_eval")},
     **{name: {"file_name": f"{name}.json", "formatting": "sharegpt", "columns": {"messages": "messages", "kto_tag": "label"},
@@ -366,14 +431,18 @@ def main() -> None:
                 ("demo_pref", make_pref, 300, 60), ("demo_math", make_math, 300, 0), ("demo_pt", make_pt, 200, 0),
                 ("demo_kto", make_kto, 300, 60), ("demo_card", make_card, 240, 40)]
     # One generator per file so that changing one dataset does not reshuffle the others.
+    written = {}
     for i, (name, make, n_train, n_eval) in enumerate(datasets):
         rows = make(random.Random(args.seed * 1000 + i), n_train + n_eval)
-        files = {f"{name}.json": rows[:n_train]}
+        written[f"{name}.json"] = rows[:n_train]
         if n_eval:
-            files[f"{name}_eval.json"] = rows[n_train:]
-        for file_name, part in files.items():
-            (out / file_name).write_text(json.dumps(part, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-            print(f"wrote {out / file_name}: {len(part)} rows")
+            written[f"{name}_eval.json"] = rows[n_train:]
+    # Last, as it avoids the problems of demo_math and of the held-out set drawn from it.
+    written["demo_tools_sft.json"] = make_tools_sft(random.Random(args.seed * 1000 + len(datasets)), 200,
+                                                    written["demo_math.json"])
+    for file_name, part in written.items():
+        (out / file_name).write_text(json.dumps(part, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {out / file_name}: {len(part)} rows")
     (out / "dataset_info.json").write_text(json.dumps(REGISTRY, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {out / 'dataset_info.json'}")
 

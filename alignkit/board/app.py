@@ -236,6 +236,49 @@ class Board:
             return (base, str(path), template), (base, start, template)
         return (str(path), None, template), (base, start, template)
 
+    def chat_tools(self, name: str, given: str = "") -> Optional[dict[str, Any]]:
+        """The tools the chat with run `name` may call: `given` (comma-separated `file.py:function` /
+        `module:function`) or else the run's `tools` key, with the run's `max_tool_calling_iterations`, `tool_timeout`
+        and `max_tool_output_chars` (GRPO's defaults where unset). None when neither names a tool.
+
+        A relative file is looked up as the run looked it up: from its config file's folder, then the folder it ran
+        in (`run_config.yaml`'s `# source:` and `# cwd:` lines), then the board's working folder.
+
+        Raises:
+            ConfigError: a tool that does not load (the message names it).
+        """
+        from ..evaluate import TOOL_KEYS, tool_arguments
+        from ..rl.tools import load_tools
+
+        path = self.run_dir(name)
+        values, workdir = reading.read_run_config(path)
+        specs = given.strip() or values.get("tools") or []
+        if isinstance(specs, str):
+            specs = [t.strip() for t in specs.split(",") if t.strip()]
+        if not specs:
+            return None
+        source = reading.run_config_source(path)
+        folders = [Path(workdir or self.workdir)]
+        if source:
+            folders.insert(0, (folders[0] / source).parent)
+        args = tool_arguments([_resolve_tool(spec, folders) for spec in specs],
+                              {key: values[key] for key in TOOL_KEYS if key in values})
+        return {"functions": load_tools(args.tools), "max_iterations": args.max_tool_calling_iterations,
+                "tool_timeout": args.tool_timeout, "max_tool_output_chars": args.max_tool_output_chars}
+
+    def tool_reply(self, key: tuple, messages: list[dict[str, Any]], max_new_tokens: int,
+                   tools: dict[str, Any]) -> list[dict[str, Any]]:
+        """The reply of the model `key` when it may call `tools` (`chat_tools`): GRPO's tool loop
+        (`chat.tool_turns`), greedy, each turn at most `max_new_tokens`, as chat bubbles (`tool_bubbles`)."""
+        from ..chat import tool_turns
+        from ..config import GeneratingArguments
+
+        model, formatter = self.chat_model(*key)
+        reply = tool_turns(model, formatter, messages, GeneratingArguments(max_new_tokens=int(max_new_tokens)),
+                           tools["functions"], max_iterations=tools["max_iterations"],
+                           tool_timeout=tools["tool_timeout"], max_tool_output_chars=tools["max_tool_output_chars"])
+        return tool_bubbles(reply)
+
     def reply(self, key: tuple, messages: list[dict[str, str]], max_new_tokens: int) -> Iterator[str]:
         from ..chat import reply_pieces
         from ..config import GeneratingArguments
@@ -371,6 +414,8 @@ def build_app(board: Board):
                 with gr.Row():
                     run_bot = gr.Chatbot(label="the run's model", elem_id="run-bot", height=320)
                     base_bot = gr.Chatbot(label="its base", elem_id="base-bot", height=320)
+                tools_box = gr.Textbox(label="Tools the models may call (file.py:function, comma-separated; empty: "
+                                       "the run's `tools` key, if any)", elem_id="chat-tools")
                 message_box = gr.Textbox(label="Message", elem_id="chat-message")
                 with gr.Row():
                     send_button = gr.Button("Send", variant="primary", elem_id="chat-send")
@@ -446,19 +491,30 @@ def build_app(board: Board):
         start_button.click(lambda y, o: act(board.start, y, o), inputs=[yaml_box, overrides_box],
                            outputs=launch_message)
 
-        def respond(name, text, run_history, base_history, tokens):
+        def respond(name, text, run_history, base_history, tokens, tools_text):
             run_history, base_history = list(run_history or []), list(base_history or [])
             if not text or not text.strip():
                 yield run_history, base_history, gr.skip(), "Type a message first."
                 return
             try:
                 run_key, base_key = board.chat_pair(name)
-            except reading.BoardError as err:
+                tools = board.chat_tools(name, tools_text or "")
+            except (reading.BoardError, ConfigError) as err:
                 yield run_history, base_history, gr.skip(), _message(err)
                 return
             for history, key in ((run_history, run_key), (base_history, base_key)):
-                messages = [{"role": m["role"], "content": _text(m["content"])} for m in history]
+                messages = [{"role": m["role"], "content": _text(m["content"])} for m in history
+                            if not is_tool_bubble(m)]
                 messages.append({"role": "user", "content": text})
+                if tools is not None:  # the whole tool loop, then its turns as bubbles
+                    history.append({"role": "user", "content": text})
+                    try:
+                        history += board.tool_reply(key, messages, tokens, tools)
+                    except Exception as err:  # a model that fails to load or generate: say so on the page
+                        logger.exception("chat with %s failed", key)
+                        history.append({"role": "assistant", "content": f"(error: {type(err).__name__}: {err})"})
+                    yield run_history, base_history, "", ""
+                    continue
                 history += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
                 reply = ""
                 try:
@@ -472,12 +528,49 @@ def build_app(board: Board):
                 history[-1]["content"] = _shown(reply)
                 yield run_history, base_history, "", ""
 
-        send_button.click(respond, inputs=[chat_pick, message_box, run_bot, base_bot, max_new_tokens],
+        send_button.click(respond, inputs=[chat_pick, message_box, run_bot, base_bot, max_new_tokens, tools_box],
                           outputs=[run_bot, base_bot, message_box, chat_message])
-        message_box.submit(respond, inputs=[chat_pick, message_box, run_bot, base_bot, max_new_tokens],
+        message_box.submit(respond, inputs=[chat_pick, message_box, run_bot, base_bot, max_new_tokens, tools_box],
                            outputs=[run_bot, base_bot, message_box, chat_message])
         clear_button.click(lambda: ([], [], ""), outputs=[run_bot, base_bot, chat_message])
     return app
+
+
+def _resolve_tool(spec: str, folders: list[Path]) -> str:
+    """`file.py:function` with the file made absolute from the first folder that holds it (unchanged when none does,
+    or for `module:function`, so the loader's own message names what is missing)."""
+    file, _, function = spec.rpartition(":")
+    if not file.endswith(".py") or Path(file).is_absolute():
+        return spec
+    for folder in folders:
+        if (folder / file).is_file():
+            return f"{folder / file}:{function}"
+    return spec
+
+
+# The title a tool call or result bubble carries (Gradio shows such a message as a box of its own); the chat leaves
+# these out of the history it sends back to the model.
+TOOL_BUBBLE_TITLES = {"call": "tool call", "result": "tool result"}
+
+
+def tool_bubbles(reply: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A tool reply (`chat.tool_turns`) as assistant chat bubbles, in order: each call and each result a bubble titled
+    `TOOL_BUBBLE_TITLES`, the model's text plain. Example: a call to add, its result, then "It is 5." -> bubbles
+    `-> add({"a": 2, "b": 3})` (tool call), `[add] 5` (tool result), `It is 5.`"""
+    from ..chat import tool_turn_lines
+
+    bubbles = []
+    for kind, line in tool_turn_lines(reply):
+        bubble: dict[str, Any] = {"role": "assistant", "content": line}
+        if kind in TOOL_BUBBLE_TITLES:
+            bubble["metadata"] = {"title": TOOL_BUBBLE_TITLES[kind]}
+        bubbles.append(bubble)
+    return bubbles or [{"role": "assistant", "content": _shown("")}]
+
+
+def is_tool_bubble(message: dict[str, Any]) -> bool:
+    """Whether a chat message is a tool call or result bubble (`tool_bubbles`), not a turn of the conversation."""
+    return (message.get("metadata") or {}).get("title") in TOOL_BUBBLE_TITLES.values()
 
 
 def _shown(reply: str) -> str:
@@ -516,4 +609,4 @@ def serve(runs: str, host: str = "127.0.0.1", port: Optional[int] = None, workdi
     return app, board
 
 
-__all__ = ["Board", "build_app", "serve"]
+__all__ = ["Board", "build_app", "serve", "tool_bubbles", "is_tool_bubble"]

@@ -349,6 +349,18 @@ def read_run_config(path: Path) -> tuple[dict[str, Any], Optional[str]]:
     return (values if isinstance(values, dict) else {}), cwd
 
 
+def run_config_source(path: Path) -> Optional[str]:
+    """The config file a run was started from, as `run_config.yaml`'s `# source:` line records it (None when it was
+    started from keys only or the line is missing)."""
+    try:
+        text = run_file(path, RUN_CONFIG_FILE).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    source = next((line[len("# source: "):].strip() for line in text.splitlines() if line.startswith("# source: ")),
+                  None)
+    return None if not source or source.startswith("(") else source
+
+
 def _read_json(path: Path, name: str) -> Optional[dict[str, Any]]:
     file = run_file(path, name)  # outside the try: a refusal is a BoardError, which is a ValueError
     try:

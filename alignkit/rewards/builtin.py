@@ -30,6 +30,22 @@ def completion_text(completion: Any) -> str:
     raise TypeError(f"a completion must be a string or a list of messages, got {type(completion).__name__}.")
 
 
+def final_answer_text(completion: Any) -> str:
+    """The text a completion's final answer is read from: of a message list, its last assistant message's content
+    (after tool calls, the answer the model wrote once it had the results: the tool results and the calling turns'
+    numbers are not the model's answer, and joined they would run together, "18" + "2" + "18" reading as 18218);
+    otherwise `completion_text`.
+
+    Example: `[{"role": "assistant", "content": "", "tool_calls": [...]}, {"role": "tool", "content": "17"},
+    {"role": "assistant", "content": "The answer is 17."}]` -> "The answer is 17."
+    """
+    if isinstance(completion, (list, tuple)):
+        for message in reversed(completion):
+            if isinstance(message, dict) and message.get("role", "assistant") == "assistant":
+                return str(message.get("content", ""))
+    return completion_text(completion)
+
+
 # --------------------------------------------------------------------------------------------- accuracy
 
 # One number as models write it: an optional minus (ASCII or U+2212), digits with optional thousands
@@ -154,6 +170,8 @@ def accuracy_reward(completions: Sequence[Any], answer: Optional[Sequence[Any]] 
                     **kwargs: Any) -> list[Optional[float]]:
     r"""1.0 where the completion's final answer equals the row's `answer`, else 0.0; None without an answer.
 
+    A tool conversation's final answer is its last assistant message (`final_answer_text`).
+
     The final answer is chosen by `extract_final_answer` (`\boxed{}`, then "answer is X", then "= X" on
     the last line, then the last number). Thousands separators, units and trailing text ("16 passengers.",
     "$5", "5 sweets"), negative numbers, decimals and fractions are read; numbers compare as values
@@ -177,7 +195,7 @@ def accuracy_reward(completions: Sequence[Any], answer: Optional[Sequence[Any]] 
         if expected is None:
             rewards.append(None)
             continue
-        rewards.append(1.0 if answers_match(extract_final_answer(completion_text(completion)), expected) else 0.0)
+        rewards.append(1.0 if answers_match(extract_final_answer(final_answer_text(completion)), expected) else 0.0)
     return rewards
 
 
@@ -267,6 +285,7 @@ __all__ = [
     "accuracy_reward",
     "answers_match",
     "completion_text",
+    "final_answer_text",
     "extract_final_answer",
     "format_reward",
     "length_reward",

@@ -82,6 +82,18 @@ def test_accuracy_without_an_answer_is_none():
     assert accuracy_reward(["16"], answer=[16]) == [1.0]  # numeric column
 
 
+def test_accuracy_of_a_tool_conversation_reads_its_last_assistant_message():
+    """Joined, the tool results and the answer run together ("18" + "2" + "18" -> 18218); the answer is the last
+    assistant turn, and a conversation that ends without one (cut after its calls) has no answer of its own."""
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "add", "arguments": {"a": 9, "b": 9}}}]}
+    answered = [call, {"role": "tool", "name": "add", "content": "18"}, {"role": "tool", "name": "add", "content": "2"},
+                {"role": "assistant", "content": "18"}]
+    wrong = [call, {"role": "tool", "name": "add", "content": "18"}, {"role": "assistant", "content": "It is 17."}]
+    unanswered = [{"role": "assistant", "content": "Let me add 9 and 9."}, {"role": "tool", "content": "18"}]
+    assert accuracy_reward([answered, wrong, unanswered], answer=["18"] * 3) == [1.0, 0.0, 0.0]
+
+
 def test_final_answer_preference_order():
     text = "2 + 3 = 5, the answer is 5. \\boxed{6} then 7 = 8"
     assert extract_final_answer(text) == 6  # boxed first

@@ -270,7 +270,7 @@ def test_stages_without_image_support_refuse_a_vision_language_model(vlm_dir, tm
     (tmp_path / "pairs.jsonl").write_text(json.dumps(pair))
     monkeypatch.setattr(loader, "_load_base", lambda *a, **k: pytest.fail("the weights loaded before the check"))
     config = tiny_config(vlm_dir, tmp_path / "out", stage="rm", do_train=True, dataset=str(tmp_path / "pairs.jsonl"))
-    with pytest.raises(ConfigError, match=r"is a vision-language model \(llava\); stages sft, dpo and kto train those"):
+    with pytest.raises(ConfigError, match=r"is a vision-language model \(llava\); stages sft, dpo, kto, grpo and rloo train those"):
         run_train(config)
 
 
@@ -379,3 +379,95 @@ def test_freeze_keys_choose_the_lora_targets(vlm_dir):
     everything_frozen = FinetuningArguments(freeze_language_model=True)
     with pytest.raises(ConfigError, match="are all true: nothing would train"):
         add_lora(AutoModelForImageTextToText.from_pretrained(vlm_dir), everything_frozen)
+
+
+# ---------------------------------------------------------------------------------------------- grpo, rloo
+# Records what TRL 1.16's GRPOTrainer would hand a reward function for an image batch: the `images` keyword (each
+# row's images) and the prompts in the structured shape with the images in their parts.
+IMAGE_REWARD_SOURCE = '''
+import json, os
+
+def image_reward(prompts, completions, completion_ids, images, **kwargs):
+    with open(os.environ["IMAGE_REWARD_LOG"], "a") as log:
+        for prompt, row_images in zip(prompts, images):
+            log.write(json.dumps({"sizes": [list(image.size) for image in row_images],
+                                  "modes": [image.mode for image in row_images],
+                                  "parts": [[part["type"] if part["type"] == "text" else type(part["image"]).__name__
+                                             for part in message["content"]] for message in prompt]}) + "\\n")
+    return [float(sum(ids) % 5) for ids in completion_ids]
+'''
+
+
+def grpo_config(vlm_dir, folder, stage="grpo", **keys):
+    (folder / "image_reward.py").write_text(IMAGE_REWARD_SOURCE)
+    values = dict(stage=stage, reward_funcs=[f"{folder / 'image_reward.py'}:image_reward"], per_device_train_batch_size=4,
+                  num_generations=2, max_completion_length=4, learning_rate=5e-2, lr_scheduler_type="constant",
+                  seed=0, use_cpu=True, disable_tqdm=True)
+    values.update(keys)
+    return vlm_config(vlm_dir, folder, **values)
+
+
+@pytest.mark.parametrize("stage", ["grpo", "rloo"])
+def test_online_stages_with_images(any_vlm, stage, tmp_path, monkeypatch):
+    """2 steps with images on each architecture: finite losses, the vision tower bit-identical, each rollout and
+    log-prob pass given the rows' own pixels, no image token generated, reward functions given the images."""
+    from alignkit.callbacks import read_log
+    from alignkit.data.multimodal import ImageProcessing
+    from alignkit.model.multimodal import VISION_PARTS
+    from alignkit.rl import rollout
+    from alignkit.stages import grpo as grpo_module
+    from alignkit.stages import online as online_module
+
+    vlm_dir, architecture = any_vlm
+    vision, projector, language = (part.split(".")[-1] for part in VISION_PARTS[architecture])
+    monkeypatch.setenv("IMAGE_REWARD_LOG", str(tmp_path / "rewards.jsonl"))
+    scored: list = []
+    original = rollout.completion_logps
+
+    def recording_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, **kwargs):
+        scored.append((prompt_ids, completion_ids, completion_mask, kwargs.get("image_inputs")))
+        return original(model, prompt_ids, prompt_mask, completion_ids, completion_mask, **kwargs)
+
+    monkeypatch.setattr(grpo_module, "completion_logps", recording_logps)
+    sampled: list = []
+    original_sample = online_module.sample_completions
+
+    def recording_sample(model, tokenizer, prompt_ids, **kwargs):
+        sampled.append(kwargs.get("image_inputs"))
+        return original_sample(model, tokenizer, prompt_ids, **kwargs)
+
+    monkeypatch.setattr(online_module, "sample_completions", recording_sample)
+    if stage == "rloo":
+        from alignkit.stages import rloo as rloo_module
+        monkeypatch.setattr(rloo_module, "completion_logps", recording_logps)
+    snapshot = Snapshot()
+    config = grpo_config(vlm_dir, mllm_demo(tmp_path), stage=stage, beta=0.1 if stage == "grpo" else 0.05)
+    run_train(config, callbacks=[snapshot])
+
+    losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert not changed(snapshot, vision) and not changed(snapshot, projector)
+    assert changed(snapshot, language) and all("lora_" in n for n in changed(snapshot, language))
+    processor = ImageProcessing(__import__("transformers").AutoProcessor.from_pretrained(vlm_dir), architecture,
+                                589824, 1024)
+    image_ids = torch.tensor(processor.image_token_ids)
+    assert processor.image_token_id in processor.image_token_ids
+    # each rollout's prefill got the rows' pixels (decode passes them to the model: tests/unit/test_generation.py)
+    assert len(sampled) == 2 and all(s is not None and (s["image_counts"] == 1).all() for s in sampled)
+    assert len(scored) >= 4  # reference (grpo) or old (rloo) log-probs at rollout, then the policy's in each step
+    for prompt_ids, completion_ids, completion_mask, image_inputs in scored:
+        assert image_inputs is not None and (image_inputs["image_counts"] == 1).all()
+        assert ((prompt_ids == processor.image_token_id).sum(1) == 4).all()  # 4 image tokens per prompt
+        assert not torch.isin(completion_ids[completion_mask.bool()], image_ids).any()
+        # the 2 completions of a prompt carry its image; different prompts different images
+        pixels = image_inputs["pixel_values"].flatten(1)
+        same_prompt = (prompt_ids[:, None] == prompt_ids[None]).all(-1)
+        same_pixels = (pixels[:, None] == pixels[None]).all(-1)
+        assert torch.equal(same_prompt, same_pixels)
+    records = [json.loads(line) for line in (tmp_path / "rewards.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 4  # 2 rounds of 2 prompts x 2 completions
+    assert all(r["modes"] == ["RGB"] and r["sizes"] == [[40, 30]] for r in records)  # the files' images, unresized
+    # the prompt [{"role": "user", "content": "<image>Who are they?"}] as TRL structures it, the image in its part
+    assert all(r["parts"] == [["Image", "text"]] for r in records)
+    assert (Path(config.training.output_dir) / "preprocessor_config.json").is_file() or \
+        (Path(config.training.output_dir) / "processor_config.json").is_file()

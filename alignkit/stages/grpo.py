@@ -1023,10 +1023,17 @@ def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
                    if config.method.environment_factory else None)
         tool_kwargs = {"tools": tools, "environment_factory": factory, "formatter": formatter}
     images = load_image_processing(config.model, tokenizer)
-    if images is not None and (tool_kwargs or config.method.use_vllm):
-        raise ConfigError(f"stage {config.finetuning.stage} with a vision-language model does not take "
-                          f"{'tools / environment_factory' if tool_kwargs else 'use_vllm: true'} yet: the images go "
-                          "through alignkit's own rollouts only (docs/multimodal.md).")
+    if images is not None:
+        from ..rewards.builtin import BUILTIN_NAMES
+
+        reward_models = [spec for spec in config.method.reward_funcs if spec not in BUILTIN_NAMES and ":" not in spec]
+        refused = ("tools / environment_factory" if tool_kwargs else "use_vllm: true" if config.method.use_vllm
+                   else f"a reward model in reward_funcs ({reward_models[0]}; it scores text, not images)"
+                   if reward_models else None)
+        if refused:
+            raise ConfigError(f"stage {config.finetuning.stage} with a vision-language model does not take {refused} "
+                              "yet: image prompts go through alignkit's own rollouts and reward functions "
+                              "(docs/multimodal.md).")
     datasets = get_dataset(config, tokenizer, DATA_KIND, images=images)
     check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train, vision=True)

@@ -471,3 +471,14 @@ def test_online_stages_with_images(any_vlm, stage, tmp_path, monkeypatch):
     assert all(r["parts"] == [["Image", "text"]] for r in records)
     assert (Path(config.training.output_dir) / "preprocessor_config.json").is_file() or \
         (Path(config.training.output_dir) / "processor_config.json").is_file()
+
+
+def test_online_stages_refuse_what_does_not_take_images_before_the_model_loads(vlm_dir, tmp_path, monkeypatch):
+    from alignkit.errors import ConfigError
+    from alignkit.model import loader
+
+    tools_file = Path(__file__).parents[1] / "tool_functions.py"
+    monkeypatch.setattr(loader, "_load_base", lambda *a, **k: pytest.fail("the weights loaded before the check"))
+    config = grpo_config(vlm_dir, mllm_demo(tmp_path), tools=[f"{tools_file}:add"], template="chatml")
+    with pytest.raises(ConfigError, match="with a vision-language model does not take tools / environment_factory"):
+        run_train(config)

@@ -148,14 +148,20 @@ class ImageProcessing:
         """Write the processor (image processor and tokenizer) beside a trained model, so it reloads as trained."""
         self.processor.save_pretrained(output_dir)
 
-    def load(self, path: str):
-        """The image at `path`, resized to the pixel bounds."""
-        return resize_to_pixel_bounds(open_image(path), self.max_pixels, self.min_pixels)
+    def load(self, image):
+        """The image at `image` (a path), or an image already open (PIL, e.g. from an API request), in RGB and
+        resized to the pixel bounds."""
+        image = open_image(image) if isinstance(image, str) else image.convert("RGB")
+        return resize_to_pixel_bounds(image, self.max_pixels, self.min_pixels)
 
     @functools.lru_cache(maxsize=4096)
     def expansion(self, path: str) -> tuple[int, ...]:
         """The token ids the image at `path` becomes in this model's text."""
-        out = self.processor(text=[self.image_text], images=[[self.load(path)]])
+        return self.image_expansion(path)
+
+    def image_expansion(self, image) -> tuple[int, ...]:
+        """The token ids `image` (a path or an open image, `load`) becomes in this model's text."""
+        out = self.processor(text=[self.image_text], images=[[self.load(image)]])
         return tuple(out["input_ids"][0])
 
     def special_ids(self, expansions: Sequence[Sequence[int]]) -> set[int]:
@@ -174,12 +180,13 @@ class ImageProcessing:
         ids = self.processor(text=[self.image_text], images=[[blank]])["input_ids"][0]
         return sorted(self.special_ids([ids]))
 
-    def pixel_inputs(self, paths: Sequence[str]) -> dict[str, Any]:
-        """The image processor's tensors (`pixel_values` and what the model takes with them) for `paths`, in order."""
+    def pixel_inputs(self, paths: Sequence[Any]) -> dict[str, Any]:
+        """The image processor's tensors (`pixel_values` and what the model takes with them) for `paths` (or open
+        images, `load`), in order."""
         images = [self.load(p) for p in paths]
         return dict(self.processor.image_processor(images=images, return_tensors="pt"))
 
-    def row_pixel_inputs(self, row_paths: Sequence[Sequence[str]]) -> dict[str, Any]:
+    def row_pixel_inputs(self, row_paths: Sequence[Sequence[Any]]) -> dict[str, Any]:
         """The pixel inputs of N rows' images laid out by row, so a batch can be cut by rows (`flat_image_inputs`).
 
         The image processor runs once on every image (padded alike, as the collator's batch would be); each of its

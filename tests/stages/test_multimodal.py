@@ -482,3 +482,68 @@ def test_online_stages_refuse_what_does_not_take_images_before_the_model_loads(v
     config = grpo_config(vlm_dir, mllm_demo(tmp_path), tools=[f"{tools_file}:add"], template="chatml")
     with pytest.raises(ConfigError, match="with a vision-language model does not take tools / environment_factory"):
         run_train(config)
+
+
+# ---------------------------------------------------------------------------------------------- api
+def _image_part(path: Path) -> dict:
+    import base64
+
+    data = base64.b64encode(path.read_bytes()).decode()
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+
+
+def test_api_takes_openai_image_parts_and_answers_as_chat_does(vlm_dir, tiny_model_dir, tmp_path):
+    """`alignkit api` on the tiny LLaVA: an image_url part (base64 data URL) becomes the image's tokens and pixels, and
+    the greedy reply equals `alignkit chat --image`'s; bad image parts are refused in OpenAI's error shape."""
+    import io
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from alignkit import chat as chat_module
+    from alignkit.config import GeneratingArguments, ModelArguments
+    from alignkit.model.generation import generate_with_decode
+    from alignkit.serve.app import create_app
+    from alignkit.serve.engine import BatchEngine, ServedModels
+
+    write_png(tmp_path / "cat.png", seed=5)
+    model_args = ModelArguments(model_name_or_path=str(vlm_dir))
+    expected = chat_module.chat(model_args, GeneratingArguments(max_new_tokens=6, do_sample=False),
+                                prompt="What is it?", images=[str(tmp_path / "cat.png")], stream=io.StringIO())
+    seen = []
+
+    def recording_decode(model, tokenizer, input_ids, attention_mask, **kwargs):
+        seen.append((input_ids, kwargs.get("image_inputs")))
+        return generate_with_decode(model, tokenizer, input_ids, attention_mask, **kwargs)
+
+    engine = BatchEngine(ServedModels(model_args, {}, None, "llava"), decode_fn=recording_decode)
+    image_token = engine.models.models["llava"].images.image_token_id
+    messages = [{"role": "user", "content": [_image_part(tmp_path / "cat.png"), {"type": "text", "text": "What is it?"}]}]
+    with TestClient(create_app(engine)) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        answer = client.chat.completions.create(model="llava", messages=messages, temperature=0, max_tokens=6, n=2)
+        # (the random model's greedy reply is degenerate, so the pixels are checked directly below)
+        assert [choice.message.content for choice in answer.choices] == [expected] * 2
+        input_ids, image_inputs = seen[0]
+        assert ((input_ids == image_token).sum(1) == 4).all()  # 2 rows (n=2), 4 image tokens each
+        assert image_inputs["pixel_values"].shape == (2, 1, 3, 28, 28)
+        own = engine.models.models["llava"].images.pixel_inputs([str(tmp_path / "cat.png")])["pixel_values"]
+        assert torch.equal(image_inputs["pixel_values"][0], own) and torch.equal(image_inputs["pixel_values"][1], own)
+        bad = [("http://example.com/cat.png", "give the image inline as a base64 data: URL"),
+               ("data:image/png;base64,bm90IGFuIGltYWdl", "does not hold an image PIL can read")]
+        for url, message in bad:
+            parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Hi"}]
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="llava", messages=[{"role": "user", "content": parts}],
+                                               max_tokens=2)
+            assert message in err.value.body["message"]
+            assert err.value.body["param"] == "messages[0].content[0].image_url"
+        with pytest.raises(openai.BadRequestError, match=r"1 <image> text\(s\) besides their image_url parts"):
+            client.chat.completions.create(model="llava", max_tokens=2, messages=[
+                {"role": "user", "content": [_image_part(tmp_path / "cat.png"), {"type": "text", "text": "<image>?"}]}])
+    text_only = BatchEngine(ServedModels(ModelArguments(model_name_or_path=str(tiny_model_dir)), {}, None, "tiny"))
+    with TestClient(create_app(text_only)) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="model 'tiny' is text-only; image parts need a vision-language"):
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)

@@ -243,8 +243,8 @@ def load_model(
             False for inference (adapters merged, every weight frozen, eval mode).
         head: `causal_lm`, or `reward` for a one-label sequence-classification model whose `score`
             head trains in full.
-        vision: the stage trains vision-language models (sft, dpo, kto, grpo, rloo); a stage that does not gets a ConfigError for
-            one, before its weights load.
+        vision: the stage trains vision-language models (sft, dpo, kto, grpo, rloo); a stage that does not gets a
+            ConfigError for one, before its weights load.
 
     Returns:
         A `PeftModel` when training with LoRA, otherwise a `PreTrainedModel`.

@@ -261,7 +261,8 @@ def _data_url_image(image_url: Any, param: str):
             image.load()
             return image.convert("RGB")
     except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as err:
-        raise APIError(400, f"{param}: the data URL does not hold an image PIL can read ({err}).", param=param) from None
+        raise APIError(400, f"{param}: the data URL does not hold an image PIL can read ({err}).",
+                       param=param) from None
 
 
 def _final_choice(choice, wrapper) -> dict[str, Any]:

@@ -270,7 +270,8 @@ def test_stages_without_image_support_refuse_a_vision_language_model(vlm_dir, tm
     (tmp_path / "pairs.jsonl").write_text(json.dumps(pair))
     monkeypatch.setattr(loader, "_load_base", lambda *a, **k: pytest.fail("the weights loaded before the check"))
     config = tiny_config(vlm_dir, tmp_path / "out", stage="rm", do_train=True, dataset=str(tmp_path / "pairs.jsonl"))
-    with pytest.raises(ConfigError, match=r"is a vision-language model \(llava\); stages sft, dpo, kto, grpo and rloo train those"):
+    with pytest.raises(ConfigError, match=r"is a vision-language model \(llava\); stages sft, dpo, kto, grpo and rloo "
+                                          r"train those"):
         run_train(config)
 
 
@@ -400,9 +401,9 @@ def image_reward(prompts, completions, completion_ids, images, **kwargs):
 
 def grpo_config(vlm_dir, folder, stage="grpo", **keys):
     (folder / "image_reward.py").write_text(IMAGE_REWARD_SOURCE)
-    values = dict(stage=stage, reward_funcs=[f"{folder / 'image_reward.py'}:image_reward"], per_device_train_batch_size=4,
-                  num_generations=2, max_completion_length=4, learning_rate=5e-2, lr_scheduler_type="constant",
-                  seed=0, use_cpu=True, disable_tqdm=True)
+    values = dict(stage=stage, reward_funcs=[f"{folder / 'image_reward.py'}:image_reward"],
+                  per_device_train_batch_size=4, num_generations=2, max_completion_length=4, learning_rate=5e-2,
+                  lr_scheduler_type="constant", seed=0, use_cpu=True, disable_tqdm=True)
     values.update(keys)
     return vlm_config(vlm_dir, folder, **values)
 
@@ -441,7 +442,8 @@ def test_online_stages_with_images(any_vlm, stage, tmp_path, monkeypatch):
         from alignkit.stages import rloo as rloo_module
         monkeypatch.setattr(rloo_module, "completion_logps", recording_logps)
     snapshot = Snapshot()
-    config = grpo_config(vlm_dir, mllm_demo(tmp_path), stage=stage, beta=0.1 if stage == "grpo" else 0.05)
+    config = grpo_config(vlm_dir, mllm_demo(tmp_path), stage=stage, beta=0.1 if stage == "grpo" else 0.05,
+                         log_completions=True)
     run_train(config, callbacks=[snapshot])
 
     losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
@@ -469,6 +471,12 @@ def test_online_stages_with_images(any_vlm, stage, tmp_path, monkeypatch):
     assert all(r["modes"] == ["RGB"] and r["sizes"] == [[40, 30]] for r in records)  # the files' images, unresized
     # the prompt [{"role": "user", "content": "<image>Who are they?"}] as TRL structures it, the image in its part
     assert all(r["parts"] == [["Image", "text"]] for r in records)
+    # completions.jsonl keeps that shape with the image's path in its part
+    logged = [json.loads(line)
+              for line in (Path(config.training.output_dir) / "completions.jsonl").read_text().splitlines()]
+    assert len(logged) == 8
+    first_part = logged[0]["prompt"][0]["content"][0]
+    assert first_part["type"] == "image" and first_part["image"].startswith(str(tmp_path / "mllm_demo_data"))
     assert (Path(config.training.output_dir) / "preprocessor_config.json").is_file() or \
         (Path(config.training.output_dir) / "processor_config.json").is_file()
 
@@ -519,7 +527,8 @@ def test_api_takes_openai_image_parts_and_answers_as_chat_does(vlm_dir, tiny_mod
 
     engine = BatchEngine(ServedModels(model_args, {}, None, "llava"), decode_fn=recording_decode)
     image_token = engine.models.models["llava"].images.image_token_id
-    messages = [{"role": "user", "content": [_image_part(tmp_path / "cat.png"), {"type": "text", "text": "What is it?"}]}]
+    messages = [{"role": "user",
+                 "content": [_image_part(tmp_path / "cat.png"), {"type": "text", "text": "What is it?"}]}]
     with TestClient(create_app(engine)) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
         answer = client.chat.completions.create(model="llava", messages=messages, temperature=0, max_tokens=6, n=2)
@@ -545,5 +554,5 @@ def test_api_takes_openai_image_parts_and_answers_as_chat_does(vlm_dir, tiny_mod
     text_only = BatchEngine(ServedModels(ModelArguments(model_name_or_path=str(tiny_model_dir)), {}, None, "tiny"))
     with TestClient(create_app(text_only)) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
-        with pytest.raises(openai.BadRequestError, match="model 'tiny' is text-only; image parts need a vision-language"):
+        with pytest.raises(openai.BadRequestError, match="model 'tiny' is text-only; image parts need a vision"):
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)

@@ -556,3 +556,31 @@ def test_api_takes_openai_image_parts_and_answers_as_chat_does(vlm_dir, tiny_mod
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
         with pytest.raises(openai.BadRequestError, match="model 'tiny' is text-only; image parts need a vision"):
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+
+
+def test_grpo_with_images_resumes_mid_generation_batch(vlm_dir, tmp_path, monkeypatch):
+    """`num_iterations: 2` trains step 2 on step 1's buffered batch: resumed from checkpoint-1, that batch (its
+    pixel inputs by row among the buffered slices) comes back from the checkpoint, nothing is generated again, and
+    step 2's loss equals the uninterrupted run's."""
+    import shutil
+
+    from alignkit.callbacks import read_log
+    from alignkit.stages import online as online_module
+
+    monkeypatch.setenv("IMAGE_REWARD_LOG", str(tmp_path / "rewards.jsonl"))
+    keys = dict(beta=0.1, num_iterations=2, save_strategy="steps", save_steps=1)
+    whole = grpo_config(vlm_dir, mllm_demo(tmp_path), **keys)
+    run_train(whole)
+    losses = {r["current_steps"]: r["loss"] for r in read_log(whole.training.output_dir) if "loss" in r}
+    out = tmp_path / "resumed"
+    shutil.copytree(Path(whole.training.output_dir) / "checkpoint-1", out / "checkpoint-1")
+    sampled = []
+    original = online_module.sample_completions
+    monkeypatch.setattr(online_module, "sample_completions",
+                        lambda *args, **kwargs: sampled.append(1) or original(*args, **kwargs))
+    resumed = grpo_config(vlm_dir, tmp_path, output_dir=str(out), resume_from_checkpoint=str(out / "checkpoint-1"),
+                          **keys)
+    run_train(resumed)
+    again = {r["current_steps"]: r["loss"] for r in read_log(out) if "loss" in r}
+    assert not sampled
+    assert again[2] == pytest.approx(losses[2], abs=1e-6) and losses[2] != losses[1]

@@ -398,8 +398,8 @@ def _refuse_media(attr: DatasetAttr, rows: _Rows, images_allowed: bool) -> None:
     literal text."""
     why = ("training on the text alone would keep the rows' <image>/<video>/<audio> placeholders as literal text. "
            "{fix}, or remove the media column and the placeholders to train on the text.")
-    image_fix = ("The model is text-only, or the stage does not take images yet: stages sft, dpo and kto train on "
-                 "images with a vision-language model (docs/multimodal.md)")
+    image_fix = ("The model is text-only, or the stage does not take images yet: stages sft, dpo, kto, grpo and rloo "
+                 "train on images with a vision-language model (docs/multimodal.md)")
     other_fix = "alignkit trains on images only (not videos or audio): use a trainer for that media"
     refused = [c for c in MEDIA_COLUMNS if not (images_allowed and c == IMAGE_COLUMN)]
 

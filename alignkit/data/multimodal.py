@@ -28,7 +28,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from ..constants import IGNORE_INDEX
 from ..errors import RowError, describe_value
@@ -148,14 +148,20 @@ class ImageProcessing:
         """Write the processor (image processor and tokenizer) beside a trained model, so it reloads as trained."""
         self.processor.save_pretrained(output_dir)
 
-    def load(self, path: str):
-        """The image at `path`, resized to the pixel bounds."""
-        return resize_to_pixel_bounds(open_image(path), self.max_pixels, self.min_pixels)
+    def load(self, image):
+        """The image at `image` (a path), or an image already open (PIL, e.g. from an API request), in RGB and
+        resized to the pixel bounds."""
+        image = open_image(image) if isinstance(image, str) else image.convert("RGB")
+        return resize_to_pixel_bounds(image, self.max_pixels, self.min_pixels)
 
     @functools.lru_cache(maxsize=4096)
     def expansion(self, path: str) -> tuple[int, ...]:
         """The token ids the image at `path` becomes in this model's text."""
-        out = self.processor(text=[self.image_text], images=[[self.load(path)]])
+        return self.image_expansion(path)
+
+    def image_expansion(self, image) -> tuple[int, ...]:
+        """The token ids `image` (a path or an open image, `load`) becomes in this model's text."""
+        out = self.processor(text=[self.image_text], images=[[self.load(image)]])
         return tuple(out["input_ids"][0])
 
     def special_ids(self, expansions: Sequence[Sequence[int]]) -> set[int]:
@@ -163,10 +169,53 @@ class ImageProcessing:
         special = set(self.processor.tokenizer.all_special_ids) | {self.image_token_id}
         return {i for ids in expansions for i in ids if i in special}
 
-    def pixel_inputs(self, paths: Sequence[str]) -> dict[str, Any]:
-        """The image processor's tensors (`pixel_values` and what the model takes with them) for `paths`, in order."""
+    @functools.cached_property
+    def image_token_ids(self) -> list[int]:
+        """The special ids an image becomes in the text (the image token; for Idefics3 also the tokens around it), from
+        the processor's expansion of a blank image: what a generated completion must never hold."""
+        from PIL import Image
+
+        side = max(1, math.isqrt(self.min_pixels))
+        blank = resize_to_pixel_bounds(Image.new("RGB", (side, side)), self.max_pixels, self.min_pixels)
+        ids = self.processor(text=[self.image_text], images=[[blank]])["input_ids"][0]
+        return sorted(self.special_ids([ids]))
+
+    def pixel_inputs(self, paths: Sequence[Any]) -> dict[str, Any]:
+        """The image processor's tensors (`pixel_values` and what the model takes with them) for `paths` (or open
+        images, `load`), in order."""
         images = [self.load(p) for p in paths]
         return dict(self.processor.image_processor(images=images, return_tensors="pt"))
+
+    def row_pixel_inputs(self, row_paths: Sequence[Sequence[Any]]) -> dict[str, Any]:
+        """The pixel inputs of N rows' images laid out by row, so a batch can be cut by rows (`flat_image_inputs`).
+
+        The image processor runs once on every image (padded alike, as the collator's batch would be); each of its
+        tensors is then put image-first and spread over the rows: `[N, K, ...]`, K the most images of one row, zeros
+        where a row has fewer, with `image_counts` `[N]`. An Idefics3-style processor returns `[1, images, ...]`
+        (one batch entry holding every image); its images become `[images, 1, ...]`, which its model takes alike.
+        Example: rows [[a], [], [b, c]] give `pixel_values` `[3, 2, 3, H, W]` and `image_counts` [1, 0, 2].
+
+        Raises:
+            ValueError: a tensor of the processor has no axis of one entry per image (e.g. Qwen2-VL's patches).
+        """
+        import torch
+
+        counts = [len(paths) for paths in row_paths]
+        flat = self.pixel_inputs([p for paths in row_paths for p in paths]) if sum(counts) else {}
+        total, width = sum(counts), max(counts, default=0)
+        out: dict[str, Any] = {"image_counts": torch.tensor(counts, dtype=torch.long)}
+        for key, value in flat.items():
+            if not torch.is_tensor(value):
+                continue
+            if value.dim() >= 2 and value.size(0) == 1 and value.size(1) == total and total != 1:
+                value = value[0].unsqueeze(1)  # [1, images, ...] -> [images, 1, ...]
+            if value.size(0) != total:
+                raise ValueError(f"the image processor's {key} has shape {tuple(value.shape)}, not one entry per image "
+                                 f"({total} images); this model's images cannot be spread over rows.")
+            rows = value.new_zeros(len(counts), width, *value.shape[1:])
+            rows[torch.arange(width)[None, :] < torch.tensor(counts)[:, None]] = value
+            out[key] = rows
+        return out
 
 
 def tokenize_with_images(tokenizer, texts: list[str], expansions: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -236,6 +285,48 @@ def image_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in batch.items() if k.startswith(("pixel_", "image_"))}
 
 
+def flat_image_inputs(row_inputs: dict[str, Any], rows=None) -> dict[str, Any]:
+    """The model's pixel inputs for some rows of `ImageProcessing.row_pixel_inputs`' layout (`rows`: an index or
+    slice; None: all), their images in row order as the image tokens come; {} when those rows have no image.
+
+    Example: `image_counts` [1, 0, 2] and rows [2, 0] give the pixel rows of images (2, 0), (2, 1), (0, 0)."""
+    import torch
+
+    counts = row_inputs["image_counts"] if rows is None else row_inputs["image_counts"][rows]
+    if not int(counts.sum()):
+        return {}
+    out = {}
+    for key, value in row_inputs.items():
+        if key == "image_counts":
+            continue
+        value = value if rows is None else value[rows]
+        real = torch.arange(value.size(1), device=counts.device)[None, :] < counts[:, None]
+        out[key] = value[real.to(value.device)]
+    return out
+
+
+def multimodal_messages(messages: Sequence[dict[str, Any]], images: Sequence[Any]) -> list[dict[str, Any]]:
+    """Messages whose `<image>` placeholders are filled, in TRL's structured shape: each content a list of parts,
+    `{"type": "image", "image": <image>}` where a placeholder stood (the next of `images`, in order) and
+    `{"type": "text", "text": ...}` for the text around it (empty text left out). TRL's GRPOTrainer hands its reward
+    functions the prompts of an image batch so (`prepare_multimodal_messages`).
+
+    Example: `[{"role": "user", "content": "<image>What?"}]`, images [img] ->
+    `[{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "What?"}]}]`.
+    """
+    queue = list(images)
+    out = []
+    for message in messages:
+        pieces = (message.get("content") or "").split(IMAGE_PLACEHOLDER)
+        parts: list[dict[str, Any]] = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+        for piece in pieces[1:]:
+            parts.append({"type": "image", "image": queue.pop(0)})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        out.append(dict(message, content=parts))
+    return out
+
+
 def has_images(dataset) -> bool:
     """Whether a tokenised dataset carries an `images` column with at least one image."""
     return dataset is not None and IMAGE_COLUMN in dataset.column_names and any(dataset[IMAGE_COLUMN])
@@ -243,4 +334,5 @@ def has_images(dataset) -> bool:
 
 __all__ = ["IMAGE_PLACEHOLDER", "IMAGE_COLUMN", "MODEL_IMAGE_TEXT", "row_image_paths", "count_placeholders",
            "check_row_images", "open_image", "resize_to_pixel_bounds", "ImageProcessing", "tokenize_with_images",
-           "mask_image_labels", "image_tokens_whole", "ImageCollator", "image_collator", "image_inputs", "has_images"]
+           "mask_image_labels", "image_tokens_whole", "ImageCollator", "image_collator", "image_inputs",
+           "flat_image_inputs", "multimodal_messages", "has_images"]

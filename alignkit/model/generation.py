@@ -34,6 +34,7 @@ One path from prompts to completions:
 
 from __future__ import annotations
 
+import math
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -359,11 +360,14 @@ def generate_with_decode(
     generator: Generators = None,
     merge_lora: bool = True,
     on_step: Optional[StepHook] = None,
+    image_inputs: Optional[dict[str, Any]] = None,
 ) -> Generation:
     """`generate`'s contract with the lean loop `decode` in place of `model.generate` (the online stages' rollouts).
 
     Args:
         model, tokenizer, input_ids, attention_mask, stop_token_ids: as in `generate`.
+        image_inputs: a vision-language model's pixel inputs of the rows, laid out by row
+            (`data.multimodal.ImageProcessing.row_pixel_inputs`); see `decode`.
         merge_lora: decode with the LoRA adapter merged: into oneDNN-packed copies of the weights where
             `packed_linears` applies (fp32 on a CPU with oneDNN, plain LoRA), else with `merged_lora`.
         generation_kwargs: only the keys of `DECODE_KEYS` (`max_new_tokens` required).
@@ -390,14 +394,14 @@ def generate_with_decode(
                 weights.enter_context(merged_lora(model))
             completion_ids = decode(model, prompt_ids, prompt_mask, stop_token_ids=stop_token_ids,
                                     pad_token_id=pad_token_id, generator=generator, on_step=on_step,
-                                    **generation_kwargs)
+                                    image_inputs=image_inputs, **generation_kwargs)
     finally:
         model.train(was_training)
     return _generation(tokenizer, prompt_ids, prompt_mask, completion_ids, stop_token_ids)
 
 
 # The knobs `decode` implements; other `model.generate` keys (beams, streamers, extra processors) go through `generate`.
-DECODE_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
+DECODE_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "suppress_tokens")
 
 
 def sampling_processors(prompt_mask: torch.Tensor, *, do_sample: bool, temperature: float = 1.0, top_p: float = 1.0,
@@ -529,8 +533,10 @@ def decode(
     top_p: float = 1.0,
     top_k: int = 0,
     repetition_penalty: float = 1.0,
+    suppress_tokens: Sequence[int] = (),
     generator: Generators = None,
     on_step: Optional[StepHook] = None,
+    image_inputs: Optional[dict[str, Any]] = None,
 ) -> torch.Tensor:
     """New tokens for left-padded prompts: a lean decode loop over the model's forward with the KV cache.
 
@@ -553,10 +559,15 @@ def decode(
         stop_token_ids: ids that end a row; empty: every row runs to `max_new_tokens`.
         pad_token_id: written after a row's stop token.
         do_sample, temperature, top_p, top_k, repetition_penalty: as in `model.generate`.
+        suppress_tokens: ids never generated (`model.generate`'s key: their logits set to -inf first); a
+            vision-language rollout suppresses its image tokens, which a completion must not hold.
         generator: random stream for sampling (None: torch's global one), or one per row (`sample_from_probs`).
         on_step: called after each step with the step's tokens, (batch,) long (the pad id in rows that had
             stopped); it may return a (batch,) bool tensor of rows to stop now (the server's stop strings and
             per-request token limits), their token of this step kept. `alignkit api` streams through it.
+        image_inputs: a vision-language model's pixel inputs, laid out by row (`data.multimodal.ImageProcessing.
+            row_pixel_inputs`): the prefill gets those of the rows it runs. Rows are prefilled once per distinct
+            prompt *and images* (LLaVA's image tokens are the same for every image, so the ids alone cannot tell).
 
     Returns:
         (batch, new_len) long new tokens, `new_len <= max_new_tokens` (the loop ends when every row stopped).
@@ -568,17 +579,31 @@ def decode(
     processors = sampling_processors(prompt_mask, do_sample=do_sample, temperature=temperature, top_p=top_p,
                                      top_k=top_k, repetition_penalty=repetition_penalty)
     stops = torch.as_tensor(list(stop_token_ids), dtype=torch.long, device=device)
+    suppressed = torch.as_tensor(list(suppress_tokens), dtype=torch.long, device=device)
     # `generate` drops an all-ones mask (no padding), so the attention kernels see what they see there.
     padded = not bool((prompt_mask == 1).all())
 
     # Prefill each distinct prompt once (torch.unique sorts them), then give every row its prompt's cache row.
-    distinct, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
+    key = [prompt_ids, prompt_mask]
+    if image_inputs is not None:  # each row's images as one more column of the key: an id per distinct image set
+        pixels = torch.cat([v.reshape(batch, -1).float() for _, v in sorted(image_inputs.items())], dim=1)
+        key.append(torch.unique(pixels, dim=0, return_inverse=True)[1].to(device)[:, None])
+    distinct, inverse = torch.unique(torch.cat(key, dim=1), dim=0, return_inverse=True)
     shared = distinct.size(0) < batch
-    prefill_ids, prefill_mask = (distinct[:, :prompt_len], distinct[:, prompt_len:]) if shared else (prompt_ids, prompt_mask)
+    prefill_ids, prefill_mask = (distinct[:, :prompt_len], distinct[:, prompt_len:2 * prompt_len]) if shared \
+        else (prompt_ids, prompt_mask)
+    pixels = {}
+    if image_inputs is not None:
+        from ..data.multimodal import flat_image_inputs
+
+        # One row of each distinct group (any: they hold the same prompt and images).
+        rows = inverse.new_empty(distinct.size(0)).scatter_(0, inverse, torch.arange(batch, device=device)) \
+            if shared else None
+        pixels = {k: v.to(device) for k, v in flat_image_inputs(image_inputs, rows.cpu() if shared else None).items()}
     cache = DynamicCache(config=model.config)
     logits = model(input_ids=prefill_ids, attention_mask=prefill_mask if padded else None,
                    position_ids=(prefill_mask.long().cumsum(-1) - 1).masked_fill(prefill_mask == 0, 0),
-                   cache=cache, use_cache=True, logits_to_keep=1).logits
+                   cache=cache, use_cache=True, logits_to_keep=1, **pixels).logits
     if shared:
         logits = logits[inverse]
     _reserve_cache(cache, inverse if shared else None, max_new_tokens)
@@ -590,6 +615,8 @@ def decode(
     steps = 0
     for step in range(max_new_tokens):
         scores = logits[:, -1].float()
+        if suppressed.numel():
+            scores[:, suppressed] = -math.inf
         scores = processors(sequences[:, :prompt_len + step], scores)
         if do_sample:
             tokens = sample_from_probs(torch.softmax(scores, dim=-1), generator)

@@ -243,8 +243,8 @@ def load_model(
             False for inference (adapters merged, every weight frozen, eval mode).
         head: `causal_lm`, or `reward` for a one-label sequence-classification model whose `score`
             head trains in full.
-        vision: the stage trains vision-language models (sft, dpo, kto); a stage that does not gets a ConfigError for
-            one, before its weights load.
+        vision: the stage trains vision-language models (sft, dpo, kto, grpo, rloo); a stage that does not gets a
+            ConfigError for one, before its weights load.
 
     Returns:
         A `PeftModel` when training with LoRA, otherwise a `PreTrainedModel`.
@@ -311,8 +311,8 @@ def _refuse_vision_language(model_args: ModelArguments) -> None:
     path = resolve_model_path(model_args)
     config = AutoConfig.from_pretrained(path, **_hub_kwargs(model_args))
     if vision_language_type(config) is not None:
-        raise ConfigError(f"{path} is a vision-language model ({config.model_type}); stages sft, dpo and kto train "
-                          "those here, this one does not yet (docs/multimodal.md).")
+        raise ConfigError(f"{path} is a vision-language model ({config.model_type}); stages sft, dpo, kto, grpo and "
+                          "rloo train those here, this one does not yet (docs/multimodal.md).")
 
 
 def upcast_layernorm(model) -> int:

@@ -25,6 +25,7 @@ import torch
 
 from ..constants import IGNORE_INDEX
 from ..data.collator import padding_token_id
+from ..data.multimodal import flat_image_inputs
 from ..errors import RewardFunctionError
 from ..model.generation import Generation, generate_with_decode, pad_prompts
 from ..model.logprobs import labelled_forward, selective_log_softmax
@@ -71,6 +72,7 @@ def sample_completions(
     first_row: int = 0,
     merge_lora: bool = True,
     seeds: Optional[Sequence[int]] = None,
+    image_inputs: Optional[dict[str, Any]] = None,
 ) -> Generation:
     """Sample one completion per prompt row, each row under its own seed, leaving the global RNG as it was.
 
@@ -85,12 +87,14 @@ def sample_completions(
         tokenizer: gives the pad id and decodes the completions.
         prompt_ids: token ids per row (a prompt repeated k times gives k rows, each sampled on its own).
         stop_token_ids: ids that end a row (the template's end of turn, `ChatFormatter.stop_token_ids()`).
-        generation_kwargs: `max_new_tokens`, `do_sample`, `temperature`, `top_p`, `top_k`, `repetition_penalty`
-            (`alignkit.model.generation.DECODE_KEYS`), with `model.generate`'s meaning.
+        generation_kwargs: `max_new_tokens`, `do_sample`, `temperature`, `top_p`, `top_k`, `repetition_penalty`,
+            `suppress_tokens` (`alignkit.model.generation.DECODE_KEYS`), with `model.generate`'s meaning.
         seed: the round's sampling seed (`rollout_seed`).
         first_row: the index of `prompt_ids[0]` in the round's whole batch (over all processes).
         merge_lora: decode with the LoRA adapter merged into the base weights (restored exactly after).
         seeds: each row's seed, in place of `row_seeds(seed, first_row, N)` (a tool rollout's later turns).
+        image_inputs: a vision-language model's pixel inputs of the rows, laid out by row
+            (`alignkit.data.multimodal.ImageProcessing.row_pixel_inputs`); the prompts' prefill sees them.
 
     Returns:
         A `Generation` (see `alignkit.model.generation`).
@@ -100,7 +104,8 @@ def sample_completions(
     generators = [torch.Generator(device=device).manual_seed(row_seed)
                   for row_seed in (seeds if seeds is not None else row_seeds(seed, first_row, len(prompt_ids)))]
     return generate_with_decode(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_token_ids,
-                                generation_kwargs=generation_kwargs, generator=generators, merge_lora=merge_lora)
+                                generation_kwargs=generation_kwargs, generator=generators, merge_lora=merge_lora,
+                                image_inputs=image_inputs)
 
 
 def generation_from_token_lists(tokenizer, prompt_ids: Sequence[Sequence[int]],
@@ -235,6 +240,7 @@ def completion_logps(
     batch_size: Optional[int] = None,
     with_entropy: bool = False,
     share_prompts: bool = True,
+    image_inputs: Optional[dict[str, Any]] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probs of the completion tokens, `log softmax(logits / temperature)[token]`.
 
@@ -258,6 +264,10 @@ def completion_logps(
         with_entropy: also return each position's entropy (no gradient; for the `entropy` metric).
         share_prompts: run each distinct prompt once per forward pass (off under gradient checkpointing,
             where transformers turns the cache off).
+        image_inputs: a vision-language model's pixel inputs of the rows, laid out by row
+            (`alignkit.data.multimodal.ImageProcessing.row_pixel_inputs`). Such rows run the padded forward with
+            their images, as TRL scores them: the shared layouts tell prompts apart by their token ids, which a
+            LLaVA prompt's image tokens do not distinguish.
 
     Returns:
         `(logps [N, C] float32, entropy [N, C] float32 or None)`; values at masked positions are
@@ -266,8 +276,8 @@ def completion_logps(
     length = completion_ids.size(1)
     step = batch_size or prompt_ids.size(0)
     # Checkpointed layers drop the cache while gradients are on (transformers turns `use_cache` off there).
-    share_prompts = share_prompts and not (torch.is_grad_enabled() and model.training
-                                           and getattr(model, "is_activation_checkpointing", False))
+    share_prompts = share_prompts and image_inputs is None and not (
+        torch.is_grad_enabled() and model.training and getattr(model, "is_activation_checkpointing", False))
     all_logps, all_entropy = [], []
     for start in range(0, prompt_ids.size(0), step):
         rows = slice(start, start + step)
@@ -294,7 +304,7 @@ def completion_logps(
                 torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1),
                 torch.cat([torch.full_like(prompt_ids[rows], IGNORE_INDEX),
                            completion_ids[rows].masked_fill(completion_mask[rows] == 0, IGNORE_INDEX)], dim=1),
-                logits=True)
+                logits=True, model_inputs=flat_image_inputs(image_inputs, rows) if image_inputs is not None else None)
             logits = scored.values if temperature == 1.0 else scored.values / temperature
             count, width = scored.shape
             # Column P - 1 + j of the [N, P + C] layout predicts completion token j.

@@ -3,8 +3,9 @@
 Requests are checked here and then run by `engine.BatchEngine`; errors leave in OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`, with these statuses:
 
-- 400 `invalid_request_error`: a request the fields allow but the server cannot run (no messages, an image part,
-  `n` above the limit, tools through a template that cannot write them);
+- 400 `invalid_request_error`: a request the fields allow but the server cannot run (no messages, an image part for
+  a text-only model or one that is not a base64 `data:` URL of an image, `n` above the limit, tools through a
+  template that cannot write them);
 - 401 a missing or wrong API key (when the server has one);
 - 404 `model_not_found`: a model id that is not served;
 - 413 a body over `max_body_bytes`, or a prompt whose tokens plus `max_tokens` exceed the model's context;
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..data.multimodal import IMAGE_PLACEHOLDER, tokenize_with_images
 from ..errors import DataError
 from ..model.generation import encode_prompts
 from .engine import BatchEngine, Job, QueueFull, ServedModel
@@ -134,7 +136,7 @@ def create_app(engine: BatchEngine, *, api_key: Optional[str] = None, max_tokens
         if served is None:
             raise APIError(404, f"The model {body.model!r} does not exist; served: {', '.join(models.models)}.",
                            param="model", code="model_not_found")
-        prompt_ids, tools_given = _prompt(served, body)
+        prompt_ids, tools_given, image_inputs = _prompt(served, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         context = models.context_length
         if context is not None and len(prompt_ids) + (max_tokens or 1) > context:
@@ -153,7 +155,8 @@ def create_app(engine: BatchEngine, *, api_key: Optional[str] = None, max_tokens
         events: asyncio.Queue = asyncio.Queue()
         job = Job(served=served, prompt_ids=prompt_ids, n=body.n, max_tokens=max_tokens,
                   do_sample=body.temperature > 0, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                  stop=stop, emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+                  stop=stop, emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                  image_inputs=image_inputs)
         try:
             engine.submit(job)
         except QueueFull:
@@ -180,17 +183,36 @@ def create_app(engine: BatchEngine, *, api_key: Optional[str] = None, max_tokens
     return app
 
 
-def _prompt(served: ServedModel, body: ChatCompletionRequest) -> tuple[list[int], bool]:
-    """The request's prompt token ids, and whether tools were put into it."""
+def _prompt(served: ServedModel, body: ChatCompletionRequest) -> tuple[list[int], bool, Optional[dict[str, Any]]]:
+    """The request's prompt token ids, whether tools were put into it, and the pixel inputs of its images (laid out
+    by row, one row; None without images).
+
+    OpenAI's image parts (`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`) go to a
+    vision-language model as `alignkit chat --image` files do: each becomes the model's image tokens where the part
+    stands, and its pixels go with the prompt."""
     if not body.messages:
         raise APIError(400, "messages is empty; give at least one message.", param="messages")
-    for i, message in enumerate(body.messages):
-        if isinstance(message.content, list):
-            other = sorted({part.get("type", "?") for part in message.content} - {"text"})
-            if other:
-                raise APIError(400, f"messages[{i}].content has {', '.join(other)} parts; this server takes text "
-                               "only (chat with images waits for multimodal support).", param=f"messages[{i}].content")
-    messages = to_template_messages([m.model_dump(exclude_none=True) for m in body.messages])
+    given = [m.model_dump(exclude_none=True) for m in body.messages]
+    images = []
+    for i, message in enumerate(given):
+        if not isinstance(message.get("content"), list):
+            continue
+        other = sorted({part.get("type", "?") for part in message["content"]} - {"text", "image_url"})
+        if other:
+            raise APIError(400, f"messages[{i}].content has {', '.join(other)} parts; this server takes text and "
+                           "image_url parts.", param=f"messages[{i}].content")
+        parts = []
+        for j, part in enumerate(message["content"]):
+            if part.get("type") == "image_url":
+                param = f"messages[{i}].content[{j}].image_url"
+                if served.images is None:
+                    raise APIError(400, f"{param}: model {served.model_id!r} is text-only; image parts need a "
+                                   "vision-language model (docs/multimodal.md).", param=param)
+                images.append(_data_url_image(part.get("image_url"), param))
+                part = {"type": "text", "text": IMAGE_PLACEHOLDER}
+            parts.append(part)
+        message["content"] = parts
+    messages = to_template_messages(given)
     for message in messages:
         if message["role"] == "developer":
             message["role"] = "system"
@@ -201,12 +223,46 @@ def _prompt(served: ServedModel, body: ChatCompletionRequest) -> tuple[list[int]
         if not tools:
             raise APIError(400, f"tool_choice names {wanted!r}, which is not in tools.", param="tool_choice")
     try:
-        ids = encode_prompts(served.formatter, [messages], tools=[json.dumps(tools) if tools else None])[0]
+        if served.images is not None:
+            text = served.formatter.prompt_text(messages, tools=json.dumps(tools) if tools else None)
+            placeholders = text.count(IMAGE_PLACEHOLDER)
+            if placeholders != len(images):
+                raise APIError(400, f"the messages hold {placeholders - len(images)} {IMAGE_PLACEHOLDER} text(s) "
+                               "besides their image_url parts; this model reads that text as an image's place: send "
+                               "images as image_url parts only.", param="messages")
+            ids = tokenize_with_images(served.formatter.tokenizer, [text],
+                                       [served.images.image_expansion(image) for image in images])[0]
+        else:
+            ids = encode_prompts(served.formatter, [messages], tools=[json.dumps(tools) if tools else None])[0]
+    except APIError:
+        raise
     except DataError as err:
         raise APIError(400, str(err), param="tools" if tools else "messages") from None
     except Exception as err:  # a Jinja template that raises on this conversation (roles out of order, ...)
         raise APIError(400, f"the chat template cannot render these messages: {err}", param="messages") from None
-    return ids, bool(tools)
+    return ids, bool(tools), served.images.row_pixel_inputs([images]) if images else None
+
+
+def _data_url_image(image_url: Any, param: str):
+    """The image of an `image_url` part: a base64 `data:` URL (this server fetches nothing), decoded (PIL)."""
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    header, _, data = (url or "").partition(",")
+    if not (header.startswith("data:") and header.endswith(";base64")):
+        raise APIError(400, f"{param}: give the image inline as a base64 data: URL (data:image/png;base64,...); this "
+                       "server fetches no URLs.", param=param)
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(data, validate=True))) as image:
+            image.load()
+            return image.convert("RGB")
+    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as err:
+        raise APIError(400, f"{param}: the data URL does not hold an image PIL can read ({err}).",
+                       param=param) from None
 
 
 def _final_choice(choice, wrapper) -> dict[str, Any]:

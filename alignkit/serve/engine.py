@@ -33,19 +33,21 @@ from ..data.collator import padding_token_id
 from ..data.template import ChatFormatter
 from ..errors import ConfigError
 from ..model.generation import generate_with_decode, pad_prompts
-from ..model.loader import load_model, load_tokenizer
+from ..model.loader import load_image_processing, load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ServedModel:
-    """One model id: the adapter to switch in (None: the base) and the formatter of its chat template."""
+    """One model id: the adapter to switch in (None: the base), the formatter of its chat template, and for a
+    vision-language model its processor (`data.multimodal.ImageProcessing`; None for a text-only one)."""
 
     model_id: str
     adapter: Optional[str]
     formatter: ChatFormatter
     stop_token_ids: list[int]
+    images: Optional[Any] = None
 
 
 class ServedModels:
@@ -107,7 +109,8 @@ class ServedModels:
 
         tokenizer = load_tokenizer(replace(model_args, adapter_name_or_path=adapter))
         formatter = ChatFormatter(tokenizer, template)
-        return ServedModel(model_id, adapter, formatter, formatter.stop_token_ids())
+        return ServedModel(model_id, adapter, formatter, formatter.stop_token_ids(),
+                           load_image_processing(model_args, tokenizer))
 
     def weights_for(self, served: ServedModel):
         """A context in which `self.model` computes `served`'s model: its adapter alone, or none."""
@@ -149,6 +152,7 @@ class Job:
     seed: Optional[int]
     stop: list[str]
     emit: Callable[[tuple], None]
+    image_inputs: Optional[dict[str, Any]] = None  # the prompt's pixel inputs laid out by row (one row)
     choices: list[Choice] = field(default_factory=list)
     cancelled: bool = False
 
@@ -164,9 +168,11 @@ class Job:
 
     @property
     def batch_key(self) -> tuple:
-        """Jobs with the same key can share one decode: the same weights and the same logits processors."""
+        """Jobs with the same key can share one decode: the same weights and the same logits processors. A request
+        with images decodes alone (its pixel inputs are padded by their own processor call)."""
         sampling = (self.temperature, self.top_p) if self.do_sample else ()
-        return (self.served.model_id, self.do_sample, *sampling)
+        alone = (id(self),) if self.image_inputs is not None else ()
+        return (self.served.model_id, self.do_sample, *sampling, *alone)
 
 
 class QueueFull(Exception):
@@ -274,10 +280,14 @@ class BatchEngine:
                 finished[i] = choice.finish_reason is not None
             return finished
 
+        images = {}
+        if first.image_inputs is not None:  # alone in its batch (`batch_key`): its n rows share the prompt's images
+            images["image_inputs"] = {key: value.expand(len(rows), *value.shape[1:])
+                                      for key, value in first.image_inputs.items()}
         with self.models.weights_for(served):
             self.decode_fn(self.models.model, tokenizer, input_ids, attention_mask,
                            stop_token_ids=served.stop_token_ids, generation_kwargs=_generation_kwargs(batch),
-                           generator=generators, on_step=on_step)
+                           generator=generators, on_step=on_step, **images)
         for job, choice in rows:
             if choice.finish_reason is None:  # the decoder ended at its own limit
                 choice.finish_reason = "length"

@@ -200,7 +200,7 @@ def to_template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
 
     An assistant message's `tool_calls` carry `arguments` as JSON text in OpenAI's shape and as an object in
     the templates'; a `tool` message keeps its content. Content given as a list of parts is joined from its
-    text parts (the caller refuses other parts first).
+    text parts (the caller refuses other parts first, and writes image parts as `<image>` text parts).
     """
     out = []
     for message in messages:

@@ -82,6 +82,7 @@ from torch.utils.data import Sampler
 
 from ..config import check_sampling_knobs
 from ..data.collator import padding_token_id
+from ..data.multimodal import IMAGE_COLUMN
 from ..env import launched_processes
 from ..errors import ConfigError
 from ..rewards import RewardFunctionArguments, require_reward_funcs
@@ -108,6 +109,8 @@ logger = logging.getLogger(__name__)
 DATA_KIND = "prompt"
 
 ROLLOUT_BUFFER_FILE = "grpo_rollout_buffer.pt"
+# A generation batch's pixel inputs (vision-language models) ride in its buffered slices under these keys.
+IMAGE_KEY_PREFIX = "images/"
 # The adaptive entropy coefficient and the entropy it last measured (`use_adaptive_entropy`), per checkpoint.
 ENTROPY_CONTROLLER_FILE = "grpo_entropy_controller.json"
 
@@ -438,6 +441,12 @@ class GenerationBatchSampler(Sampler[int]):
             * self.repeat_count
 
 
+def slice_image_inputs(inputs: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The pixel inputs (laid out by row) a buffered slice carries under `IMAGE_KEY_PREFIX`; None without images."""
+    found = {key[len(IMAGE_KEY_PREFIX):]: value for key, value in inputs.items() if key.startswith(IMAGE_KEY_PREFIX)}
+    return found or None
+
+
 def collate_prompt_rows(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows as they are: prompts are padded when they are generated from, not before."""
     return features
@@ -455,6 +464,9 @@ class GRPOTrainer(OnlineTrainer):
         grpo_args: the stage's keys (`GRPOArguments`), with `steps_per_generation` resolved or None.
         reward_functions: `alignkit.rewards.RewardFunctions` (`.names`, `.weights`, callable → `[N, F]`).
         stop_token_ids: ids that end a completion (the template's end of turn).
+        images: a vision-language model's `data.multimodal.ImageProcessing`, for prompt rows with images (their
+            `images` column of paths): rollouts, log-prob passes and reward functions get the images (see
+            `_generate_and_score`); None for a text-only model.
         *args, **kwargs: as for `transformers.Trainer`; `train_dataset` holds the data layer's prompt rows
             (`input_ids`, `prompt_messages`, `prompt_conversational` and the row's other columns) and
             `processing_class` the tokenizer.
@@ -467,12 +479,13 @@ class GRPOTrainer(OnlineTrainer):
 
     def __init__(self, *args, grpo_args: GroupRolloutArguments, reward_functions, stop_token_ids: Sequence[int],
                  tools: Sequence[Any] = (), environment_factory: Optional[Any] = None, formatter: Optional[Any] = None,
-                 **kwargs) -> None:
+                 images: Optional[Any] = None, **kwargs) -> None:
         kwargs.setdefault("data_collator", collate_prompt_rows)
         super().__init__(*args, reward_functions=reward_functions, stop_token_ids=stop_token_ids,
                          log_completions=grpo_args.log_completions, keep_reference_copy=grpo_args.beta != 0,
                          reference_sync=grpo_args, **kwargs)
         self.grpo_args = grpo_args
+        self.images = images
         self.num_generations = grpo_args.num_generations
         self.steps_per_generation, self.generation_batch_size = resolve_generation_batch(
             self.args.per_device_train_batch_size, self.accelerator.num_processes, grpo_args.num_generations,
@@ -490,6 +503,8 @@ class GRPOTrainer(OnlineTrainer):
             "temperature": grpo_args.temperature, "top_p": grpo_args.top_p, "top_k": grpo_args.top_k,
             "repetition_penalty": grpo_args.repetition_penalty,
         }
+        if images is not None:  # a completion holding an image token would not match the prompt's pixel inputs
+            self.generation_kwargs["suppress_tokens"] = images.image_token_ids
         self._micro_step: Optional[int] = None  # micro-batches trained so far; set from the state on first use
         self._micro_batches_per_epoch: Optional[int] = None
         self._buffer: Optional[list[dict[str, torch.Tensor]]] = None
@@ -595,6 +610,7 @@ class GRPOTrainer(OnlineTrainer):
         first_row = self.accelerator.process_index * len(rows)
         columns = {key: [row[key] for row in rows] for key in rows[0] if key not in PROMPT_COLUMNS}
         prompt_messages = [row["prompt_messages"] for row in rows]
+        image_paths, image_inputs = self._row_images(rows)
         tool_mask = tool_completions = None
         if self.tool_loop is not None:
             generation, tool_mask, tool_completions, prompt_messages = self._tool_generation(
@@ -606,7 +622,7 @@ class GRPOTrainer(OnlineTrainer):
                                                      first_row=first_row)
         else:
             generation = self.sample(prompt_ids, generation_kwargs=self.generation_kwargs, seed=seed,
-                                     first_row=first_row)
+                                     first_row=first_row, image_inputs=image_inputs)
         generation_time = time.perf_counter() - start
         self._step_generation_time += generation_time
 
@@ -628,21 +644,26 @@ class GRPOTrainer(OnlineTrainer):
         completion_id_lists = [ids[:n].tolist() for ids, n in zip(generation.completion_ids, lengths.tolist())]
         prompts, completions, per_function, rewards = self.score(
             prompt_messages, [bool(row["prompt_conversational"]) for row in rows],
-            generation.texts, columns, completion_id_lists, truncated.tolist(), completions=tool_completions)
+            generation.texts, columns, completion_id_lists, truncated.tolist(), completions=tool_completions,
+            image_paths=image_paths)
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                  "completion_mask": completion_mask}
+        if image_inputs is not None:  # by row, so the slices below cut them with their rows
+            batch.update({IMAGE_KEY_PREFIX + key: value for key, value in image_inputs.items()})
         if tool_mask is not None:
             batch["completion_attention_mask"] = attention_mask
         with torch.no_grad():
             if self.needs_old_logps:
                 batch["old_logps"], _ = completion_logps(
                     self.model, prompt_ids, prompt_mask, completion_ids, attention_mask,
-                    temperature=self.grpo_args.temperature, batch_size=self.args.per_device_train_batch_size)
+                    temperature=self.grpo_args.temperature, batch_size=self.args.per_device_train_batch_size,
+                    image_inputs=image_inputs)
             if self.grpo_args.beta != 0:
                 with self.reference() as reference:
                     batch["ref_logps"], _ = completion_logps(
                         reference, prompt_ids, prompt_mask, completion_ids, attention_mask,
-                        temperature=self.grpo_args.temperature, batch_size=self.args.per_device_train_batch_size)
+                        temperature=self.grpo_args.temperature, batch_size=self.args.per_device_train_batch_size,
+                        image_inputs=image_inputs)
         # Groups may straddle processes: normalise over the gathered batch, then keep this process's slice.
         gather = self.accelerator.gather
         all_per_function, all_rewards = gather(per_function.to(device)), gather(rewards.to(device))
@@ -670,6 +691,16 @@ class GRPOTrainer(OnlineTrainer):
             piece["generation_tokens"] = generation_tokens
             slices.append(piece)
         return slices
+
+    def _row_images(self, rows: list[dict[str, Any]]) -> tuple[Optional[list[list[str]]], Optional[dict[str, Any]]]:
+        """The rows' image paths and their pixel inputs laid out by row (`ImageProcessing.row_pixel_inputs`), on the
+        training device; (None, None) for a batch without images."""
+        if self.images is None:
+            return None, None
+        paths = [list(row.get(IMAGE_COLUMN) or []) for row in rows]
+        if not any(paths):
+            return None, None
+        return paths, {key: value.to(self.args.device) for key, value in self.images.row_pixel_inputs(paths).items()}
 
     def _tool_generation(self, rows: list[dict[str, Any]], columns: dict[str, list], seed: int, first_row: int
                          ) -> tuple[Any, torch.Tensor, list[list[dict[str, Any]]], list[list[dict[str, Any]]]]:
@@ -785,7 +816,8 @@ class GRPOTrainer(OnlineTrainer):
         # With tools the forward attends to the tool turns too (`completion_attention_mask`); the loss mask does not.
         logps, entropy = completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"],
                                           inputs["completion_ids"], inputs.get("completion_attention_mask", mask),
-                                          temperature=g.temperature, with_entropy=True)
+                                          temperature=g.temperature, with_entropy=True,
+                                          image_inputs=slice_image_inputs(inputs))
         old_logps = inputs.get("old_logps", logps.detach())
         advantages = inputs["advantages"]
         entropy_mask = None
@@ -973,7 +1005,7 @@ def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
                          callbacks: list["TrainerCallback"]) -> "GRPOTrainer":
     """Tokenizer, prompts, model and reward functions as `config` says, in a `GRPOTrainer` (or subclass: RLOO)."""
     from ..data import ChatFormatter, get_dataset
-    from ..model.loader import load_model, load_tokenizer
+    from ..model.loader import load_image_processing, load_model, load_tokenizer
     from ..rewards import build_reward_functions, check_reward_functions
     from .base import check_splits
 
@@ -990,9 +1022,21 @@ def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
         factory = (load_environment_factory(config.method.environment_factory, config_dir, tools)
                    if config.method.environment_factory else None)
         tool_kwargs = {"tools": tools, "environment_factory": factory, "formatter": formatter}
-    datasets = get_dataset(config, tokenizer, DATA_KIND)
+    images = load_image_processing(config.model, tokenizer)
+    if images is not None:
+        from ..rewards.builtin import BUILTIN_NAMES
+
+        reward_models = [spec for spec in config.method.reward_funcs if spec not in BUILTIN_NAMES and ":" not in spec]
+        refused = ("tools / environment_factory" if tool_kwargs else "use_vllm: true" if config.method.use_vllm
+                   else f"a reward model in reward_funcs ({reward_models[0]}; it scores text, not images)"
+                   if reward_models else None)
+        if refused:
+            raise ConfigError(f"stage {config.finetuning.stage} with a vision-language model does not take {refused} "
+                              "yet: image prompts go through alignkit's own rollouts and reward functions "
+                              "(docs/multimodal.md).")
+    datasets = get_dataset(config, tokenizer, DATA_KIND, images=images)
     check_splits(config, datasets)
-    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
+    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train, vision=True)
     reward_functions = build_reward_functions(
         config.method, model=model, formatter=formatter, model_args=config.model, config_dir=config_dir)
     return trainer_class(
@@ -1004,13 +1048,22 @@ def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
         processing_class=tokenizer,
         callbacks=callbacks,
         train_dataset=datasets["train_dataset"],
+        images=images,
         **tool_kwargs,
     )
 
 
 def run_grpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     """Train the policy with GRPO as `config` says; outputs (adapter, logs, completions.jsonl) go to `output_dir`."""
-    run_stage_trainer(build_online_trainer(GRPOTrainer, config, callbacks), config)
+    trainer = build_online_trainer(GRPOTrainer, config, callbacks)
+    run_stage_trainer(trainer, config)
+    save_processor(trainer, config)
+
+
+def save_processor(trainer: "GRPOTrainer", config: "Config") -> None:
+    """A vision-language model's processor beside the trained model, so it reloads as trained (as sft does)."""
+    if trainer.images is not None and config.training.do_train and trainer.is_world_process_zero():
+        trainer.images.save(config.training.output_dir)
 
 
 __all__ = [
@@ -1023,4 +1076,6 @@ __all__ = [
     "GenerationBatchSampler",
     "GRPOTrainer",
     "run_grpo",
+    "save_processor",
+    "slice_image_inputs",
 ]

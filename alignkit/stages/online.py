@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..data.multimodal import multimodal_messages, open_image
 from ..model.distributed import full_weights
 from ..model.generation import Generation
 from ..rl.advantages import ADVANTAGE_ESTIMATORS
@@ -60,23 +61,25 @@ class OnlineTrainer(StageTrainer):
     # ---- generate ----
 
     def sample(self, prompt_ids: Sequence[Sequence[int]], *, generation_kwargs: dict[str, Any], seed: int,
-               first_row: int, seeds: Optional[Sequence[int]] = None) -> Generation:
+               first_row: int, seeds: Optional[Sequence[int]] = None,
+               image_inputs: Optional[dict[str, Any]] = None) -> Generation:
         """One completion per prompt row of this process (`first_row`: the index of its first row in the round's
-        global batch; `seeds`: each row's own seed instead, as a tool rollout's later turns give them), the policy's
-        sharded weights gathered once for the batch (a no-op without sharding, and inside a caller's own
-        `full_weights` block)."""
+        global batch; `seeds`: each row's own seed instead, as a tool rollout's later turns give them; `image_inputs`:
+        a vision-language model's pixel inputs laid out by row), the policy's sharded weights gathered once for the
+        batch (a no-op without sharding, and inside a caller's own `full_weights` block)."""
         # Given the DeepSpeed engine, whose per-module hooks would otherwise release each layer after its forward.
         engine = self.model_wrapped if self.is_deepspeed_enabled else None
         with full_weights(self.model, engine) as model:
             return sample_completions(model, self.processing_class, prompt_ids, stop_token_ids=self.stop_token_ids,
                                       generation_kwargs=generation_kwargs, seed=seed, first_row=first_row,
-                                      seeds=seeds)
+                                      seeds=seeds, image_inputs=image_inputs)
 
     # ---- score ----
 
     def score(self, prompt_messages: Sequence[list[dict[str, str]]], conversational: Sequence[bool],
               texts: Sequence[str], columns: dict[str, list], completion_ids: list[list[int]],
-              truncated: Sequence[bool], completions: Optional[list[Any]] = None
+              truncated: Sequence[bool], completions: Optional[list[Any]] = None,
+              image_paths: Optional[list[list[str]]] = None
               ) -> tuple[list[Any], list[Any], torch.Tensor, torch.Tensor]:
         """Every reward on every completion of this process.
 
@@ -88,15 +91,27 @@ class OnlineTrainer(StageTrainer):
             completion_ids: each completion's token ids (up to and including its stop token).
             truncated: N flags, True where a completion hit the length limit without stopping.
             completions: the completions as given (a tool rollout's message lists) instead of from `texts`.
+            image_paths: each row's image files, for a batch with images. As TRL 1.16's GRPOTrainer gives them, the
+                images (PIL, RGB, as the files hold them) reach the functions as the `images` keyword, and every
+                conversational prompt of the batch comes in the structured shape, each image in a
+                `{"type": "image", "image": ...}` part where its placeholder stood
+                (`data.multimodal.multimodal_messages`).
 
         Returns:
-            `(prompts, completions, per_function [N, F], rewards [N])`: prompts and completions in TRL's shapes,
-            as the functions got them; NaN where a function (or every function) returned None.
+            `(prompts, completions, per_function [N, F], rewards [N])`: prompts and completions in TRL's shapes, as
+            the functions got them but with each image given by its path (for `completions.jsonl`); NaN where a
+            function (or every function) returned None.
         """
-        prompts = trl_prompts(prompt_messages, conversational)
+        prompts = given = trl_prompts(prompt_messages, conversational)
+        if image_paths is not None and any(image_paths):
+            images = [[open_image(path) for path in paths] for paths in image_paths]
+            given, prompts = ([multimodal_messages(prompt, row) if is_conversational else prompt
+                               for prompt, row, is_conversational in zip(prompts, rows, conversational)]
+                              for rows in (images, image_paths))
+            columns = dict(columns, images=images)
         if completions is None:
             completions = trl_completions(texts, conversational)
-        per_function, rewards = score_completions(self.reward_functions, prompts, completions, columns,
+        per_function, rewards = score_completions(self.reward_functions, given, completions, columns,
                                                   completion_ids, list(truncated))
         return prompts, completions, per_function, rewards
 

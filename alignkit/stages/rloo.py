@@ -30,7 +30,8 @@ from ..rl.kl import sequence_log_ratio
 from ..rl.losses import clipped_surrogate
 from ..rl.rollout import completion_logps
 from .base import run_stage_trainer
-from .grpo import DATA_KIND, GroupRolloutArguments, GRPOTrainer, build_online_trainer
+from .grpo import (DATA_KIND, GroupRolloutArguments, GRPOTrainer, build_online_trainer, save_processor,
+                   slice_image_inputs)
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -108,7 +109,8 @@ class RLOOTrainer(GRPOTrainer):
         mask = inputs["completion_mask"]
         logps, entropy = completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"],
                                           inputs["completion_ids"], inputs.get("completion_attention_mask", mask),
-                                          temperature=g.temperature, with_entropy=True)
+                                          temperature=g.temperature, with_entropy=True,
+                                          image_inputs=slice_image_inputs(inputs))
         mask_f = mask.to(logps.dtype)
         sequence_logps = (logps * mask_f).sum(1, keepdim=True)
         old_sequence_logps = (inputs["old_logps"] * mask_f).sum(1, keepdim=True)
@@ -139,3 +141,4 @@ def run_rloo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     """Train the policy with RLOO as `config` says; outputs (adapter, logs, completions.jsonl) go to `output_dir`."""
     trainer = build_online_trainer(RLOOTrainer, config, callbacks)
     run_stage_trainer(trainer, config)
+    save_processor(trainer, config)

@@ -7,7 +7,10 @@ fly. The first test shows both build the same token ids, label masks and pixel v
 of both trainers on the same batch agrees within 1e-5 (full fine-tuning, the same weights). DPO: TRL's
 `DPOTrainer` and ours build the same token ids and pixel values for image pairs (each reply with the prompt's
 images) and give the same first-step loss and metrics, the reference being the same tiny VLM with other weights
-(beta 1, so the loss is not ln 2 and a 0.1% change of the loss formula fails the test: checked once).
+(beta 1, so the loss is not ln 2 and a 0.1% change of the loss formula fails the test: checked once). GRPO: TRL's
+`GRPOTrainer` and ours on the same image prompts and injected completions, with a KL term and a reward reading the
+images, give the same loss and metrics over two steps (checked once to fail when the policy's log-prob pass does not
+get the images).
 """
 
 from __future__ import annotations
@@ -204,3 +207,92 @@ def test_first_step_dpo_loss_with_images_matches_trl(vlm_dir, vlm_reference_dir,
     assert their_metrics["rewards/margins"] != pytest.approx(0.0, abs=1e-3)  # a non-trivial comparison
     for key in DPO_METRICS:
         assert our_metrics[key] == pytest.approx(their_metrics[key], rel=1e-5, abs=1e-5), key
+
+
+# ---------------------------------------------------------------------------------------------- grpo
+GRPO_METRICS = ("loss", "reward", "reward_std", "frac_reward_zero_std", "rewards/image_reward/mean",
+                "rewards/image_reward/std", "completions/mean_length", "completions/clipped_ratio", "entropy", "kl",
+                "clip_ratio/region_mean")
+GRPO_KEYS = {"per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 6, "max_steps": 2,
+             "learning_rate": 0.5, "optim": "sgd", "lr_scheduler_type": "constant", "logging_steps": 1,
+             "use_cpu": True, "shuffle_dataset": False, "save_strategy": "no", "seed": 0, "beta": 0.04,
+             "report_to": "none"}
+
+
+def image_reward(prompts, completions, completion_ids, images, **kwargs):
+    """Depends on each row's image (its mean pixel), on the image parts of its structured prompt and on the tokens."""
+    return [float(np.asarray(row[0], dtype=np.float64).mean()) / 255
+            + sum(part["type"] == "image" for message in prompt for part in message["content"])
+            + len(ids) % 3 / 2 for prompt, row, ids in zip(prompts, images, completion_ids)]
+
+
+def _grpo_completions(tokenizer, prompt_ids, special):
+    """Fixed completions (4 per prompt) of ordinary tokens: stopped at eos or cut at 6 tokens, alternating."""
+    generator = torch.Generator().manual_seed(7)
+    ordinary = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
+    table = {}
+    for p, ids in enumerate(prompt_ids):
+        rows = []
+        for j in range(4):
+            stopped = (p + j) % 2 == 0
+            length = 2 + (p + 2 * j) % 4 if stopped else 6
+            body = ordinary[torch.randint(len(ordinary), (length,), generator=generator)].tolist()
+            rows.append(body[:-1] + [tokenizer.eos_token_id] if stopped else body)
+        table[tuple(ids)] = rows
+    return table
+
+
+def test_grpo_with_images_matches_trl(vlm_dir, tmp_path, monkeypatch):
+    """TRL's GRPOTrainer and ours on the same tiny LLaVA (full fine-tuning, SGD), the same 4 image prompts and the
+    same injected completions, a KL term (beta 0.04, so the reference pass takes the images too) and a reward that
+    reads each row's image and structured prompt: the same prompt token ids (the injected table is keyed by them),
+    the same loss and metrics at both steps within 1e-5 (step 2 follows an update)."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from alignkit.rewards import RewardFunction, RewardFunctions
+    from alignkit.stages.grpo import GRPOTrainer
+    from tests.helpers import Injector, inject_completions
+
+    data = [{"prompt": row["prompt"], "images": row["images"]} for row in rows(tmp_path)]
+    (tmp_path / "prompts.json").write_text(json.dumps(data))
+    config = parse_config({"stage": "grpo", "model_name_or_path": str(vlm_dir), "dataset": "prompts.json",
+                           "dataset_dir": str(tmp_path), "reward_funcs": "accuracy", "finetuning_type": "full",
+                           "freeze_vision_tower": False, "freeze_multi_modal_projector": False,
+                           "output_dir": str(tmp_path / "ours"), "disable_tqdm": True, **GRPO_KEYS})
+    tokenizer = load_tokenizer(config.model)
+    images = load_image_processing(config.model, tokenizer)
+    dataset = get_dataset(config, tokenizer, "prompt", images=images)["train_dataset"]
+    special = set(images.image_token_ids) | set(tokenizer.all_special_ids)
+    table = _grpo_completions(tokenizer, dataset["input_ids"], special)
+
+    processor = AutoProcessor.from_pretrained(vlm_dir)
+    with_images = [dict(row, images=[Image.open(tmp_path / p).convert("RGB") for p in row["images"]]) for row in data]
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), bf16=False, gradient_checkpointing=False, **GRPO_KEYS)
+    theirs_trainer = trl.GRPOTrainer(model=str(vlm_dir), reward_funcs=[image_reward], args=args,
+                                     train_dataset=Dataset.from_list(with_images), processing_class=processor)
+    trl_injector = Injector(table)
+    theirs_trainer._generate_single_turn = lambda prompt_ids, *a, **k: (trl_injector(prompt_ids), None)
+    theirs_trainer.train()
+    theirs = {r["step"]: r for r in theirs_trainer.state.log_history if "loss" in r}
+
+    our_injector = Injector(table)
+    stop_ids = [tokenizer.eos_token_id]
+    inject_completions(monkeypatch, tokenizer, our_injector, stop_ids)
+    rewards = RewardFunctions([RewardFunction("image_reward", "image_reward", image_reward)], [1.0])
+    ours_trainer = GRPOTrainer(model=AutoModelForImageTextToText.from_pretrained(vlm_dir), args=config.training,
+                               grpo_args=config.method, reward_functions=rewards, stop_token_ids=stop_ids,
+                               processing_class=tokenizer, train_dataset=dataset, images=images)
+    ours_trainer.train()
+    ours = {r["step"]: r for r in ours_trainer.state.log_history if "loss" in r}
+
+    assert trl_injector.calls == our_injector.calls == 2
+    assert sorted(theirs) == sorted(ours) == [1, 2]
+    largest = 0.0
+    for step in theirs:
+        for key in GRPO_METRICS:
+            assert key in theirs[step] and key in ours[step], (step, key)
+            assert ours[step][key] == pytest.approx(theirs[step][key], abs=1e-5), (step, key)
+            largest = max(largest, abs(ours[step][key] - theirs[step][key]))
+    print(f"max |ours - TRL| over {len(GRPO_METRICS)} metrics x 2 steps: {largest:.3g}")
+    assert ours[2]["loss"] != ours[1]["loss"] and ours[1]["kl"] == 0.0 and ours[2]["kl"] > 0

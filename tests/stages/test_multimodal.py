@@ -270,7 +270,8 @@ def test_stages_without_image_support_refuse_a_vision_language_model(vlm_dir, tm
     (tmp_path / "pairs.jsonl").write_text(json.dumps(pair))
     monkeypatch.setattr(loader, "_load_base", lambda *a, **k: pytest.fail("the weights loaded before the check"))
     config = tiny_config(vlm_dir, tmp_path / "out", stage="rm", do_train=True, dataset=str(tmp_path / "pairs.jsonl"))
-    with pytest.raises(ConfigError, match=r"is a vision-language model \(llava\); stages sft, dpo and kto train those"):
+    with pytest.raises(ConfigError, match=r"is a vision-language model \(llava\); stages sft, dpo, kto, grpo and rloo "
+                                          r"train those"):
         run_train(config)
 
 
@@ -379,3 +380,207 @@ def test_freeze_keys_choose_the_lora_targets(vlm_dir):
     everything_frozen = FinetuningArguments(freeze_language_model=True)
     with pytest.raises(ConfigError, match="are all true: nothing would train"):
         add_lora(AutoModelForImageTextToText.from_pretrained(vlm_dir), everything_frozen)
+
+
+# ---------------------------------------------------------------------------------------------- grpo, rloo
+# Records what TRL 1.16's GRPOTrainer would hand a reward function for an image batch: the `images` keyword (each
+# row's images) and the prompts in the structured shape with the images in their parts.
+IMAGE_REWARD_SOURCE = '''
+import json, os
+
+def image_reward(prompts, completions, completion_ids, images, **kwargs):
+    with open(os.environ["IMAGE_REWARD_LOG"], "a") as log:
+        for prompt, row_images in zip(prompts, images):
+            log.write(json.dumps({"sizes": [list(image.size) for image in row_images],
+                                  "modes": [image.mode for image in row_images],
+                                  "parts": [[part["type"] if part["type"] == "text" else type(part["image"]).__name__
+                                             for part in message["content"]] for message in prompt]}) + "\\n")
+    return [float(sum(ids) % 5) for ids in completion_ids]
+'''
+
+
+def grpo_config(vlm_dir, folder, stage="grpo", **keys):
+    (folder / "image_reward.py").write_text(IMAGE_REWARD_SOURCE)
+    values = dict(stage=stage, reward_funcs=[f"{folder / 'image_reward.py'}:image_reward"],
+                  per_device_train_batch_size=4, num_generations=2, max_completion_length=4, learning_rate=5e-2,
+                  lr_scheduler_type="constant", seed=0, use_cpu=True, disable_tqdm=True)
+    values.update(keys)
+    return vlm_config(vlm_dir, folder, **values)
+
+
+@pytest.mark.parametrize("stage", ["grpo", "rloo"])
+def test_online_stages_with_images(any_vlm, stage, tmp_path, monkeypatch):
+    """2 steps with images on each architecture: finite losses, the vision tower bit-identical, each rollout and
+    log-prob pass given the rows' own pixels, no image token generated, reward functions given the images."""
+    from alignkit.callbacks import read_log
+    from alignkit.data.multimodal import ImageProcessing
+    from alignkit.model.multimodal import VISION_PARTS
+    from alignkit.rl import rollout
+    from alignkit.stages import grpo as grpo_module
+    from alignkit.stages import online as online_module
+
+    vlm_dir, architecture = any_vlm
+    vision, projector, language = (part.split(".")[-1] for part in VISION_PARTS[architecture])
+    monkeypatch.setenv("IMAGE_REWARD_LOG", str(tmp_path / "rewards.jsonl"))
+    scored: list = []
+    original = rollout.completion_logps
+
+    def recording_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, **kwargs):
+        scored.append((prompt_ids, completion_ids, completion_mask, kwargs.get("image_inputs")))
+        return original(model, prompt_ids, prompt_mask, completion_ids, completion_mask, **kwargs)
+
+    monkeypatch.setattr(grpo_module, "completion_logps", recording_logps)
+    sampled: list = []
+    original_sample = online_module.sample_completions
+
+    def recording_sample(model, tokenizer, prompt_ids, **kwargs):
+        sampled.append(kwargs.get("image_inputs"))
+        return original_sample(model, tokenizer, prompt_ids, **kwargs)
+
+    monkeypatch.setattr(online_module, "sample_completions", recording_sample)
+    if stage == "rloo":
+        from alignkit.stages import rloo as rloo_module
+        monkeypatch.setattr(rloo_module, "completion_logps", recording_logps)
+    snapshot = Snapshot()
+    config = grpo_config(vlm_dir, mllm_demo(tmp_path), stage=stage, beta=0.1 if stage == "grpo" else 0.05,
+                         log_completions=True)
+    run_train(config, callbacks=[snapshot])
+
+    losses = [r["loss"] for r in read_log(config.training.output_dir) if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert not changed(snapshot, vision) and not changed(snapshot, projector)
+    assert changed(snapshot, language) and all("lora_" in n for n in changed(snapshot, language))
+    processor = ImageProcessing(__import__("transformers").AutoProcessor.from_pretrained(vlm_dir), architecture,
+                                589824, 1024)
+    image_ids = torch.tensor(processor.image_token_ids)
+    assert processor.image_token_id in processor.image_token_ids
+    # each rollout's prefill got the rows' pixels (decode passes them to the model: tests/unit/test_generation.py)
+    assert len(sampled) == 2 and all(s is not None and (s["image_counts"] == 1).all() for s in sampled)
+    assert len(scored) >= 4  # reference (grpo) or old (rloo) log-probs at rollout, then the policy's in each step
+    for prompt_ids, completion_ids, completion_mask, image_inputs in scored:
+        assert image_inputs is not None and (image_inputs["image_counts"] == 1).all()
+        assert ((prompt_ids == processor.image_token_id).sum(1) == 4).all()  # 4 image tokens per prompt
+        assert not torch.isin(completion_ids[completion_mask.bool()], image_ids).any()
+        # the 2 completions of a prompt carry its image; different prompts different images
+        pixels = image_inputs["pixel_values"].flatten(1)
+        same_prompt = (prompt_ids[:, None] == prompt_ids[None]).all(-1)
+        same_pixels = (pixels[:, None] == pixels[None]).all(-1)
+        assert torch.equal(same_prompt, same_pixels)
+    records = [json.loads(line) for line in (tmp_path / "rewards.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 4  # 2 rounds of 2 prompts x 2 completions
+    assert all(r["modes"] == ["RGB"] and r["sizes"] == [[40, 30]] for r in records)  # the files' images, unresized
+    # the prompt [{"role": "user", "content": "<image>Who are they?"}] as TRL structures it, the image in its part
+    assert all(r["parts"] == [["Image", "text"]] for r in records)
+    # completions.jsonl keeps that shape with the image's path in its part
+    logged = [json.loads(line)
+              for line in (Path(config.training.output_dir) / "completions.jsonl").read_text().splitlines()]
+    assert len(logged) == 8
+    first_part = logged[0]["prompt"][0]["content"][0]
+    assert first_part["type"] == "image" and first_part["image"].startswith(str(tmp_path / "mllm_demo_data"))
+    assert (Path(config.training.output_dir) / "preprocessor_config.json").is_file() or \
+        (Path(config.training.output_dir) / "processor_config.json").is_file()
+
+
+def test_online_stages_refuse_what_does_not_take_images_before_the_model_loads(vlm_dir, tmp_path, monkeypatch):
+    from alignkit.errors import ConfigError
+    from alignkit.model import loader
+
+    tools_file = Path(__file__).parents[1] / "tool_functions.py"
+    monkeypatch.setattr(loader, "_load_base", lambda *a, **k: pytest.fail("the weights loaded before the check"))
+    config = grpo_config(vlm_dir, mllm_demo(tmp_path), tools=[f"{tools_file}:add"], template="chatml")
+    with pytest.raises(ConfigError, match="with a vision-language model does not take tools / environment_factory"):
+        run_train(config)
+
+
+# ---------------------------------------------------------------------------------------------- api
+def _image_part(path: Path) -> dict:
+    import base64
+
+    data = base64.b64encode(path.read_bytes()).decode()
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+
+
+def test_api_takes_openai_image_parts_and_answers_as_chat_does(vlm_dir, tiny_model_dir, tmp_path):
+    """`alignkit api` on the tiny LLaVA: an image_url part (base64 data URL) becomes the image's tokens and pixels, and
+    the greedy reply equals `alignkit chat --image`'s; bad image parts are refused in OpenAI's error shape."""
+    import io
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from alignkit import chat as chat_module
+    from alignkit.config import GeneratingArguments, ModelArguments
+    from alignkit.model.generation import generate_with_decode
+    from alignkit.serve.app import create_app
+    from alignkit.serve.engine import BatchEngine, ServedModels
+
+    write_png(tmp_path / "cat.png", seed=5)
+    model_args = ModelArguments(model_name_or_path=str(vlm_dir))
+    expected = chat_module.chat(model_args, GeneratingArguments(max_new_tokens=6, do_sample=False),
+                                prompt="What is it?", images=[str(tmp_path / "cat.png")], stream=io.StringIO())
+    seen = []
+
+    def recording_decode(model, tokenizer, input_ids, attention_mask, **kwargs):
+        seen.append((input_ids, kwargs.get("image_inputs")))
+        return generate_with_decode(model, tokenizer, input_ids, attention_mask, **kwargs)
+
+    engine = BatchEngine(ServedModels(model_args, {}, None, "llava"), decode_fn=recording_decode)
+    image_token = engine.models.models["llava"].images.image_token_id
+    messages = [{"role": "user",
+                 "content": [_image_part(tmp_path / "cat.png"), {"type": "text", "text": "What is it?"}]}]
+    with TestClient(create_app(engine)) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        answer = client.chat.completions.create(model="llava", messages=messages, temperature=0, max_tokens=6, n=2)
+        # (the random model's greedy reply is degenerate, so the pixels are checked directly below)
+        assert [choice.message.content for choice in answer.choices] == [expected] * 2
+        input_ids, image_inputs = seen[0]
+        assert ((input_ids == image_token).sum(1) == 4).all()  # 2 rows (n=2), 4 image tokens each
+        assert image_inputs["pixel_values"].shape == (2, 1, 3, 28, 28)
+        own = engine.models.models["llava"].images.pixel_inputs([str(tmp_path / "cat.png")])["pixel_values"]
+        assert torch.equal(image_inputs["pixel_values"][0], own) and torch.equal(image_inputs["pixel_values"][1], own)
+        bad = [("http://example.com/cat.png", "give the image inline as a base64 data: URL"),
+               ("data:image/png;base64,bm90IGFuIGltYWdl", "does not hold an image PIL can read")]
+        for url, message in bad:
+            parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Hi"}]
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="llava", messages=[{"role": "user", "content": parts}],
+                                               max_tokens=2)
+            assert message in err.value.body["message"]
+            assert err.value.body["param"] == "messages[0].content[0].image_url"
+        with pytest.raises(openai.BadRequestError, match=r"1 <image> text\(s\) besides their image_url parts"):
+            client.chat.completions.create(model="llava", max_tokens=2, messages=[
+                {"role": "user", "content": [_image_part(tmp_path / "cat.png"), {"type": "text", "text": "<image>?"}]}])
+    text_only = BatchEngine(ServedModels(ModelArguments(model_name_or_path=str(tiny_model_dir)), {}, None, "tiny"))
+    with TestClient(create_app(text_only)) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="model 'tiny' is text-only; image parts need a vision"):
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+
+
+def test_grpo_with_images_resumes_mid_generation_batch(vlm_dir, tmp_path, monkeypatch):
+    """`num_iterations: 2` trains step 2 on step 1's buffered batch: resumed from checkpoint-1, that batch (its
+    pixel inputs by row among the buffered slices) comes back from the checkpoint, nothing is generated again, and
+    step 2's loss equals the uninterrupted run's."""
+    import shutil
+
+    from alignkit.callbacks import read_log
+    from alignkit.stages import online as online_module
+
+    monkeypatch.setenv("IMAGE_REWARD_LOG", str(tmp_path / "rewards.jsonl"))
+    keys = dict(beta=0.1, num_iterations=2, save_strategy="steps", save_steps=1)
+    whole = grpo_config(vlm_dir, mllm_demo(tmp_path), **keys)
+    run_train(whole)
+    losses = {r["current_steps"]: r["loss"] for r in read_log(whole.training.output_dir) if "loss" in r}
+    out = tmp_path / "resumed"
+    shutil.copytree(Path(whole.training.output_dir) / "checkpoint-1", out / "checkpoint-1")
+    sampled = []
+    original = online_module.sample_completions
+    monkeypatch.setattr(online_module, "sample_completions",
+                        lambda *args, **kwargs: sampled.append(1) or original(*args, **kwargs))
+    resumed = grpo_config(vlm_dir, tmp_path, output_dir=str(out), resume_from_checkpoint=str(out / "checkpoint-1"),
+                          **keys)
+    run_train(resumed)
+    again = {r["current_steps"]: r["loss"] for r in read_log(out) if "loss" in r}
+    assert not sampled
+    assert again[2] == pytest.approx(losses[2], abs=1e-6) and losses[2] != losses[1]

@@ -394,6 +394,42 @@ def test_decode_greedy_equals_hf_generate(varied_model, prompts, repetition_pena
     assert len(set(map(tuple, got.tolist()))) > 1  # rows differ: the comparison means something
 
 
+def test_decode_suppress_tokens_equals_hf_generate(varied_model):
+    """`suppress_tokens` (a vision-language rollout's image tokens): greedy `decode` gives `model.generate`'s tokens
+    under its key of that name, and never the suppressed ids, which the unsuppressed run does emit."""
+    ids, mask = pad_prompts([[5, 17, 30, 44, 9], [7, 8]], IM_END)
+    unsuppressed = _hf_greedy(varied_model, ids, mask, 8, [])
+    suppress = sorted({int(unsuppressed[0, 0]), int(unsuppressed[1, 2])})
+    expected = _hf_greedy(varied_model, ids, mask, 8, [], suppress_tokens=suppress)
+    with torch.no_grad():
+        got = decode(varied_model, ids, mask, max_new_tokens=8, stop_token_ids=[], pad_token_id=IM_END,
+                     suppress_tokens=suppress)
+    assert got.tolist() == expected.tolist()
+    assert not torch.isin(got, torch.tensor(suppress)).any()
+
+
+def test_decode_tells_prompts_apart_by_their_images(varied_model, record_forward_shapes):
+    """Rows with the same token ids but different images are prefilled apart, each with its own pixels (`image_inputs`
+    laid out by row); rows sharing ids and image once. The pixels reach the prefill only."""
+    model = copy.deepcopy(varied_model)
+    seen = record_forward_shapes(model)
+    given = []
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        given.append(kwargs.pop("pixel_values", None))
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    ids, mask = pad_prompts([[5, 17, 30]] * 4, IM_END)
+    images = torch.tensor([1.0, 1.0, 2.0, 2.0])[:, None, None].expand(4, 1, 3).clone()  # rows 0-1 and 2-3 share one
+    with torch.no_grad():
+        decode(model, ids, mask, max_new_tokens=2, stop_token_ids=[], pad_token_id=IM_END,
+               image_inputs={"pixel_values": images, "image_counts": torch.ones(4, dtype=torch.long)})
+    assert seen == [(2, 3), (4, 1)]
+    assert given[0].tolist() == [[1.0] * 3, [2.0] * 3] and given[1] is None
+
+
 def test_decode_prefills_each_distinct_prompt_once(varied_model, record_forward_shapes):
     """A GRPO batch (2 prompts x 3) runs its prompt forward on 2 rows, then decodes all 6 one token at a time."""
     model = copy.deepcopy(varied_model)

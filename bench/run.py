@@ -48,7 +48,7 @@ from bench import llamafactory, workloads  # noqa: E402
 from bench.sweep import add_sweep_arguments, finish_sweep_arguments  # noqa: E402
 from bench.worker import ONLINE_STAGES, QLORA, TRL_BEST, completions_per_prompt  # noqa: E402
 
-STAGES = ("sft", "rm", "dpo", "grpo", "rloo", "distill", "online_dpo", "ppo")
+STAGES = ("sft", "rm", "dpo", "grpo", "rloo", "distill", "online_dpo", "ppo", "grpo_tools")
 # What a plain `python -m bench` runs (with the TRL peer): the newer online stages are named with --stage.
 DEFAULT_STAGES = ("sft", "rm", "dpo", "grpo", "ppo")
 # alignkit_qlora: alignkit on a 4-bit base (bench.worker.QLORA); trl_default_bf16: TRL's real default, bf16=True
@@ -59,8 +59,8 @@ VARIANTS = ("alignkit", "alignkit_qlora", "trl_default", "trl_default_bf16", "tr
 PEERS = {"trl": ("trl_default", "trl_best"), "llamafactory": ("llamafactory",)}
 # Stages each tool's runner in bench/worker.py has. TRL 1.x has no PPO trainer; LLaMA-Factory has no GRPO, and its
 # PPO is attempted and fails (see bench.llamafactory.SETTINGS_THAT_DIFFER).
-TOOL_STAGES = {"alignkit": ("sft", "rm", "dpo", "grpo", "rloo", "distill", "online_dpo", "ppo"),
-               "trl": ("sft", "rm", "dpo", "grpo", "rloo", "distill", "online_dpo"),
+TOOL_STAGES = {"alignkit": ("sft", "rm", "dpo", "grpo", "rloo", "distill", "online_dpo", "ppo", "grpo_tools"),
+               "trl": ("sft", "rm", "dpo", "grpo", "rloo", "distill", "online_dpo", "grpo_tools"),
                "llamafactory": llamafactory.LF_STAGES}
 # Variants that run only some of their tool's stages.
 VARIANT_STAGES = {"alignkit_qlora": ("sft",)}
@@ -73,7 +73,9 @@ BUNDLED = "smollm2-135m-instruct"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FIGURES = ("step_time_s", "tokens_per_s", "peak_rss_mb", "peak_gpu_mb", "final_loss", "mfu", "completions_per_s",
            "generation_s", "training_s", "generated_tokens_per_s", "scoring_s", "responses_per_s",
-           "response_length_mean")
+           "response_length_mean", "tool_calls_per_completion", "tool_failure_frequency")
+# Benchmark workloads that are an alignkit stage under other keys: `grpo_tools` is `stage: grpo` with `tools`.
+ALIGNKIT_STAGE = {"grpo_tools": "grpo"}
 RATIO_FIGURES = ("step_time_s", "tokens_per_s", "peak_rss_mb", "peak_gpu_mb", "mfu", "completions_per_s",
                  "generation_s", "training_s")
 
@@ -106,11 +108,12 @@ def data_kind(stage: str) -> str:
     completions per prompt), `distill_prompt` (one completion per prompt), `online_dpo_prompt` (two) or `ppo_prompt`
     (ppo, one response per prompt, for alignkit and for LLaMA-Factory's attempt)."""
     return {"sft": "sft", "grpo": "prompt", "rloo": "prompt", "distill": "distill_prompt",
-            "online_dpo": "online_dpo_prompt", "ppo": "ppo_prompt"}.get(stage, "pref")
+            "online_dpo": "online_dpo_prompt", "ppo": "ppo_prompt", "grpo_tools": "tool_prompt"}.get(stage, "pref")
 
 
-# Completions per prompt of each prompt data kind (None: `--num-generations`).
-PROMPT_KINDS = {"prompt": None, "distill_prompt": 1, "online_dpo_prompt": 2, "ppo_prompt": 1}
+# Completions per prompt of each prompt data kind (None: `--num-generations`). `tool_prompt`: arithmetic questions
+# that ask for the calculator (`workloads.tool_prompt_rows`); the others share one sequence of generated prompts.
+PROMPT_KINDS = {"prompt": None, "distill_prompt": 1, "online_dpo_prompt": 2, "ppo_prompt": 1, "tool_prompt": None}
 
 
 def tool_of(variant: str) -> str:
@@ -121,7 +124,7 @@ def alignkit_has_stage(stage: str) -> bool:
     """True when alignkit's stage registry (`alignkit.stages.STAGES`) has the stage and the benchmark runs it."""
     from alignkit.stages import STAGES
 
-    return stage in STAGES and stage in TOOL_STAGES["alignkit"]
+    return ALIGNKIT_STAGE.get(stage, stage) in STAGES and stage in TOOL_STAGES["alignkit"]
 
 
 def resolve_model(model: str, work_dir: Path) -> tuple[str, str]:
@@ -152,7 +155,8 @@ def prepare_data(model_dir: str, stages: list[str], n_rows: int, cutoff: int, wo
     out: dict[str, Any] = {}
     for kind in sorted({data_kind(s) for s in stages}):
         if kind in PROMPT_KINDS:  # prompts only: their own templated length is what is reported
-            rows = workloads.canonical_rows("prompt", max(1, n_rows // (PROMPT_KINDS[kind] or num_generations)))
+            rows = workloads.canonical_rows("tool_prompt" if kind == "tool_prompt" else "prompt",
+                                            max(1, n_rows // (PROMPT_KINDS[kind] or num_generations)))
             lengths = [len(tokenizer.apply_chat_template(
                 [{"role": "system", "content": r["system"]}, {"role": "user", "content": r["prompt"]}],
                 add_generation_prompt=True, tokenize=True)["input_ids"]) for r in rows]
@@ -464,7 +468,10 @@ ONLINE_STEP = {"grpo": "GRPO (group-normalised advantages, clipped loss, TRL {tr
                           "student's completions; generalized JSD with beta 1.0; TRL {trl} DistillationTrainer as the "
                           "peer)",
                "online_dpo": "Online DPO (two answers per prompt judged by the reward, DPO loss against the "
-                             "adapter-disabled reference; TRL {trl} trl.experimental.online_dpo as the peer)"}
+                             "adapter-disabled reference; TRL {trl} trl.experimental.online_dpo as the peer)",
+               "grpo_tools": "GRPO with a tool (the calculator of examples/tools/calculator.py, at most 2 tool turns "
+                             "per completion, Qwen2.5's chat template in both tools; TRL {trl} GRPOTrainer(tools=...) "
+                             "as the peer; generation is every turn's sampling call)"}
 
 
 def _online_table(report: dict[str, Any], stage: str, mem: str, mem_label: str) -> list[str]:
@@ -494,6 +501,11 @@ def _online_table(report: dict[str, Any], stage: str, mem: str, mem_label: str) 
         lines.append(f"| {name} | {_fmt(ratio['step_time_s'], 2)}x | {_fmt(ratio['completions_per_s'], 2)}x "
                      f"| {_fmt(ratio['generation_s'], 2)}x | {_fmt(ratio['training_s'], 2)}x | "
                      f"| {_fmt(ratio[mem], 2)}x | | |")
+    if stage == "grpo_tools":  # the same workload only if both policies called about as often
+        lines += ["", "Tool calls per completion (failed share): " + "; ".join(
+            f"{variant} {_cell(row.get('tool_calls_per_completion'))} ({_cell(row.get('tool_failure_frequency'))})"
+            for variant, row in data["summary"].items()) + ". A model that never calls measures the schema in the "
+            "prompt and the per-turn parsing only: pass `--model DIR` of a model taught the call format."]
     return lines
 
 
@@ -618,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         if stage in ONLINE_STAGES and opts.batch % completions_per_prompt(stage, opts.num_generations):
             group = completions_per_prompt(stage, opts.num_generations)
             raise SystemExit(f"--batch {opts.batch} must be a multiple of {group} for stage {stage} "
-                             f"({'--num-generations' if stage in ('grpo', 'rloo') else 'its answers per prompt'}): "
+                             f"({'--num-generations' if stage in ('grpo', 'rloo', 'grpo_tools') else 'its answers per prompt'}): "
                              "a step trains on whole groups of completions.")
     plan = plan_runs(opts, stages, available)
     if opts.dry_run:

@@ -62,17 +62,22 @@ TRL_BEST = {
     "rloo": {"gradient_checkpointing": False},
     "distill": {"gradient_checkpointing": False},
     "online_dpo": {"gradient_checkpointing": False},
+    "grpo_tools": {"gradient_checkpointing": False},
 }
 
 # Stages whose step starts by sampling completions: measured in completions/s with the step split into
 # generation and training. `completions_per_prompt` says how a step's `--batch` completions are grouped.
-ONLINE_STAGES = ("grpo", "rloo", "distill", "online_dpo")
+ONLINE_STAGES = ("grpo", "rloo", "distill", "online_dpo", "grpo_tools")
+# `grpo_tools`: GRPO whose rollouts may call the calculator (`bench.workloads.CALCULATOR`), at most this many tool
+# turns per completion, in both tools; alignkit runs it as `stage: grpo` with `tools`, TRL as GRPOTrainer(tools=...).
+TOOL_ITERATIONS = 2
 
 
 def completions_per_prompt(stage: str, num_generations: int) -> int:
-    """Completions sampled per prompt in one step: `num_generations` (GRPO, RLOO), 1 (distillation: the student
-    answers each prompt once), 2 (online DPO: a pair per prompt)."""
-    return {"grpo": num_generations, "rloo": num_generations, "distill": 1, "online_dpo": 2}[stage]
+    """Completions sampled per prompt in one step: `num_generations` (GRPO, RLOO, GRPO with tools), 1 (distillation:
+    the student answers each prompt once), 2 (online DPO: a pair per prompt)."""
+    return {"grpo": num_generations, "rloo": num_generations, "distill": 1, "online_dpo": 2,
+            "grpo_tools": num_generations}[stage]
 
 
 class StepRecorder:
@@ -85,9 +90,11 @@ class StepRecorder:
         self.threads_at_begin = 0
         # What the run computed in: Trainer's bf16 (autocast) and the frozen weights' dtypes, at train begin.
         self.precision: dict[str, Any] = {}
-        # Online stages: one entry per generation call (seconds, new tokens generated).
+        # Online stages: one entry per generation call (seconds, new tokens generated, the step it ran in: a tool
+        # rollout calls once per turn).
         self.generation_s: list[float] = []
         self.generated_tokens: list[int] = []
+        self.generation_steps: list[int] = []
 
     def timed_generation(self, generate, count_tokens):
         """Wrap `generate` so each call's wall time and generated tokens (`count_tokens(output)`) are recorded."""
@@ -96,6 +103,7 @@ class StepRecorder:
             output = generate(*args, **kwargs)
             self.generation_s.append(time.perf_counter() - start)
             self.generated_tokens.append(int(count_tokens(output)))
+            self.generation_steps.append(len(self.step_ends))  # steps finished before this call
             return output
 
         return timed
@@ -196,25 +204,38 @@ def summarise(recorder: StepRecorder, log_history: list[dict[str, Any]], warmup:
     }
     if recorder.generation_s:
         out.update(summarise_generation(recorder, measured, time_measured, completions_per_step))
+    calls = [h["tools/call_frequency"] for h in log_history if "tools/call_frequency" in h]
+    if calls:  # a tool rollout: how often the policy called, so the two tools' workloads can be compared
+        failures = [h.get("tools/failure_frequency", 0.0) for h in log_history if "tools/call_frequency" in h]
+        out.update(tool_calls_per_completion=sum(calls) / len(calls),
+                   tool_failure_frequency=sum(failures) / len(failures))
     return out
 
 
 def summarise_generation(recorder: StepRecorder, measured: list[int], time_measured: float,
                          completions_per_step: int | None) -> dict[str, Any]:
-    """Online-stage figures: generation call k belongs to step k (one generation batch per step, GA 1).
+    """Online-stage figures: each generation call belongs to the step it ran in (`StepRecorder.generation_steps`; one
+    generation batch per step, GA 1), a tool rollout's several calls (one per turn) summed.
 
     Example: measured steps of 10 s and 12 s with generation calls of 6 s and 8 s, 8 completions per step:
-    completions/s = 16 / 22 = 0.727; generation 7 s/step, training 11 - 7 = 4 s/step.
+    completions/s = 16 / 22 = 0.727; generation 7 s/step, training 11 - 7 = 4 s/step. With calls of 4 + 2 s in the
+    first of them (two turns), the same.
     """
-    if len(recorder.generation_s) < max(measured) + 1:
-        raise RuntimeError(f"{len(recorder.generation_s)} generation calls for {max(measured) + 1} steps: expected "
-                           "one per step (gradient_accumulation_steps 1, steps_per_generation 1).")
-    generation = sum(recorder.generation_s[i] for i in measured) / len(measured)
-    generated = sum(recorder.generated_tokens[i] for i in measured)
+    steps = recorder.generation_steps or list(range(len(recorder.generation_s)))
+    seconds, tokens = [0.0] * (max(steps) + 1), [0] * (max(steps) + 1)
+    for step, spent, generated in zip(steps, recorder.generation_s, recorder.generated_tokens):
+        seconds[step] += spent
+        tokens[step] += generated
+    if len(seconds) < max(measured) + 1 or any(seconds[i] == 0 for i in measured):
+        raise RuntimeError(f"generation calls in steps {sorted(set(steps))} for {max(measured) + 1} steps: expected "
+                           "generation in every step (gradient_accumulation_steps 1, steps_per_generation 1).")
+    generation = sum(seconds[i] for i in measured) / len(measured)
+    generated = sum(tokens[i] for i in measured)
     step_time = time_measured / len(measured)
     return {
-        "generation_s_per_step": [round(t, 4) for t in recorder.generation_s],
-        "generated_tokens_per_step": recorder.generated_tokens,
+        "generation_s_per_step": [round(t, 4) for t in seconds],
+        "generated_tokens_per_step": tokens,
+        "generation_calls": len(recorder.generation_s),
         "generation_s": generation,
         "training_s": step_time - generation,
         "completions_per_s": completions_per_step * len(measured) / time_measured if completions_per_step else None,
@@ -298,6 +319,12 @@ def alignkit_stage_settings(opts: argparse.Namespace) -> dict[str, Any]:
     if opts.stage in ("grpo", "rloo"):
         return {"reward_funcs": "bench.workloads:bench_reward", "num_generations": opts.num_generations,
                 "max_completion_length": opts.max_completion_length}
+    if opts.stage == "grpo_tools":  # no `template`: the tokenizer's own (Qwen2.5's, `workloads.tool_model_dir`)
+        from bench.workloads import CALCULATOR
+
+        return {"stage": "grpo", "reward_funcs": "bench.workloads:bench_reward", "tools": f"{CALCULATOR}:calculate",
+                "max_tool_calling_iterations": TOOL_ITERATIONS, "num_generations": opts.num_generations,
+                "max_completion_length": opts.max_completion_length}
     if opts.stage == "distill":
         return {"teacher_model_name_or_path": opts.model_dir, "max_completion_length": opts.max_completion_length}
     if opts.stage == "online_dpo":  # alignkit's batch counts prompts, two answers each
@@ -312,6 +339,9 @@ def trl_stage_settings(opts: argparse.Namespace) -> dict[str, Any]:
     truncated (none reaches the cutoff); completions are capped."""
     if opts.stage in ("grpo", "rloo"):
         return {"num_generations": opts.num_generations, "max_completion_length": opts.max_completion_length}
+    if opts.stage == "grpo_tools":
+        return {"num_generations": opts.num_generations, "max_completion_length": opts.max_completion_length,
+                "max_tool_calling_iterations": TOOL_ITERATIONS}
     if opts.stage == "distill":
         return {"max_completion_length": opts.max_completion_length}
     if opts.stage == "online_dpo":  # TRL's batch counts prompts too, two answers each
@@ -361,14 +391,16 @@ def run_trl(opts: argparse.Namespace, callback) -> tuple[list[dict[str, Any]], d
         settings.setdefault("beta", 0.1)
         trainer = DPOTrainer(model=opts.model_dir, args=DPOConfig(**settings), train_dataset=dataset,
                              peft_config=LoraConfig(task_type="CAUSAL_LM", **lora), callbacks=[callback])
-    elif opts.stage == "grpo":
+    elif opts.stage in ("grpo", "grpo_tools"):
         from trl import GRPOConfig, GRPOTrainer
 
-        from bench.workloads import bench_reward
+        from bench.workloads import bench_reward, calculator_tool
 
+        # With tools TRL calls `_generate_single_turn` once per turn; each call is timed and counted in its step.
+        tools = {"tools": [calculator_tool()]} if opts.stage == "grpo_tools" else {}
         trainer = GRPOTrainer(model=opts.model_dir, reward_funcs=bench_reward, args=GRPOConfig(**settings),
                               train_dataset=dataset, peft_config=LoraConfig(task_type="CAUSAL_LM", **lora),
-                              callbacks=[callback])
+                              callbacks=[callback], **tools)
         trainer._generate_single_turn = callback.recorder.timed_generation(
             trainer._generate_single_turn, lambda output: sum(len(ids) for ids in output[0]))
     elif opts.stage == "rloo":
@@ -587,7 +619,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="TRL: its defaults in fp32 (default), its real default bf16=True (bf16), or its faster "
                         "settings (best, bench.worker.TRL_BEST); alignkit: fp32 LoRA (default) or a 4-bit base "
                         "(qlora, bench.worker.QLORA).")
-    p.add_argument("--stage", choices=["sft", "rm", "dpo", "grpo", "rloo", "distill", "online_dpo", "ppo"])
+    p.add_argument("--stage", choices=["sft", "rm", "dpo", "grpo", "rloo", "distill", "online_dpo", "ppo",
+                                       "grpo_tools"])
     p.add_argument("--alignkit-bf16", choices=["false", "true", "auto"], default="auto",
                    help="alignkit on a CPU: its `bf16` key (auto: its own choice, the default; false: fp32; true: bf16 "
                         "autocast).")
@@ -652,6 +685,10 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ["HF_DATASETS_CACHE"] = str(Path(tmp) / "hf_datasets")
                 os.environ["ALIGNKIT_DATA_CACHE"] = str(Path(tmp) / "alignkit_data")
                 opts.output_dir = opts.output_dir or str(Path(tmp) / "out")
+                if opts.stage == "grpo_tools":  # both tools render and parse calls with Qwen2.5's template
+                    from bench.workloads import tool_model_dir
+
+                    opts.model_dir = tool_model_dir(opts.model_dir, Path(tmp) / "tool_model")
                 recorder = StepRecorder()
                 callback = (make_ppo_callback(recorder) if opts.stage == "ppo"
                             else make_callback(recorder, count_tokens=opts.stage not in ONLINE_STAGES))

@@ -73,14 +73,17 @@ def _sentences(rng: random.Random, n_words: int) -> str:
 
 def canonical_rows(kind: str, n: int, seed: int = 0) -> list[dict[str, str]]:
     """`n` canonical rows: `kind="sft"` gives system/prompt/response; `"pref"` gives system/prompt/chosen/rejected;
-    `"prompt"` (GRPO) gives system/prompt only.
+    `"prompt"` (GRPO) gives system/prompt only; `"tool_prompt"` (GRPO with the calculator) arithmetic questions that
+    ask for the tool (`tool_prompt_rows`).
 
     After a one-line task, prompts carry a median of 6 words of context (up to 80); responses have a median of
     28 words (up to 170); chosen answers 22 and rejected 18 (up to 150), so chosen and rejected lengths differ
     as in real preference data. The medians keep a full benchmark run within its time budget on two CPU cores.
     """
+    if kind == "tool_prompt":
+        return tool_prompt_rows(n, seed)
     if kind not in ("sft", "pref", "prompt"):
-        raise ValueError(f"kind={kind!r}: expected 'sft', 'pref' or 'prompt'.")
+        raise ValueError(f"kind={kind!r}: expected 'sft', 'pref', 'prompt' or 'tool_prompt'.")
     rng = random.Random(f"alignkit-bench-{kind}-{seed}")
     rows = []
     for _ in range(n):
@@ -95,6 +98,58 @@ def canonical_rows(kind: str, n: int, seed: int = 0) -> list[dict[str, str]]:
             row["rejected"] = _sentences(rng, _lognormal_int(rng, 18, 0.8, 4, 150))
         rows.append(row)
     return rows
+
+
+# The tool of the `grpo_tools` workload, the same function in both tools: arithmetic read from the syntax tree.
+CALCULATOR = Path(__file__).resolve().parents[1] / "examples" / "tools" / "calculator.py"
+
+
+def tool_prompt_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """`n` arithmetic questions that ask for the calculator (`CALCULATOR`), e.g. "Use the calculate tool to work out
+    37 * 12 + 5, then state the result." Deterministic in `seed`."""
+    rng = random.Random(f"alignkit-bench-tool_prompt-{seed}")
+    rows = []
+    for _ in range(n):
+        a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(1, 20)
+        expression = f"{a} {rng.choice('+-*')} {b} {rng.choice('+-')} {c}"
+        rows.append({"system": SYSTEM_PROMPT,
+                     "prompt": f"Use the calculate tool to work out {expression}, then state the result."})
+    return rows
+
+
+def calculator_tool():
+    """The `calculate` function of `CALCULATOR`, imported from its file (TRL's side takes the function itself;
+    alignkit's the key `tools: <CALCULATOR>:calculate`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_calculator", CALCULATOR)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.calculate
+
+
+def tool_model_dir(model_dir: str | Path, out_dir: str | Path) -> str:
+    """`model_dir` with Qwen2.5's chat template (TRL 1.16's tool-call parsing knows it; alignkit reads the call
+    format from any template that writes calls): config and tokenizer files copied, weight files linked.
+
+    Both tools load this directory in the `grpo_tools` workload, so both render the same prompts with the tool's
+    schema and parse the same `<tool_call>` format. Returns its path."""
+    import shutil
+
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    source, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
+            (out / path.name).symlink_to(path.resolve())
+        elif path.is_file():
+            shutil.copy(path, out / path.name)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.chat_template = qwen2_5_chat_template
+    tokenizer.save_pretrained(out)
+    return str(out)
 
 
 def _messages(row: dict[str, str], answer_key: str) -> list[dict[str, str]]:

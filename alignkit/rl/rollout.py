@@ -384,12 +384,32 @@ def _packed_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     keep = torch.cat([prompt_last, order[prompt_group.numel():]])
     logits = model(input_ids=ids[None], attention_mask=mask[None, None], position_ids=positions[None],
                    use_cache=False, logits_to_keep=keep).logits[0]
-    first = logits[:prompt_last.numel()][inverse]  # [N, V]: each row's prediction of its first token
+    first = logits[:prompt_last.numel()].index_select(0, inverse)  # [N, V]: each row's prediction of its first token
     everyone = torch.arange(completion_ids.size(0), device=device)
     logits = torch.cat([first, logits[prompt_last.numel():]])
     index = torch.cat([completion_ids[:, 0], completion_ids[rows, columns + 1]])
     place = (torch.cat([everyone, rows]), torch.cat([torch.zeros_like(everyone), columns + 1]))
     return logits, index, place
+
+
+def _repeat_cache_rows(cache, rows: torch.Tensor) -> None:
+    """Keep rows `rows` (with repeats) of every layer of a `DynamicCache`, as its `batch_select_indices` does, but
+    through `index_select`, whose backward sums a repeated row's gradients in index order.
+
+    transformers selects with `keys[rows]`, whose backward is `index_put_(accumulate=True)`: on a CPU it adds with
+    atomics from several threads once the tensor passes ATen's grain size (32768 elements), so a prompt's gradient,
+    the sum over its group's copies, came out in a different float order from run to run: a GRPO run with tools
+    (prompts long with the tool schemas, so this pass) trained 1.5e-8 apart after one step and 2e-7 in a later loss.
+    Layer kinds with more state than keys and values keep transformers' own method.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    for layer in cache.layers:
+        if type(layer).batch_select_indices is not DynamicLayer.batch_select_indices:
+            layer.batch_select_indices(rows)
+        elif layer.get_seq_length() > 0:
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
 
 
 def _shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
@@ -415,10 +435,10 @@ def _shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     prompt_len = prompt_ids.size(1)
     cache = DynamicCache(config=model_config(model))
     first = model(input_ids=distinct[:, :prompt_len], attention_mask=distinct[:, prompt_len:], cache=cache,
-                  use_cache=True, logits_to_keep=1).logits[inverse]
+                  use_cache=True, logits_to_keep=1).logits.index_select(0, inverse)
     if completion_ids.size(1) == 1:
         return first, None
-    cache.batch_select_indices(inverse)
+    _repeat_cache_rows(cache, inverse)
     attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)
     rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask, cache=cache, use_cache=True,
                  logits_to_keep=0).logits

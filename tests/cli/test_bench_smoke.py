@@ -179,16 +179,64 @@ def test_summarise_grpo_generation_split():
     assert out["tokens_per_s"] is None
 
 
-def test_bench_grpo_end_to_end_on_tiny_model(tmp_path):
-    """GRPO, alignkit and TRL's default, 2 steps (1 timed): completions/s and the generation/training split."""
+def test_summarise_sums_a_tool_rollouts_turns_per_step():
+    """A tool rollout samples once per turn: calls of 2 s (step 0), 3 + 1 s (step 1: a second turn) and 4 + 2 + 1 s
+    (step 2) generating 10, 20 + 5 and 30 + 6 + 2 tokens. Steps end at 5, 10 and 20 (warm-up 1): generation per step
+    (4 + 7) / 2 = 5.5 s, 25 + 38 = 63 tokens over 15 s; the log's tool calls per completion average (0.5 + 1.5) / 2."""
+    recorder = StepRecorder()
+    recorder.train_begin, recorder.step_ends = 0.0, [5.0, 10.0, 20.0]
+    recorder.batch_tokens = [None, None, None]
+    recorder.generation_s, recorder.generated_tokens = [2.0, 3.0, 1.0, 4.0, 2.0, 1.0], [10, 20, 5, 30, 6, 2]
+    recorder.generation_steps = [0, 1, 1, 2, 2, 2]
+    history = [{"loss": 0.0, "tools/call_frequency": 0.5, "tools/failure_frequency": 0.0},
+               {"loss": 0.1, "tools/call_frequency": 1.5, "tools/failure_frequency": 0.5}]
+    out = summarise(recorder, history, warmup=1, completions_per_step=4)
+    assert out["generation_s_per_step"] == [2.0, 4.0, 7.0] and out["generated_tokens_per_step"] == [10, 25, 38]
+    assert out["generation_s"] == pytest.approx(5.5) and out["training_s"] == pytest.approx(7.5 - 5.5)
+    assert out["generated_tokens_per_s"] == pytest.approx(63 / 15) and out["completions_per_s"] == pytest.approx(8 / 15)
+    assert out["generation_calls"] == 6
+    assert out["tool_calls_per_completion"] == pytest.approx(1.0) and out["tool_failure_frequency"] == pytest.approx(0.25)
+    recorder.generation_steps = [0, 0, 0, 0, 0, 0]  # no sampling in the measured steps: not a GRPO step
+    with pytest.raises(RuntimeError, match="generation in every step"):
+        summarise(recorder, history, warmup=1, completions_per_step=4)
+
+
+def test_bench_grpo_tools_end_to_end_on_tiny_model(tmp_path):
+    """GRPO with the calculator, alignkit and TRL's GRPOTrainer(tools=...), 2 steps (1 timed): both load the model
+    with Qwen2.5's template, every sampling call (one per turn) is counted in its step, and the report carries the
+    tool-call rates beside completions/s. (A random tiny model does not call; the turn accounting is checked above.)"""
+    report, markdown = _online_bench(tmp_path, "grpo_tools")
+    assert report["data"]["tool_prompt"]["rows"] == 4  # 8 completions / 2 per prompt
+    data = report["stages"]["grpo_tools"]
+    assert {r["variant_key"] for r in data["runs"]} == {"alignkit", "trl_default"}
+    for run in data["runs"]:
+        assert run["ok"], run.get("error")
+        assert run["steps"] == 2 and len(run["generation_s_per_step"]) == 2 and run["generation_calls"] >= 2
+        assert run["completions_per_s"] == pytest.approx(4 / run["step_time_s"])
+        assert run["tool_calls_per_completion"] >= 0 and math.isfinite(run["final_loss"])
+    (alignkit_run,) = [r for r in data["runs"] if r["variant_key"] == "alignkit"]
+    assert alignkit_run["settings"]["stage"] == "grpo" and alignkit_run["settings"]["tools"].endswith(
+        "examples/tools/calculator.py:calculate")
+    assert data["ratios"]["alignkit/trl_default"]["completions_per_s"] > 0
+    assert "GRPOTrainer(tools=...)" in markdown and "Tool calls per completion" in markdown
+
+
+def _online_bench(tmp_path, stage: str) -> tuple[dict, str]:
+    """`python -m bench` for one online stage on the tiny model, alignkit and TRL's default, 2 steps (1 timed), batch
+    4 of 2 completions per prompt, at most 8 new tokens: the JSON report and the Markdown."""
     out_dir = tmp_path / "results"
-    cmd = [sys.executable, "-m", "bench", "--model", "tiny", "--stage", "grpo", "--reps", "1", "--steps", "2",
+    cmd = [sys.executable, "-m", "bench", "--model", "tiny", "--stage", stage, "--reps", "1", "--steps", "2",
            "--warmup", "1", "--batch", "4", "--num-generations", "2", "--max-completion-length", "8",
            "--variants", "alignkit,trl_default", "--matmul-size", "256", "--matmul-seconds", "0.2",
-           "--output-dir", str(out_dir), "--name", "grpo", "--work-dir", str(tmp_path / "work")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+           "--output-dir", str(out_dir), "--name", stage, "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((out_dir / "grpo.json").read_text())
+    return json.loads((out_dir / f"{stage}.json").read_text()), (out_dir / f"{stage}.md").read_text()
+
+
+def test_bench_grpo_end_to_end_on_tiny_model(tmp_path):
+    """GRPO, alignkit and TRL's default, 2 steps (1 timed): completions/s and the generation/training split."""
+    report, markdown = _online_bench(tmp_path, "grpo")
     assert report["settings"]["num_generations"] == 2 and report["settings"]["max_completion_length"] == 8
     data = report["stages"]["grpo"]
     for run in data["runs"]:
@@ -205,7 +253,6 @@ def test_bench_grpo_end_to_end_on_tiny_model(tmp_path):
                                   / summary["trl_default"]["completions_per_s"]["median"])
     assert {t["target"] for t in report["targets"] if t["stage"] == "grpo"} >= {
         "completions_per_s alignkit/trl_default >= 2.0", "peak_rss_mb alignkit/trl_default <= 1.0"}
-    markdown = (out_dir / "grpo.md").read_text()
     assert "| run | step time (s) | completions/s | generation (s/step)" in markdown
 
 

@@ -102,3 +102,35 @@ def test_long_batches_take_the_padded_shared_prompt_pass(lora_policy, monkeypatc
     assert seen == [(3, 5), (7, 5)]
     mask = batch[3].bool()
     torch.testing.assert_close(padded.masked_fill(~mask, 0), packed, atol=1e-5, rtol=0)
+
+
+def test_shared_prompt_gradients_are_bit_reproducible_on_two_threads(lora_policy, monkeypatch):
+    """A prompt's gradient is the sum over its group's copies. Copied by advanced indexing (`x[rows]`, as
+    transformers' `batch_select_indices` does) that sum runs as `index_put_(accumulate=True)`, which on a CPU adds with
+    atomics from several threads once a tensor passes 32768 elements: its order, so its last bits, changed from run to
+    run (a GRPO run with tools, whose prompts carry the tool schemas, trained 1.5e-8 apart after one step). The
+    copies are made with `index_select`, whose backward sums in index order: five backward passes on 2 threads give the
+    same gradients bit for bit (with `x[rows]` they did not, on this 2-core machine). The prompts are 300 tokens long,
+    so the prompt pass's KV cache (7 rows x 2 heads x 300 x 16 per layer) is past the grain size."""
+    from alignkit.rl import rollout
+
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(6)
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 500, (3, 295), generator=g)
+    group = {5: 0, 7: 1, 40: 2}  # each row's prompt, by its first real token
+    prompt_ids = torch.cat([prefix[[group[int(row[row != 2][0])] for row in prompt_ids]], prompt_ids], dim=1)
+    prompt_mask = torch.cat([torch.ones(7, 295, dtype=torch.long), prompt_mask], dim=1)
+    monkeypatch.setattr(rollout, "_PACKED_ROW_TOKENS", 10)  # the prompt pass and its copied cache
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = []
+        for _ in range(5):
+            lora_policy.zero_grad()
+            logps, _ = completion_logps(lora_policy, prompt_ids, prompt_mask, completion_ids, completion_mask)
+            (logps * completion_mask).sum().backward()
+            grads.append({n: p.grad.clone() for n, p in lora_policy.named_parameters() if p.grad is not None})
+    finally:
+        torch.set_num_threads(threads)
+    for other in grads[1:]:
+        assert [n for n in grads[0] if not torch.equal(grads[0][n], other[n])] == []

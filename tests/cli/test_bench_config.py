@@ -37,9 +37,10 @@ def test_online_stage_settings_give_both_tools_the_same_completions():
     assert worker.trl_stage_settings(opts) == {"max_new_tokens": 32, "per_device_train_batch_size": 4}
     opts.stage = "sft"
     assert worker.alignkit_stage_settings(opts) == {} and worker.trl_stage_settings(opts) == {"max_length": 256}
-    assert [worker.completions_per_prompt(s, 4) for s in worker.ONLINE_STAGES] == [4, 4, 1, 2]
+    assert [worker.completions_per_prompt(s, 4) for s in worker.ONLINE_STAGES] == [4, 4, 1, 2, 4]
     assert {s: bench_run.data_kind(s) for s in worker.ONLINE_STAGES} == {
-        "grpo": "prompt", "rloo": "prompt", "distill": "distill_prompt", "online_dpo": "online_dpo_prompt"}
+        "grpo": "prompt", "rloo": "prompt", "distill": "distill_prompt", "online_dpo": "online_dpo_prompt",
+        "grpo_tools": "tool_prompt"}
 
 
 def test_alignkit_keys_of_the_online_stages_parse():

@@ -201,8 +201,11 @@ def load_chat_model(model_args: ModelArguments, template: str | None = None) -> 
     return model, formatter
 
 
-def chat_images(model_args: ModelArguments, image_paths: Sequence[str]) -> Optional[ImageProcessing]:
+def chat_images(model_args: ModelArguments, image_paths: Sequence[str], source: str = "--image") -> Optional[ImageProcessing]:
     """The model's processor for `--image` files (None without them), read before the weights load.
+
+    Args:
+        source: where the images come from, for the messages (the board's chat says its own).
 
     Raises:
         ConfigError: a text-only model, or a file that is missing or not an image.
@@ -211,14 +214,19 @@ def chat_images(model_args: ModelArguments, image_paths: Sequence[str]) -> Optio
         return None
     images = load_image_processing(model_args, load_tokenizer(model_args))
     if images is None:
-        raise ConfigError(f"--image needs a vision-language model; {model_args.model_name_or_path or 'the bundled model'}"
+        raise ConfigError(f"{source} needs a vision-language model; {model_args.model_name_or_path or 'the bundled model'}"
                           " is text-only (docs/multimodal.md).")
+    check_images(image_paths, source)
+    return images
+
+
+def check_images(image_paths: Sequence[str], source: str = "--image") -> None:
+    """Raise a ConfigError naming `source` and the file when one of `image_paths` is missing or not an image."""
     for path in image_paths:
         try:
             open_image(path)
         except RowError as err:
-            raise ConfigError(f"--image: {err.problem}") from None
-    return images
+            raise ConfigError(f"{source}: {err.problem}") from None
 
 
 def _read_piped_line(_prompt: str) -> str:
@@ -318,4 +326,4 @@ def chat(
 
 
 __all__ = ["chat", "stream_reply", "reply_pieces", "tool_reply", "tool_turns", "tool_turn_lines", "load_chat_model",
-           "chat_images", "with_images", "build_messages"]
+           "chat_images", "check_images", "with_images", "build_messages"]

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from ..data.multimodal import IMAGE_PLACEHOLDER
 from ..errors import ConfigError
 from ..train import RUN_CONFIG_FILE
 from . import launch as launching
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 REFRESH_SECONDS = 2.0
 RUN_COLUMNS = ["run", "stage", "model", "dataset", "status", "progress", "ETA", "loss", "reward", "accuracy", "updated"]
 CHAT_MODELS_KEPT = 2  # loaded chat models kept in memory (the run's and its base)
+CHAT_IMAGE = "the chat's image"  # how the chat's errors name an image given on the page
 CHECKOUT_EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -50,6 +52,7 @@ class Board:
         self.workdir = Path(workdir or os.getcwd()).resolve()
         self.launches: dict[Path, launching.Launch] = {}
         self.chat_models: OrderedDict[tuple, Any] = OrderedDict()
+        self.chat_processors: dict[tuple, Any] = {}  # (model, adapters) -> its `ImageProcessing`, once images came
         self.chat_lock = threading.Lock()
         self.examples = launching.example_configs(self.workdir / "examples", CHECKOUT_EXAMPLES)
 
@@ -279,12 +282,36 @@ class Board:
                            tool_timeout=tools["tool_timeout"], max_tool_output_chars=tools["max_tool_output_chars"])
         return tool_bubbles(reply)
 
-    def reply(self, key: tuple, messages: list[dict[str, str]], max_new_tokens: int) -> Iterator[str]:
+    def chat_images(self, key: tuple, image_paths: list[str]):
+        """The processor the model `key` reads `image_paths` with (`chat.chat_images`, as `alignkit chat --image`;
+        None without images), read before the weights load.
+
+        Raises:
+            ConfigError: a text-only model, or a file that is not an image (the message says which).
+        """
+        from ..chat import chat_images, check_images
+        from ..config.parse import parse_config
+
+        if not image_paths:
+            return None
+        model, adapters, _ = key
+        if (model, adapters) not in self.chat_processors:
+            model_args = parse_config({"model_name_or_path": model, "adapter_name_or_path": adapters}).model
+            self.chat_processors[(model, adapters)] = chat_images(model_args, image_paths, source=CHAT_IMAGE)
+        check_images(image_paths, CHAT_IMAGE)
+        return self.chat_processors[(model, adapters)]
+
+    def reply(self, key: tuple, messages: list[dict[str, str]], max_new_tokens: int,
+              image_paths: Optional[list[str]] = None) -> Iterator[str]:
+        """The reply of the model `key`, piece by piece, through `alignkit chat`'s own path (`chat.reply_pieces`),
+        with the conversation's images (in the order of its `<image>` placeholders) for a vision-language model."""
         from ..chat import reply_pieces
         from ..config import GeneratingArguments
 
+        images = self.chat_images(key, image_paths or [])
         model, formatter = self.chat_model(*key)
-        yield from reply_pieces(model, formatter, messages, GeneratingArguments(max_new_tokens=int(max_new_tokens)))
+        yield from reply_pieces(model, formatter, messages, GeneratingArguments(max_new_tokens=int(max_new_tokens)),
+                                images, image_paths or ())
 
 
 def _frame(series: dict[str, list[tuple[int, float]]], keys: list[str]):
@@ -416,7 +443,12 @@ def build_app(board: Board):
                     base_bot = gr.Chatbot(label="its base", elem_id="base-bot", height=320)
                 tools_box = gr.Textbox(label="Tools the models may call (file.py:function, comma-separated; empty: "
                                        "the run's `tools` key, if any)", elem_id="chat-tools")
-                message_box = gr.Textbox(label="Message", elem_id="chat-message")
+                with gr.Row():
+                    message_box = gr.Textbox(label="Message", elem_id="chat-message", scale=3)
+                    # The uploaded file as it is (image_mode=None: not re-encoded), read by the model's own processor.
+                    image_box = gr.Image(type="filepath", image_mode=None, sources=["upload", "clipboard"],
+                                         label="Image for the message (a vision-language run)", elem_id="chat-image",
+                                         height=120, scale=1)
                 with gr.Row():
                     send_button = gr.Button("Send", variant="primary", elem_id="chat-send")
                     clear_button = gr.Button("Clear", elem_id="chat-clear")
@@ -491,48 +523,54 @@ def build_app(board: Board):
         start_button.click(lambda y, o: act(board.start, y, o), inputs=[yaml_box, overrides_box],
                            outputs=launch_message)
 
-        def respond(name, text, run_history, base_history, tokens, tools_text):
+        def respond(name, text, run_history, base_history, tokens, tools_text, image=None):
             run_history, base_history = list(run_history or []), list(base_history or [])
             if not text or not text.strip():
-                yield run_history, base_history, gr.skip(), "Type a message first."
+                yield run_history, base_history, gr.skip(), "Type a message first.", gr.skip()
                 return
+            # The image goes with this message and stays in the conversation (shown in its bubble) until Clear.
+            turn = [{"path": image}, text] if image else text
             try:
                 run_key, base_key = board.chat_pair(name)
                 tools = board.chat_tools(name, tools_text or "")
+                _, image_paths = chat_conversation(run_history + [{"role": "user", "content": turn}])
+                if image_paths and tools is not None:
+                    raise ConfigError("images and tools together are not supported in the chat yet (the tool loop "
+                                      "generates from text only); clear the chat and use one of them.")
+                for key in (run_key, base_key):  # a text-only model is refused before any weights load
+                    board.chat_images(key, image_paths)
             except (reading.BoardError, ConfigError) as err:
-                yield run_history, base_history, gr.skip(), _message(err)
+                yield run_history, base_history, gr.skip(), _message(err), gr.skip()
                 return
             for history, key in ((run_history, run_key), (base_history, base_key)):
-                messages = [{"role": m["role"], "content": _text(m["content"])} for m in history
-                            if not is_tool_bubble(m)]
-                messages.append({"role": "user", "content": text})
+                history.append({"role": "user", "content": turn})
+                messages, image_paths = chat_conversation(history)
                 if tools is not None:  # the whole tool loop, then its turns as bubbles
-                    history.append({"role": "user", "content": text})
                     try:
                         history += board.tool_reply(key, messages, tokens, tools)
                     except Exception as err:  # a model that fails to load or generate: say so on the page
                         logger.exception("chat with %s failed", key)
                         history.append({"role": "assistant", "content": f"(error: {type(err).__name__}: {err})"})
-                    yield run_history, base_history, "", ""
+                    yield run_history, base_history, "", "", None
                     continue
-                history += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+                history.append({"role": "assistant", "content": ""})
                 reply = ""
                 try:
-                    for piece in board.reply(key, messages, tokens):
+                    for piece in board.reply(key, messages, tokens, image_paths):
                         reply += piece
                         history[-1]["content"] = _shown(reply)
-                        yield run_history, base_history, "", ""
+                        yield run_history, base_history, "", "", None
                 except Exception as err:  # a model that fails to load or generate: say so on the page
                     logger.exception("chat with %s failed", key)
                     reply = f"(error: {type(err).__name__}: {err})"
                 history[-1]["content"] = _shown(reply)
-                yield run_history, base_history, "", ""
+                yield run_history, base_history, "", "", None
 
-        send_button.click(respond, inputs=[chat_pick, message_box, run_bot, base_bot, max_new_tokens, tools_box],
-                          outputs=[run_bot, base_bot, message_box, chat_message])
-        message_box.submit(respond, inputs=[chat_pick, message_box, run_bot, base_bot, max_new_tokens, tools_box],
-                           outputs=[run_bot, base_bot, message_box, chat_message])
-        clear_button.click(lambda: ([], [], ""), outputs=[run_bot, base_bot, chat_message])
+        chat_inputs = [chat_pick, message_box, run_bot, base_bot, max_new_tokens, tools_box, image_box]
+        chat_outputs = [run_bot, base_bot, message_box, chat_message, image_box]
+        send_button.click(respond, inputs=chat_inputs, outputs=chat_outputs)
+        message_box.submit(respond, inputs=chat_inputs, outputs=chat_outputs)
+        clear_button.click(lambda: ([], [], "", None), outputs=[run_bot, base_bot, chat_message, image_box])
     return app
 
 
@@ -584,7 +622,7 @@ def _shown(reply: str) -> str:
 
 
 def _text(content: Any) -> str:
-    """A chat message's text (Gradio may hand back structured content)."""
+    """A chat message's text (Gradio may hand back structured content); its files count for nothing."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -592,6 +630,49 @@ def _text(content: Any) -> str:
     if isinstance(content, dict):
         return str(content.get("text", ""))
     return str(content)
+
+
+def _files(content: Any) -> list[str]:
+    """The paths of a chat message's files, in order: `{"path": ...}` as the page sends them, or Gradio's
+    `{"type": "file", "file": {"path": ...}}` as it hands them back."""
+    parts = content if isinstance(content, list) else [content]
+    paths = []
+    for part in parts:
+        if isinstance(part, dict) and part.get("path"):
+            paths.append(str(part["path"]))
+        elif isinstance(part, dict) and isinstance(part.get("file"), dict) and part["file"].get("path"):
+            paths.append(str(part["file"]["path"]))
+    return paths
+
+
+def chat_conversation(history: list[dict[str, Any]]) -> tuple[list[dict[str, str]], list[str]]:
+    """The chat's history as the messages sent to a model, and the images they hold in the order of their `<image>`
+    placeholders. Tool bubbles are left out; a turn's images (its file parts) go before its text as placeholders
+    unless the text places them itself (`chat.with_images`, as `alignkit chat --image` does).
+
+    Example: `[{"role": "user", "content": [{"path": "cat.png"}, "What is it?"]}]` ->
+    `([{"role": "user", "content": "<image>What is it?"}], ["cat.png"])`.
+
+    Raises:
+        ConfigError: a turn whose text holds `<image>` placeholders, but not one per image.
+    """
+    from ..chat import with_images
+
+    messages, images = [], []
+    for message in history:
+        if is_tool_bubble(message):
+            continue
+        text, files = _text(message["content"]), _files(message["content"])
+        if files:
+            text = with_images(text, len(files))
+            images += files
+        messages.append({"role": message["role"], "content": text})
+    held = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+    if images and held != len(images):
+        raise ConfigError(f"the conversation holds {held - len(images)} {IMAGE_PLACEHOLDER} text(s) besides its "
+                          f"images; a vision-language model reads that text as an image's place: clear the chat and "
+                          f"leave it out.")
+    return messages, images
 
 
 def serve(runs: str, host: str = "127.0.0.1", port: Optional[int] = None, workdir: Optional[str] = None,
@@ -609,4 +690,4 @@ def serve(runs: str, host: str = "127.0.0.1", port: Optional[int] = None, workdi
     return app, board
 
 
-__all__ = ["Board", "build_app", "serve", "tool_bubbles", "is_tool_bubble"]
+__all__ = ["Board", "build_app", "serve", "tool_bubbles", "is_tool_bubble", "chat_conversation"]

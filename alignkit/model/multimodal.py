@@ -24,6 +24,13 @@ VISION_PARTS = {
     "idefics3": ("model.vision_model", "model.connector", "model.text_model"),
 }
 FREEZE_KEYS = ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model")
+# model_type -> why it is refused, where that is known (docs/multimodal.md has the checks behind each).
+NOT_RUN_BECAUSE = {
+    "smolvlm": "its processor (SmolVLMProcessor) cannot be built on the machine alignkit is tested on: it needs "
+               "torchvision (its video processor, a required part even for images) and num2words, neither installed "
+               "there. SmolVLM v1 checkpoints (SmolVLM-Instruct, -256M, -500M) are model_type idefics3 and run as "
+               "Idefics3",
+}
 
 
 def vision_language_type(config) -> Optional[str]:
@@ -34,8 +41,10 @@ def vision_language_type(config) -> Optional[str]:
 def check_supported(model_type: str, path: str) -> None:
     """Refuse a vision-language architecture whose parts `VISION_PARTS` does not name."""
     if model_type not in VISION_PARTS:
+        why = f" ({NOT_RUN_BECAUSE[model_type]})" if model_type in NOT_RUN_BECAUSE else ""
         raise ConfigError(f"{path} is a vision-language model of type {model_type!r}, which alignkit has not been "
-                          f"built and tested for; supported: {', '.join(sorted(VISION_PARTS))} (docs/multimodal.md).")
+                          f"built and tested for{why}; supported: {', '.join(sorted(VISION_PARTS))} "
+                          "(docs/multimodal.md).")
 
 
 def frozen_prefixes(model_type: str, finetuning_args) -> list[str]:
@@ -96,5 +105,5 @@ def load_processor(path: str, tokenizer, hub_kwargs: dict):
     return processor
 
 
-__all__ = ["VISION_PARTS", "FREEZE_KEYS", "vision_language_type", "check_supported", "frozen_prefixes",
+__all__ = ["VISION_PARTS", "FREEZE_KEYS", "NOT_RUN_BECAUSE", "vision_language_type", "check_supported", "frozen_prefixes",
            "freeze_parts", "lora_target_pattern", "load_processor"]

@@ -90,8 +90,8 @@ def test_the_page_chat_with_tools_end_to_end(board, scripted):
     holds the question and the answer, not the tool bubbles."""
     app = build_app(board)
     (respond,) = {f.fn for f in app.fns.values() if getattr(f.fn, "__name__", "") == "respond"}
-    *_, (run_history, base_history, box, error) = respond("with_tools", "What is 2 plus 3?", [], [], 128, "")
-    assert (box, error) == ("", "")
+    *_, (run_history, base_history, box, error, image) = respond("with_tools", "What is 2 plus 3?", [], [], 128, "")
+    assert (box, error, image) == ("", "", None)
     assert run_history == base_history == [{"role": "user", "content": "What is 2 plus 3?"}] + BUBBLES
     scripted.clear()
     list(respond("with_tools", "And 2 plus 3 again?", run_history, base_history, 128, ""))

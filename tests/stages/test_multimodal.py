@@ -275,6 +275,29 @@ def test_stages_without_image_support_refuse_a_vision_language_model(vlm_dir, tm
         run_train(config)
 
 
+def test_smolvlm_is_refused_with_why_before_the_weights_load(tmp_path, monkeypatch):
+    """transformers' SmolVLM (model_type smolvlm) builds and runs here, but its processor does not (torchvision and
+    num2words), so a SmolVLM folder is refused at its config, naming why and the SmolVLM checkpoints that do run."""
+    from transformers import LlamaConfig, SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMVisionConfig
+
+    from alignkit.errors import ConfigError
+    from alignkit.model import loader
+    from alignkit.model.tiny import build_tiny_tokenizer
+
+    folder = tmp_path / "tiny_smolvlm"
+    build_tiny_tokenizer().save_pretrained(folder)
+    config = SmolVLMConfig(vision_config=SmolVLMVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                             num_attention_heads=2, image_size=56, patch_size=14),
+                           text_config=LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                                   num_hidden_layers=2, num_attention_heads=4), scale_factor=2)
+    SmolVLMForConditionalGeneration(config).save_pretrained(folder)  # the model is fine; no processor can be saved
+    monkeypatch.setattr(loader, "_load_base", lambda *a, **k: pytest.fail("the weights loaded before the check"))
+    config = vlm_config(folder, mllm_demo(tmp_path))
+    with pytest.raises(ConfigError, match=r"type 'smolvlm'.*SmolVLMProcessor.*torchvision.*num2words.*model_type "
+                                          r"idefics3 and run as Idefics3.*supported: idefics3, llava"):
+        run_train(config)
+
+
 def test_alpaca_rows_with_image_placeholders(vlm_dir, tmp_path):
     write_png(tmp_path / "a.png", seed=3)
     write_png(tmp_path / "b.png", seed=4)

@@ -35,12 +35,24 @@ def _configure_logging() -> None:
 
 
 def _print_help_keys() -> None:
-    """Every key with its help, by group; transformers' own training keys folded into their names and a link."""
+    """Every key with its help, by group; transformers' own training keys folded into their names and a link.
+
+    Read from the key table (`alignkit.config.keytable`) when it matches the installed transformers, so the help
+    comes without importing torch; otherwise from the dataclasses themselves.
+    """
     import textwrap
 
-    from .config.parse import TRANSFORMERS_TRAINING_DOCS, TRANSFORMERS_TRAINING_GROUP, all_keys
+    from .config.keytable import load_key_table
+    from .config.values import TRANSFORMERS_TRAINING_DOCS, TRANSFORMERS_TRAINING_GROUP
 
-    for group, keys in all_keys().items():
+    table = load_key_table()
+    if table is not None:
+        groups = table["help"]
+    else:
+        from .config.parse import all_keys
+
+        groups = all_keys()
+    for group, keys in groups.items():
         print(f"\n[{group}]")
         if group == TRANSFORMERS_TRAINING_GROUP:
             print(f"  {len(keys)} keys of transformers' Seq2SeqTrainingArguments, as transformers defines them (a few\n"
@@ -63,6 +75,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # Reads the YAML file and splits the overrides before the config parser (and with it torch) is imported:
     # a missing or malformed file, or an override without `=`, fails at once.
     deepspeed = asks_for_deepspeed(args.config, args.overrides)
+    from .config.keytable import check_config_early, load_key_table
+
+    table = load_key_table()
+    if table is not None:  # an unknown key, a value of the wrong type or a missing dataset fails before torch loads
+        check_config_early(args.config, args.overrides, table)
     if command is None and deepspeed:
         # Before the config is read: reading it sets up the process group (transformers' TrainingArguments).
         os.environ.update(single_process_rendezvous(os.environ))

@@ -28,6 +28,13 @@ from .env import launched_processes, silence_deepspeed_cpu_notice
 from .errors import ConfigError, DataError, RewardFunctionError, TrainingDiverged
 
 
+# `alignkit eval`: a greedy decode step streams every weight once whatever the batch, so a wide batch costs little
+# more a step than a narrow one and needs fewer steps (docs/performance.md, "alignkit eval"). lm-eval's batch stays
+# at its usual size.
+REWARD_EVAL_BATCH_SIZE = 32
+TASKS_BATCH_SIZE = 8
+
+
 def _configure_logging() -> None:
     logging.basicConfig(format="[%(levelname)s|%(name)s] %(message)s", level=logging.INFO)
     for noisy in ("httpx", "urllib3", "filelock", "datasets", "huggingface_hub"):
@@ -228,8 +235,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             config_overrides.append(f"{key}={value}")
     config_overrides.append(f"dataset_dir={args.dataset_dir or default_dataset_dir(args.dataset)}")
     config = _model_args(args.model, args.adapter, config_overrides)
-    result = evaluate_rewards(config, reward_args, batch_size=args.batch_size, output=args.output,
-                              kl_reference=args.kl_reference)
+    result = evaluate_rewards(config, reward_args, batch_size=args.batch_size or REWARD_EVAL_BATCH_SIZE,
+                              output=args.output, kl_reference=args.kl_reference)
     adapter = f" + {args.adapter}" if args.adapter else ""
     print(f"eval: {result.num_rows} prompts of {args.dataset}, model {config.model.model_name_or_path or 'bundled'}"
           f"{adapter}, greedy, max_new_tokens {config.generating.max_new_tokens}")
@@ -257,7 +264,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     given_output_dir = any(item.split("=", 1)[0].strip() == "output_dir" for item in args.overrides)
     config = _model_args(args.model, args.adapter, args.overrides + (
         [f"output_dir={args.output_dir}"] if args.output_dir and not given_output_dir else []))
-    scores = run_tasks(config.model, tasks, limit=args.max_samples, batch_size=args.batch_size,
+    scores = run_tasks(config.model, tasks, limit=args.max_samples, batch_size=args.batch_size or TASKS_BATCH_SIZE,
                        output_dir=args.output_dir)
     adapter = f" + {args.adapter}" if args.adapter else ""
     print(f"eval: lm-eval tasks on model {config.model.model_name_or_path or 'bundled'}{adapter}"
@@ -384,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-weights", help="comma-separated weights of the weighted sum (default all 1)")
     p.add_argument("--max-new-tokens", type=int, help="most tokens per completion; use the run's "
                    "max_completion_length (default: max_new_tokens' default, 512)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=None, help="most prompts generated together (default "
+                   f"{REWARD_EVAL_BATCH_SIZE}; with --tasks, lm-eval's batch: {TASKS_BATCH_SIZE})")
     p.add_argument("--max-samples", type=int, help="evaluate only the first N prompts (with --tasks: documents "
                    "of each task)")
     p.add_argument("--cutoff-len", type=int, help="most prompt tokens (default: cutoff_len's default)")

@@ -29,6 +29,13 @@ from .env import launched_processes, silence_deepspeed_cpu_notice
 from .errors import ConfigError, DataError, RewardFunctionError, TrainingDiverged
 
 
+# `alignkit eval`: a greedy decode step streams every weight once whatever the batch, so a wide batch costs little
+# more a step than a narrow one and needs fewer steps (docs/performance.md, "alignkit eval"). lm-eval's batch stays
+# at its usual size.
+REWARD_EVAL_BATCH_SIZE = 32
+TASKS_BATCH_SIZE = 8
+
+
 def _configure_logging() -> None:
     logging.basicConfig(format="[%(levelname)s|%(name)s] %(message)s", level=logging.INFO)
     for noisy in ("httpx", "urllib3", "filelock", "datasets", "huggingface_hub"):
@@ -36,12 +43,24 @@ def _configure_logging() -> None:
 
 
 def _print_help_keys() -> None:
-    """Every key with its help, by group; transformers' own training keys folded into their names and a link."""
+    """Every key with its help, by group; transformers' own training keys folded into their names and a link.
+
+    Read from the key table (`alignkit.config.keytable`) when it matches the installed transformers, so the help
+    comes without importing torch; otherwise from the dataclasses themselves.
+    """
     import textwrap
 
-    from .config.parse import TRANSFORMERS_TRAINING_DOCS, TRANSFORMERS_TRAINING_GROUP, all_keys
+    from .config.keytable import load_key_table
+    from .config.values import TRANSFORMERS_TRAINING_DOCS, TRANSFORMERS_TRAINING_GROUP
 
-    for group, keys in all_keys().items():
+    table = load_key_table()
+    if table is not None:
+        groups = table["help"]
+    else:
+        from .config.parse import all_keys
+
+        groups = all_keys()
+    for group, keys in groups.items():
         print(f"\n[{group}]")
         if group == TRANSFORMERS_TRAINING_GROUP:
             print(f"  {len(keys)} keys of transformers' Seq2SeqTrainingArguments, as transformers defines them (a few\n"
@@ -64,6 +83,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # Reads the YAML file and splits the overrides before the config parser (and with it torch) is imported:
     # a missing or malformed file, or an override without `=`, fails at once.
     deepspeed = asks_for_deepspeed(args.config, args.overrides)
+    from .config.keytable import check_config_early, load_key_table
+
+    table = load_key_table()
+    if table is not None:  # an unknown key, a value of the wrong type or a missing dataset fails before torch loads
+        check_config_early(args.config, args.overrides, table)
     if command is None and deepspeed:
         # Before the config is read: reading it sets up the process group (transformers' TrainingArguments).
         os.environ.update(single_process_rendezvous(os.environ))
@@ -219,8 +243,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             config_overrides.append(f"{key}={value}")
     config_overrides.append(f"dataset_dir={args.dataset_dir or default_dataset_dir(args.dataset)}")
     config = _model_args(args.model, args.adapter, config_overrides)
-    result = evaluate_rewards(config, reward_args, batch_size=args.batch_size, output=args.output,
-                              kl_reference=args.kl_reference, tool_args=tool_args)
+    result = evaluate_rewards(config, reward_args, batch_size=args.batch_size or REWARD_EVAL_BATCH_SIZE,
+                              output=args.output, kl_reference=args.kl_reference, tool_args=tool_args)
     adapter = f" + {args.adapter}" if args.adapter else ""
     with_tools = ""
     if tool_args is not None:
@@ -253,7 +277,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     given_output_dir = any(item.split("=", 1)[0].strip() == "output_dir" for item in args.overrides)
     config = _model_args(args.model, args.adapter, args.overrides + (
         [f"output_dir={args.output_dir}"] if args.output_dir and not given_output_dir else []))
-    scores = run_tasks(config.model, tasks, limit=args.max_samples, batch_size=args.batch_size,
+    scores = run_tasks(config.model, tasks, limit=args.max_samples, batch_size=args.batch_size or TASKS_BATCH_SIZE,
                        output_dir=args.output_dir)
     adapter = f" + {args.adapter}" if args.adapter else ""
     print(f"eval: lm-eval tasks on model {config.model.model_name_or_path or 'bundled'}{adapter}"
@@ -380,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-weights", help="comma-separated weights of the weighted sum (default all 1)")
     p.add_argument("--max-new-tokens", type=int, help="most tokens per completion; use the run's "
                    "max_completion_length (default: max_new_tokens' default, 512)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=None, help="most prompts generated together (default "
+                   f"{REWARD_EVAL_BATCH_SIZE}; with --tasks, lm-eval's batch: {TASKS_BATCH_SIZE})")
     p.add_argument("--max-samples", type=int, help="evaluate only the first N prompts (with --tasks: documents "
                    "of each task)")
     p.add_argument("--cutoff-len", type=int, help="most prompt tokens (default: cutoff_len's default)")

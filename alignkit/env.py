@@ -3,7 +3,6 @@ processes were launched."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import platform
@@ -52,6 +51,8 @@ def silence_deepspeed_cpu_notice() -> None:
 
 
 def _version(distribution: str) -> str | None:
+    import importlib.metadata  # here, not at the top: `alignkit --help` imports this module and needs none of it
+
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:

@@ -17,7 +17,6 @@ This module imports the stage registry, so nothing the stages import may import 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import os
 from typing import Any, Optional
@@ -39,7 +38,16 @@ from .schema import (
     ModelArguments,
     TrainingArguments,
 )
-from .values import convert_value, field_types, parse_override
+from .values import (
+    TRANSFORMERS_TRAINING_DOCS,
+    TRANSFORMERS_TRAINING_GROUP,
+    assign_keys,
+    check_stage_name,
+    field_types,
+    key_owners,
+    merge_overrides,
+    parse_override,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +59,7 @@ def stage_names() -> str:
 
 def check_stage(stage: str) -> None:
     """Raise a ConfigError unless `stage` names a registered stage, suggesting the closest one."""
-    if stage not in STAGES:
-        close = difflib.get_close_matches(stage, list(STAGES), n=1, cutoff=0.5)
-        hint = f" Did you mean `{close[0]}`?" if close else ""
-        raise ConfigError(f"stage={stage!r} is not a stage; choose one of {stage_names()}.{hint}")
+    check_stage_name(stage, list(STAGES))
 
 
 def _check_deepspeed_processes(training: TrainingArguments, where: str) -> None:
@@ -198,22 +203,10 @@ def _stage_argument_classes() -> dict[str, type]:
 
 
 def _owners(stage: Optional[str] = None) -> dict[str, type]:
-    """Key → the dataclass that receives it.
-
-    A key may belong to several stages' classes (GRPO and PPO share the reward-function keys); it goes to
-    the class of `stage` when that class has it, else to the first stage class that does (so the error
-    can name a stage it applies to).
-    """
+    """Key -> the dataclass that receives it (`alignkit.config.values.key_owners`, preferring `stage`'s class)."""
     stage_classes = _stage_argument_classes()
-    owners: dict[str, type] = {}
-    preferred = stage_classes.get(stage) if stage is not None else None
-    if preferred is not None:
-        for name in field_types(preferred):
-            owners[name] = preferred
-    for cls in (*ARG_CLASSES, *dict.fromkeys(stage_classes.values())):
-        for name in field_types(cls):
-            owners.setdefault(name, cls)
-    return owners
+    classes = [(cls, field_types(cls)) for cls in (*ARG_CLASSES, *dict.fromkeys(stage_classes.values()))]
+    return key_owners(classes, stage_classes.get(stage) if stage is not None else None)
 
 
 def parse_config(
@@ -224,27 +217,11 @@ def parse_config(
     Raises:
         ConfigError: unknown key (with the closest valid one), bad type, or an invalid combination.
     """
-    merged: dict[str, Any] = dict(values or {})
-    from_command_line: dict[str, str] = {}  # key → the override text that set it, to attribute errors to it
-    for item in overrides or []:
-        key, value = parse_override(item)
-        merged[key] = value
-        from_command_line[key] = item
-
+    merged, from_command_line = merge_overrides(values, overrides)
     owners = _owners(str(merged.get("stage", FinetuningArguments.stage)))
     where = f" in {source}" if source else ""
-    per_class: dict[type, dict[str, Any]] = {cls: {} for cls in set(owners.values())}
-    for key, value in merged.items():
-        if key not in owners:
-            close = difflib.get_close_matches(key, list(owners), n=1, cutoff=0.6)
-            hint = f" Did you mean `{close[0]}`?" if close else " See `alignkit train --help-keys` for every key."
-            origin = f" on the command line ({from_command_line[key]})" if key in from_command_line else where
-            raise ConfigError(f"unknown key `{key}`{origin}.{hint}")
-        cls = owners[key]
-        if key == "bf16" and isinstance(value, str) and value.strip().lower() == "auto":
-            per_class[cls][key] = "auto"  # settled by `choose_precision` (and, on a CPU, a probe)
-            continue
-        per_class[cls][key] = convert_value(key, value, field_types(cls)[key])
+    per_class = assign_keys(merged, owners, {cls: field_types(cls) for cls in set(owners.values())},
+                            from_command_line, where)
 
     for key, value in TRAINING_DEFAULTS.items():
         per_class[TrainingArguments].setdefault(key, value)
@@ -393,9 +370,6 @@ def check_combinations(config: Config) -> None:
 # `--help-keys` groups, named as README.md and docs/config.md name them; the stages' groups follow, then the Trainer's.
 KEY_GROUPS = ((ModelArguments, "model"), (DataArguments, "data"), (FinetuningArguments, "finetuning"),
               (GeneratingArguments, "generation"), (TrainingArguments, "training"))
-TRANSFORMERS_TRAINING_GROUP = "training (transformers)"
-TRANSFORMERS_TRAINING_DOCS = ("https://huggingface.co/docs/transformers/main_classes/trainer"
-                              "#transformers.Seq2SeqTrainingArguments")
 
 
 def all_keys() -> dict[str, dict[str, str]]:

@@ -7,6 +7,7 @@ Used by the config parser for every key, and by `alignkit eval` for its reward k
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import types
 import typing
@@ -15,6 +16,12 @@ from typing import Any, Literal
 import yaml
 
 from ..errors import ConfigError
+
+# `alignkit train --help-keys` folds transformers' own training keys into one group of names and this link (here,
+# below the parser and the key table, since both print it).
+TRANSFORMERS_TRAINING_GROUP = "training (transformers)"
+TRANSFORMERS_TRAINING_DOCS = ("https://huggingface.co/docs/transformers/main_classes/trainer"
+                              "#transformers.Seq2SeqTrainingArguments")
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -128,6 +135,73 @@ def _type_name(tp: Any) -> str:
     return " or ".join(names)
 
 
+def key_owners(classes: list[tuple[Any, dict[str, Any]]], preferred: Any = None) -> dict[str, Any]:
+    """Key -> the class (or the class's name) that receives it.
+
+    Args:
+        classes: (class, its field types) pairs: the shared sections first, then each stage's class once.
+        preferred: the class of the run's stage. A key may belong to several stages' classes (GRPO and PPO share
+            the reward-function keys); it goes to `preferred` when that class has it, else to the first class that
+            does (so an error can name a stage it applies to).
+    """
+    owners: dict[str, Any] = {}
+    for cls, types_ in classes:
+        if cls == preferred:
+            owners.update(dict.fromkeys(types_, cls))
+    for cls, types_ in classes:
+        for name in types_:
+            owners.setdefault(name, cls)
+    return owners
+
+
+def assign_keys(merged: dict[str, Any], owners: dict[str, Any], types_of: dict[Any, dict[str, Any]],
+                from_command_line: dict[str, str], where: str) -> dict[Any, dict[str, Any]]:
+    """Each key's value converted to its owner's field type, grouped by owner.
+
+    Args:
+        merged: the config's keys, YAML and overrides merged.
+        owners: key -> owner (`key_owners`).
+        types_of: owner -> {key: field type}.
+        from_command_line: key -> the override that set it, to name it in an error.
+        where: `" in FILE"` or "".
+
+    Raises:
+        ConfigError: an unknown key (with the closest known one) or a value that does not fit its field.
+    """
+    per_class: dict[Any, dict[str, Any]] = {cls: {} for cls in set(owners.values())}
+    for key, value in merged.items():
+        if key not in owners:
+            close = difflib.get_close_matches(key, list(owners), n=1, cutoff=0.6)
+            hint = f" Did you mean `{close[0]}`?" if close else " See `alignkit train --help-keys` for every key."
+            origin = f" on the command line ({from_command_line[key]})" if key in from_command_line else where
+            raise ConfigError(f"unknown key `{key}`{origin}.{hint}")
+        cls = owners[key]
+        if key == "bf16" and isinstance(value, str) and value.strip().lower() == "auto":
+            per_class[cls][key] = "auto"  # settled by `parse.settle_auto_bf16` (and, on a CPU, a probe)
+            continue
+        per_class[cls][key] = convert_value(key, value, types_of[cls][key])
+    return per_class
+
+
+def check_stage_name(stage: str, names: list[str]) -> None:
+    """Raise a ConfigError unless `stage` is one of `names` (the registered stages), suggesting the closest one."""
+    if stage not in names:
+        close = difflib.get_close_matches(stage, names, n=1, cutoff=0.5)
+        hint = f" Did you mean `{close[0]}`?" if close else ""
+        raise ConfigError(f"stage={stage!r} is not a stage; choose one of {', '.join(names)}.{hint}")
+
+
+def merge_overrides(values: dict[str, Any] | None, overrides: list[str] | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """A config mapping with `key=value` overrides applied (overrides win), and key -> the override that set it."""
+    merged: dict[str, Any] = dict(values or {})
+    from_command_line: dict[str, str] = {}
+    for item in overrides or []:
+        key, value = parse_override(item)
+        merged[key] = value
+        from_command_line[key] = item
+    return merged, from_command_line
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """Split one `key=value` command-line override; the value stays a string unless it is YAML-structured."""
     if "=" not in text:
@@ -145,4 +219,4 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-__all__ = ["convert_value", "field_types", "parse_override"]
+__all__ = ["TRANSFORMERS_TRAINING_DOCS", "TRANSFORMERS_TRAINING_GROUP", "assign_keys", "check_stage_name", "convert_value", "field_types", "key_owners", "merge_overrides", "parse_override"]

@@ -7,6 +7,10 @@ id); (3) a cache key is computed from everything that changes the result; a cach
 stage's columns, converted row by row (a bad row stops the run with a `DataError` naming file, row and
 field, or is skipped and reported with `skip_invalid_rows`), split for `val_size`, tokenised, and written
 to the cache atomically (and to `tokenized_path` when given).
+
+`datasets` (with pyarrow, seconds to import) is imported by the functions that build or load a dataset, not
+here: `alignkit train` resolves the dataset names (`resolve_datasets`) before it imports torch
+(`alignkit.config.keytable`).
 """
 
 from __future__ import annotations
@@ -27,10 +31,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
-
-from datasets import Dataset, DatasetDict, load_from_disk
-from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from . import processors
 from ..env import alignkit_home, launched_processes
@@ -40,6 +41,9 @@ from .processors import REPORT_ROWS
 from .multimodal import IMAGE_COLUMN, ImageProcessing, check_row_images, count_placeholders, row_image_paths
 from .formats import DATA_KINDS, FORMATTINGS, DatasetAttr, check_columns, convert_row, guess_formatting
 from .template import ChatFormatter
+
+if TYPE_CHECKING:
+    from datasets import Dataset, DatasetDict
 
 logger = logging.getLogger(__name__)
 
@@ -631,6 +635,8 @@ def _save_atomically(splits: DatasetDict, target: Path) -> None:
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_dirs(target.parent)
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
     tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target, "tmp"), dir=target.parent))
     replaced = None
     quiet = not are_progress_bars_disabled()
@@ -692,6 +698,8 @@ def get_dataset(config, tokenizer, kind: str, images: Optional[ImageProcessing] 
         # The tokenizer is saved with the trained model (the Trainer's processing_class): it must carry the
         # format trained with, so that chat and export after training use it.
         tokenizer.chat_template = formatter.jinja_template()
+    from datasets import load_from_disk
+
     if d.tokenized_path and Path(d.tokenized_path).is_dir():
         logger.warning("Loading tokenised data from tokenized_path=%s; the dataset settings are ignored.",
                        d.tokenized_path)
@@ -751,6 +759,8 @@ def _main_process_first(config, desc: str) -> Iterator[bool]:
 def _build(config, formatter: ChatFormatter, kind: str, train_attrs: list[DatasetAttr],
            eval_attrs: list[DatasetAttr], for_generation: bool, images: Optional[ImageProcessing] = None
            ) -> DatasetDict:
+    from datasets import Dataset, DatasetDict
+
     d = config.data
     stage = config.finetuning.stage
     media_dir = d.dataset_dir if images is not None else None

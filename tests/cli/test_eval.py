@@ -98,7 +98,7 @@ def test_completions_are_model_generates_greedy_ones(workspace, tiny_model_dir, 
 
     monkeypatch.setattr(generation, "generate_with_decode", decode_and_generate)
     assert _eval(workspace, tiny_model_dir, "--reward", "length", "--max-new-tokens", "12") == 0
-    assert [len(out.texts) for out, _ in batches] == [3, 1]
+    assert [len(out.texts) for out, _ in batches] == [2, 2]  # at most 3 a batch: as few as that allows, equal
     for out, expected in batches:
         assert out.texts == expected.texts
         assert torch.equal(out.completion_mask, expected.completion_mask)
@@ -106,13 +106,28 @@ def test_completions_are_model_generates_greedy_ones(workspace, tiny_model_dir, 
                            expected.completion_ids[expected.completion_mask.bool()])
 
 
+def test_the_batch_width_does_not_change_the_greedy_answers(workspace, tiny_model_dir):
+    """The default batch (every prompt of this set at once) gives the rows one prompt at a time gives, token for
+    token: left padding and the attention mask keep each row to its own prompt."""
+    rows = {}
+    for name, extra in (("one", ["--batch-size", "1"]), ("default", [])):
+        out_file = workspace / f"{name}.jsonl"
+        args = ["eval", "--model", tiny_model_dir, "--dataset", str(workspace / "prompts.jsonl"), "--dataset-dir",
+                str(workspace), "--max-new-tokens", "12", "--reward", "length", "--output", str(out_file), *extra]
+        assert main(args) == 0
+        rows[name] = [json.loads(line) for line in out_file.read_text(encoding="utf-8").splitlines()]
+    assert [(r["completion"], r["completion_tokens"], r["truncated"]) for r in rows["default"]] == \
+        [(r["completion"], r["completion_tokens"], r["truncated"]) for r in rows["one"]]
+
+
 def test_a_failing_reward_function_is_a_clean_error(workspace, tiny_model_dir, capsys):
     code = _eval(workspace, tiny_model_dir, "--reward", f"{workspace / 'my_rewards.py'}:fails_on_spiders")
     err = capsys.readouterr().err
     assert code == 2
-    # Batches of 3: the spider prompt is row 0 of the second call, and the message shows its prompt.
+    # At most 3 a batch, 4 prompts: two batches of 2; the spider prompt is row 1 of the second call, and the
+    # message shows its prompt.
     assert "reward function fails_on_spiders raised ZeroDivisionError" in err
-    assert "on row 0 of 1 (prompt [{'role': 'user', 'content': 'How many legs does a spider have?'}]" in err
+    assert "on row 1 of 2 (prompt [{'role': 'user', 'content': 'How many legs does a spider have?'}]" in err
 
 
 def test_reward_settings_as_key_value(workspace, tiny_model_dir, capsys):

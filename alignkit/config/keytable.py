@@ -1,0 +1,142 @@
+"""Every config key and its type as a table read without importing torch, for the checks `alignkit train` makes first.
+
+The config's dataclasses cannot be imported cheaply: the training section subclasses transformers'
+`Seq2SeqTrainingArguments` (which imports torch) and each stage's keys live in its stage module. Importing them
+takes several seconds, so a misspelt key or a value of the wrong type would keep a user waiting that long for a
+one-line error. `keys.json`, next to this module, records what the parser needs to find those errors: each
+section's keys with their types, the stage names, and the `--help-keys` text. It is generated from the live
+dataclasses (`python -m alignkit.config.keytable`), and `tests/unit/test_key_table.py` fails when it no longer
+matches them.
+
+The table names the transformers release whose keys it holds; with another release installed it is not used
+and every check waits for the full parse, which finds the same errors. The early check is a subset of the full
+parse: it raises only what the parse would raise (through the same functions, `alignkit.config.values`), and a
+type it cannot write down (an enum, a class) accepts any value here and is checked by the parse.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from ..errors import ConfigError
+from ..files import load_yaml
+from .values import assign_keys, check_stage_name, key_owners, merge_overrides
+
+TABLE_FILE = Path(__file__).with_name("keys.json")
+_SCALARS = {"bool": bool, "int": int, "float": float, "str": str, "list": list, "dict": dict,
+            "none": type(None), "any": Any}
+
+
+def type_spec(tp: Any) -> Any:
+    """A field's type as JSON: a scalar's name, `list`, `dict`, `{"literal": [...]}` or `{"union": [...]}`.
+
+    Anything else (an enum, a class) is `any`: the early check lets every value through and the parse checks it.
+    """
+    if tp is type(None):
+        return "none"
+    if tp in (bool, int, float, str):
+        return tp.__name__
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return {"union": [type_spec(arg) for arg in typing.get_args(tp)]}
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if all(choice is None or isinstance(choice, (bool, int, float, str)) for choice in choices):
+            return {"literal": list(choices)}
+        return "any"
+    if origin in (list, tuple) or tp in (list, tuple):
+        return "list"
+    if origin is dict or tp is dict:
+        return "dict"
+    return "any"
+
+
+def type_from_spec(spec: Any) -> Any:
+    """The type `convert_value` checks a value against, from `type_spec`'s JSON."""
+    if isinstance(spec, str):
+        return _SCALARS[spec]
+    if "literal" in spec:
+        return Literal[tuple(spec["literal"])]
+    members = tuple(type_from_spec(member) for member in spec["union"])
+    return typing.Union[members] if len(members) > 1 else members[0]
+
+
+def build_key_table() -> dict[str, Any]:
+    """The table from the live dataclasses (imports torch, transformers and every stage module)."""
+    from ..stages import STAGES
+    from .parse import TRANSFORMERS_TRAINING_GROUP, _stage_argument_classes, all_keys
+    from .schema import ARG_CLASSES, DataArguments, FinetuningArguments
+    from .values import field_types
+
+    stage_classes = _stage_argument_classes()
+    classes = []
+    for cls in (*ARG_CLASSES, *dict.fromkeys(stage_classes.values())):
+        classes.append({"name": f"{cls.__module__}.{cls.__qualname__}",
+                        "stages": [name for name, stage_cls in stage_classes.items() if stage_cls is cls],
+                        "fields": {key: type_spec(tp) for key, tp in field_types(cls).items()}})
+    help_groups = all_keys()
+    # `--help-keys` prints transformers' own keys by name only (their help is transformers' documentation).
+    help_groups[TRANSFORMERS_TRAINING_GROUP] = dict.fromkeys(help_groups[TRANSFORMERS_TRAINING_GROUP], "")
+    return {"transformers": importlib.metadata.version("transformers"), "stages": list(STAGES),
+            "default_stage": FinetuningArguments.stage, "default_dataset_dir": DataArguments.dataset_dir,
+            "data_class": f"{DataArguments.__module__}.{DataArguments.__qualname__}",
+            "classes": classes, "help": help_groups}
+
+
+def load_key_table() -> Optional[dict[str, Any]]:
+    """The committed table, or None when it is missing or was made with another transformers release."""
+    try:
+        table = json.loads(TABLE_FILE.read_text(encoding="utf-8"))
+        installed = importlib.metadata.version("transformers")
+    except (OSError, ValueError, importlib.metadata.PackageNotFoundError):
+        return None
+    return table if table.get("transformers") == installed else None
+
+
+def check_config_early(path: str, overrides: list[str], table: dict[str, Any]) -> None:
+    """Raise what `read_config(path, overrides)` would raise for an unknown key, a value of the wrong type, an
+    unknown stage, or a dataset that does not exist, without importing torch.
+
+    Raises:
+        ConfigError: an unknown key, a value that does not fit, or an unknown stage (the parse's messages).
+        DataError: a `dataset` / `eval_dataset` that is not a file, a registry name or a hub id (the loader's).
+    """
+    merged, from_command_line = merge_overrides(load_yaml(path), overrides)
+    stage = str(merged.get("stage", table["default_stage"]))
+    classes = [(entry["name"], {key: type_from_spec(spec) for key, spec in entry["fields"].items()})
+               for entry in table["classes"]]
+    preferred = next((entry["name"] for entry in table["classes"] if stage in entry["stages"]), None)
+    owners = key_owners(classes, preferred)
+    per_class = assign_keys(merged, owners, dict(classes), from_command_line, f" in {path}")
+    try:
+        check_stage_name(stage, table["stages"])
+    except ConfigError as err:
+        raise ConfigError(f"{err} ({path})") from None
+    data = per_class.get(table["data_class"], {})
+    tokenized = data.get("tokenized_path")
+    if tokenized and Path(tokenized).is_dir():
+        return  # the saved tokens are loaded and the dataset keys ignored (`alignkit.data.loader.get_dataset`)
+    from ..data.loader import resolve_datasets
+
+    for key in ("dataset", "eval_dataset"):
+        if data.get(key):
+            resolve_datasets(data[key], data.get("dataset_dir", table["default_dataset_dir"]))
+
+
+def write_key_table() -> Path:
+    """Regenerate `keys.json` from the live dataclasses; run after changing a config key or upgrading transformers."""
+    TABLE_FILE.write_text(json.dumps(build_key_table(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return TABLE_FILE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(f"wrote {write_key_table()}")
+
+
+__all__ = ["TABLE_FILE", "build_key_table", "check_config_early", "load_key_table", "type_from_spec", "type_spec",
+           "write_key_table"]

@@ -9,8 +9,8 @@ decoder is replaced by a scripted one that answers from the context alone (what 
                                                                (3 calls, 1 failed)     accuracy 1
 
 By hand: 5 calls over 4 prompts (1.25 per prompt), 2 failed, success rate 3 / 5 = 0.6; add 3 calls 0 failed, unknown
-(the name `sub` and the unreadable call) 2 calls 2 failed; accuracy 3 / 4 = 0.75. With --batch-size 3 the rows run in
-two batches, and in the first the rows finish after 1, 0 and 1 tool turns.
+(the name `sub` and the unreadable call) 2 calls 2 failed; accuracy 3 / 4 = 0.75. With --batch-size 2 the rows run in
+two batches of 2; in the first the rows finish after 1 and 0 tool turns, in the second after 1 and 2.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def scripted(tiny_tokenizer, monkeypatch):
 def _eval(tmp_path, tiny_model_dir, *extra):
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS), encoding="utf-8")
     return main(["eval", "--model", tiny_model_dir, "--dataset", str(tmp_path / "prompts.jsonl"), "--dataset-dir",
-                 str(tmp_path), "--template", "chatml", "--max-new-tokens", "400", "--batch-size", "3",
+                 str(tmp_path), "--template", "chatml", "--max-new-tokens", "400", "--batch-size", "2",
                  "--reward", "accuracy", *extra])
 
 
@@ -87,13 +87,15 @@ def test_eval_with_tools_counts_calls_and_scores_the_final_answer(tmp_path, tiny
     assert first[1] == {"role": "tool", "name": "add", "content": "5"}
     assert "not found" in rows[2]["messages"][1]["content"]  # the unknown tool's error went back to the model
     assert [m["content"] for m in rows[3]["messages"] if m["role"] == "tool"][1:] == ["18", "2"]
-    # The prompt shows the schema; batches of 3 then 1; a later turn generates only for the rows still calling,
-    # with the budget left (max_new_tokens counts the whole conversation).
+    # The prompt shows the schema; two batches of 2; a later turn generates only for the rows still calling, with
+    # the budget left (max_new_tokens counts the whole conversation).
     contexts, budget = scripted[0]
-    assert len(contexts) == 3 and budget == 400 and all('"name": "add"' in c and "<tools>" in c for c in contexts)
+    assert len(contexts) == 2 and budget == 400 and all('"name": "add"' in c and "<tools>" in c for c in contexts)
     second_turn, budget = scripted[1]
-    assert [c.count("<tool_response>") for c in second_turn] == [1, 1] and budget < 400
-    assert len(scripted[2][0]) == 1 and "9 plus 9" in scripted[2][0][0]
+    assert len(second_turn) == 1 and "2 plus 3" in second_turn[0] and second_turn[0].count("<tool_response>") == 1
+    assert budget < 400
+    assert [len(contexts) for contexts, _ in scripted[2:]] == [2, 2, 1]
+    assert [c.count("<tool_response>") for c in scripted[3][0]] == [1, 1] and "9 plus 9" in scripted[4][0][0]
 
 
 def test_the_iteration_cap_reaches_the_loop(tmp_path, tiny_model_dir, scripted, capsys):

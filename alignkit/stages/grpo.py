@@ -969,16 +969,27 @@ class GRPOTrainer(OnlineTrainer):
 # ---------------------------------------------------------------------------------------------------
 
 
-def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
-                         callbacks: list["TrainerCallback"]) -> "GRPOTrainer":
-    """Tokenizer, prompts, model and reward functions as `config` says, in a `GRPOTrainer` (or subclass: RLOO)."""
+def build_online_trainer(trainer_class: type["OnlineTrainer"], config: "Config", callbacks: list["TrainerCallback"],
+                         *, method_keyword: str = "grpo_args",
+                         max_completion_length: Optional[int] = None) -> "OnlineTrainer":
+    """Tokenizer, prompts, model and reward functions as `config` says, in an online stage's trainer.
+
+    Args:
+        trainer_class: `GRPOTrainer` or a subclass (RLOO), or another `OnlineTrainer` taking reward functions and
+            stop tokens (online DPO).
+        method_keyword: the trainer's keyword for the stage's own keys (`config.method`): `grpo_args` for GRPO and
+            its subclasses, `online_dpo_args` for online DPO.
+        max_completion_length: L_max of the `length` reward when the stage's keys do not name it
+            `max_completion_length` (online DPO: its `max_new_tokens`); checked before anything loads.
+    """
     from ..data import ChatFormatter, get_dataset
     from ..model.loader import load_model, load_tokenizer
     from ..rewards import build_reward_functions, check_reward_functions
     from .base import check_splits
 
     config_dir = config.dir
-    check_reward_functions(config.method, config_dir=config_dir)  # before anything loads
+    check_reward_functions(config.method, config_dir=config_dir,  # before anything loads
+                           max_completion_length=max_completion_length)
     tokenizer = load_tokenizer(config.model)
     formatter = ChatFormatter(tokenizer, config.data.template)
     tool_kwargs: dict[str, Any] = {}
@@ -994,16 +1005,17 @@ def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
     check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
     reward_functions = build_reward_functions(
-        config.method, model=model, formatter=formatter, model_args=config.model, config_dir=config_dir)
+        config.method, model=model, formatter=formatter, model_args=config.model, config_dir=config_dir,
+        max_completion_length=max_completion_length)
     return trainer_class(
         model=model,
         args=config.training,
-        grpo_args=config.method,
         reward_functions=reward_functions,
         stop_token_ids=formatter.stop_token_ids(),
         processing_class=tokenizer,
         callbacks=callbacks,
         train_dataset=datasets["train_dataset"],
+        **{method_keyword: config.method},
         **tool_kwargs,
     )
 

@@ -199,23 +199,33 @@ def main(argv: list[str] | None = None) -> int:
                 _libc.malloc_trim(0)
                 steps[-1]["rss_after_trim_mb"] = round(rss_mb(), 1)
 
-    with tempfile.TemporaryDirectory(prefix="alignkit-memphases-") as tmp:
-        work = Path(tmp)
-        _, model_dir = bench_run.resolve_model(opts.model, work)
-        data = bench_run.prepare_data(model_dir, [opts.stage], opts.steps * opts.batch, opts.cutoff, work)
-        os.environ["HF_DATASETS_CACHE"] = str(work / "hf_datasets")
-        os.environ["ALIGNKIT_DATA_CACHE"] = str(work / "alignkit_data")
-        mark("imported_and_data_written")
-        sampler.set("load")
-        args = ["--tool", "alignkit", "--variant", opts.variant, "--stage", opts.stage, "--model-dir", model_dir,
-                "--alignkit-dataset", data["sft"]["alignkit_dataset"],
-                "--alignkit-dataset-dir", data["sft"]["alignkit_dataset_dir"], "--steps", str(opts.steps),
-                "--batch", str(opts.batch), "--cutoff", str(opts.cutoff), "--threads", str(opts.threads),
-                "--output-dir", str(work / "out"), "--extra", *opts.extra]
-        wopts = worker.parse_args(args)
-        worker.run_alignkit(wopts, Phases())
-        mark("train_end")
-    sampler.stop()
+    saved_env = {key: os.environ.get(key) for key in ("HF_DATASETS_CACHE", "ALIGNKIT_DATA_CACHE")}
+    try:
+        with tempfile.TemporaryDirectory(prefix="alignkit-memphases-") as tmp:
+            work = Path(tmp)
+            _, model_dir = bench_run.resolve_model(opts.model, work)
+            data = bench_run.prepare_data(model_dir, [opts.stage], opts.steps * opts.batch, opts.cutoff, work)
+            os.environ["HF_DATASETS_CACHE"] = str(work / "hf_datasets")
+            os.environ["ALIGNKIT_DATA_CACHE"] = str(work / "alignkit_data")
+            mark("imported_and_data_written")
+            sampler.set("load")
+            args = ["--tool", "alignkit", "--variant", opts.variant, "--stage", opts.stage, "--model-dir", model_dir,
+                    "--alignkit-dataset", data["sft"]["alignkit_dataset"],
+                    "--alignkit-dataset-dir", data["sft"]["alignkit_dataset_dir"], "--steps", str(opts.steps),
+                    "--batch", str(opts.batch), "--cutoff", str(opts.cutoff), "--threads", str(opts.threads),
+                    "--output-dir", str(work / "out"), "--extra", *opts.extra]
+            worker.run_alignkit(worker.parse_args(args), Phases())
+            mark("train_end")
+    finally:  # leave the process as it was (the smoke test runs this inside pytest)
+        sampler.stop()
+        accelerate.Accelerator.backward = original_backward
+        if "hook" in saved and saved["hook"].context is not None:
+            saved["hook"].finish()
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     import resource
 
     result = {

@@ -372,6 +372,8 @@ def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     path = resolve_model_path(model_args)
+    if model_args.quantization_bit:
+        fixed_mmap_threshold()
     # `low_cpu_mem_usage` is accepted in configs but not passed: transformers 5 always loads lazily.
     kwargs = dict(dtype=resolve_dtype(model_args.infer_dtype), **_hub_kwargs(model_args), **_quantization_kwargs(model_args))
     attention = model_args.attn_implementation or attention_from_flash_attn(model_args.flash_attn)
@@ -387,7 +389,7 @@ def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = 
 
             check_supported(model_type, path)
             return AutoModelForImageTextToText.from_pretrained(path, **kwargs)
-        return _one_cpu_kernel(AutoModelForCausalLM.from_pretrained(path, **kwargs))
+        return _quantized_base_settled(AutoModelForCausalLM.from_pretrained(path, **kwargs))
 
     # The reward score is read at each sequence's last real token; transformers finds that token via
     # `pad_token_id`, so the config must carry it for plain-transformers scoring to work.
@@ -395,7 +397,8 @@ def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = 
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = load_tokenizer(model_args).pad_token_id
     if not head_comes_later:
-        return _one_cpu_kernel(AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs))
+        return _quantized_base_settled(AutoModelForSequenceClassification.from_pretrained(path, config=config,
+                                                                                            **kwargs))
     with _load_report_held() as held:
         model, info = AutoModelForSequenceClassification.from_pretrained(path, config=config, output_loading_info=True,
                                                                          **kwargs)
@@ -404,7 +407,7 @@ def _load_base(model_args: ModelArguments, head: Head, head_comes_later: bool = 
     if info["unexpected_keys"] or info["mismatched_keys"] or any(
             key.split(".")[0] not in REWARD_HEADS for key in info["missing_keys"]):
         held.release()
-    return _one_cpu_kernel(model)
+    return _quantized_base_settled(model)
 
 
 def _quantization_kwargs(model_args: ModelArguments) -> dict:
@@ -470,6 +473,71 @@ def scale_rope(config, model_args: ModelArguments):
     logger.info("rope_scaling=%s: factor %s, context %d -> %d positions.", kind, factor, original,
                 config.max_position_embeddings)
     return config
+
+
+def _quantized_base_settled(model):
+    """A freshly loaded model as training and decoding need it (returned): for a quantized base, one CPU 4-bit kernel
+    (`_one_cpu_kernel`) and its full-precision weights copied out of the checkpoint's memory map
+    (`_own_unquantized_weights`); any other model unchanged."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        _own_unquantized_weights(_one_cpu_kernel(model))
+    return model
+
+
+def _own_unquantized_weights(model) -> int:
+    """Copy the weights a quantized base keeps in full precision (embeddings, a tied `lm_head`, norms, a `score`
+    head) into memory of their own; returns how many tensors were copied.
+
+    transformers reads a safetensors checkpoint through a memory map, and a weight it does not convert is a view of
+    that map. Quantizing reads every other weight through the same map, so the whole file's pages are resident,
+    and they stay counted in the process's memory for as long as one view keeps the map open: on the bundled
+    SmolLM2-135M the tied embedding (113 MB) kept all 538 MB of the fp32 file resident next to the 4-bit model
+    (docs/qlora.md, "Memory"). Copies free the map. A full-precision load needs no copy: it keeps every weight in
+    the map, whose pages are then its weights.
+    """
+    copied: set[int] = set()
+    for tensor in [*model.parameters(), *model.buffers()]:  # a tied weight is one parameter, copied once
+        if id(tensor) in copied or not tensor.is_floating_point() or tensor.device.type != "cpu":
+            continue
+        tensor.data = tensor.data.clone()
+        copied.add(id(tensor))
+    return len(copied)
+
+
+# glibc's `mallopt` parameter for the size from which `malloc` maps memory of its own (and unmaps it on `free`).
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def fixed_mmap_threshold() -> bool:
+    """Fix glibc's mmap threshold at its default 128 KiB for this process (a quantized base on a CPU); returns
+    whether it was set.
+
+    glibc raises the threshold (up to 32 MiB) each time a mapped block is freed, after which tensors of a few MB
+    come from the heap, and a freed heap block stays part of the process. A QLoRA step allocates and frees a
+    dequantized weight around every matmul, forward and backward, between the activations that live until the
+    backward, and with a raised threshold the freed space grew to 2.4 GB of the 3.7 GB peak on the bundled model
+    (docs/qlora.md, "Memory"). A fixed threshold keeps those blocks mapped, so a free returns them. Not done where
+    the allocator is not glibc's, on GPUs, or when the user sets `MALLOC_MMAP_THRESHOLD_` (glibc's own variable,
+    read at start-up, which this leaves alone).
+    """
+    import ctypes
+    import ctypes.util
+
+    if torch.cuda.is_available() or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
+            return False
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        done = bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError, ValueError):  # no confstr name (not Linux), no libc to load
+        return False
+    if done:
+        logger.info("Quantized base on a CPU: glibc's mmap threshold fixed at %d KiB, so the dequantized weights of "
+                    "each step return their memory when freed (MALLOC_MMAP_THRESHOLD_ overrides).",
+                    _MMAP_THRESHOLD_BYTES // 1024)
+    return done
 
 
 def _one_cpu_kernel(model):

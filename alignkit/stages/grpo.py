@@ -1001,16 +1001,27 @@ class GRPOTrainer(OnlineTrainer):
 # ---------------------------------------------------------------------------------------------------
 
 
-def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
-                         callbacks: list["TrainerCallback"]) -> "GRPOTrainer":
-    """Tokenizer, prompts, model and reward functions as `config` says, in a `GRPOTrainer` (or subclass: RLOO)."""
+def build_online_trainer(trainer_class: type["OnlineTrainer"], config: "Config", callbacks: list["TrainerCallback"],
+                         *, method_keyword: str = "grpo_args",
+                         max_completion_length: Optional[int] = None) -> "OnlineTrainer":
+    """Tokenizer, prompts, model and reward functions as `config` says, in an online stage's trainer.
+
+    Args:
+        trainer_class: `GRPOTrainer` or a subclass (RLOO), or another `OnlineTrainer` taking reward functions and
+            stop tokens (online DPO).
+        method_keyword: the trainer's keyword for the stage's own keys (`config.method`): `grpo_args` for GRPO and
+            its subclasses, `online_dpo_args` for online DPO.
+        max_completion_length: L_max of the `length` reward when the stage's keys do not name it
+            `max_completion_length` (online DPO: its `max_new_tokens`); checked before anything loads.
+    """
     from ..data import ChatFormatter, get_dataset
     from ..model.loader import load_image_processing, load_model, load_tokenizer
     from ..rewards import build_reward_functions, check_reward_functions
     from .base import check_splits
 
     config_dir = config.dir
-    check_reward_functions(config.method, config_dir=config_dir)  # before anything loads
+    check_reward_functions(config.method, config_dir=config_dir,  # before anything loads
+                           max_completion_length=max_completion_length)
     tokenizer = load_tokenizer(config.model)
     formatter = ChatFormatter(tokenizer, config.data.template)
     tool_kwargs: dict[str, Any] = {}
@@ -1022,7 +1033,10 @@ def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
         factory = (load_environment_factory(config.method.environment_factory, config_dir, tools)
                    if config.method.environment_factory else None)
         tool_kwargs = {"tools": tools, "environment_factory": factory, "formatter": formatter}
-    images = load_image_processing(config.model, tokenizer)
+    # Image prompts: GRPO and its subclasses (RLOO); another online stage keeps refusing a vision-language model
+    # before its weights load (`load_model(vision=False)`).
+    vision = method_keyword == "grpo_args"
+    images = load_image_processing(config.model, tokenizer) if vision else None
     if images is not None:
         from ..rewards.builtin import BUILTIN_NAMES
 
@@ -1036,19 +1050,20 @@ def build_online_trainer(trainer_class: type["GRPOTrainer"], config: "Config",
                               "(docs/multimodal.md).")
     datasets = get_dataset(config, tokenizer, DATA_KIND, images=images)
     check_splits(config, datasets)
-    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train, vision=True)
+    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train, vision=vision)
     reward_functions = build_reward_functions(
-        config.method, model=model, formatter=formatter, model_args=config.model, config_dir=config_dir)
+        config.method, model=model, formatter=formatter, model_args=config.model, config_dir=config_dir,
+        max_completion_length=max_completion_length)
     return trainer_class(
         model=model,
         args=config.training,
-        grpo_args=config.method,
         reward_functions=reward_functions,
         stop_token_ids=formatter.stop_token_ids(),
         processing_class=tokenizer,
         callbacks=callbacks,
         train_dataset=datasets["train_dataset"],
-        images=images,
+        **{method_keyword: config.method},
+        **({"images": images} if vision else {}),
         **tool_kwargs,
     )
 

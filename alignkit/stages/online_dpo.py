@@ -39,7 +39,7 @@ from ..errors import ConfigError
 from ..rewards import RewardFunctionArguments
 from ..rl.rollout import completion_logps, rollout_seed
 from .dpo import preference_loss
-from .grpo import collate_prompt_rows
+from .grpo import build_online_trainer, collate_prompt_rows
 from .online import PROMPT_COLUMNS, OnlineTrainer
 
 if TYPE_CHECKING:
@@ -244,33 +244,12 @@ class OnlineDPOTrainer(OnlineTrainer):
 
 def run_online_dpo(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     """Train the policy with online DPO as `config` says; outputs (adapter, logs, completions.jsonl) go to
-    `output_dir`."""
-    from ..data import ChatFormatter, get_dataset
-    from ..model.loader import load_model, load_tokenizer
-    from ..rewards import build_reward_functions, check_reward_functions
-    from .base import check_splits, run_stage_trainer
+    `output_dir`. Built as the other online stages are (`grpo.build_online_trainer`); the `length` reward's default
+    L_max is `max_new_tokens`."""
+    from .base import run_stage_trainer
 
-    config_dir = config.dir
-    max_tokens = config.method.max_new_tokens  # the `length` reward's default L_max
-    check_reward_functions(config.method, config_dir=config_dir, max_completion_length=max_tokens)  # before loading
-    tokenizer = load_tokenizer(config.model)
-    datasets = get_dataset(config, tokenizer, DATA_KIND)
-    check_splits(config, datasets)
-    model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
-    formatter = ChatFormatter(tokenizer, config.data.template)
-    reward_functions = build_reward_functions(
-        config.method, model=model, formatter=formatter, model_args=config.model, config_dir=config_dir,
-        max_completion_length=max_tokens)
-    trainer = OnlineDPOTrainer(
-        model=model,
-        args=config.training,
-        online_dpo_args=config.method,
-        reward_functions=reward_functions,
-        stop_token_ids=formatter.stop_token_ids(),
-        processing_class=tokenizer,
-        callbacks=callbacks,
-        train_dataset=datasets["train_dataset"],
-    )
+    trainer = build_online_trainer(OnlineDPOTrainer, config, callbacks, method_keyword="online_dpo_args",
+                                   max_completion_length=config.method.max_new_tokens)
     run_stage_trainer(trainer, config)
 
 

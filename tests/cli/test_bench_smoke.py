@@ -6,6 +6,7 @@ docs/performance.md and the lead's comparison rely on.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -393,3 +394,21 @@ def test_sweep_quick_end_to_end(tmp_path):
     assert report["settings"]["tokens"] == 256
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "0 runs to do (3 kept" in again.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_memory_phases_reports_every_phase_of_a_tiny_qlora_run(tmp_path):
+    """`python -m bench.memory_phases` (docs/qlora.md "Memory"): a peak per phase, what autograd saved, the heap."""
+    from bench import memory_phases
+
+    out = tmp_path / "phases.json"
+    assert memory_phases.main(["--model", "tiny", "--steps", "2", "--batch", "2", "--variant", "qlora", "--trim",
+                               "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["phase_peaks_mb"])[:3] == ["import", "load", "setup"]
+    assert {f"step{k}.{p}" for k in (1, 2) for p in ("forward", "backward", "optimizer", "rest")} <= set(
+        report["phase_peaks_mb"])
+    assert report["peak_rss_mb"] >= max(report["phase_peaks_mb"].values()) * 0.99
+    for step in report["steps"]:
+        assert step["saved_for_backward_mb"]["float32"] > 0
+        assert step["heap_at_end_mb"]["in_use"] > 0 and "rss_after_trim_mb" in step

@@ -143,3 +143,60 @@ def test_export_of_an_adapter_trained_on_a_quantized_base_says_it_merges_into_fu
     from safetensors.torch import load_file
 
     assert all(t.is_floating_point() and t.dtype == torch.float32 for t in load_file(out / "model.safetensors").values())
+
+
+def _maps_of(folder) -> list[str]:
+    """The lines of /proc/self/maps that map a file inside `folder` (a checkpoint held open by a memory map)."""
+    from pathlib import Path
+
+    root = str(Path(folder).resolve())
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if root in line]
+
+
+@needs_bnb
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+def test_a_4bit_base_lets_go_of_the_checkpoints_memory_map(tiny_model_dir, monkeypatch):
+    """The weights that stay full precision (the tied embedding and head, the norms) are copied out of the
+    safetensors map, so the whole checkpoint, which quantizing read, does not stay resident beside the 4-bit model
+    (docs/qlora.md, "Memory"). Without the copy the map stays open: the check can fail."""
+    import gc
+
+    from safetensors.torch import load_file
+
+    from alignkit.model import loader
+
+    def load():
+        model = loader.load_model(_quantized(tiny_model_dir), FinetuningArguments(finetuning_type="lora"),
+                                  is_trainable=True)
+        gc.collect()
+        return model, _maps_of(tiny_model_dir)
+
+    model, maps = load()
+    assert maps == []
+    base = model.get_base_model()
+    assert base.lm_head.weight is base.model.embed_tokens.weight  # still tied: one parameter, copied once
+    saved = load_file(f"{tiny_model_dir}/model.safetensors")
+    assert torch.equal(base.model.embed_tokens.weight, saved["model.embed_tokens.weight"])
+    assert torch.equal(base.model.norm.weight, saved["model.norm.weight"])
+    del model, base
+    gc.collect()
+
+    monkeypatch.setattr(loader, "_own_unquantized_weights", lambda model: 0)
+    kept, maps = load()
+    assert maps, "without the copies the checkpoint's map should stay open (this test would not notice it)"
+    del kept
+
+
+def test_the_mmap_threshold_is_fixed_for_a_quantized_cpu_base_unless_the_user_set_it(monkeypatch):
+    import os
+
+    from alignkit.model.loader import fixed_mmap_threshold
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert fixed_mmap_threshold() is False  # glibc read the user's own value at start-up; left alone
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    try:
+        glibc = (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (ValueError, OSError, AttributeError):
+        glibc = False
+    assert fixed_mmap_threshold() is (glibc and not torch.cuda.is_available())

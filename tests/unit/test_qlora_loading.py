@@ -155,7 +155,7 @@ def _maps_of(folder) -> list[str]:
 
 @needs_bnb
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
-def test_a_4bit_base_lets_go_of_the_checkpoints_memory_map(tiny_model_dir, monkeypatch):
+def test_a_4bit_base_lets_go_of_the_checkpoints_memory_map(tiny_model_dir, tmp_path, monkeypatch):
     """The weights that stay full precision (the tied embedding and head, the norms) are copied out of the
     safetensors map, so the whole checkpoint, which quantizing read, does not stay resident beside the 4-bit model
     (docs/qlora.md, "Memory"). Without the copy the map stays open: the check can fail."""
@@ -163,7 +163,12 @@ def test_a_4bit_base_lets_go_of_the_checkpoints_memory_map(tiny_model_dir, monke
 
     from safetensors.torch import load_file
 
+    import shutil
+
     from alignkit.model import loader
+
+    # A copy of its own: a model another test of this process still holds keeps the shared folder's file mapped.
+    tiny_model_dir = str(shutil.copytree(tiny_model_dir, tmp_path / "tiny_model"))
 
     def load():
         model = loader.load_model(_quantized(tiny_model_dir), FinetuningArguments(finetuning_type="lora"),

@@ -8,7 +8,6 @@ same conversations with the same chat template; our batch is then assembled from
 from __future__ import annotations
 
 import pytest
-import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 

@@ -8,7 +8,7 @@ import pytest
 from alignkit.config.parse import parse_config
 from alignkit.errors import DataError
 from alignkit.errors import ConfigError
-from alignkit.train import last_complete_checkpoint, resolve_resume, run_train
+from alignkit.train import resolve_resume, run_train
 
 
 def _sft_config(tiny_model_dir, out, tmp_path, **extra):

@@ -4,6 +4,8 @@ with demo_math or demo_math_eval, and scripts/make_demo_data.py reproduces the f
 
 from __future__ import annotations
 
+import copy
+
 import importlib.util
 import json
 import subprocess
@@ -60,6 +62,8 @@ def test_no_problem_of_grpo_or_of_the_held_out_set():
 
 
 def test_calls_and_answers_are_trained_tool_results_are_not(tiny_tokenizer):
+    # A copy: the smollm2 template is installed into the tokenizer it formats with, and the fixture is shared.
+    tiny_tokenizer = copy.deepcopy(tiny_tokenizer)
     config = parse_config({"dataset": "demo_tools_sft", "dataset_dir": str(DATA), "stage": "sft", "cutoff_len": 1024,
                            "template": "smollm2", "max_samples": 4})
     rows = get_dataset(config, tiny_tokenizer, "supervised")["train_dataset"]
@@ -80,6 +84,8 @@ def test_calls_and_answers_are_trained_tool_results_are_not(tiny_tokenizer):
 
 
 def test_the_sft_prompt_is_the_grpo_tool_prompt(tiny_tokenizer):
+    # A copy: the smollm2 template is installed into the tokenizer it formats with, and the fixture is shared.
+    tiny_tokenizer = copy.deepcopy(tiny_tokenizer)
     """The prompt part of a training row (up to the call) is token for token what GRPO's tool loop generates from."""
     config = parse_config({"dataset": "demo_tools_sft", "dataset_dir": str(DATA), "stage": "sft", "cutoff_len": 1024,
                            "template": "smollm2", "max_samples": 2})

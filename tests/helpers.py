@@ -74,3 +74,19 @@ def prompt_dataset(prompts: list[str], prompt_ids: list[list[int]]):
     return Dataset.from_list([
         {"input_ids": ids, "attention_mask": [1] * len(ids), "prompt_messages": [{"role": "user", "content": p}],
          "prompt_conversational": True} for p, ids in zip(prompts, prompt_ids)])
+
+
+def record_chat_generations(monkeypatch) -> list:
+    """Every generation through `alignkit.chat`'s path, recorded as (input_ids, pixel inputs), then run as usual."""
+    from alignkit import chat as chat_module
+
+    calls = []
+    original = chat_module.generate
+
+    def generate(model, tokenizer, input_ids, attention_mask, **kwargs):
+        calls.append((input_ids, kwargs.get("model_inputs") or {}))
+        return original(model, tokenizer, input_ids, attention_mask, **kwargs)
+
+    monkeypatch.setattr(chat_module, "generate", generate)
+    return calls
+

@@ -37,15 +37,9 @@ def board(tmp_path, vlm_dir, tiny_model_dir):
 @pytest.fixture
 def seen(monkeypatch):
     """(input_ids, pixel inputs) of every generation through chat's path."""
-    calls = []
-    original = chat_module.generate
+    from tests.helpers import record_chat_generations
 
-    def generate(model, tokenizer, input_ids, attention_mask, **kwargs):
-        calls.append((input_ids, kwargs.get("model_inputs") or {}))
-        return original(model, tokenizer, input_ids, attention_mask, **kwargs)
-
-    monkeypatch.setattr(chat_module, "generate", generate)
-    return calls
+    return record_chat_generations(monkeypatch)
 
 
 def respond_of(board):

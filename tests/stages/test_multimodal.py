@@ -318,14 +318,9 @@ def test_chat_with_an_image_passes_its_pixels(vlm_dir, tmp_path, monkeypatch):
     from alignkit.errors import ConfigError
 
     write_png(tmp_path / "cat.png", seed=5)
-    seen = []
-    original = chat_module.generate
+    from tests.helpers import record_chat_generations
 
-    def generate(model, tokenizer, input_ids, attention_mask, **kwargs):
-        seen.append((input_ids, kwargs.get("model_inputs") or {}))
-        return original(model, tokenizer, input_ids, attention_mask, **kwargs)
-
-    monkeypatch.setattr(chat_module, "generate", generate)
+    seen = record_chat_generations(monkeypatch)
     model_args = ModelArguments(model_name_or_path=str(vlm_dir))
     reply = chat_module.chat(model_args, GeneratingArguments(max_new_tokens=3), prompt="What is it?",
                              images=[str(tmp_path / "cat.png")], stream=io.StringIO())

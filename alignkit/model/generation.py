@@ -204,8 +204,14 @@ def _packed_weight_supported() -> bool:
 
 def _packed_forward(packed: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor, *args,
                     **kwargs) -> torch.Tensor:
-    """`F.linear(x, W, bias)` with `W` in oneDNN's packed layout (`torch.ops.mkldnn._reorder_linear_weight`)."""
-    rows = x.reshape(-1, x.size(-1)).contiguous()
+    """`F.linear(x, W, bias)` with `W` in oneDNN's packed layout (`torch.ops.mkldnn._reorder_linear_weight`).
+
+    The packed weights are fp32 (`packed_linears` packs nothing else), and oneDNN has no product of bf16 rows with
+    fp32 weights: under bf16 autocast (a `bf16` run's rollouts, inside accelerate's autocast forward) the layers
+    before hand this one bf16 activations, so they are cast up and the product runs in fp32, as the rollout would
+    without packing under autocast's fp32 fallback. A cast of a few decode rows costs nothing next to the product.
+    """
+    rows = x.reshape(-1, x.size(-1)).to(torch.float32).contiguous()
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out.size(-1))
 

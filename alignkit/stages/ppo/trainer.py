@@ -292,17 +292,18 @@ class PPOTrainer(OnlineTrainer):
         from ...model.heads import values_from_hidden
 
         call = self.model_wrapped if grad else None
-        logps, hidden, flat = policy_forward(self.model, input_ids, attention_mask, labels,
-                                             padding_free=self.args.padding_free, call=call)
-        if not with_values:
-            return logps, None
-        if self.ppo_args.ppo_critic == "head":
-            # A module call: under ZeRO-3 the value head's hooks gather it (it is H + 1 numbers, under the default
-            # `stage3_param_persistence_threshold` of 10 x H, so DeepSpeed keeps it whole anyway).
-            values = values_from_hidden(self.value_head, hidden, attention_mask, flat)[:, :-1]
-        else:
-            values = self._critic_values(input_ids, attention_mask, grad, call)
-        return logps, values
+        with self.accelerator.autocast():
+            logps, hidden, flat = policy_forward(self.model, input_ids, attention_mask, labels,
+                                                 padding_free=self.args.padding_free, call=call)
+            if not with_values:
+                return logps.float(), None
+            if self.ppo_args.ppo_critic == "head":
+                # A module call: under ZeRO-3 the value head's hooks gather it (it is H + 1 numbers, under the
+                # default `stage3_param_persistence_threshold` of 10 x H, so DeepSpeed keeps it whole anyway).
+                values = values_from_hidden(self.value_head, hidden, attention_mask, flat)[:, :-1]
+            else:
+                values = self._critic_values(input_ids, attention_mask, grad, call)
+        return logps.float(), values.float()
 
     # ---- one PPO step ----
 
@@ -323,6 +324,11 @@ class PPOTrainer(OnlineTrainer):
             for reward_model in self._standalone_reward_models():
                 gathered.enter_context(full_weights(reward_model))
             start = time.perf_counter()
+            # Mixed precision (`bf16`): PPO's model is not `accelerator.prepare`d outside DeepSpeed and FSDP, so
+            # accelerate's autocast forward is not there; every forward of the step (decode, policy, critic,
+            # reference) runs under the accelerator's autocast instead, as the other stages' forwards do (a no-op
+            # in fp32 and under DeepSpeed, whose engine holds the precision).
+            gathered.enter_context(self.accelerator.autocast())
             generation = self.sample(
                 rows["input_ids"],
                 # The policy's own distribution: the log-probs, ratios and KL below are those of what was sampled.

@@ -3,6 +3,7 @@
     alignkit train CONFIG.yaml [key=value ...]   run the stage named by `stage:`
     alignkit train --nproc N CONFIG.yaml          the same in N processes (through torchrun)
     alignkit chat [--model DIR] [--adapter DIR] [--prompt TEXT] [--tools file.py:function,...]
+                  [--environment-factory file.py:Class]
     alignkit export --model DIR [--adapter DIR] --export-dir DIR [--force] [--format gguf [--gguf-type T] [--ollama]]
     alignkit api [--model DIR] [--adapter NAME=DIR ...] [--host H] [--port N] [--api-key KEY]   OpenAI-compatible
     alignkit score --model DIR --input FILE.jsonl [--output FILE.jsonl]
@@ -166,7 +167,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     config = _model_args(args.model, args.adapter, args.overrides)
     tools = [t.strip() for t in args.tools.split(",") if t.strip()] if args.tools else None
     chat(config.model, config.generating, prompt=args.prompt, system=args.system, template=config.data.template,
-         images=args.image, tools=tools)
+         images=args.image, tools=tools, environment_factory=args.environment_factory)
     return 0
 
 
@@ -348,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "vision-language model, docs/multimodal.md)")
     p.add_argument("--tools", help="Python functions the model may call, comma-separated file.py:function or "
                                    "module:function (as GRPO's `tools`; docs/stages/tools.md)")
+    p.add_argument("--environment-factory", help="file.py:Class or module:Class, as GRPO's `environment_factory`: one "
+                   "instance for the conversation, reset(prompt=...) at its first message (a string it returns is "
+                   "appended to that message; again after `clear`), its public methods the model's tools")
     p.add_argument("overrides", nargs="*", help="settings as key=value (e.g. max_new_tokens=64 template=chatml)")
     p.set_defaults(func=_cmd_chat)
 

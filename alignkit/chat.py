@@ -2,7 +2,9 @@
 
 With a prompt it answers once; without one it runs a loop that keeps the conversation history
 (`clear` forgets it, `exit` quits). With `--image` files (a vision-language model), the images go with the first
-user message: at its `<image>` placeholders, or before its text when it has none. Prompts are rendered and stopped as everywhere else
+user message: at its `<image>` placeholders, or before its text when it has none. With `--tools` and/or
+`--environment-factory` the replies run GRPO's tool loop (`tool_turns`); an environment is one instance for the
+conversation (`start_environment`). Prompts are rendered and stopped as everywhere else
 (`model.generation`): the `template` key (the tokenizer's own when unset) and its end-of-turn token.
 Tokens are written as they are generated: `generate` runs in a thread and feeds a
 `TextIteratorStreamer`, which this thread drains.
@@ -187,6 +189,24 @@ def tool_reply(model, formatter: ChatFormatter, messages: list[dict[str, Any]], 
     return reply
 
 
+def start_environment(environment: Any, messages: list[dict[str, Any]]) -> tuple[str, Optional[str]]:
+    """Reset the conversation's environment at its first message, as training resets a row's before its rollout:
+    `reset(prompt=messages)` (a chat has no dataset columns), a string it returns appended to that message.
+
+    Args:
+        environment: the instance (`environment_factory()`).
+        messages: the conversation so far: the system message, if any, and the first user message.
+
+    Returns:
+        `(content, observation)`: the first user message's text as the model is to see it (and as the history keeps
+        it), and the observation (None when `reset` returned none).
+    """
+    observation = environment.reset(prompt=[dict(m) for m in messages])
+    if not isinstance(observation, str):
+        return messages[-1]["content"], None
+    return messages[-1]["content"] + observation, observation
+
+
 def load_chat_model(model_args: ModelArguments, template: str | None = None) -> tuple[Any, ChatFormatter]:
     """The model (base + merged adapters, eval mode, on the GPU when there is one) and its chat formatter.
 
@@ -248,6 +268,7 @@ def chat(
     input_fn: Callable[[str], str] | None = None,
     images: Sequence[str] | None = None,
     tools: list[str] | None = None,
+    environment_factory: str | None = None,
 ) -> str | None:
     """Answer `prompt` once, or hold an interactive conversation when `prompt` is None.
 
@@ -266,31 +287,49 @@ def chat(
             `clear`.
         tools: `file.py:function` / `module:function` specs the model may call (`tool_reply`, GRPO's tool loop);
             checked before the model loads. The template must write tool calls (e.g. `template=chatml`).
+        environment_factory: `file.py:Class` / `module:Class` (TRL's contract, as GRPO's `environment_factory`),
+            alone or with `tools`, checked before the model loads. One instance serves the conversation: it is reset
+            at the conversation's first message (`start_environment`; again at the first message after `clear`),
+            the observation is appended to that message and shown as `[reset] ...`, and its public methods are tools
+            for every reply, its state carried from one message to the next.
 
     Returns:
         The reply for a one-shot prompt, None after an interactive session.
     """
     image_paths = list(images or [])
-    if image_paths and tools:
-        raise ConfigError("alignkit chat: --image and --tools together are not supported yet (the tool loop "
-                          "generates from text only); use one of them.")
+    if image_paths and (tools or environment_factory):
+        raise ConfigError("alignkit chat: --image with --tools or --environment-factory is not supported yet (the "
+                          "tool loop generates from text only); use one of them.")
     processing = chat_images(model_args, image_paths)
-    functions = None
-    if tools:
-        from .rl.tools import ToolCallFormat, load_tools
+    functions = environment = None
+    if tools or environment_factory:
+        from .rl.tools import ToolCallFormat, environment_methods, load_environment_factory, load_tools
 
-        functions = load_tools(tools)
+        functions = load_tools(tools or [])
+        if environment_factory:
+            environment = load_environment_factory(environment_factory, tools=functions,
+                                                   key="--environment-factory")()
+            functions += environment_methods(environment)  # bound to the one instance: its state is the chat's
         ToolCallFormat.from_formatter(ChatFormatter(load_tokenizer(model_args), template))
     model, formatter = load_chat_model(model_args, template)
     image_arguments = (processing, image_paths) if image_paths else ()
 
-    def answer(history: list[dict[str, Any]], query: str) -> tuple[str, list[dict[str, Any]]]:
+    def answer(history: list[dict[str, Any]], query: str, speaker: str = "") -> tuple[str, list[dict[str, Any]]]:
+        """The reply to `query` (written after `speaker`, and after the environment's observation on a new
+        conversation) and the messages to add to the history: the user's, as the model saw it, and the reply's."""
         messages = build_messages(history, query, system)
+        if environment is not None and not history:  # a new conversation
+            query, observation = start_environment(environment, messages)
+            messages[-1]["content"] = query
+            if observation is not None:
+                stream.write(f"[reset] {observation.strip()}\n")
+        stream.write(speaker)
+        asked = [{"role": "user", "content": query}]
         if functions is None:
             reply = stream_reply(model, formatter, messages, generating_args, stream, *image_arguments)
-            return reply, [{"role": "assistant", "content": reply}]
+            return reply, asked + [{"role": "assistant", "content": reply}]
         turns = tool_reply(model, formatter, messages, generating_args, functions, stream)
-        return (turns[-1]["content"] if turns and turns[-1]["role"] == "assistant" else ""), turns
+        return (turns[-1]["content"] if turns and turns[-1]["role"] == "assistant" else ""), asked + turns
 
     if prompt is not None:
         return answer([], with_images(prompt, len(image_paths)) if image_paths else prompt)[0]
@@ -319,11 +358,9 @@ def chat(
             continue
         if image_paths and not history:  # the images go with the first message
             query = with_images(query, len(image_paths))
-        stream.write("Assistant: ")
-        _, turns = answer(history, query)
-        history += [{"role": "user", "content": query}] + turns
+        history += answer(history, query, "Assistant: ")[1]
     return None
 
 
-__all__ = ["chat", "stream_reply", "reply_pieces", "tool_reply", "tool_turns", "tool_turn_lines", "load_chat_model",
-           "chat_images", "check_images", "with_images", "build_messages"]
+__all__ = ["chat", "stream_reply", "reply_pieces", "tool_reply", "tool_turns", "tool_turn_lines", "start_environment",
+           "load_chat_model", "chat_images", "check_images", "with_images", "build_messages"]

@@ -3,11 +3,13 @@
     alignkit train CONFIG.yaml [key=value ...]   run the stage named by `stage:`
     alignkit train --nproc N CONFIG.yaml          the same in N processes (through torchrun)
     alignkit chat [--model DIR] [--adapter DIR] [--prompt TEXT] [--tools file.py:function,...]
+                  [--environment-factory file.py:Class]
     alignkit export --model DIR [--adapter DIR] --export-dir DIR [--force] [--format gguf [--gguf-type T] [--ollama]]
     alignkit api [--model DIR] [--adapter NAME=DIR ...] [--host H] [--port N] [--api-key KEY]   OpenAI-compatible
     alignkit score --model DIR --input FILE.jsonl [--output FILE.jsonl]
     alignkit eval --dataset NAME --reward SPEC [--model DIR] [--adapter DIR]   mean rewards, greedy (before/after RL)
                   [--tools file.py:function,...]                           ... answering through the tool loop
+                  [--environment-factory file.py:Class]                     ... with an environment per prompt
     alignkit eval --tasks NAME|task.yaml [--model DIR] [--adapter DIR]        lm-eval benchmarks (the lm-eval extra)
     alignkit board [--runs DIR] [--host H] [--port N]  web page: launch, watch, compare, stop runs, chat
     alignkit demo                                 a short LoRA SFT of the bundled model, checked before/after
@@ -165,7 +167,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     config = _model_args(args.model, args.adapter, args.overrides)
     tools = [t.strip() for t in args.tools.split(",") if t.strip()] if args.tools else None
     chat(config.model, config.generating, prompt=args.prompt, system=args.system, template=config.data.template,
-         images=args.image, tools=tools)
+         images=args.image, tools=tools, environment_factory=args.environment_factory)
     return 0
 
 
@@ -230,10 +232,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         else:
             config_overrides.append(item)
     tools = [t.strip() for t in args.tools.split(",") if t.strip()] if args.tools else []
-    if tool_settings and not tools:
+    environment_factory = args.environment_factory
+    if tool_settings and not (tools or environment_factory):
         raise ConfigError(f"alignkit eval: {', '.join(sorted(tool_settings))} apply to the tool loop; add --tools "
-                          "file.py:function.")
-    tool_args = tool_arguments(tools, tool_settings) if tools else None
+                          "file.py:function or --environment-factory file.py:Class.")
+    tool_args = tool_arguments(tools, tool_settings, environment_factory) if tools or environment_factory else None
     if args.reward_weights:
         reward_settings["reward_weights"] = args.reward_weights
     reward_args = reward_arguments(args.reward, reward_settings)
@@ -250,7 +253,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if tool_args is not None:
         cap = tool_args.max_tool_calling_iterations
         turns = f"at most {cap} tool turns" if cap is not None else "no cap on tool turns"
-        with_tools = f", tools {', '.join(tools)} ({turns}, tool_timeout {tool_args.tool_timeout:g} s)"
+        used = tools + ([f"environment {environment_factory}"] if environment_factory else [])
+        with_tools = f", tools {', '.join(used)} ({turns}, tool_timeout {tool_args.tool_timeout:g} s)"
     print(f"eval: {result.num_rows} prompts of {args.dataset}, model {config.model.model_name_or_path or 'bundled'}"
           f"{adapter}, greedy, max_new_tokens {config.generating.max_new_tokens}{with_tools}")
     print(result.summary())
@@ -345,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "vision-language model, docs/multimodal.md)")
     p.add_argument("--tools", help="Python functions the model may call, comma-separated file.py:function or "
                                    "module:function (as GRPO's `tools`; docs/stages/tools.md)")
+    p.add_argument("--environment-factory", help="file.py:Class or module:Class, as GRPO's `environment_factory`: one "
+                   "instance for the conversation, reset(prompt=...) at its first message (a string it returns is "
+                   "appended to that message; again after `clear`), its public methods the model's tools")
     p.add_argument("overrides", nargs="*", help="settings as key=value (e.g. max_new_tokens=64 template=chatml)")
     p.set_defaults(func=_cmd_chat)
 
@@ -417,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "file.py:function or module:function (docs/stages/tools.md); reports tool calls and their success "
                    "rate too. The loop's limits as the run's keys: max_tool_calling_iterations=N tool_timeout=S "
                    "max_tool_output_chars=N")
+    p.add_argument("--environment-factory", help="answer through the tool loop with this environment, file.py:Class "
+                   "or module:Class (as GRPO's `environment_factory`; alone or with --tools): each prompt gets its own "
+                   "instance, reset with the row's columns and prompt; its public methods are tools and the reward "
+                   "functions get the instances as `environments`")
     p.add_argument("overrides", nargs="*", help="more settings as key=value, e.g. format_reward_pattern=... "
                    "length_reward_window=64")
     p.set_defaults(func=_cmd_eval)

@@ -26,7 +26,11 @@ batched): the prompt shows the tool schemas, calls are run and their results fed
 without a call, and the reward functions get the whole conversation as a message list, as in training;
 `max_new_tokens` counts the whole multi-turn completion, as `max_completion_length` does. Beside the rewards it
 reports the tool use (`ToolUse`): calls per prompt, the share of calls that parsed and ran without error, and the
-counts per tool.
+counts per tool. With an environment (`--environment-factory file.py:Class`, alone or with `--tools`; TRL 1.16's
+contract, as GRPO's `environment_factory`) each row of a batch gets its own instance from the loop's pool, reset with
+the row's columns and `prompt` just before the batch is answered (a string it returns is appended to the prompt's last
+message); its public methods are tools, counted under their names, and the reward functions get the batch's
+instances as `environments`, row for row, as in training.
 """
 
 from __future__ import annotations
@@ -257,9 +261,9 @@ def evaluate_rewards(
         kl_reference: also measure the KL of the model to this reference on its answers (`answers_kl`): adapter
             directories (comma-separated) on `model_name_or_path`, e.g. the SFT adapter a PPO run started from,
             or "base" for the model without adapters. It is loaded beside the model (a second copy in memory).
-        tool_args: the tool keys of a GRPO/RLOO run (`tools`, `max_tool_calling_iterations`, `tool_timeout`,
-            `max_tool_output_chars`; `tool_arguments` builds them): answer through the tool loop (module docstring).
-            None or no `tools`: plain generation.
+        tool_args: the tool keys of a GRPO/RLOO run (`tools`, `environment_factory`, `max_tool_calling_iterations`,
+            `tool_timeout`, `max_tool_output_chars`; `tool_arguments` builds them): answer through the tool loop
+            (module docstring). None or neither `tools` nor `environment_factory`: plain generation.
 
     Raises:
         ConfigError, DataError: bad settings or data, before the model loads.
@@ -283,23 +287,25 @@ def evaluate_rewards(
         examples = examples[:d.max_samples]
     check_reward_functions(reward_args, config_dir=config_dir, max_completion_length=config.generating.max_new_tokens,
                            key="--reward")
-    tool_functions = None
-    if tool_args is not None and tool_args.tools:
-        from .rl.tools import load_tools
+    tool_functions = environment_factory = None
+    if tool_args is not None and tool_args.uses_tools:
+        from .rl.tools import load_environment_factory, load_tools
 
         if kl_reference:
-            raise ConfigError("alignkit eval: --kl-reference with --tools is not supported yet (the KL would have to "
-                              "leave the tool results out); evaluate them in two runs.")
-        tool_functions = load_tools(tool_args.tools, config_dir)
+            raise ConfigError("alignkit eval: --kl-reference with --tools or --environment-factory is not supported yet "
+                              "(the KL would have to leave the tool results out); evaluate them in two runs.")
+        tool_functions = load_tools(tool_args.tools or [], config_dir)
+        if tool_args.environment_factory:
+            environment_factory = load_environment_factory(tool_args.environment_factory, config_dir, tool_functions,
+                                                           key="--environment-factory")
     tokenizer = load_tokenizer(config.model)
     formatter = ChatFormatter(tokenizer, d.template)
-    tool_loop = tool_prompt_ids = row_tools = None
+    tool_loop = None
     if tool_functions is not None:  # the template must write tool calls: checked here, before the model loads
         from .rl.tools import ToolLoop
+        from .stages.online import PROMPT_COLUMNS  # what a row's `reset` is not given, as in training
 
-        tool_loop = ToolLoop(tool_functions, None, formatter, formatter.stop_token_ids())
-        _, row_tools, _, tool_prompt_ids = tool_loop.start([_as_messages(e["prompt"]) for e in examples],
-                                                           [{} for _ in examples])
+        tool_loop = ToolLoop(tool_functions, environment_factory, formatter, formatter.stop_token_ids())
     encoded, cut = [], []
     for row, example in enumerate(examples, start=1):
         features, tokens_cut = encode_prompt(formatter, example, d.cutoff_len)
@@ -341,7 +347,8 @@ def evaluate_rewards(
     for start in range(0, len(examples), batch_size):
         batch = examples[start:start + batch_size]
         features = encoded[start:start + batch_size]
-        messages = None
+        messages = environments = None
+        prompts = [example["prompt"] for example in batch]
         if tool_loop is None:
             input_ids, attention_mask = pad_prompts([f["input_ids"] for f in features], pad_id)
             out = decode(input_ids, attention_mask, decode_kwargs)
@@ -349,8 +356,15 @@ def evaluate_rewards(
             texts, truncated = out.texts, out.truncated.tolist()
             completions = [[{"role": "assistant", "content": text}] for text in texts]
         else:
+            # Per batch, as training's rounds: the pool's first len(batch) environments, reset for these rows now, so
+            # each row has its own instance until the batch is scored. The rewards then see the prompts as `reset`
+            # left them.
+            reset_kwargs = [{**{k: v for k, v in f.items() if k not in PROMPT_COLUMNS}, "prompt": p}
+                            for f, p in zip(features, prompts)]
+            prompts, row_tools, environments, tool_prompt_ids = tool_loop.start(
+                [_as_messages(p) for p in prompts], reset_kwargs)
             rollout = tool_loop.run(
-                generate_turn, tool_prompt_ids[start:start + batch_size], row_tools[start:start + batch_size],
+                generate_turn, tool_prompt_ids, row_tools,
                 max_completion_length=max_new_tokens, max_iterations=tool_args.max_tool_calling_iterations,
                 timeout=tool_args.tool_timeout, max_tool_output_chars=tool_args.max_tool_output_chars,
                 max_context_length=getattr(model.config, "max_position_embeddings", None))
@@ -359,9 +373,10 @@ def evaluate_rewards(
             completions = messages  # the whole conversation, as GRPO's reward functions get it
             texts = [m[-1]["content"] if m and m[-1]["role"] == "assistant" else "" for m in messages]
             truncated = [not ids or ids[-1] not in stop_ids for ids in completion_ids]
-        prompts = [example["prompt"] for example in batch]
         extra_keys = [k for k in features[0] if k not in ("input_ids", "attention_mask")]
         columns = {key: [f.get(key) for f in features] for key in extra_keys}
+        if environments:  # for the reward functions only: not a column of the --output rows
+            columns["environments"] = environments
         scores = rewards(prompts, completions, columns, completion_ids=completion_ids, truncated=truncated)
         per_function.append(scores)
         if reference is not None:
@@ -398,9 +413,10 @@ def _decoded_ids(out) -> list[list[int]]:
     return [ids[mask.bool()].tolist() for ids, mask in zip(out.completion_ids.cpu(), out.completion_mask.cpu())]
 
 
-def tool_arguments(tools: list[str], overrides: dict[str, Any]):
-    """The tool keys of a GRPO/RLOO run for `evaluate_rewards(tool_args=...)`: `tools` and the `key=value` settings
-    of `TOOL_KEYS`, converted and checked as in a config file (`GroupRolloutArguments`'s fields and checks).
+def tool_arguments(tools: list[str], overrides: dict[str, Any], environment_factory: Optional[str] = None):
+    """The tool keys of a GRPO/RLOO run for `evaluate_rewards(tool_args=...)`: `tools`, `environment_factory` and the
+    `key=value` settings of `TOOL_KEYS`, converted and checked as in a config file (`GroupRolloutArguments`'s fields
+    and checks).
 
     Raises:
         ConfigError: a value of the wrong type or out of range.
@@ -409,10 +425,11 @@ def tool_arguments(tools: list[str], overrides: dict[str, Any]):
 
     types = field_types(GroupRolloutArguments)
     values = {key: convert_value(key, value, types[key]) for key, value in overrides.items()}
-    return GroupRolloutArguments(tools=list(tools), **values)
+    return GroupRolloutArguments(tools=list(tools), environment_factory=environment_factory, **values)
 
 
-# The keys of a run's config that `alignkit eval --tools` takes as key=value (the loop's limits).
+# The keys of a run's config that `alignkit eval --tools` (or `--environment-factory`) takes as key=value (the loop's
+# limits).
 TOOL_KEYS = ("max_tool_calling_iterations", "tool_timeout", "max_tool_output_chars")
 
 

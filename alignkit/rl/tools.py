@@ -115,27 +115,31 @@ def environment_methods(environment: Any) -> list[Callable[..., Any]]:
 
 
 def load_environment_factory(spec: str, config_dir: Optional[str] = None,
-                             tools: Sequence[Callable[..., Any]] = ()) -> Callable[[], Any]:
+                             tools: Sequence[Callable[..., Any]] = (), key: str = "environment_factory"
+                             ) -> Callable[[], Any]:
     """The class (or factory) `environment_factory` names, probed once: it must build an instance with a `reset`
     method, whose public methods are tools with schemas, named apart from `tools`.
+
+    Args:
+        key: the setting named in the messages (`--environment-factory` for `alignkit eval` and `alignkit chat`).
 
     Raises:
         ConfigError: the spec does not import, the instance has no `reset`, a method has no usable schema.
     """
-    factory = _load(spec, config_dir, "environment_factory")
+    factory = _load(spec, config_dir, key)
     try:
         instance = factory()
     except Exception as err:
-        raise ConfigError(f"environment_factory: {spec!r}() raised {type(err).__name__}: {err}. It is called with no "
+        raise ConfigError(f"{key}: {spec!r}() raised {type(err).__name__}: {err}. It is called with no "
                           "arguments, once per rollout row.") from None
     if not callable(getattr(instance, "reset", None)):
-        raise ConfigError(f"environment_factory: {spec!r} builds a {type(instance).__name__} without a `reset` method. "
+        raise ConfigError(f"{key}: {spec!r} builds a {type(instance).__name__} without a `reset` method. "
                           "TRL's contract: reset(**row) -> str | None (text appended to the prompt's last message), "
                           "and each public method is a tool.")
     methods = environment_methods(instance)
     for method in methods:
         tool_schema(method, f"{spec}.{method.__name__}")
-    _check_unique([f.__name__ for f in tools] + [m.__name__ for m in methods], "environment_factory")
+    _check_unique([f.__name__ for f in tools] + [m.__name__ for m in methods], key)
     return factory
 
 

@@ -42,9 +42,8 @@ SCRIPT = {  # question -> the turn written after 0, 1, 2 tool turns
 }
 
 
-@pytest.fixture
-def scripted(tiny_tokenizer, monkeypatch):
-    """The decode loop replaced by the script; records every batch's contexts and its `max_new_tokens`."""
+def _script_decoder(tiny_tokenizer, monkeypatch, script):
+    """The decode loop replaced by `script`; records every batch's contexts and its `max_new_tokens`."""
     eos = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
     batches = []
 
@@ -53,14 +52,19 @@ def scripted(tiny_tokenizer, monkeypatch):
         batches.append((contexts, generation_kwargs["max_new_tokens"]))
         completions = []
         for context in contexts:
-            question = next(q for q in SCRIPT if f"What is {q}?" in context)
+            question = next(q for q in script if f"What is {q}?" in context)
             turns_written = context.count("<|im_start|>assistant") - 1  # the last is the generation prompt
-            text = SCRIPT[question][turns_written]
+            text = script[question][turns_written]
             completions.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
         return generation_from_token_lists(tokenizer, input_ids.tolist(), completions, stop_token_ids)
 
     monkeypatch.setattr(generation, "generate_with_decode", decode)
     return batches
+
+
+@pytest.fixture
+def scripted(tiny_tokenizer, monkeypatch):
+    return _script_decoder(tiny_tokenizer, monkeypatch, SCRIPT)
 
 
 def _eval(tmp_path, tiny_model_dir, *extra):
@@ -129,5 +133,69 @@ def test_tool_errors_come_before_the_model_loads(tmp_path, tiny_model_dir, monke
             (["max_tool_calling_iterations=2"], "add --tools"),
             (["--tools", f"{TOOLS}:add", "max_tool_calling_iterations=-1"], "max_tool_calling_iterations=-1 must be >= 0"),
             (["--tools", f"{TOOLS}:add", "--kl-reference", "base"], "--kl-reference with --tools")):
+        assert _eval(tmp_path, tiny_model_dir, *extra) != 0
+        assert message in capsys.readouterr().err, extra
+
+
+# `--environment-factory`: tests/tool_functions.py's Counter, one per prompt, whose `bump` is a tool; its reset() says
+# what it got (OBSERVATION: the row's column `answer` and `prompt`, one message), and the reward `counted` reads each
+# row's instance from `environments` (NaN where the instance was not reset for the row's answer).
+# Per row, with --tools add: bump(2), bump(3) -> 5 | no call -> 0 | bump(7) -> 7 | add(9, 9) and bump(1) in one turn
+# -> 1. So 5 calls over 4 prompts, none failed: bump 4, add 1; `counted` 5, 0, 7, 1 (mean 3.25); accuracy 4 / 4.
+ENVIRONMENT_SCRIPT = {
+    "2 plus 3": [_call("bump", by=2), _call("bump", by=3), "It is 5."],
+    "4 plus 4": ["8"],
+    "6 plus 1": [_call("bump", by=7), "7"],
+    "9 plus 9": [_call("add", a=9, b=9) + "\n" + _call("bump", by=1), "18"],
+}
+OBSERVATION = " (count from 0; reset got answer, prompt; 1 prompt messages)"
+
+
+def test_eval_with_an_environment_per_row(tmp_path, tiny_model_dir, tiny_tokenizer, monkeypatch, capsys):
+    batches = _script_decoder(tiny_tokenizer, monkeypatch, ENVIRONMENT_SCRIPT)
+    out_file = tmp_path / "rows.jsonl"
+    assert _eval(tmp_path, tiny_model_dir, "--tools", f"{TOOLS}:add", "--environment-factory", f"{TOOLS}:Counter",
+                 "--reward", f"{TOOLS}:counted", "--output", str(out_file)) == 0
+    printed = capsys.readouterr().out
+    assert "tool calls: 5 over 4 prompts (1.2500 per prompt), 5 ran without error (success rate 1.0000)" in printed
+    assert "  bump: 4 calls, 0 failed" in printed and "  add: 1 calls, 0 failed" in printed
+    assert "counted: 3.2500 (mean over 4 of 4 rows)" in printed and "accuracy: 1.0000" in printed
+    assert f"tools {TOOLS}:add, environment {TOOLS}:Counter (" in printed
+    rows = [json.loads(line) for line in out_file.read_text(encoding="utf-8").splitlines()]
+    assert [r["rewards"]["counted"] for r in rows] == [5.0, 0.0, 7.0, 1.0]
+    # reset got the row's columns and `prompt` (TRL's contract); its observation ends the prompt the model saw (with
+    # both tools' schemas) and the one the rewards got.
+    assert [r["prompt"][-1]["content"] for r in rows] == [q["prompt"] + OBSERVATION for q in ROWS]
+    assert "environments" not in rows[0]
+    first_turn, _ = batches[0]
+    assert all('"name": "bump"' in c and '"name": "add"' in c for c in first_turn)
+    assert "What is 2 plus 3?" + OBSERVATION in first_turn[0] and "What is 4 plus 4?" + OBSERVATION in first_turn[1]
+
+
+def test_eval_with_an_environment_alone_takes_the_loop_keys(tmp_path, tiny_model_dir, tiny_tokenizer, monkeypatch,
+                                                            capsys):
+    """max_tool_calling_iterations=1 without --tools: the 2 + 3 row stops after bump(2), so it counts 2; 3 calls."""
+    _script_decoder(tiny_tokenizer, monkeypatch, {**ENVIRONMENT_SCRIPT, "9 plus 9": [_call("bump", by=1), "18"]})
+    assert _eval(tmp_path, tiny_model_dir, "--environment-factory", f"{TOOLS}:Counter", "--reward", f"{TOOLS}:counted",
+                 "max_tool_calling_iterations=1", "--output", str(tmp_path / "rows.jsonl")) == 0
+    printed = capsys.readouterr().out
+    assert "tool calls: 3 over 4 prompts (0.7500 per prompt), 3 ran without error" in printed
+    assert "  bump: 3 calls, 0 failed" in printed and "add:" not in printed
+    assert f"tools environment {TOOLS}:Counter (at most 1 tool turns" in printed
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["rewards"]["counted"] for r in rows] == [2.0, 0.0, 7.0, 1.0]
+
+
+def test_environment_errors_come_before_the_model_loads(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    from alignkit.model import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    for extra, message in (
+            (["--environment-factory", f"{TOOLS}:Nope"], f"--environment-factory '{TOOLS}:Nope': "),
+            (["--environment-factory", f"{TOOLS}:Nope"], "has no `Nope`"),
+            (["--environment-factory", f"{TOOLS}:NoReset"], "--environment-factory: "),
+            (["--environment-factory", f"{TOOLS}:NoReset"], "without a `reset` method"),
+            (["--environment-factory", f"{TOOLS}:Counter", "--kl-reference", "base"],
+             "--kl-reference with --tools or --environment-factory")):
         assert _eval(tmp_path, tiny_model_dir, *extra) != 0
         assert message in capsys.readouterr().err, extra

@@ -7,7 +7,9 @@ linear layer, batch 8, cutoff 256, sft by default) in this process, with a threa
 - `import` (until the run starts), `load` (tokenizer, data, model, adapter: until `on_train_begin`), `setup` (the
   Trainer's own set-up until the first step);
 - per step: `forward` (from `on_step_begin` to the loss's backward call, `accelerate.Accelerator.backward`),
-  `backward`, `optimizer` (`on_pre_optimizer_step` to `on_optimizer_step`) and `rest` (to the next step).
+  `backward`, `optimizer` (`on_pre_optimizer_step` to `on_optimizer_step`) and `rest` (to the next step); an
+  online stage (`--stage grpo|rloo|distill|online_dpo`) adds `generation` (the sampling call inside the step's
+  forward phase), and each step records the resident size after it.
 
 Per step it also sums what autograd saved for backward (unique storages handed to `saved_tensors_hooks`, parameters
 left out) by dtype, and glibc's heap figures (`mallinfo2`: bytes in use, bytes free but kept by the process) at the
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.memory_phases", description=__doc__.splitlines()[0])
     p.add_argument("--variant", choices=["default", "qlora"], default="default",
                    help="default: fp32 LoRA; qlora: the 4-bit base of bench.worker.QLORA.")
-    p.add_argument("--stage", default="sft", choices=["sft"])
+    p.add_argument("--stage", default="sft", choices=["sft", "grpo", "rloo", "distill", "online_dpo"],
+                   help="online stages add a `generation` phase per step (the sampling call).")
     p.add_argument("--model", default="smollm2-135m-instruct", help="as `python -m bench --model`.")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
@@ -209,12 +212,32 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["ALIGNKIT_DATA_CACHE"] = str(work / "alignkit_data")
             mark("imported_and_data_written")
             sampler.set("load")
+            stage_data = data[bench_run.data_kind(opts.stage)]
             args = ["--tool", "alignkit", "--variant", opts.variant, "--stage", opts.stage, "--model-dir", model_dir,
-                    "--alignkit-dataset", data["sft"]["alignkit_dataset"],
-                    "--alignkit-dataset-dir", data["sft"]["alignkit_dataset_dir"], "--steps", str(opts.steps),
+                    "--alignkit-dataset", stage_data["alignkit_dataset"],
+                    "--alignkit-dataset-dir", stage_data["alignkit_dataset_dir"], "--steps", str(opts.steps),
                     "--batch", str(opts.batch), "--cutoff", str(opts.cutoff), "--threads", str(opts.threads),
                     "--output-dir", str(work / "out"), "--extra", *opts.extra]
-            worker.run_alignkit(worker.parse_args(args), Phases())
+            if opts.stage in worker.ONLINE_STAGES:  # the sampling call is a phase of its own
+                import alignkit.stages.online as online
+
+                sample = online.sample_completions
+
+                def phased_sample(*a, **k):
+                    sampler.set(f"step{len(steps)}.generation")
+                    out = sample(*a, **k)
+                    steps[-1]["rss_after_generation_mb"] = round(rss_mb(), 1)
+                    sampler.set(f"step{len(steps)}.forward")
+                    return out
+
+                online.sample_completions = phased_sample
+            try:
+                phases = Phases()
+                phases.recorder = worker.StepRecorder()  # the worker times generation through it
+                worker.run_alignkit(worker.parse_args(args), phases)
+            finally:
+                if opts.stage in worker.ONLINE_STAGES:
+                    online.sample_completions = sample
             mark("train_end")
     finally:  # leave the process as it was (the smoke test runs this inside pytest)
         sampler.stop()

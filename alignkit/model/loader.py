@@ -478,15 +478,16 @@ def scale_rope(config, model_args: ModelArguments):
 def _quantized_base_settled(model):
     """A freshly loaded model as training and decoding need it (returned): for a quantized base, one CPU 4-bit kernel
     (`_one_cpu_kernel`) and its full-precision weights copied out of the checkpoint's memory map
-    (`_own_unquantized_weights`); any other model unchanged."""
+    (`own_mapped_weights`); any other model unchanged."""
     if getattr(model, "hf_quantizer", None) is not None:
-        _own_unquantized_weights(_one_cpu_kernel(model))
+        own_mapped_weights(_one_cpu_kernel(model))
     return model
 
 
-def _own_unquantized_weights(model) -> int:
+def own_mapped_weights(model) -> int:
     """Copy the weights a quantized base keeps in full precision (embeddings, a tied `lm_head`, norms, a `score`
-    head) into memory of their own; returns how many tensors were copied.
+    head), or that a bf16 teacher keeps in fp32 (`precision.bf16_frozen_linears`), into memory of their own;
+    returns how many tensors were copied.
 
     transformers reads a safetensors checkpoint through a memory map, and a weight it does not convert is a view of
     that map. Quantizing reads every other weight through the same map, so the whole file's pages are resident,

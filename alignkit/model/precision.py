@@ -200,5 +200,35 @@ def resolve_auto_bf16(model: nn.Module, args: Any) -> bool:
     return bf16
 
 
-__all__ = ["BF16_MARGIN", "CHOICE_FILE", "PROBE_CACHE_FILE", "PROBE_ENV", "measure", "prefer_bf16",
-           "probe_enabled", "probe_key", "probe_step_seconds", "probed_choice", "resolve_auto_bf16"]
+def bf16_frozen_linears(model: nn.Module) -> int:
+    """Store a frozen model's linear weights in bf16, for a model that only ever runs under bf16 autocast (a
+    distillation teacher in a `bf16` run). Returns how many weights were converted.
+
+    Autocast casts an fp32 weight to bf16 (round to nearest even, as `.to(torch.bfloat16)`) at every call, so the
+    numbers are unchanged; the weights take half the memory and no call pays the cast. Left as they are: biases
+    (added in the matmul's own dtype either way), weights shared with the input embedding (a tied output layer:
+    the embedding feeds the fp32 residual stream), and non-float or quantized weights. The weights left in fp32 are
+    copied out of the checkpoint's memory map, which then closes, so the converted fp32 pages stop counting.
+
+    Example: the bundled model (30 layers of 7 projections, tied output layer) has 210 linear weights converted,
+    106 M of its 134.5 M weights; its teacher logits under autocast are bit-equal before and after.
+    """
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = {id(embeddings.weight)} if embeddings is not None and hasattr(embeddings, "weight") else set()
+    converted = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (type(module) is not nn.Linear or weight is None or id(weight) in tied
+                or weight.dtype not in (torch.float32, torch.float16) or weight.requires_grad):
+            continue
+        weight.data = weight.data.to(torch.bfloat16)
+        converted += 1
+    if converted:  # the fp32 weights left are views of the checkpoint's memory map: free it (`own_mapped_weights`)
+        from .loader import own_mapped_weights
+
+        own_mapped_weights(model)
+    return converted
+
+
+__all__ = ["BF16_MARGIN", "bf16_frozen_linears", "CHOICE_FILE", "PROBE_CACHE_FILE", "PROBE_ENV", "measure",
+           "prefer_bf16", "probe_enabled", "probe_key", "probe_step_seconds", "probed_choice", "resolve_auto_bf16"]

@@ -48,7 +48,8 @@ from torch import nn
 from ..config import FinetuningArguments, check_sampling_knobs
 from ..env import launched_processes
 from ..errors import ConfigError
-from ..model.distributed import full_weights
+from ..model.distributed import full_weights, sharding_of
+from ..model.precision import bf16_frozen_linears
 from ..rewards import RewardFunctions
 from ..rl.losses import aggregate_loss
 from ..rl.rollout import token_entropy
@@ -276,6 +277,10 @@ class DistillTrainer(GRPOTrainer):
             raise ConfigError(f"the teacher's output layer has {teacher_vocab} rows and the student's {student_vocab}: "
                               "distillation needs the same vocabulary on both sides.")
         self.teacher = teacher.to(self.args.device).eval().requires_grad_(False)
+        if self.args.bf16 and sharding_of(self.teacher) == "none":
+            # The teacher runs under the run's autocast (`compute_loss`): its linear weights kept in bf16 are the
+            # same numbers at half the memory, without a cast per call.
+            bf16_frozen_linears(self.teacher)
         if distill_args.disable_dropout:
             disable_dropout(self.model)
 
@@ -294,11 +299,14 @@ class DistillTrainer(GRPOTrainer):
             raise ValueError("DistillTrainer.compute_loss returns the loss only.")
         d = self.distill_args
         mask = inputs["completion_mask"]
-        student_logits = completion_logits(model, inputs["prompt_ids"], inputs["prompt_mask"],
-                                           inputs["completion_ids"], mask)
-        with torch.no_grad(), full_weights(self.teacher) as teacher:
+        # The teacher first: its pass's activations are gone before the student's, kept for the backward, exist.
+        # It is not `accelerator.prepare`d, so the run's autocast (bf16) is entered here, as the student's forward
+        # enters it.
+        with torch.no_grad(), self.accelerator.autocast(), full_weights(self.teacher) as teacher:
             teacher_logits = completion_logits(teacher, inputs["prompt_ids"], inputs["prompt_mask"],
                                                inputs["completion_ids"], mask)
+        student_logits = completion_logits(model, inputs["prompt_ids"], inputs["prompt_mask"],
+                                           inputs["completion_ids"], mask)
         per_token = generalized_jsd(student_logits, teacher_logits, d.beta, d.temperature)
         loss = aggregate_loss(per_token, mask, "dapo", accumulation_steps=self.current_gradient_accumulation_steps,
                               steps_per_generation=self.steps_per_generation,

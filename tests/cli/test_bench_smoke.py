@@ -412,3 +412,17 @@ def test_memory_phases_reports_every_phase_of_a_tiny_qlora_run(tmp_path):
     for step in report["steps"]:
         assert step["saved_for_backward_mb"]["float32"] > 0
         assert step["heap_at_end_mb"]["in_use"] > 0 and "rss_after_trim_mb" in step
+
+
+def test_memory_phases_gives_an_online_stage_its_generation_phase(tmp_path):
+    """`python -m bench.memory_phases --stage distill` (docs/stages/distill.md "Memory"): the sampling call is a phase
+    of each step, with the resident size after it."""
+    from bench import memory_phases
+
+    out = tmp_path / "phases.json"
+    assert memory_phases.main(["--model", "tiny", "--steps", "2", "--batch", "2", "--stage", "distill",
+                               "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {f"step{k}.{p}" for k in (1, 2) for p in ("generation", "forward", "backward")} <= set(
+        report["phase_peaks_mb"])
+    assert all(step["rss_after_generation_mb"] > 0 for step in report["steps"])

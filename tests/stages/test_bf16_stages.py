@@ -57,12 +57,16 @@ def test_every_stage_trains_under_bf16_autocast_on_a_cpu(stage, tiny_model_dir, 
     assert config.training.bf16 is True
     autocast = []
     hook = torch.nn.modules.module.register_module_forward_pre_hook(
-        lambda module, inputs: autocast.append(torch.is_autocast_enabled("cpu")) if type(module) is torch.nn.Linear
-        else None)
+        lambda module, inputs: autocast.append((torch.is_autocast_enabled("cpu"), module.weight.dtype))
+        if type(module) is torch.nn.Linear else None)
     try:
         run_train(config)
     finally:
         hook.remove()
     losses = [r["loss"] for r in read_log(out) if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses), losses
-    assert any(autocast), "no linear layer ran under bf16 autocast"
+    assert any(on for on, _ in autocast), "no linear layer ran under bf16 autocast"
+    # A linear layer with bf16 weights runs only under autocast (it could not multiply fp32 inputs otherwise);
+    # distillation's frozen teacher keeps its linear weights in bf16 (`precision.bf16_frozen_linears`).
+    assert all(on for on, dtype in autocast if dtype == torch.bfloat16)
+    assert any(dtype == torch.bfloat16 for _, dtype in autocast) is (stage == "distill")

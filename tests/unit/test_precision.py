@@ -110,3 +110,32 @@ def test_config_default_is_auto_and_bad_values_are_named(tiny_model_dir, tmp_pat
     assert config.training.bf16 is False and not config.training.bf16_auto
     with pytest.raises(ConfigError, match="bf16"):
         parse_config({"model_name_or_path": tiny_model_dir, "dataset": "x.json"}, ["bf16=maybe"])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bf16_frozen_linears_keeps_autocast_numbers_and_a_tied_head(tiny_model_dir, tied):
+    """A frozen model run under bf16 autocast gives bit-equal logits with its linear weights stored in bf16; a head
+    tied to the input embedding, the embedding, norms and trainable weights stay fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, tie_word_embeddings=tied).eval()
+    model.requires_grad_(False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        before = model(input_ids=ids).logits
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    converted = precision.bf16_frozen_linears(model)
+    assert converted == len(linears) - (1 if tied else 0)
+    assert (model.lm_head.weight.dtype == torch.float32) is tied
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "norm" in n)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
+
+
+def test_bf16_frozen_linears_leaves_trainable_weights():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].requires_grad_(False)
+    assert precision.bf16_frozen_linears(model) == 1
+    assert model[0].weight.dtype == torch.float32 and model[1].weight.dtype == torch.bfloat16

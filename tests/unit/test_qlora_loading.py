@@ -186,7 +186,7 @@ def test_a_4bit_base_lets_go_of_the_checkpoints_memory_map(tiny_model_dir, tmp_p
     del model, base
     gc.collect()
 
-    monkeypatch.setattr(loader, "_own_unquantized_weights", lambda model: 0)
+    monkeypatch.setattr(loader, "own_mapped_weights", lambda model: 0)
     kept, maps = load()
     assert maps, "without the copies the checkpoint's map should stay open (this test would not notice it)"
     del kept

@@ -335,6 +335,28 @@ def completion_logps(
     return torch.cat(all_logps), (torch.cat(all_entropy) if with_entropy else None)
 
 
+def completion_token_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                            completion_ids: torch.Tensor, completion_mask: torch.Tensor, *, padding_free: bool = True
+                            ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The logits predicting each real completion token, for a loss over the whole vocabulary (distillation's
+    divergence): `(logits [K, V], (row [K], column [K]))`, K the completion mask's ones and where each goes in the
+    `[N, C]` layout, in row-major order (the same for any two models).
+
+    The per-token forward (`model.logprobs.labelled_forward`) on `[prompt; completion]`, padding-free by default:
+    only real tokens reach the model (each sequence attended on its own, so a row's numbers do not depend on the
+    batch it shares) and only the completion's positions the output layer.
+    """
+    scored = labelled_forward(
+        model, torch.cat([prompt_ids, completion_ids], dim=1), torch.cat([prompt_mask, completion_mask], dim=1),
+        torch.cat([torch.full_like(prompt_ids, IGNORE_INDEX),
+                   completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)], dim=1),
+        logits=True, padding_free=padding_free)
+    width = scored.shape[1]
+    # Column P - 1 + j of the [N, P + C] layout predicts completion token j.
+    rows = torch.div(scored.place, width, rounding_mode="floor")
+    return scored.values, (rows, scored.place - rows * width - (prompt_ids.size(1) - 1))
+
+
 def _packed_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                           completion_mask: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, tuple]]:
     """The logits `completion_logps` needs from one padding-free row: each distinct prompt once, each completion's
@@ -497,6 +519,7 @@ def score_completions(
 
 
 __all__ = ["rollout_seed", "row_seeds", "sample_completions", "generation_from_token_lists",
+           "completion_token_logits",
            "vllm_weight_items",
            "VLLMColocateSampler", "token_entropy", "completion_logps", "trl_prompts",
            "trl_completions", "score_completions"]

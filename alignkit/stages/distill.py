@@ -25,9 +25,14 @@ How the work is laid out, and why:
   adapter (an SFT adapter as teacher for the bare base). It is loaded frozen, in eval mode, as a second model. Its
   tokenizer must equal the student's (same vocabulary, same special tokens), checked before any weights load; TRL
   checks only `vocab_size`, after loading.
-- Logits: one padded forward pass per model over `[prompt; completion]`, keeping the completion positions (TRL
-  projects the hidden states chunk by chunk through the output layer; the same numbers up to float rounding, and
-  the full `[B, C, V]` logits here, which bounds the micro-batch on a large vocabulary).
+- Logits: one padding-free forward per model (`rl.rollout.completion_token_logits`, the per-token forward of
+  every stage, `model.logprobs.labelled_forward`; `padding_free: false` runs the padded batch), reaching the
+  output layer only at the real completion tokens: `[K, V]` logits for the K tokens of the micro-batch, where
+  TRL runs the padded batch and projects the hidden states chunk by chunk through the output layer. The same
+  numbers up to float rounding. The teacher runs first, so its activations are gone before the student's, kept
+  for the backward, exist; under `bf16` it enters the run's autocast (TRL prepares its teacher for mixed
+  precision) with its linear weights stored in bf16 (`precision.bf16_frozen_linears`: the same numbers at half
+  the memory).
 
 Defaults: TRL 1.16's (`beta: 1.0`, `max_completion_length: 512`, `temperature: 1.0`, `top_p: 1.0`, `top_k: 0`,
 `shuffle_dataset: true`); `learning_rate` is the Trainer's (5e-5) unless set, where TRL's DistillationConfig uses
@@ -52,7 +57,7 @@ from ..model.distributed import full_weights, sharding_of
 from ..model.precision import bf16_frozen_linears
 from ..rewards import RewardFunctions
 from ..rl.losses import aggregate_loss
-from ..rl.rollout import token_entropy
+from ..rl.rollout import completion_token_logits, token_entropy
 from .grpo import GRPOArguments, GRPOTrainer, check_generation_loop, resolve_generation_batch
 
 if TYPE_CHECKING:
@@ -167,19 +172,6 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     kl_teacher = F.kl_div(log_m, log_pt, reduction="none", log_target=True).sum(-1)
     kl_student = F.kl_div(log_m, log_ps, reduction="none", log_target=True).sum(-1)
     return beta * kl_teacher + (1.0 - beta) * kl_student
-
-
-def completion_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                      completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """`[N, C, V]` logits predicting each completion token: one padded pass over `[prompt; completion]` (prompts
-    left-padded, completions right-padded) with only the last `C + 1` positions reaching the output layer, the last
-    of which (predicting past the completion) is dropped."""
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    length = completion_ids.size(1)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                   logits_to_keep=length + 1).logits
-    return logits[:, :-1]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -302,18 +294,21 @@ class DistillTrainer(GRPOTrainer):
         # The teacher first: its pass's activations are gone before the student's, kept for the backward, exist.
         # It is not `accelerator.prepare`d, so the run's autocast (bf16) is entered here, as the student's forward
         # enters it.
+        # Both score only the real completion tokens, padding-free unless `padding_free: false`
+        # (`rl.rollout.completion_token_logits`; the same places, in the same order, for both).
+        tokens = (inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], mask)
+        padding_free = self.args.padding_free
         with torch.no_grad(), self.accelerator.autocast(), full_weights(self.teacher) as teacher:
-            teacher_logits = completion_logits(teacher, inputs["prompt_ids"], inputs["prompt_mask"],
-                                               inputs["completion_ids"], mask)
-        student_logits = completion_logits(model, inputs["prompt_ids"], inputs["prompt_mask"],
-                                           inputs["completion_ids"], mask)
-        per_token = generalized_jsd(student_logits, teacher_logits, d.beta, d.temperature)
+            teacher_logits, _ = completion_token_logits(teacher, *tokens, padding_free=padding_free)
+        student_logits, place = completion_token_logits(model, *tokens, padding_free=padding_free)
+        per_token = mask.new_zeros(mask.shape, dtype=torch.float32).index_put(
+            place, generalized_jsd(student_logits, teacher_logits, d.beta, d.temperature))
         loss = aggregate_loss(per_token, mask, "dapo", accumulation_steps=self.current_gradient_accumulation_steps,
                               steps_per_generation=self.steps_per_generation,
                               generation_tokens=inputs["generation_tokens"])
         # TRL's entropy: the student's mean per-token entropy over this micro-batch's tokens (of every process).
         entropy = token_entropy(student_logits.detach() / d.temperature)
-        sums = torch.stack([(entropy * mask).sum(), mask.sum().float()])
+        sums = torch.stack([entropy.sum(), torch.tensor(float(entropy.numel()), device=entropy.device)])
         if self.accelerator.num_processes > 1:
             sums = self.accelerator.reduce(sums, reduction="sum")
         self.record_metrics({"entropy": (sums[0] / sums[1]).item() if sums[1] > 0 else 0.0}, 1)
@@ -359,5 +354,5 @@ def run_distill(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     run_stage_trainer(trainer, config)
 
 
-__all__ = ["DistillArguments", "generalized_jsd", "completion_logits", "teacher_model_arguments",
+__all__ = ["DistillArguments", "generalized_jsd", "teacher_model_arguments",
            "check_same_tokenizer", "check_config", "DistillTrainer", "run_distill"]

@@ -134,3 +134,31 @@ def test_shared_prompt_gradients_are_bit_reproducible_on_two_threads(lora_policy
         torch.set_num_threads(threads)
     for other in grads[1:]:
         assert [n for n in grads[0] if not torch.equal(grads[0][n], other[n])] == []
+
+
+def test_completion_token_logits_padding_free_equal_padded(lora_policy):
+    """`completion_token_logits` (distillation's logits): padding-free and padded give the K real completion tokens'
+    logits at the mask's places, in row-major order, equal within 1e-5, with equal LoRA gradients; and they are the
+    plain padded forward's logits at those places."""
+    from alignkit.rl.rollout import completion_token_logits
+
+    batch = _batch(6)
+    results = {}
+    for padding_free in (True, False):
+        lora_policy.zero_grad()
+        logits, place = completion_token_logits(lora_policy, *batch, padding_free=padding_free)
+        (logits.float().logsumexp(-1).sum() + logits[:, 7].sum()).backward()
+        grads = {n: p.grad.clone() for n, p in lora_policy.named_parameters() if p.grad is not None}
+        results[padding_free] = (logits.detach(), place, grads)
+    (a, a_place, a_grads), (b, b_place, b_grads) = results[True], results[False]
+    want_rows, want_cols = batch[3].nonzero(as_tuple=True)
+    for rows, cols in (a_place, b_place):
+        assert torch.equal(rows, want_rows) and torch.equal(cols, want_cols)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert set(a_grads) == set(b_grads) and len(a_grads) > 0
+    for name in a_grads:
+        torch.testing.assert_close(a_grads[name], b_grads[name], atol=1e-5, rtol=1e-4)
+    with torch.no_grad():  # the plain padded forward: column P - 1 + j predicts completion token j
+        ids, mask = torch.cat(batch[:3:2], dim=1), torch.cat(batch[1::2], dim=1)
+        full = lora_policy(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(a, full[want_rows, batch[0].size(1) - 1 + want_cols], atol=1e-5, rtol=0)

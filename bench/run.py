@@ -103,6 +103,19 @@ TARGETS += [(stage, figure, "trl_default_bf16", bound, sense) for stage, figure,
             if other == "trl_default"]
 
 
+# New tokens per completion (per response for PPO) unless `--max-completion-length` says: 32, and for GRPO with the
+# calculator room for a call (~30 tokens), its result (~20) and the answer, so the loop runs whole turns in both
+# tools (at 32 every call was cut off before `</tool_call>`, and the turn after it never ran).
+COMPLETION_LENGTH = {"grpo_tools": 128}
+DEFAULT_COMPLETION_LENGTH = 32
+
+
+def completion_length(settings: dict[str, Any], stage: str) -> int:
+    """The run's completion budget for `stage`: `settings["max_completion_length"]` (an int, or per stage)."""
+    value = settings["max_completion_length"]
+    return value if isinstance(value, int) else value[stage]
+
+
 def data_kind(stage: str) -> str:
     """The generated data a stage trains on: `sft`, `pref` (rm, dpo), `prompt` (grpo, rloo: `--num-generations`
     completions per prompt), `distill_prompt` (one completion per prompt), `online_dpo_prompt` (two) or `ppo_prompt`
@@ -479,7 +492,7 @@ def _online_table(report: dict[str, Any], stage: str, mem: str, mem_label: str) 
     s, data = report["settings"], report["stages"][stage]
     per_prompt = completions_per_prompt(stage, s["num_generations"])
     lines = ["", f"{ONLINE_STEP[stage].format(trl=report['versions'].get('trl'))}: {s['batch']} completions per "
-             f"step ({s['batch'] // per_prompt} prompts x {per_prompt}), at most {s['max_completion_length']} new "
+             f"step ({s['batch'] // per_prompt} prompts x {per_prompt}), at most {completion_length(s, stage)} new "
              "tokens each, sampling at each tool's default (temperature 1.0; online DPO 0.9), one generation per "
              "step; generation time is the sampling call alone, training time the rest of the step (log-probs, loss, "
              "backward, optimizer).", "",
@@ -513,7 +526,7 @@ def _ppo_table(report: dict[str, Any], mem: str, mem_label: str) -> list[str]:
     """PPO rows: step time and its split into generation, scoring and training; which peers ran and why not."""
     s, data = report["settings"], report["stages"]["ppo"]
     lines = ["", f"PPO (LoRA, `stage: ppo` defaults: 4 passes per rollout, value head on the policy): {s['batch']} "
-             f"prompts per step, one response each of at most {s['max_completion_length']} new tokens (temperature "
+             f"prompts per step, one response each of at most {completion_length(s, 'ppo')} new tokens (temperature "
              "1.0), the reward model a LoRA reward adapter switched in on the same base. Generation is the sampling "
              "call, scoring the reward model plus the rollout's policy, critic and reference passes, training the 4 "
              "passes (backward and optimizer steps).", "",
@@ -549,8 +562,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-generations", type=int, default=4,
                    help="GRPO, RLOO: completions per prompt (--batch completions per step, so batch/this prompts; "
                         "distill: 1 per prompt; online_dpo: 2).")
-    p.add_argument("--max-completion-length", type=int, default=32,
-                   help="Online stages: most new tokens per completion; PPO: per response.")
+    p.add_argument("--max-completion-length", type=int, default=None,
+                   help=f"Online stages: most new tokens per completion; PPO: per response (default "
+                        f"{DEFAULT_COMPLETION_LENGTH}; grpo_tools {COMPLETION_LENGTH['grpo_tools']}).")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: bf16 autocast (bf16=True) in both tools, bf16 matmul probe. cpu: fp32, plus TRL's real "
                         "default (bf16=True) as trl_default_bf16, and fp32 and bf16 matmul probes.")
@@ -632,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--batch {opts.batch} must be a multiple of {group} for stage {stage} "
                              f"({'--num-generations' if stage in ('grpo', 'rloo', 'grpo_tools') else 'its answers per prompt'}): "
                              "a step trains on whole groups of completions.")
+    lengths = {stage: opts.max_completion_length or COMPLETION_LENGTH.get(stage, DEFAULT_COMPLETION_LENGTH)
+               for stage in stages if stage in ONLINE_STAGES or stage == "ppo"}
     plan = plan_runs(opts, stages, available)
     if opts.dry_run:
         dry: dict[str, Any] = {"stages": stages, "alignkit_available": available, "device": opts.device,
@@ -695,10 +711,10 @@ def main(argv: list[str] | None = None) -> int:
         if tool == "alignkit":
             args += ["--alignkit-bf16", opts.alignkit_bf16]
         if stage == "ppo":
-            args += ["--max-completion-length", str(opts.max_completion_length)]
+            args += ["--max-completion-length", str(lengths[stage])]
         if stage in ONLINE_STAGES:
             args += ["--num-generations", str(opts.num_generations),
-                     "--max-completion-length", str(opts.max_completion_length)]
+                     "--max-completion-length", str(lengths[stage])]
         if tool in ("alignkit", "llamafactory"):  # both read the same dataset_info.json registry
             args += ["--alignkit-dataset", data[kind]["alignkit_dataset"],
                      "--alignkit-dataset-dir", data[kind]["alignkit_dataset_dir"]]
@@ -743,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
                   "matmul_params_reward": n_reward},
         "settings": {"steps": opts.steps, "warmup": opts.warmup, "batch": opts.batch, "cutoff": opts.cutoff,
                      "lr": opts.lr, "reps": opts.reps, "threads": opts.threads, "device": opts.device,
-                     "num_generations": opts.num_generations, "max_completion_length": opts.max_completion_length,
+                     "num_generations": opts.num_generations, "max_completion_length": lengths,
                      "precision": precision, "alignkit_bf16": opts.alignkit_bf16, "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target": "all linear"},
                      "variants": opts.variants,
                      "trl_default_overrides": "bf16=True" if opts.device == "cuda" else "bf16=False",

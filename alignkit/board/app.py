@@ -239,35 +239,63 @@ class Board:
             return (base, str(path), template), (base, start, template)
         return (str(path), None, template), (base, start, template)
 
-    def chat_tools(self, name: str, given: str = "") -> Optional[dict[str, Any]]:
+    def chat_tools(self, name: str, given: str = "", environment: str = "") -> Optional[dict[str, Any]]:
         """The tools the chat with run `name` may call: `given` (comma-separated `file.py:function` /
-        `module:function`) or else the run's `tools` key, with the run's `max_tool_calling_iterations`, `tool_timeout`
-        and `max_tool_output_chars` (GRPO's defaults where unset). None when neither names a tool.
+        `module:function`) or else the run's `tools` key; the environment class `environment` (`file.py:Class`) or
+        else the run's `environment_factory` key; with the run's `max_tool_calling_iterations`, `tool_timeout` and
+        `max_tool_output_chars` (GRPO's defaults where unset). None when neither names a tool or an environment.
 
         A relative file is looked up as the run looked it up: from its config file's folder, then the folder it ran
-        in (`run_config.yaml`'s `# source:` and `# cwd:` lines), then the board's working folder.
+        in (`run_config.yaml`'s `# source:` and `# cwd:` lines), then the board's working folder. The environment
+        comes back as its class (`environment_factory`, None without): each conversation gets an instance of its
+        own (`start_chat_environment`).
 
         Raises:
-            ConfigError: a tool that does not load (the message names it).
+            ConfigError: a tool or an environment that does not load (the message names it).
         """
         from ..evaluate import TOOL_KEYS, tool_arguments
-        from ..rl.tools import load_tools
+        from ..rl.tools import load_environment_factory, load_tools
 
         path = self.run_dir(name)
         values, workdir = reading.read_run_config(path)
         specs = given.strip() or values.get("tools") or []
         if isinstance(specs, str):
             specs = [t.strip() for t in specs.split(",") if t.strip()]
-        if not specs:
+        factory_spec = environment.strip() or values.get("environment_factory") or None
+        if not specs and not factory_spec:
             return None
         source = reading.run_config_source(path)
         folders = [Path(workdir or self.workdir)]
         if source:
             folders.insert(0, (folders[0] / source).parent)
         args = tool_arguments([_resolve_tool(spec, folders) for spec in specs],
-                              {key: values[key] for key in TOOL_KEYS if key in values})
-        return {"functions": load_tools(args.tools), "max_iterations": args.max_tool_calling_iterations,
-                "tool_timeout": args.tool_timeout, "max_tool_output_chars": args.max_tool_output_chars}
+                              {key: values[key] for key in TOOL_KEYS if key in values},
+                              _resolve_tool(factory_spec, folders) if factory_spec else None)
+        functions = load_tools(args.tools)
+        factory = (load_environment_factory(args.environment_factory, tools=functions, key="environment_factory")
+                   if args.environment_factory else None)
+        return {"functions": functions, "environment_factory": factory,
+                "max_iterations": args.max_tool_calling_iterations, "tool_timeout": args.tool_timeout,
+                "max_tool_output_chars": args.max_tool_output_chars}
+
+    @staticmethod
+    def start_chat_environment(tools: dict[str, Any], messages: list[dict[str, Any]]) -> tuple[Any, str]:
+        """A new conversation's environment (`tools["environment_factory"]()`), reset at its first message as
+        `alignkit chat --environment-factory` resets it (`chat.start_environment`); returns the instance and the
+        first message's text with the observation `reset` returned appended."""
+        from ..chat import start_environment
+
+        instance = tools["environment_factory"]()
+        content, _ = start_environment(instance, messages)
+        return instance, content
+
+    @staticmethod
+    def with_environment(tools: dict[str, Any], instance: Any) -> dict[str, Any]:
+        """`tools` with the public methods of the conversation's environment `instance` added as tools (bound to it:
+        its state is the conversation's)."""
+        from ..rl.tools import environment_methods
+
+        return {**tools, "functions": list(tools["functions"]) + environment_methods(instance)}
 
     def tool_reply(self, key: tuple, messages: list[dict[str, Any]], max_new_tokens: int,
                    tools: dict[str, Any]) -> list[dict[str, Any]]:
@@ -441,8 +469,14 @@ def build_app(board: Board):
                 with gr.Row():
                     run_bot = gr.Chatbot(label="the run's model", elem_id="run-bot", height=320)
                     base_bot = gr.Chatbot(label="its base", elem_id="base-bot", height=320)
-                tools_box = gr.Textbox(label="Tools the models may call (file.py:function, comma-separated; empty: "
-                                       "the run's `tools` key, if any)", elem_id="chat-tools")
+                with gr.Row():
+                    tools_box = gr.Textbox(label="Tools the models may call (file.py:function, comma-separated; "
+                                           "empty: the run's `tools` key, if any)", elem_id="chat-tools", scale=2)
+                    environment_box = gr.Textbox(label="Environment (file.py:Class, TRL's reset/step contract; empty: "
+                                                 "the run's `environment_factory`, if any)",
+                                                 elem_id="chat-environment", scale=1)
+                # Each model's environment instance for the conversation on the page (one per browser session).
+                environments_state = gr.State({})
                 with gr.Row():
                     message_box = gr.Textbox(label="Message", elem_id="chat-message", scale=3)
                     # The uploaded file as it is (image_mode=None: not re-encoded), read by the model's own processor.
@@ -523,16 +557,21 @@ def build_app(board: Board):
         start_button.click(lambda y, o: act(board.start, y, o), inputs=[yaml_box, overrides_box],
                            outputs=launch_message)
 
-        def respond(name, text, run_history, base_history, tokens, tools_text, image=None):
+        def respond(name, text, run_history, base_history, tokens, tools_text, image=None, environment_text="",
+                    environments=None):
+            """The page's chat: each model's reply to `text`; with tools, the whole tool loop. With an environment
+            each model's conversation has an instance of its own in `environments` (the session's state), made and
+            reset at the conversation's first message and kept until Clear."""
             run_history, base_history = list(run_history or []), list(base_history or [])
+            environments = dict(environments or {})
             if not text or not text.strip():
-                yield run_history, base_history, gr.skip(), "Type a message first.", gr.skip()
+                yield run_history, base_history, gr.skip(), "Type a message first.", gr.skip(), environments
                 return
             # The image goes with this message and stays in the conversation (shown in its bubble) until Clear.
             turn = [{"path": image}, text] if image else text
             try:
                 run_key, base_key = board.chat_pair(name)
-                tools = board.chat_tools(name, tools_text or "")
+                tools = board.chat_tools(name, tools_text or "", environment_text or "")
                 _, image_paths = chat_conversation(run_history + [{"role": "user", "content": turn}])
                 if image_paths and tools is not None:
                     raise ConfigError("images and tools together are not supported in the chat yet (the tool loop "
@@ -540,18 +579,25 @@ def build_app(board: Board):
                 for key in (run_key, base_key):  # a text-only model is refused before any weights load
                     board.chat_images(key, image_paths)
             except (reading.BoardError, ConfigError) as err:
-                yield run_history, base_history, gr.skip(), _message(err), gr.skip()
+                yield run_history, base_history, gr.skip(), _message(err), gr.skip(), environments
                 return
-            for history, key in ((run_history, run_key), (base_history, base_key)):
+            for side, history, key in (("run", run_history, run_key), ("base", base_history, base_key)):
                 history.append({"role": "user", "content": turn})
                 messages, image_paths = chat_conversation(history)
                 if tools is not None:  # the whole tool loop, then its turns as bubbles
                     try:
-                        history += board.tool_reply(key, messages, tokens, tools)
+                        if tools["environment_factory"] is not None:
+                            if side not in environments:  # a new conversation: its environment, reset
+                                environments[side], content = board.start_chat_environment(tools, messages)
+                                messages[-1]["content"] = history[-1]["content"] = content
+                            history += board.tool_reply(key, messages, tokens,
+                                                        board.with_environment(tools, environments[side]))
+                        else:
+                            history += board.tool_reply(key, messages, tokens, tools)
                     except Exception as err:  # a model that fails to load or generate: say so on the page
                         logger.exception("chat with %s failed", key)
                         history.append({"role": "assistant", "content": f"(error: {type(err).__name__}: {err})"})
-                    yield run_history, base_history, "", "", None
+                    yield run_history, base_history, "", "", None, environments
                     continue
                 history.append({"role": "assistant", "content": ""})
                 reply = ""
@@ -559,18 +605,20 @@ def build_app(board: Board):
                     for piece in board.reply(key, messages, tokens, image_paths):
                         reply += piece
                         history[-1]["content"] = _shown(reply)
-                        yield run_history, base_history, "", "", None
+                        yield run_history, base_history, "", "", None, environments
                 except Exception as err:  # a model that fails to load or generate: say so on the page
                     logger.exception("chat with %s failed", key)
                     reply = f"(error: {type(err).__name__}: {err})"
                 history[-1]["content"] = _shown(reply)
-                yield run_history, base_history, "", "", None
+                yield run_history, base_history, "", "", None, environments
 
-        chat_inputs = [chat_pick, message_box, run_bot, base_bot, max_new_tokens, tools_box, image_box]
-        chat_outputs = [run_bot, base_bot, message_box, chat_message, image_box]
+        chat_inputs = [chat_pick, message_box, run_bot, base_bot, max_new_tokens, tools_box, image_box,
+                       environment_box, environments_state]
+        chat_outputs = [run_bot, base_bot, message_box, chat_message, image_box, environments_state]
         send_button.click(respond, inputs=chat_inputs, outputs=chat_outputs)
         message_box.submit(respond, inputs=chat_inputs, outputs=chat_outputs)
-        clear_button.click(lambda: ([], [], "", None), outputs=[run_bot, base_bot, chat_message, image_box])
+        clear_button.click(lambda: ([], [], "", None, {}),
+                           outputs=[run_bot, base_bot, chat_message, image_box, environments_state])
     return app
 
 

@@ -233,8 +233,11 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
     outputs equal `F.linear`'s up to float rounding (summation order: about 1e-6 on logits of size ~10), which
     sampling cannot tell apart; only decoding uses them, never a pass whose log-probs or gradients train.
 
+    Weights stored in bf16 (a frozen base under `precision.bf16_frozen_linears`) are packed in fp32 too: the
+    merge is computed in fp32 from them.
+
     Yields False and changes nothing where it does not apply: no oneDNN in this torch build, weights that are
-    not whole fp32 tensors on the CPU (sharded ones outside `full_weights`), or LoRA layers other than plain
+    not whole fp32 or bf16 tensors on the CPU (sharded ones outside `full_weights`), or LoRA layers other than plain
     linear ones (DoRA, LoRA biases, embeddings, a quantized base's bitsandbytes layers, which are never
     dequantized into packed copies): the caller then merges with `merged_lora`. Use it under
     `torch.no_grad()`.
@@ -251,7 +254,8 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
                      and not any(n in m.lora_variant or m.lora_bias.get(n) for n in m.lora_A) for m in lora_layers)
     weights = [m.weight for m in modules if type(m) is torch.nn.Linear]
     if (not _packed_weight_supported() or not plain_lora or not weights
-            or any(w.dtype != torch.float32 or w.device.type != "cpu" or type(w.data) is not torch.Tensor
+            or any(w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu"
+                   or type(w.data) is not torch.Tensor
                    or w.numel() == 0 for w in weights)):  # sharded (DTensor) or ZeRO-3 placeholder weights
         yield False
         return
@@ -267,17 +271,18 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
                 names = [] if module.merged or module.disable_adapters else [
                     name for name in module.active_adapters if name in module.lora_A]
                 if names:
-                    merged = scratch.setdefault(tuple(weight.shape), torch.empty_like(weight))
-                    torch.add(weight, module.get_delta_weight(names[0]).to(weight.dtype), out=merged)
+                    merged = scratch.setdefault(tuple(weight.shape), torch.empty_like(weight, dtype=torch.float32))
+                    torch.add(weight, module.get_delta_weight(names[0]).float(), out=merged)
                     for name in names[1:]:
-                        merged.add_(module.get_delta_weight(name).to(weight.dtype))
+                        merged.add_(module.get_delta_weight(name).float())
                     weight = merged
                 bias = base.bias
             elif type(module) is torch.nn.Linear and id(module) not in wrapped:
                 weight, bias = module.weight.detach(), module.bias
             else:
                 continue
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_size)
+            # A frozen base stored in bf16 (`precision.bf16_frozen_linears`) is packed in fp32 as well.
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), batch_size)
             patched.enter_context(shadowed_forward(
                 module, partial(_packed_forward, packed, None if bias is None else bias.detach())))
         yield True

@@ -226,8 +226,10 @@ def _read_call(text: str, arguments_key: str) -> dict[str, Any]:
 def parse_tool_calls(text: str, fmt: ToolCallFormat) -> ParsedTurn:
     """The calls of one turn (its text without the end-of-turn token), in the order written; several per turn.
 
-    Only closed blocks count (a block cut off by the length limit is text). Without markers (llama3) the whole
-    turn is the call when it is a JSON object with a name.
+    A last block left open (the turn cut off by the length limit, or ended without the closing marker) is a call
+    when what follows its opening marker is a whole JSON object with a name, and text otherwise, as TRL 1.16's
+    parser (transformers' `parse_response`) reads it; TRL then counts the call in `tools/call_frequency`. Without
+    markers (llama3) the whole turn is the call when it is a JSON object with a name.
 
     Example (ChatML): `'Let me add.\\n<tool_call>\\n{"name": "add", "arguments": {"a": 1}}\\n</tool_call>'` ->
     content "Let me add.", calls `[{"name": "add", "arguments": {"a": 1}}]`.
@@ -239,9 +241,19 @@ def parse_tool_calls(text: str, fmt: ToolCallFormat) -> ParsedTurn:
         return ParsedTurn(stripped)
     pattern = re.escape(fmt.open) + r"\s*(.*?)\s*" + re.escape(fmt.close)
     blocks = list(re.finditer(pattern, text, flags=re.DOTALL))
-    if not blocks:
+    calls = [_read_call(b.group(1), fmt.arguments_key) for b in blocks]
+    tail_start = blocks[-1].end() if blocks else 0
+    opened = text.find(fmt.open, tail_start)
+    first = blocks[0].start() if blocks else opened
+    if opened >= 0:
+        last = _read_call(text[opened + len(fmt.open):].strip(), fmt.arguments_key)
+        if "error" not in last:
+            calls.append(last)
+        elif not blocks:
+            return ParsedTurn(text.strip())
+    if not calls:
         return ParsedTurn(text.strip())
-    return ParsedTurn(text[:blocks[0].start()].strip(), [_read_call(b.group(1), fmt.arguments_key) for b in blocks])
+    return ParsedTurn(text[:first].strip(), calls)
 
 
 # ------------------------------------------------------------------------------------------ running

@@ -31,8 +31,9 @@ How the work is laid out, and why:
   TRL runs the padded batch and projects the hidden states chunk by chunk through the output layer. The same
   numbers up to float rounding. The teacher runs first, so its activations are gone before the student's, kept
   for the backward, exist; under `bf16` it enters the run's autocast (TRL prepares its teacher for mixed
-  precision) with its linear weights stored in bf16 (`precision.bf16_frozen_linears`: the same numbers at half
-  the memory).
+  precision). On a CPU under `bf16` the frozen linear weights of both models (the teacher's, the student's base
+  under LoRA) are stored in bf16 (`precision.bf16_frozen_linears`): autocast would cast them to the same bf16
+  numbers at every call and keep a copy of each for the backward; the rollouts decode from fp32 packed copies.
 
 Defaults: TRL 1.16's (`beta: 1.0`, `max_completion_length: 512`, `temperature: 1.0`, `top_p: 1.0`, `top_k: 0`,
 `shuffle_dataset: true`); `learning_rate` is the Trainer's (5e-5) unless set, where TRL's DistillationConfig uses
@@ -269,10 +270,14 @@ class DistillTrainer(GRPOTrainer):
             raise ConfigError(f"the teacher's output layer has {teacher_vocab} rows and the student's {student_vocab}: "
                               "distillation needs the same vocabulary on both sides.")
         self.teacher = teacher.to(self.args.device).eval().requires_grad_(False)
-        if self.args.bf16 and sharding_of(self.teacher) == "none":
-            # The teacher runs under the run's autocast (`compute_loss`): its linear weights kept in bf16 are the
-            # same numbers at half the memory, without a cast per call.
-            bf16_frozen_linears(self.teacher)
+        if self.args.bf16 and self.args.device.type == "cpu":
+            # Every forward of both models runs under the run's autocast (the teacher's in `compute_loss`, the
+            # student's as `accelerator.prepare` wraps it; its rollouts decode from fp32 packed copies): frozen
+            # linear weights kept in bf16 are the same numbers at half the memory, with no cast per call and no
+            # bf16 copy of each saved for the backward. The student's LoRA weights stay fp32.
+            for frozen in (self.teacher, self.model):
+                if sharding_of(frozen) == "none":
+                    bf16_frozen_linears(frozen)
         if distill_args.disable_dropout:
             disable_dropout(self.model)
 

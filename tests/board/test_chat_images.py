@@ -55,7 +55,7 @@ def test_the_page_chat_with_an_image_answers_as_chat_image_does(board, vlm_dir, 
     expected_ids, expected_pixels = seen[0]
     seen.clear()
     respond = respond_of(board)
-    *_, (run_history, base_history, box, error, image) = respond("vlm", "What is it?", [], [], 6, "", str(cat))
+    *_, (run_history, base_history, box, error, image, _) = respond("vlm", "What is it?", [], [], 6, "", str(cat))
     assert (box, error, image) == ("", "", None)
     turn = {"role": "user", "content": [{"path": str(cat)}, "What is it?"]}
     # (the random model's greedy reply is whitespace, which the page says in words; the raw reply is compared too)
@@ -84,13 +84,13 @@ def test_an_image_for_a_text_only_run_is_refused_on_the_page(board, tmp_path, se
     cat = tmp_path / "cat.png"
     write_png(cat, seed=5)
     respond = respond_of(board)
-    *_, (run_history, base_history, _, error, _) = respond("plain", "What is it?", [], [], 6, "", str(cat))
+    *_, (run_history, base_history, _, error, _, _) = respond("plain", "What is it?", [], [], 6, "", str(cat))
     assert run_history == base_history == [] and not seen
     assert "the chat's image needs a vision-language model" in error and "is text-only" in error
     (tmp_path / "bad.png").write_bytes(b"not an image")
-    *_, (_, _, _, error, _) = respond("vlm", "What is it?", [], [], 6, "", str(tmp_path / "bad.png"))
+    *_, (_, _, _, error, _, _) = respond("vlm", "What is it?", [], [], 6, "", str(tmp_path / "bad.png"))
     assert "the chat's image: " in error and "bad.png" in error and not seen
-    *_, (_, _, _, error, _) = respond("vlm", "<image> and <image>?", [], [], 6, "", str(cat))
+    *_, (_, _, _, error, _, _) = respond("vlm", "<image> and <image>?", [], [], 6, "", str(cat))
     assert "1 image(s) given but the message holds 2 <image>" in error
 
 

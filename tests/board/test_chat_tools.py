@@ -44,6 +44,7 @@ def board(tmp_path, tiny_model_dir):
     _run(root, workdir, "with_tools", tiny_model_dir, tools="tools/functions.py:add", max_tool_calling_iterations=2,
          tool_timeout=3)
     _run(root, workdir, "plain", tiny_model_dir)
+    _run(root, workdir, "with_env", tiny_model_dir, environment_factory="tools/functions.py:Counter")
     return Board(root, workdir)
 
 
@@ -90,10 +91,47 @@ def test_the_page_chat_with_tools_end_to_end(board, scripted):
     holds the question and the answer, not the tool bubbles."""
     app = build_app(board)
     (respond,) = {f.fn for f in app.fns.values() if getattr(f.fn, "__name__", "") == "respond"}
-    *_, (run_history, base_history, box, error, image) = respond("with_tools", "What is 2 plus 3?", [], [], 128, "")
+    *_, (run_history, base_history, box, error, image, _) = respond("with_tools", "What is 2 plus 3?", [], [], 128, "")
     assert (box, error, image) == ("", "", None)
     assert run_history == base_history == [{"role": "user", "content": "What is 2 plus 3?"}] + BUBBLES
     scripted.clear()
     list(respond("with_tools", "And 2 plus 3 again?", run_history, base_history, 128, ""))
     later = scripted[0]
     assert "What is 2 plus 3?" in later and "It is 5." in later and "[add]" not in later and "->" not in later
+
+
+def test_the_page_chat_with_an_environment_gives_each_conversation_its_own_instance(board, tiny_tokenizer,
+                                                                                   monkeypatch):
+    """The run's `environment_factory` (TRL's contract, `tests/tool_functions.py:Counter`): each model's conversation
+    gets an instance, reset at the first message (its observation appended to that message); its methods are the
+    tools; it keeps its state across the conversation's messages and starts over after Clear (an empty state)."""
+    eos = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    contexts = []
+
+    def generate(model, tokenizer, input_ids, attention_mask, *, stop_token_ids, generation_kwargs, **kwargs):
+        context = tokenizer.decode(input_ids[0][attention_mask[0].bool()])
+        contexts.append(context)
+        last = context.rsplit("<|im_start|>user", 1)[-1]
+        text = ("Counted." if "<tool_response>" in last else
+                "<tool_call>\n" + json.dumps({"name": "bump", "arguments": {"by": 2}}) + "\n</tool_call>")
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+        return generation_from_token_lists(tokenizer, input_ids.tolist(), [ids], stop_token_ids)
+
+    monkeypatch.setattr(chat_module, "generate", generate)
+    tools = board.chat_tools("with_env")
+    assert tools["functions"] == [] and tools["environment_factory"].__name__ == "Counter"
+    app = build_app(board)
+    (respond,) = {f.fn for f in app.fns.values() if getattr(f.fn, "__name__", "") == "respond"}
+    *_, (run_history, base_history, _, error, _, environments) = respond("with_env", "Count.", [], [], 64, "")
+    assert error == "" and set(environments) == {"run", "base"}
+    assert environments["run"] is not environments["base"]
+    for history in (run_history, base_history):  # one bump of 2 each: two instances, not one shared
+        assert history[0]["content"].startswith("Count. (count from 0; reset got prompt; 1 prompt messages)")
+        assert [b["content"] for b in history[1:]] == ['-> bump({"by": 2})', "[bump] 2", "Counted."]
+    assert '"name": "bump"' in contexts[0] and "(count from 0" in contexts[0]  # schema and observation in the prompt
+    *_, (run_history, _, _, _, _, kept) = respond("with_env", "Again.", run_history, base_history, 64, "", None, "",
+                                                  environments)
+    assert kept["run"] is environments["run"] and run_history[-2]["content"] == "[bump] 4"  # the same instance
+    assert run_history[4]["content"] == "Again."  # no reset after the first message
+    *_, (run_history, _, _, _, _, fresh) = respond("with_env", "Count.", [], [], 64, "", None, "", {})  # after Clear
+    assert fresh["run"] is not environments["run"] and run_history[-2]["content"] == "[bump] 2"

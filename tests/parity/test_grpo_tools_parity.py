@@ -148,7 +148,9 @@ def _run_trl(model_dir, tmp_path, tool_kwargs, **method):
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS])
     trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=[message_count, token_sum], args=args,
                               train_dataset=dataset, processing_class=tokenizer, **tool_kwargs)
-    trainer._generate_single_turn = lambda prompt_ids, *a, **k: (policy(prompt_ids), None)
+    # Each turn at most the completion budget, as `generate`'s max_new_tokens would cut it.
+    trainer._generate_single_turn = lambda prompt_ids, *a, **k: ([ids[:MAX_LENGTH] for ids in policy(prompt_ids)],
+                                                                  None)
     rollouts = []
     generate = trainer._generate
 
@@ -231,3 +233,22 @@ def test_environment_rollouts_match_trl(qwen_tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     kwargs = {"tools": [fail], "environment_factory": Calculator}
     _assert_match(qwen_tiny, tmp_path, monkeypatch, kwargs, dict(kwargs), beta=0.0)
+
+
+def test_a_call_cut_off_by_the_completion_budget_counts_as_in_trl(qwen_tiny, tmp_path, monkeypatch):
+    """A budget that ends each calling script's first turn right after its call's JSON, before `</tool_call>`: TRL
+    reads the open block as a call (counted in `tools/call_frequency`, its result dropped as over the budget), and so
+    do we; the rollouts, masks and metrics agree."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tiny)
+    ids = tokenizer(SCRIPTS[1][0], add_special_tokens=False)["input_ids"]
+    budget = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).rstrip().endswith("}}"))
+    assert "</tool_call>" not in tokenizer.decode(ids[:budget])
+    monkeypatch.setitem(globals(), "MAX_LENGTH", budget)  # both runners read it
+    theirs, their_rollouts = _run_trl(qwen_tiny, tmp_path, {"tools": [multiply, fail]}, beta=0.0)
+    ours, our_rollouts = _run_ours(qwen_tiny, tmp_path, monkeypatch, {"tools": [multiply, fail]}, beta=0.0)
+    assert their_rollouts == our_rollouts
+    for step in theirs:
+        assert theirs[step]["tools/call_frequency"] == pytest.approx(0.75)  # scripts 1-3 of every prompt
+        for key in METRICS:
+            if key in theirs[step] or key in ours[step]:
+                assert ours[step][key] == pytest.approx(theirs[step][key], abs=1e-5), (step, key)

@@ -30,7 +30,7 @@ def test_parser_reads_several_calls_and_the_text_before():
                                                  "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
 
 
-def test_parser_reports_bad_calls_and_ignores_an_unclosed_block():
+def test_parser_reports_bad_calls_and_leaves_a_half_written_block_as_text():
     parsed = parse_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 1,}\n</tool_call>', CHATML)
     assert len(parsed.calls) == 1 and "not valid JSON" in parsed.calls[0]["error"]
     parsed = parse_tool_calls('<tool_call>\n["add"]\n</tool_call>', CHATML)
@@ -39,6 +39,18 @@ def test_parser_reports_bad_calls_and_ignores_an_unclosed_block():
     assert parsed.calls[0]["name"] == "add" and "must be a JSON object" in parsed.calls[0]["error"]
     parsed = parse_tool_calls('answer 3 <tool_call>\n{"name": "add"', CHATML)
     assert parsed.calls == [] and parsed.content == 'answer 3 <tool_call>\n{"name": "add"'
+
+
+def test_parser_reads_a_cut_off_last_block_whose_json_is_whole_as_trl_does():
+    """TRL 1.16 (transformers' `parse_response`) reads `<tool_call>` + a whole JSON object at the end of a turn cut off
+    by the length limit as a call (and counts it); a half-written object stays text."""
+    parsed = parse_tool_calls('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', CHATML)
+    assert parsed.content == "Let me add." and parsed.calls == [{"name": "add", "arguments": {"a": 1, "b": 2}}]
+    closed = '<tool_call>\n{"name": "huge", "arguments": {}}\n</tool_call>\n'
+    parsed = parse_tool_calls(closed + '<tool_call>\n{"name": "add", "arguments": {"a": 1}}', CHATML)
+    assert parsed.calls == [{"name": "huge", "arguments": {}}, {"name": "add", "arguments": {"a": 1}}]
+    parsed = parse_tool_calls(closed + '<tool_call>\n{"name": "add", "argu', CHATML)
+    assert parsed.calls == [{"name": "huge", "arguments": {}}] and parsed.content == ""
 
 
 def test_parser_without_markers_reads_a_bare_json_call():

@@ -415,8 +415,8 @@ def test_memory_phases_reports_every_phase_of_a_tiny_qlora_run(tmp_path):
 
 
 def test_memory_phases_gives_an_online_stage_its_generation_phase(tmp_path):
-    """`python -m bench.memory_phases --stage distill` (docs/stages/distill.md "Memory"): the sampling call is a phase
-    of each step, with the resident size after it."""
+    """`python -m bench.memory_phases --stage distill` (docs/stages/distill.md "Memory and speed"): the sampling call is
+    a phase of each step, with the resident size after it."""
     from bench import memory_phases
 
     out = tmp_path / "phases.json"

@@ -72,3 +72,10 @@ def counted(completions, environments, answer, **kwargs):
     """Each row's count, read from its own `Counter` (NaN where the instance was not reset for this row's answer)."""
     assert len({id(e) for e in environments}) == len(environments) == len(completions), "one instance per row"
     return [float(e.count) if e.row.get("answer") == a else math.nan for e, a in zip(environments, answer)]
+
+
+class ScoredCounter(Counter):
+    """A `Counter` that owns its reward (TRL 1.16's `get_reward`): the count it reached."""
+
+    def get_reward(self) -> float:
+        return float(self.count)

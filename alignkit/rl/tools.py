@@ -143,11 +143,34 @@ def load_environment_factory(spec: str, config_dir: Optional[str] = None,
     return factory
 
 
-def check_tool_keys(args: Any, config_dir: Optional[str] = None) -> None:
-    """Load and check `tools` and `environment_factory` (before any model loads); no-op when neither is set."""
+def check_tool_keys(args: Any, config_dir: Optional[str] = None) -> Optional[Callable[[], Any]]:
+    """Load and check `tools` and `environment_factory` (before any model loads); returns the factory (None without
+    one); no-op when neither is set."""
     tools = load_tools(args.tools or [], config_dir)
     if args.environment_factory:
-        load_environment_factory(args.environment_factory, config_dir, tools)
+        return load_environment_factory(args.environment_factory, config_dir, tools)
+    return None
+
+
+def environment_reward(factory: Optional[Callable[[], Any]]) -> Optional[tuple[str, Callable[..., list]]]:
+    """TRL 1.16's reward owned by the environment: when the class `factory` builds defines `get_reward` (no
+    arguments, a float), `(class name, reward function)` where the function scores each completed rollout as
+    `environments[i].get_reward()` (None, then NaN, for a row whose environment is of another class); TRL adds it as
+    one more reward source of weight 1 named after the class, and `reward_funcs` may then be empty. None otherwise.
+
+    Example: `class Counter` with `get_reward(self): return float(self.count)` -> `("Counter", f)` with
+    `f(environments=[c1, c2]) == [c1.count, c2.count]`.
+    """
+    if factory is None:
+        return None
+    kind = type(factory())
+    if not inspect.isfunction(getattr(kind, "get_reward", None)):
+        return None
+
+    def get_reward(environments, **kwargs):
+        return [e.get_reward() if type(e) is kind else None for e in environments]
+
+    return kind.__name__, get_reward
 
 
 # ------------------------------------------------------------------------------------------ parsing

@@ -94,7 +94,7 @@ from ..rl.losses import (CLIPPED_LOSS_TYPES, AdaptiveEntropyController, aggregat
 from ..rl.record import COMPLETIONS_FILE
 from ..rl.rollout import VLLMColocateSampler, completion_logps, rollout_seed
 from ..rl.stats import masked_mean, nan_std
-from ..rl.tools import ToolLoop, rollout_tensors, turn_seeds
+from ..rl.tools import ToolLoop, environment_reward, rollout_tensors, turn_seeds
 from .base import ReferenceSyncArguments, check_reference_sync, is_peft_model, run_stage_trainer
 from .online import PROMPT_COLUMNS, OnlineTrainer
 
@@ -366,12 +366,14 @@ def check_config(config: "Config") -> None:
     if t.do_eval or t.do_predict:
         raise ConfigError(f"stage {config.finetuning.stage} trains only: remove do_eval/do_predict, and measure a "
                           "reward on held-out prompts with `alignkit eval` (greedy) before and after training.")
-    require_reward_funcs(g, config.finetuning.stage)
-    check_generation_loop(g, t)
+    factory = None
     if g.uses_tools:
         from ..rl.tools import check_tool_keys
 
-        check_tool_keys(g, config.dir)
+        factory = check_tool_keys(g, config.dir)
+    if environment_reward(factory) is None:  # an environment with `get_reward` is a reward source of its own
+        require_reward_funcs(g, config.finetuning.stage)
+    check_generation_loop(g, t)
     check_reference_sync(config, g.beta != 0, "beta=0 (no KL term)")
 
 
@@ -481,6 +483,14 @@ class GRPOTrainer(OnlineTrainer):
                  tools: Sequence[Any] = (), environment_factory: Optional[Any] = None, formatter: Optional[Any] = None,
                  images: Optional[Any] = None, **kwargs) -> None:
         kwargs.setdefault("data_collator", collate_prompt_rows)
+        owned = environment_reward(environment_factory)
+        if owned is not None:  # the environment's `get_reward` (TRL 1.16): one more reward of weight 1
+            from ..rewards import RewardFunction, RewardFunctions
+
+            name, function = owned
+            reward_functions = RewardFunctions(
+                list(reward_functions.functions) + [RewardFunction(name, f"{name}.get_reward", function)],
+                reward_functions.weights.tolist() + [1.0])
         super().__init__(*args, reward_functions=reward_functions, stop_token_ids=stop_token_ids,
                          log_completions=grpo_args.log_completions, keep_reference_copy=grpo_args.beta != 0,
                          reference_sync=grpo_args, **kwargs)

@@ -35,7 +35,8 @@ METRICS = ("loss", "reward", "reward_std", "frac_reward_zero_std", "rewards/mess
            "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
            "completions/mean_terminated_length", "completions/min_terminated_length",
            "completions/max_terminated_length", "entropy", "kl", "clip_ratio/region_mean",
-           "tools/call_frequency", "tools/failure_frequency")
+           "tools/call_frequency", "tools/failure_frequency", "rewards/ScoredCalculator/mean",
+           "rewards/ScoredCalculator/std")
 
 
 def multiply(a: int, b: int) -> int:
@@ -73,6 +74,13 @@ class Calculator:
         """
         self.uses += 1
         return a * b
+
+
+class ScoredCalculator(Calculator):
+    """A `Calculator` that owns a reward (TRL 1.16's `get_reward`): how often it was used."""
+
+    def get_reward(self) -> float:
+        return float(self.uses)
 
 
 def message_count(completions, **kwargs):
@@ -232,6 +240,15 @@ def test_tool_rollouts_match_trl(qwen_tiny, tmp_path, monkeypatch):
 def test_environment_rollouts_match_trl(qwen_tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     kwargs = {"tools": [fail], "environment_factory": Calculator}
+    _assert_match(qwen_tiny, tmp_path, monkeypatch, kwargs, dict(kwargs), beta=0.0)
+
+
+def test_an_environment_that_owns_its_reward_matches_trl(qwen_tiny, tmp_path, monkeypatch):
+    """`get_reward` on the environment: one more reward source of weight 1 named after its class, in both."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    kwargs = {"tools": [fail], "environment_factory": ScoredCalculator}
+    theirs, _ = _run_trl(qwen_tiny, tmp_path, dict(kwargs), beta=0.0)
+    assert all(r["rewards/ScoredCalculator/mean"] > 0 for r in theirs.values())
     _assert_match(qwen_tiny, tmp_path, monkeypatch, kwargs, dict(kwargs), beta=0.0)
 
 

@@ -4,6 +4,7 @@ the tool turn's tokens, and the multi-turn loop's completion ids and tool mask w
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -225,6 +226,31 @@ def test_environment_reset_extends_the_prompt_and_its_methods_are_tools(tiny_tok
     assert loop.tool_names == ["add", "increment"] and set(row_tools[1]) == {"add", "increment"}
     assert row_tools[1]["increment"](2) == 7 and environments[0].total == 1  # one instance per row
     assert '"name": "increment"' in tiny_tokenizer.decode(prompt_ids[0])
+
+
+def test_an_environment_with_get_reward_is_a_reward_source_and_stands_in_for_reward_funcs(tiny_model_dir, tmp_path):
+    """TRL 1.16: `get_reward` makes the environment a reward source (named after its class; `get_reward` is not a
+    tool) and `reward_funcs` optional; without it `reward_funcs` stays required."""
+    from alignkit.config.parse import parse_config
+    from alignkit.rl.tools import environment_methods, environment_reward
+    from tests.tool_functions import Counter, ScoredCounter
+
+    assert environment_reward(Counter) is None and environment_reward(None) is None
+    name, reward = environment_reward(ScoredCounter)
+    first, second, other = ScoredCounter(), ScoredCounter(), Counter()
+    for env, count in ((first, 2), (second, 5), (other, 1)):
+        env.reset(prompt=[])
+        env.bump(count)
+    assert name == "ScoredCounter" and reward(environments=[first, second, other], prompts=[0, 0, 0]) == [2.0, 5.0,
+                                                                                                       None]
+    assert [m.__name__ for m in environment_methods(first)] == ["bump"]
+    functions = str(Path(__file__).resolve().parents[1] / "tool_functions.py")
+    keys = {"stage": "grpo", "model_name_or_path": tiny_model_dir, "dataset": "demo_math", "template": "chatml",
+            "output_dir": str(tmp_path / "out"), "num_generations": 2, "per_device_train_batch_size": 2}
+    config = parse_config({**keys, "environment_factory": f"{functions}:ScoredCounter"})
+    assert config.method.reward_funcs == []
+    with pytest.raises(ConfigError, match="needs reward_funcs"):
+        parse_config({**keys, "environment_factory": f"{functions}:Counter"})
 
 
 def test_example_calculator_reads_arithmetic_only():

@@ -493,9 +493,10 @@ def _online_table(report: dict[str, Any], stage: str, mem: str, mem_label: str) 
     per_prompt = completions_per_prompt(stage, s["num_generations"])
     lines = ["", f"{ONLINE_STEP[stage].format(trl=report['versions'].get('trl'))}: {s['batch']} completions per "
              f"step ({s['batch'] // per_prompt} prompts x {per_prompt}), at most {completion_length(s, stage)} new "
-             "tokens each, sampling at each tool's default (temperature 1.0; online DPO 0.9), one generation per "
-             "step; generation time is the sampling call alone, training time the rest of the step (log-probs, loss, "
-             "backward, optimizer).", "",
+             "tokens each, sampling at each tool's default (temperature 1.0; online DPO 0.9), "
+             + ("one sampling call per turn of the step's rollout; generation time is those calls summed"
+                if stage == "grpo_tools" else "one generation per step; generation time is the sampling call alone")
+             + ", training time the rest of the step (log-probs, loss, backward, optimizer).", "",
              f"| run | step time (s) | completions/s | generation (s/step) | training (s/step) | generated tokens/s "
              f"| {mem_label} | first loss | final loss |", "|---|---|---|---|---|---|---|---|---|"]
     for variant in VARIANTS:

@@ -163,7 +163,7 @@ def environment_reward(factory: Optional[Callable[[], Any]]) -> Optional[tuple[s
     """
     if factory is None:
         return None
-    kind = type(factory())
+    kind = factory if isinstance(factory, type) else type(factory())  # a class needs no instance to be read
     if not inspect.isfunction(getattr(kind, "get_reward", None)):
         return None
 

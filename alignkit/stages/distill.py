@@ -296,11 +296,10 @@ class DistillTrainer(GRPOTrainer):
             raise ValueError("DistillTrainer.compute_loss returns the loss only.")
         d = self.distill_args
         mask = inputs["completion_mask"]
-        # The teacher first: its pass's activations are gone before the student's, kept for the backward, exist.
-        # It is not `accelerator.prepare`d, so the run's autocast (bf16) is entered here, as the student's forward
-        # enters it.
         # Both score only the real completion tokens, padding-free unless `padding_free: false`
-        # (`rl.rollout.completion_token_logits`; the same places, in the same order, for both).
+        # (`rl.rollout.completion_token_logits`; the same places, in the same order, for both). The teacher first,
+        # so its activations are gone before the student's (kept for the backward) exist; it is not
+        # `accelerator.prepare`d, so the run's autocast is entered here, as the student's forward enters it.
         tokens = (inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], mask)
         padding_free = self.args.padding_free
         with torch.no_grad(), self.accelerator.autocast(), full_weights(self.teacher) as teacher:

@@ -206,12 +206,12 @@ def _packed_forward(packed: torch.Tensor, bias: Optional[torch.Tensor], x: torch
                     **kwargs) -> torch.Tensor:
     """`F.linear(x, W, bias)` with `W` in oneDNN's packed layout (`torch.ops.mkldnn._reorder_linear_weight`).
 
-    The packed weights are fp32 (`packed_linears` packs nothing else), and oneDNN has no product of bf16 rows with
-    fp32 weights: under bf16 autocast (a `bf16` run's rollouts, inside accelerate's autocast forward) the layers
-    before hand this one bf16 activations, so they are cast up and the product runs in fp32, as the rollout would
-    without packing under autocast's fp32 fallback. A cast of a few decode rows costs nothing next to the product.
+    The rows are cast to the packed weight's dtype (fp32, or bf16 under a bf16 autocast; see `packed_linears`):
+    oneDNN has no product of rows and weights of different dtypes, and the layers before hand this one rows of
+    either (under autocast an RMSNorm's output is fp32, an attention's or an MLP's bf16). The output is in that
+    dtype too, as autocast's `F.linear` gives it. A cast of a few decode rows costs nothing next to the product.
     """
-    rows = x.reshape(-1, x.size(-1)).to(torch.float32).contiguous()
+    rows = x.reshape(-1, x.size(-1)).to(packed.dtype).contiguous()
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out.size(-1))
 
@@ -233,8 +233,13 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
     outputs equal `F.linear`'s up to float rounding (summation order: about 1e-6 on logits of size ~10), which
     sampling cannot tell apart; only decoding uses them, never a pass whose log-probs or gradients train.
 
-    Weights stored in bf16 (a frozen base under `precision.bf16_frozen_linears`) are packed in fp32 too: the
-    merge is computed in fp32 from them.
+    The packed copies are bf16 when the block is entered under a bf16 CPU autocast (a `bf16` run's rollouts:
+    `OnlineTrainer.sample` and PPO's rollout enter the run's autocast), fp32 otherwise. Under autocast every
+    `F.linear` casts its weight to bf16 on each call anyway; packing the bf16 copy once halves the bytes a decode
+    step reads and runs the product on the CPU's bf16 units (`python -m bench.decode_dtype_probe`: 1.6x on the
+    bundled model's linear layers on an AMD EPYC with AVX512-BF16). The merge is computed in fp32 and rounded
+    once, where autocast rounds base and adapter apart: sampling cannot tell the two apart. Weights stored in bf16
+    (a frozen base under `precision.bf16_frozen_linears`) are merged in fp32 the same way.
 
     Yields False and changes nothing where it does not apply: no oneDNN in this torch build, weights that are
     not whole fp32 or bf16 tensors on the CPU (sharded ones outside `full_weights`), or LoRA layers other than plain
@@ -260,6 +265,8 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
         yield False
         return
     wrapped = {id(m.get_base_layer()) for m in lora_layers}
+    dtype = (torch.bfloat16 if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+             else torch.float32)
     # Merged weights are built in one reused buffer per shape: a fresh 1-5 MB tensor per layer costs its page
     # faults each round (a third of the packing time of the bundled model).
     scratch: dict[tuple[int, ...], torch.Tensor] = {}
@@ -281,10 +288,9 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
                 weight, bias = module.weight.detach(), module.bias
             else:
                 continue
-            # A frozen base stored in bf16 (`precision.bf16_frozen_linears`) is packed in fp32 as well.
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), batch_size)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), batch_size)
             patched.enter_context(shadowed_forward(
-                module, partial(_packed_forward, packed, None if bias is None else bias.detach())))
+                module, partial(_packed_forward, packed, None if bias is None else bias.detach().to(dtype))))
         yield True
 
 
@@ -380,7 +386,8 @@ def generate_with_decode(
         image_inputs: a vision-language model's pixel inputs of the rows, laid out by row
             (`data.multimodal.ImageProcessing.row_pixel_inputs`); see `decode`.
         merge_lora: decode with the LoRA adapter merged: into oneDNN-packed copies of the weights where
-            `packed_linears` applies (fp32 on a CPU with oneDNN, plain LoRA), else with `merged_lora`.
+            `packed_linears` applies (a CPU with oneDNN, plain LoRA; bf16 copies under a bf16 autocast), else with
+            `merged_lora`.
         generation_kwargs: only the keys of `DECODE_KEYS` (`max_new_tokens` required).
         generator: random stream for sampling, or one per row (see `sample_from_probs`).
         on_step: `decode`'s per-step callback (streaming, rows stopped by the caller).

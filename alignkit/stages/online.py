@@ -69,7 +69,9 @@ class OnlineTrainer(StageTrainer):
         batch (a no-op without sharding, and inside a caller's own `full_weights` block)."""
         # Given the DeepSpeed engine, whose per-module hooks would otherwise release each layer after its forward.
         engine = self.model_wrapped if self.is_deepspeed_enabled else None
-        with full_weights(self.model, engine) as model:
+        # The run's autocast (a no-op without mixed precision) is entered around the whole decode, not only inside
+        # the prepared model's forward, so that `packed_linears` packs bf16 copies of the weights for a bf16 run.
+        with self.accelerator.autocast(), full_weights(self.model, engine) as model:
             return sample_completions(model, self.processing_class, prompt_ids, stop_token_ids=self.stop_token_ids,
                                       generation_kwargs=generation_kwargs, seed=seed, first_row=first_row,
                                       seeds=seeds, image_inputs=image_inputs)

@@ -280,6 +280,46 @@ def test_packed_linears_equal_the_merged_model_and_write_no_weight(lora_model):
     assert all(torch.equal(before[name], t) for name, t in _snapshot(lora_model).items())
 
 
+def _packed_dtypes(model) -> set:
+    """The dtypes of the packed weights the model's layers multiply with inside a `packed_linears` block."""
+    from alignkit.model.generation import _packed_forward
+
+    return {m.forward.args[0].dtype for m in model.modules()
+            if getattr(vars(m).get("forward"), "func", None) is _packed_forward}
+
+
+@needs_onednn
+def test_packed_linears_pack_bf16_copies_under_a_bf16_autocast(lora_model):
+    """Entered under a bf16 CPU autocast (a bf16 run's rollout), every packed copy is bf16 and each packed layer
+    gives bf16 outputs, as autocast's `F.linear` does; the logits are the autocast merged model's up to bf16
+    rounding (the merge is rounded once, where autocast rounds base and adapter apart), far closer than the
+    adapter's own effect. Entered without autocast the copies stay fp32."""
+    lora_model.eval()
+    batch = torch.tensor([[5, 17, 30, 44, 9], [7, 8, 40, 41, 42]])
+    head = lora_model.get_output_embeddings()
+    seen = []
+    hook = head.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with merged_lora(lora_model):
+                merged = lora_model(input_ids=batch).logits.float()
+            with lora_model.disable_adapter():
+                base = lora_model(input_ids=batch).logits.float()
+            with packed_linears(lora_model, batch_size=2) as packed:
+                assert packed
+                copies = _packed_dtypes(lora_model)
+                got = lora_model(input_ids=batch).logits.float()
+        with torch.no_grad(), packed_linears(lora_model, batch_size=2) as packed:
+            fp32_copies = _packed_dtypes(lora_model)
+    finally:
+        hook.remove()
+    assert copies == {torch.bfloat16} and fp32_copies == {torch.float32}
+    assert seen[2] == torch.bfloat16  # the packed head's own output
+    effect = (merged - base).abs().max()
+    assert effect > 1e-2
+    assert (got - merged).abs().max() < effect / 4
+
+
 def test_packed_linears_leave_dora_to_merged_lora(tiny_model):
     """A LoRA variant (DoRA) is not packed (the block yields False and patches nothing): the caller merges it."""
     from peft import LoraConfig, get_peft_model

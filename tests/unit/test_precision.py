@@ -139,3 +139,64 @@ def test_bf16_frozen_linears_leaves_trainable_weights():
     model[1].requires_grad_(False)
     assert precision.bf16_frozen_linears(model) == 1
     assert model[0].weight.dtype == torch.float32 and model[1].weight.dtype == torch.bfloat16
+
+
+SHAPE_CACHE_PROBE = """
+import ctypes, os, sys
+if sys.argv[1] == "alignkit":
+    import alignkit  # noqa: F401  (sets the caches' capacities, unless exported)
+else:
+    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = os.environ["LRU_CACHE_CAPACITY"] = "1024"  # their defaults
+import torch
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+
+def in_use():
+    info = libc.mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20
+
+torch.set_num_threads(1)
+weight = torch.randn(512, 256, dtype=torch.bfloat16, requires_grad=True)
+def step(rows):
+    torch.nn.functional.linear(torch.randn(rows, 256, dtype=torch.bfloat16, requires_grad=True), weight).sum().backward()
+for _ in range(3):
+    step(64)
+for rows in range(100, 130):  # a new token count each step, as padding-free batches and rollouts give
+    step(rows)
+before = in_use()  # capped caches are full by now
+for rows in range(130, 170):
+    step(rows)
+print(in_use() - before)
+"""
+
+
+def test_importing_alignkit_bounds_onednn_shape_caches(tmp_path):
+    """oneDNN's and ideep's per-shape kernel caches (1024 entries each by default, never freed) made a bf16 run's
+    heap grow with every new token count: importing alignkit caps them, so once 30 shapes have filled them, 40 more
+    leave the heap about where it was, where the default capacities keep tens of MB more."""
+    import ctypes.util
+    import subprocess
+    import sys
+
+    if not ctypes.util.find_library("c") or not hasattr(ctypes.CDLL(ctypes.util.find_library("c")), "mallinfo2"):
+        pytest.skip("needs glibc's mallinfo2")
+    script = tmp_path / "probe.py"
+    script.write_text(SHAPE_CACHE_PROBE)
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+
+    def growth(mode: str) -> float:
+        out = subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return float(out.stdout.strip().splitlines()[-1])
+
+    uncapped = growth("default")
+    if uncapped < 20:
+        pytest.skip(f"this torch/CPU runs bf16 products without oneDNN's caches (heap +{uncapped:.1f} MB uncapped)")
+    capped = growth("alignkit")
+    assert capped < uncapped / 4, (capped, uncapped)

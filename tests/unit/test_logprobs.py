@@ -33,7 +33,7 @@ def test_selective_log_softmax_hand_computed():
 
 @pytest.mark.parametrize("chunk_elements", [7, 1 << 24])  # several chunks per call, and one
 def test_selective_log_softmax_matches_log_softmax_gather(monkeypatch, chunk_elements):
-    monkeypatch.setattr(logprobs, "_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(logprobs, "ELEMENTWISE_CHUNK_ELEMENTS", chunk_elements)
     torch.manual_seed(0)
     logits = torch.randn(3, 5, 11, dtype=torch.float64, requires_grad=True)
     index = torch.randint(0, 11, (3, 5))
@@ -138,7 +138,7 @@ def test_no_second_full_vocabulary_copy_is_saved_or_allocated(monkeypatch, chunk
     Forward: count tensors of the full size kept for backward. Backward: count full-size tensors the
     ops create; one (the gradient of the logits) is unavoidable, the naive way makes several.
     """
-    monkeypatch.setattr(logprobs, "_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(logprobs, "ELEMENTWISE_CHUNK_ELEMENTS", chunk_elements)
     torch.manual_seed(0)
     logits = torch.randn(4, 16, 1000, requires_grad=True)
     labels = torch.randint(0, 1000, (4, 16))

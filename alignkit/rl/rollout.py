@@ -296,25 +296,19 @@ def completion_logps(
         shared = _shared_prompt_logits(model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows],
                                        completion_mask[rows]) if share_prompts else None
         if shared is None:
-            # The shared per-token forward on [prompt; completion], scoring the completion's real tokens only.
-            prompt_length = prompt_ids.size(1)
-            scored = labelled_forward(
-                model, torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1),
-                torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1),
-                torch.cat([torch.full_like(prompt_ids[rows], IGNORE_INDEX),
-                           completion_ids[rows].masked_fill(completion_mask[rows] == 0, IGNORE_INDEX)], dim=1),
-                logits=True, model_inputs=flat_image_inputs(image_inputs, rows) if image_inputs is not None else None)
-            logits = scored.values if temperature == 1.0 else scored.values / temperature
-            count, width = scored.shape
-            # Column P - 1 + j of the [N, P + C] layout predicts completion token j.
-            columns = slice(prompt_length - 1, prompt_length - 1 + length)
-            logps = torch.zeros(count * width, dtype=torch.float32, device=logits.device)
-            all_logps.append(logps.index_put((scored.place,), selective_log_softmax(logits, scored.targets))
-                             .view(count, width)[:, columns])
+            # The padded per-token forward on [prompt; completion], scoring the completion's real tokens only.
+            logits, place = completion_token_logits(
+                model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows],
+                padding_free=False,
+                model_inputs=flat_image_inputs(image_inputs, rows) if image_inputs is not None else None)
+            if temperature != 1.0:
+                logits = logits / temperature
+            count = completion_ids[rows].size(0)
+            logps = torch.zeros(count, length, dtype=torch.float32, device=logits.device)
+            all_logps.append(logps.index_put(place, selective_log_softmax(logits, completion_ids[rows][place])))
             if with_entropy:
-                entropy = torch.zeros(count * width, dtype=torch.float32, device=logits.device)
-                all_entropy.append(entropy.index_put((scored.place,), token_entropy(logits))
-                                   .view(count, width)[:, columns])
+                entropy = torch.zeros(count, length, dtype=torch.float32, device=logits.device)
+                all_entropy.append(entropy.index_put(place, token_entropy(logits)))
             continue
         # Position P - 1 (the prompt's last, shared) predicts token 0; completion positions predict 1 .. C - 1.
         first, rest = shared
@@ -335,7 +329,8 @@ def completion_logps(
 
 
 def completion_token_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                            completion_ids: torch.Tensor, completion_mask: torch.Tensor, *, padding_free: bool = True
+                            completion_ids: torch.Tensor, completion_mask: torch.Tensor, *, padding_free: bool = True,
+                            model_inputs: Optional[dict[str, Any]] = None
                             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The logits predicting each real completion token, for a loss over the whole vocabulary (distillation's
     divergence): `(logits [K, V], (row [K], column [K]))`, K the completion mask's ones and where each goes in the
@@ -343,13 +338,14 @@ def completion_token_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.
 
     The per-token forward (`model.logprobs.labelled_forward`) on `[prompt; completion]`, padding-free by default:
     only real tokens reach the model (each sequence attended on its own, so a row's numbers do not depend on the
-    batch it shares) and only the completion's positions the output layer.
+    batch it shares) and only the completion's positions the output layer. `completion_logps` runs it padded, with
+    a vision-language model's pixel inputs as `model_inputs`, where it cannot share the prompts.
     """
     scored = labelled_forward(
         model, torch.cat([prompt_ids, completion_ids], dim=1), torch.cat([prompt_mask, completion_mask], dim=1),
         torch.cat([torch.full_like(prompt_ids, IGNORE_INDEX),
                    completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)], dim=1),
-        logits=True, padding_free=padding_free)
+        logits=True, padding_free=padding_free, model_inputs=model_inputs)
     width = scored.shape[1]
     # Column P - 1 + j of the [N, P + C] layout predicts completion token j.
     rows = torch.div(scored.place, width, rounding_mode="floor")

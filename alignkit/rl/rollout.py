@@ -249,8 +249,9 @@ def completion_logps(
     they were sampled from, as TRL does.
 
     Rows that share a prompt (a GRPO group) share its forward pass (`share_prompts`): in one padding-free row
-    (`_packed_prompt_logits`, which also skips the padding after short completions) or, for longer batches and
-    attention implementations that take no custom mask, a prompt pass whose KV cache the group shares
+    (`_packed_prompt_logits`, which also skips the padding after short completions; a batch whose row would pass
+    `_PACKED_ROW_TOKENS` is halved until each half's row fits) or, for a single row too long for it and attention
+    implementations that take no custom mask, a prompt pass whose KV cache the group shares
     (`_shared_prompt_logits`). The same numbers as the one padded pass up to float rounding, with and without
     gradients, at masked positions excepted (left at 0 by the padding-free row; callers mask them).
 
@@ -278,8 +279,17 @@ def completion_logps(
     share_prompts = share_prompts and image_inputs is None and not (
         torch.is_grad_enabled() and model.training and getattr(model, "is_activation_checkpointing", False))
     all_logps, all_entropy = [], []
-    for start in range(0, prompt_ids.size(0), step):
-        rows = slice(start, start + step)
+    pending = [slice(start, min(start + step, prompt_ids.size(0))) for start in range(0, prompt_ids.size(0), step)]
+    while pending:
+        rows = pending.pop(0)
+        if (share_prompts and rows.stop - rows.start > 1 and _packable(model)
+                and _packed_row_tokens(prompt_ids[rows], prompt_mask[rows], completion_mask[rows]) > _PACKED_ROW_TOKENS):
+            # Too long for one padding-free row: two halves, each packed if it fits (halved again if not), rather
+            # than the padded layout, whose `[N, C, V]` logits grow with the longest completion, not the real
+            # tokens (a GRPO step of 8 completions of at most 512 tokens peaked at 8.9 GB that way).
+            middle = (rows.start + rows.stop) // 2
+            pending[:0] = [slice(rows.start, middle), slice(middle, rows.stop)]
+            continue
         packed = _packed_prompt_logits(model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows],
                                        completion_mask[rows]) if share_prompts else None
         if packed is not None:
@@ -352,6 +362,23 @@ def completion_token_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.
     return scored.values, (rows, scored.place - rows * width - (prompt_ids.size(1) - 1))
 
 
+def _packable(model) -> bool:
+    """Whether the model's attention takes the `[1, 1, T, T]` mask of `_packed_prompt_logits`' row."""
+    return getattr(model_config(model), "_attn_implementation", None) in ("sdpa", "eager")
+
+
+def _fed_tokens(completion_mask: torch.Tensor) -> torch.Tensor:
+    """`[N, C]` bool: the completion tokens the padding-free row feeds (each completion's real tokens but its last)."""
+    lengths = completion_mask.sum(1)  # [N] real completion tokens (1 up to and including the stop token)
+    return torch.arange(completion_mask.size(1), device=completion_mask.device) < (lengths - 1).clamp(min=0)[:, None]
+
+
+def _packed_row_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> int:
+    """The length of `_packed_prompt_logits`' row: each distinct prompt's real tokens once, then the fed tokens."""
+    distinct = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0)
+    return int(distinct[:, prompt_ids.size(1):].sum() + _fed_tokens(completion_mask).sum())
+
+
 def _packed_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                           completion_mask: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, tuple]]:
     """The logits `completion_logps` needs from one padding-free row: each distinct prompt once, each completion's
@@ -371,18 +398,16 @@ def _packed_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Te
         `(logits [K, V], index [K], (row [K], column [K]))`: K predictions, the completion token each one scores,
         and where its log-prob goes in the `[N, C]` output.
     """
-    config = model_config(model)
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+    if not _packable(model):
+        return None
+    if completion_ids.size(1) == 0 or _packed_row_tokens(prompt_ids, prompt_mask, completion_mask) > _PACKED_ROW_TOKENS:
         return None
     device = prompt_ids.device
     distinct, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
     prompt_len = prompt_ids.size(1)
     real_prompt = distinct[:, prompt_len:].bool()
     prompt_lengths = real_prompt.sum(1)  # [D]
-    lengths = completion_mask.sum(1)  # [N] real completion tokens (1 up to and including the stop token)
-    fed = (torch.arange(completion_ids.size(1), device=device) < (lengths - 1).clamp(min=0)[:, None])  # [N, C]
-    if completion_ids.size(1) == 0 or int(prompt_lengths.sum() + fed.sum()) > _PACKED_ROW_TOKENS:
-        return None
+    fed = _fed_tokens(completion_mask)
     # The flat row: prompts' real tokens, then each completion's fed tokens.
     ids = torch.cat([distinct[:, :prompt_len][real_prompt], completion_ids[fed]])
     prompt_group = torch.arange(distinct.size(0), device=device)[:, None].expand_as(real_prompt)[real_prompt]

@@ -80,28 +80,66 @@ def lora_policy(tiny_model_dir, tmp_path, save_perturbed_adapter):
     return model
 
 
-def test_long_batches_take_the_padded_shared_prompt_pass(lora_policy, monkeypatch):
-    """Past `_PACKED_ROW_TOKENS` the padding-free row is not built: the prompt pass (3 distinct prompts of 5
-    columns) and the completion pass on its cache run instead, with the same log-probs."""
+def _recording_forward(policy, monkeypatch) -> list:
+    """The `input_ids` shape of every forward of the policy's base model from now on."""
+    base = policy.get_base_model()
+    seen = []
+    real_forward = type(base).forward
+
+    def recording_forward(self, *args, **kwargs):
+        seen.append(tuple(kwargs["input_ids"].shape))
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(base), "forward", recording_forward)
+    return seen
+
+
+def test_attention_without_the_custom_mask_takes_the_padded_shared_prompt_pass(lora_policy, monkeypatch):
+    """Where the padding-free row cannot be built (an attention implementation without custom masks), the prompt
+    pass (3 distinct prompts of 5 columns) and the completion pass on its cache run instead, with the same
+    log-probs."""
     from alignkit.rl import rollout
 
     batch = _batch(6)
     with torch.no_grad():
         packed, _ = completion_logps(lora_policy, *batch)
-        monkeypatch.setattr(rollout, "_PACKED_ROW_TOKENS", 10)
-        base = lora_policy.get_base_model()
-        seen = []
-        real_forward = type(base).forward
-
-        def recording_forward(self, *args, **kwargs):
-            seen.append(tuple(kwargs["input_ids"].shape))
-            return real_forward(self, *args, **kwargs)
-
-        monkeypatch.setattr(type(base), "forward", recording_forward)
+        monkeypatch.setattr(rollout, "_packable", lambda model: False)
+        seen = _recording_forward(lora_policy, monkeypatch)
         padded, _ = completion_logps(lora_policy, *batch)
     assert seen == [(3, 5), (7, 5)]
     mask = batch[3].bool()
     torch.testing.assert_close(padded.masked_fill(~mask, 0), packed, atol=1e-5, rtol=0)
+
+
+def test_a_batch_past_the_row_cap_is_halved_into_rows_that_fit(lora_policy, monkeypatch):
+    """Past `_PACKED_ROW_TOKENS` the batch is halved (and halved again) until each part's padding-free row fits, not
+    sent to the padded layout (whose `[N, C, V]` logits grow with the longest completion): at a cap of 16 tokens
+    every forward is one packed row of at most 16 and the log-probs and LoRA gradients are the one row's; a single
+    row past the cap alone runs padded."""
+    from alignkit.rl import rollout
+
+    batch = _batch(6)
+    lora_policy.zero_grad()
+    whole, _ = completion_logps(lora_policy, *batch)
+    (whole * batch[3]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in lora_policy.named_parameters() if p.grad is not None}
+    lora_policy.zero_grad()
+    assert rollout._packed_row_tokens(batch[0], batch[1], batch[3]) > 16
+    monkeypatch.setattr(rollout, "_PACKED_ROW_TOKENS", 16)
+    seen = _recording_forward(lora_policy, monkeypatch)
+    halves, _ = completion_logps(lora_policy, *batch)
+    (halves * batch[3]).sum().backward()
+    assert len(seen) > 1 and all(rows == 1 and width <= 16 for rows, width in seen), seen
+    torch.testing.assert_close(halves, whole, atol=1e-5, rtol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(lora_policy.get_parameter(name).grad, grad, atol=1e-5, rtol=0, msg=name)
+    # One row longer than the cap: the padded forward of its 5 + 6 columns (one row has no prompt to share).
+    seen.clear()
+    monkeypatch.setattr(rollout, "_PACKED_ROW_TOKENS", 4)
+    with torch.no_grad():
+        single, _ = completion_logps(lora_policy, *(t[:1] for t in batch))
+    assert seen == [(1, 11)]
+    torch.testing.assert_close(single.masked_fill(batch[3][:1] == 0, 0), whole[:1].detach(), atol=1e-5, rtol=0)
 
 
 def test_shared_prompt_gradients_are_bit_reproducible_on_two_threads(lora_policy, monkeypatch):
@@ -120,7 +158,7 @@ def test_shared_prompt_gradients_are_bit_reproducible_on_two_threads(lora_policy
     group = {5: 0, 7: 1, 40: 2}  # each row's prompt, by its first real token
     prompt_ids = torch.cat([prefix[[group[int(row[row != 2][0])] for row in prompt_ids]], prompt_ids], dim=1)
     prompt_mask = torch.cat([torch.ones(7, 295, dtype=torch.long), prompt_mask], dim=1)
-    monkeypatch.setattr(rollout, "_PACKED_ROW_TOKENS", 10)  # the prompt pass and its copied cache
+    monkeypatch.setattr(rollout, "_packable", lambda model: False)  # the prompt pass and its copied cache
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -80,21 +80,8 @@ def lora_policy(tiny_model_dir, tmp_path, save_perturbed_adapter):
     return model
 
 
-def _recording_forward(policy, monkeypatch) -> list:
-    """The `input_ids` shape of every forward of the policy's base model from now on."""
-    base = policy.get_base_model()
-    seen = []
-    real_forward = type(base).forward
-
-    def recording_forward(self, *args, **kwargs):
-        seen.append(tuple(kwargs["input_ids"].shape))
-        return real_forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(base), "forward", recording_forward)
-    return seen
-
-
-def test_attention_without_the_custom_mask_takes_the_padded_shared_prompt_pass(lora_policy, monkeypatch):
+def test_attention_without_the_custom_mask_takes_the_padded_shared_prompt_pass(lora_policy, monkeypatch,
+                                                                             record_forward_shapes):
     """Where the padding-free row cannot be built (an attention implementation without custom masks), the prompt
     pass (3 distinct prompts of 5 columns) and the completion pass on its cache run instead, with the same
     log-probs."""
@@ -104,14 +91,14 @@ def test_attention_without_the_custom_mask_takes_the_padded_shared_prompt_pass(l
     with torch.no_grad():
         packed, _ = completion_logps(lora_policy, *batch)
         monkeypatch.setattr(rollout, "_packable", lambda model: False)
-        seen = _recording_forward(lora_policy, monkeypatch)
+        seen = record_forward_shapes(lora_policy.get_base_model())
         padded, _ = completion_logps(lora_policy, *batch)
     assert seen == [(3, 5), (7, 5)]
     mask = batch[3].bool()
     torch.testing.assert_close(padded.masked_fill(~mask, 0), packed, atol=1e-5, rtol=0)
 
 
-def test_a_batch_past_the_row_cap_is_halved_into_rows_that_fit(lora_policy, monkeypatch):
+def test_a_batch_past_the_row_cap_is_halved_into_rows_that_fit(lora_policy, monkeypatch, record_forward_shapes):
     """Past `_PACKED_ROW_TOKENS` the batch is halved (and halved again) until each part's padding-free row fits, not
     sent to the padded layout (whose `[N, C, V]` logits grow with the longest completion): at a cap of 16 tokens
     every forward is one packed row of at most 16 and the log-probs and LoRA gradients are the one row's; a single
@@ -126,7 +113,7 @@ def test_a_batch_past_the_row_cap_is_halved_into_rows_that_fit(lora_policy, monk
     lora_policy.zero_grad()
     assert rollout._packed_row_tokens(batch[0], batch[1], batch[3]) > 16
     monkeypatch.setattr(rollout, "_PACKED_ROW_TOKENS", 16)
-    seen = _recording_forward(lora_policy, monkeypatch)
+    seen = record_forward_shapes(lora_policy.get_base_model())
     halves, _ = completion_logps(lora_policy, *batch)
     (halves * batch[3]).sum().backward()
     assert len(seen) > 1 and all(rows == 1 and width <= 16 for rows, width in seen), seen

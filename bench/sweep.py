@@ -363,7 +363,8 @@ def render_sweep(report: dict[str, Any]) -> str:
         f"Date: {report.get('date')}; machine: {m['cpu']}, {m['cores']} cores, {s['threads']} threads; "
         f"alignkit {v.get('alignkit')} ({v.get('alignkit_commit', '?')}), TRL {v['trl']}, transformers "
         f"{v['transformers']}, torch {v['torch']}.  ",
-        f"Model: {s['model']}; LoRA r=8 alpha=16 on every linear layer but the head; fp32; {s['steps']} steps per "
+        f"Model: {s['model']}; LoRA r=8 alpha=16 on every linear layer but the head; alignkit at its `bf16: auto` "
+        f"default (on a CPU with bf16 units it may choose bf16), TRL in fp32; {s['steps']} steps per "
         f"run, the first {s['warmup']} not timed; every run a fresh process. Every sequence is exactly L tokens "
         f"(DPO: chosen and rejected both L). Length axis: batch x L = {s['tokens']} (SFT batch and DPO pairs = "
         f"{s['tokens']}/L, so a DPO step holds {2 * s['tokens']} tokens); batch axis: L = {s['batch_length']}.  ",

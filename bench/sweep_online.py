@@ -162,7 +162,8 @@ def render_online_sweep(report: dict[str, Any]) -> str:
         f"Date: {report.get('date')}; machine: {m['cpu']}, {m['cores']} cores, {s['threads']} threads; "
         f"alignkit {v.get('alignkit')} ({v.get('alignkit_commit', '?')}), TRL {v['trl']}, transformers "
         f"{v['transformers']}, torch {v['torch']}.  ",
-        f"Model: {s['model']}; LoRA r=8 alpha=16 on every linear layer but the head; fp32; {s['steps']} steps per run, "
+        f"Model: {s['model']}; LoRA r=8 alpha=16 on every linear layer but the head; alignkit at its `bf16: auto` "
+        f"default (on a CPU with bf16 units it may choose bf16), TRL in fp32; {s['steps']} steps per run, "
         f"the first {s['warmup']} not timed; every run a fresh process. Length axis: at most L new tokens per "
         f"completion at G = {s['generations'][0]}; generations axis: G completions per prompt (GRPO; PPO: as many "
         f"prompts, one response each) at L = {s['lengths'][0]}, {s['prompts']} prompts per step. Sampling at "

@@ -4,10 +4,11 @@ import logging as _logging
 import os as _os
 
 # oneDNN (which runs every bf16 matmul on a CPU) and ideep, torch's layer above it, each keep a cache of up to 1024
-# compiled kernels, one per input shape, of about 1 MB each, never freed. Padding-free batches and rollouts change
-# their token count every step, so under bf16 a run's heap grew by 20-35 MB a step and RSS by hundreds of MB over a
-# run (docs/performance.md, "oneDNN's shape caches"). 64 entries hold every shape one step repeats across its layers.
-# Read at their first use, so set before any matmul; a value the user exported is kept.
+# compiled kernels, one per input shape, up to about a megabyte each, never freed. Padding-free batches and rollouts
+# change their token count every step, so under bf16 a run's heap grew by 20-35 MB a step and RSS by hundreds of MB
+# over a run (docs/performance.md, "oneDNN's shape caches"). 64 entries hold every shape one step repeats across its
+# layers (distillation's step time unchanged). Read at their first use, so set before any matmul; a value the user
+# exported is kept.
 for _name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     _os.environ.setdefault(_name, "64")
 

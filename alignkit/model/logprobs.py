@@ -60,6 +60,11 @@ def _rows_per_chunk(vocab_size: int, elements: int = _CHUNK_ELEMENTS) -> int:
     return max(1, elements // max(vocab_size, 1))
 
 
+def elementwise_rows(vocab_size: int) -> int:
+    """Rows per chunk of an element-wise pass over `[K, vocab_size]` logits (`ELEMENTWISE_CHUNK_ELEMENTS`)."""
+    return _rows_per_chunk(vocab_size, ELEMENTWISE_CHUNK_ELEMENTS)
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
     """`log_softmax(logits)[..., index]` with O(chunk) extra memory in forward and backward."""
 
@@ -70,7 +75,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         flat_index = index.reshape(-1, 1)
         out = torch.empty(rows.size(0), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
-        step = _rows_per_chunk(vocab, ELEMENTWISE_CHUNK_ELEMENTS)
+        step = elementwise_rows(vocab)
         for start in range(0, rows.size(0), step):
             chunk = rows[start : start + step].float()  # a no-op for fp32; bf16 logits get fp32 maths per chunk
             chunk_lse = torch.logsumexp(chunk, dim=-1)
@@ -88,7 +93,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         flat_index = index.reshape(-1, 1)
         flat_grad = grad_out.reshape(-1, 1).float()
         grad_rows = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device)
-        step = _rows_per_chunk(vocab, ELEMENTWISE_CHUNK_ELEMENTS)
+        step = elementwise_rows(vocab)
         in_place = logits.dtype == torch.float32
         for start in range(0, rows.size(0), step):
             end = start + step

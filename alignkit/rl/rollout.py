@@ -28,7 +28,7 @@ from ..data.collator import padding_token_id
 from ..data.multimodal import flat_image_inputs
 from ..errors import RewardFunctionError
 from ..model.generation import Generation, generate_with_decode, pad_prompts
-from ..model.logprobs import ELEMENTWISE_CHUNK_ELEMENTS, labelled_forward, selective_log_softmax
+from ..model.logprobs import elementwise_rows, labelled_forward, selective_log_softmax
 from ..model.padding_free import model_config
 
 # Rows of logits per entropy chunk: bounds the softmax temporary to about this many elements.
@@ -220,7 +220,7 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         rows = logits.reshape(-1, logits.size(-1))
         out = torch.empty(rows.size(0), dtype=torch.float32, device=logits.device)
-        step = max(1, ELEMENTWISE_CHUNK_ELEMENTS // max(rows.size(-1), 1))
+        step = elementwise_rows(rows.size(-1))
         for start in range(0, rows.size(0), step):
             chunk = rows[start:start + step].float()
             probs = chunk.softmax(-1)

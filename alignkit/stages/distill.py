@@ -59,7 +59,7 @@ from ..config import FinetuningArguments, check_sampling_knobs
 from ..env import launched_processes
 from ..errors import ConfigError
 from ..model.distributed import full_weights, sharding_of
-from ..model.logprobs import ELEMENTWISE_CHUNK_ELEMENTS
+from ..model.logprobs import elementwise_rows
 from ..model.precision import bf16_frozen_linears
 from ..rewards import RewardFunctions
 from ..rl.losses import aggregate_loss
@@ -187,8 +187,6 @@ def jsd_and_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     return jsd.reshape(shape), entropy.reshape(shape)
 
 
-
-
 def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """`log_softmax(logits / T)` in at least fp32 (x / 1 is x: no division at the default temperature)."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -211,7 +209,7 @@ class _GeneralizedJSD(torch.autograd.Function):
         rows = student.size(0)
         jsd = torch.empty(rows, dtype=dtype, device=student.device)
         entropy = torch.empty_like(jsd)
-        step = max(1, ELEMENTWISE_CHUNK_ELEMENTS // max(student.size(-1), 1))
+        step = elementwise_rows(student.size(-1))
         for start in range(0, rows, step):
             chunk = slice(start, start + step)
             log_ps, log_pt = _log_probs(student[chunk], temperature), _log_probs(teacher[chunk], temperature)
@@ -235,7 +233,7 @@ class _GeneralizedJSD(torch.autograd.Function):
         student, teacher = ctx.saved_tensors
         beta, temperature = ctx.beta, ctx.temperature
         grad = torch.empty_like(student)
-        step = max(1, ELEMENTWISE_CHUNK_ELEMENTS // max(student.size(-1), 1))
+        step = elementwise_rows(student.size(-1))
         for start in range(0, student.size(0), step):
             chunk = slice(start, start + step)
             log_ps, log_pt = _log_probs(student[chunk], temperature), _log_probs(teacher[chunk], temperature)

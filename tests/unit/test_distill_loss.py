@@ -73,9 +73,10 @@ def test_hand_written_gradient_equals_autograd(monkeypatch, beta, temperature, c
     """`_GeneralizedJSD`'s values, gradient (with a per-token weight, as the loss's token mask gives) and entropy
     equal the autograd formula's in float64 over 3 x 5 tokens of an 11-word vocabulary, and torch's gradcheck
     agrees; no gradient reaches the teacher."""
+    import alignkit.model.logprobs as logprobs
     import alignkit.stages.distill as distill
 
-    monkeypatch.setattr(distill, "ELEMENTWISE_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(logprobs, "ELEMENTWISE_CHUNK_ELEMENTS", chunk_elements)
     generator = torch.Generator().manual_seed(int(beta * 100 + temperature * 10))
     student = torch.randn(3, 5, 11, dtype=torch.float64, generator=generator, requires_grad=True)
     teacher = torch.randn(3, 5, 11, dtype=torch.float64, generator=generator)

@@ -464,6 +464,41 @@ def test_per_sequence_attention_attends_each_sequence_alone(causal_lm, monkeypat
         per_sequence_sdpa(None, torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), None)
 
 
+def test_per_sequence_attention_under_bf16_autocast_is_fp32_for_short_sequences(monkeypatch):
+    """Under a CPU bf16 autocast, a sequence shorter than `FP32_ATTENTION_BELOW` attends in fp32 (autocast off) and
+    a longer one in bf16; each output comes back in bf16 and equals plain causal sdpa over its own sequence."""
+    import torch.nn.functional as F
+
+    import alignkit.model.padding_free as padding_free
+    import transformers.integrations.sdpa_attention as sdpa_module
+
+    monkeypatch.setattr(padding_free, "FP32_ATTENTION_BELOW", 5)
+    seen = []
+    original = sdpa_module.sdpa_attention_forward
+
+    def recording(module, query, key, value, *args, **kwargs):
+        seen.append((query.size(2), query.dtype, torch.is_autocast_enabled("cpu")))
+        return original(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa_module, "sdpa_attention_forward", recording)
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 2, 11, 4, generator=generator) for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal, module.training = True, False
+    token = padding_free._SEQUENCE_BOUNDS.set([(0, 3), (3, 9), (9, 11)])
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = padding_free.per_sequence_sdpa(module, query, key, value.bfloat16(), None)
+    finally:
+        padding_free._SEQUENCE_BOUNDS.reset(token)
+    assert seen == [(3, torch.float32, False), (6, torch.float32, True), (2, torch.float32, False)]
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 11, 2, 4)
+    for (a, b), atol in (((0, 3), 1e-2), ((3, 9), 5e-2), ((9, 11), 1e-2)):
+        want = F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value.bfloat16().float()[:, :, a:b],
+                                              is_causal=True).transpose(1, 2)
+        torch.testing.assert_close(out[:, a:b].float(), want, atol=atol, rtol=0)
+
+
 def test_gradient_checkpointing_keeps_the_masked_rows_and_equal_gradients(causal_lm, monkeypatch):
     """With gradient checkpointing a layer reruns its forward in backward, outside `packed_attention`, so the
     packed forward keeps rows bounded by the longest sequence with transformers' block-diagonal mask (sdpa calls

@@ -14,9 +14,16 @@ unfused layers do.
 
 `fuse_lora_linears` installs it on every plain LoRA linear layer of a PEFT model. The fused path runs only in the
 plain case: adapters enabled and not merged, one active adapter without a variant (DoRA, ...), no dropout in
-effect, an `nn.Linear` base layer with matching dtypes, no autocast (bf16 mixed precision), no LoRA bias, no
-per-call adapter names, no DeepSpeed ZeRO-3 partitions (whose weights only the modules' own calls gather); anything
-else calls PEFT's own forward, unchanged.
+effect, an `nn.Linear` base layer with matching dtypes, no LoRA bias, no per-call adapter names, no DeepSpeed
+ZeRO-3 partitions (whose weights only the modules' own calls gather); anything else calls PEFT's own forward,
+unchanged.
+
+Under autocast (a `bf16` run) the node runs in the autocast dtype on inputs cast once before it, as autocast
+would cast them (the casts are autograd nodes, so the fp32 adapter gets fp32 gradients). The frozen base weight's
+bf16 copy is made once and kept until the weight changes (`frozen_cast`), where autocast casts it at every call:
+PEFT's path under autocast also casts the input twice per layer (base and adapter) and adds in three more
+element-wise passes. Bundled model, LoRA on every linear layer, forward and backward of 8 x 90 tokens in bf16
+autocast: see docs/performance.md ("bf16 steps").
 
 The LoRA variants: rsLoRA (`use_rslora`) changes only `scaling` and PiSSA (`pissa_init`) only the starting weights,
 so both are plain here and fused; DoRA (`use_dora`) is a peft variant (`lora_variant`) and runs peft's forward; LoRA+
@@ -89,6 +96,27 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, scaling)
 
 
+def frozen_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` in `dtype` (an autocast's), for a product the caller runs with autocast off.
+
+    Autocast casts a weight that requires no gradient (LoRA's frozen base, a tied output layer) again at every call,
+    a full pass over it each time, and the bundled model's 30 layers cast 106 M weights a forward that way. Here
+    a frozen weight is cast once and the copy kept on the tensor until its storage or version changes (an
+    in-place merge, a load); a trainable weight is cast per call, as autocast does (the cast is then an autograd
+    node, so its gradient comes back in the weight's dtype). The copy rounds as autocast's cast does.
+    """
+    if weight.dtype == dtype:
+        return weight
+    if weight.requires_grad:
+        return weight.to(dtype)
+    key = (weight.data_ptr(), weight._version, dtype)
+    cached = getattr(weight, "_alignkit_cast", None)
+    if cached is None or cached[0] != key:
+        cached = (key, weight.detach().to(dtype))
+        weight._alignkit_cast = cached
+    return cached[1]
+
+
 def quantized_base_layer(layer: nn.Module) -> bool:
     """True when the LoRA layer's base layer holds quantized weights (bitsandbytes' `Linear4bit` / `Linear8bitLt`:
     integer storage), which neither the fused path nor an in-place merge may treat as a float weight."""
@@ -117,10 +145,12 @@ def _plain_adapter(layer: nn.Module, x: torch.Tensor) -> str | None:
         # DeepSpeed ZeRO-3: a weight is whole only inside its own module's forward and backward (the engine's
         # hooks gather it there), so reading `base.weight` here would read this process's empty partition.
         return None
-    if not (x.dtype == base.weight.dtype == lora_a.weight.dtype == lora_b.weight.dtype):
+    if torch.is_autocast_enabled(x.device.type):  # `_fused_forward` casts every input to the autocast dtype
+        if not (x.is_floating_point() and base.weight.dtype == lora_a.weight.dtype == lora_b.weight.dtype
+                and base.weight.is_floating_point()):
+            return None
+    elif not (x.dtype == base.weight.dtype == lora_a.weight.dtype == lora_b.weight.dtype):
         return None
-    if torch.is_autocast_enabled(x.device.type):
-        return None  # autocast casts each matmul's inputs; the in-place addmm_ would mix its dtypes
     return name
 
 
@@ -130,8 +160,17 @@ def _fused_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)  # PEFT's own forward
     base = self.get_base_layer()
-    return lora_linear(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
-                       self.scaling[name])
+    weight, bias, lora_a, lora_b = base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        # What autocast would do, once: every input cast to its dtype (the casts are autograd nodes, so the fp32
+        # adapter weights get fp32 gradients), then the node runs in that dtype with autocast off inside it.
+        dtype = torch.get_autocast_dtype(device)
+        weight = frozen_cast(weight, dtype)
+        with torch.autocast(device, enabled=False):
+            return lora_linear(x.to(dtype), weight, None if bias is None else bias.to(dtype), lora_a.to(dtype),
+                               lora_b.to(dtype), self.scaling[name])
+    return lora_linear(x, weight, bias, lora_a, lora_b, self.scaling[name])
 
 
 def fuse_lora_linears(model: nn.Module) -> int:
@@ -168,4 +207,4 @@ def shadowed_forward(module: nn.Module, forward: Callable[..., Any]) -> Iterator
             module.forward = previous
 
 
-__all__ = ["lora_linear", "fuse_lora_linears", "quantized_base_layer", "shadowed_forward"]
+__all__ = ["frozen_cast", "lora_linear", "fuse_lora_linears", "quantized_base_layer", "shadowed_forward"]

@@ -105,19 +105,43 @@ def test_dropout_in_training_takes_peft_path(tiny_model_dir, monkeypatch):
     assert len(calls) == 14
 
 
-def test_autocast_takes_peft_path(tiny_model_dir, monkeypatch):
-    """bf16 autocast (the `bf16: true` training path) casts each matmul's inputs, so the fused node stays out of it:
-    PEFT's forward runs and the loss is finite."""
-    model = _peft(tiny_model_dir)
-    fuse_lora_linears(model)
+def test_autocast_runs_the_fused_node_in_bf16(tiny_model_dir, monkeypatch):
+    """Under bf16 autocast (the `bf16` training path) the fused node runs in bf16 on inputs cast once, as autocast
+    casts them: the loss and the adapter's gradients (fp32, the parameters' dtype) agree with PEFT's own forward
+    under autocast to bf16's precision, the frozen base weights are cast once and the copy reused until a weight
+    changes in place."""
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    plain = _peft(tiny_model_dir)
+    fused = copy.deepcopy(plain)
+    fuse_lora_linears(fused)
     calls = []
     original = lora_linear.__globals__["_LoraLinear"].apply
-    monkeypatch.setattr(lora_linear.__globals__["_LoraLinear"], "apply", lambda *a: calls.append(1) or original(*a))
-    ids = torch.randint(3, 300, (1, 6))
+    monkeypatch.setattr(lora_linear.__globals__["_LoraLinear"], "apply", lambda *a: calls.append(a[1].dtype) or original(*a))
+    results = []
+    for model in (plain, fused):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    assert calls == [torch.bfloat16] * 14
+    (loss_p, grads_p), (loss_f, grads_f) = results
+    torch.testing.assert_close(loss_f, loss_p, atol=2e-2, rtol=2e-2)
+    assert grads_f.keys() == grads_p.keys() and all(g.dtype == torch.float32 for g in grads_f.values())
+    for name, grad in grads_p.items():
+        cosine = torch.nn.functional.cosine_similarity(grads_f[name].flatten(), grad.flatten(), dim=0)
+        assert cosine > 0.99, name
+    layer = fused.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    copy_before = layer.weight._alignkit_cast[1]
+    assert copy_before.dtype == torch.bfloat16 and torch.equal(copy_before, layer.weight.to(torch.bfloat16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    assert calls == [] and torch.isfinite(loss)
+        fused(input_ids=ids)
+    assert layer.weight._alignkit_cast[1] is copy_before  # reused
+    with torch.no_grad():
+        layer.weight.mul_(2)  # an in-place change (a merge) makes a new copy
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused(input_ids=ids)
+    assert torch.equal(layer.weight._alignkit_cast[1], layer.weight.to(torch.bfloat16))
 
 
 def test_the_fused_forward_comes_back_after_a_generation_round(tiny_model_dir, monkeypatch):

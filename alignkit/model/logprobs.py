@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..constants import IGNORE_INDEX
 from .distributed import is_zero3_partitioned
-from .lora_fused import shadowed_forward
+from .lora_fused import frozen_cast, shadowed_forward
 from .padding_free import (
     FlatBatch,
     attention_slot_cost,
@@ -108,6 +108,25 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return grad_rows.view(logits.shape), None
 
 
+def _log_partition_(logits: torch.Tensor, probs: bool = False) -> torch.Tensor:
+    """`logsumexp(logits, -1)` in fp32 for `[R, V]` logits of any float dtype, in cache-sized blocks of rows (each
+    block's fp32 temporaries stay in the CPU's caches between the max, exp and sum passes). `logits` is
+    overwritten: with `softmax(logits)` in its own dtype when `probs`, else with intermediate values."""
+    lse = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
+    sub = elementwise_rows(logits.size(-1))
+    for first in range(0, logits.size(0), sub):
+        rows = slice(first, first + sub)
+        block = logits[rows].float()  # the rows themselves when fp32, else an fp32 copy of a few rows
+        peak = block.amax(-1, keepdim=True)
+        total = block.sub_(peak).exp_().sum(-1, keepdim=True)
+        lse[rows] = total.log().add_(peak).squeeze(-1)
+        if probs:
+            block.div_(total)
+            if block.dtype != logits.dtype:
+                logits[rows] = block
+    return lse
+
+
 class _HeadLogSoftmax(torch.autograd.Function):
     """`log_softmax(hidden @ weight.T + bias)[k, index[k]]` computed chunk by chunk: the `[K, V]` logits never exist.
 
@@ -128,17 +147,25 @@ class _HeadLogSoftmax(torch.autograd.Function):
         unit_grad = (torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
                      if ctx.needs_input_grad[0] and not trainable_head else None)
         step = _rows_per_chunk(vocab)
-        for start in range(0, rows, step):
-            end = start + step
-            logits = F.linear(hidden[start:end], weight, bias).float()
-            chunk_lse = torch.logsumexp(logits, dim=-1)
-            lse[start:end] = chunk_lse
-            out[start:end] = logits.gather(-1, index[start:end, None]).squeeze(-1) - chunk_lse
-            if unit_grad is not None:
-                # d/dh [z_y - logsumexp(z)] with z = W h + b: W[y] - softmax(z) @ W.
-                probs = logits.sub_(chunk_lse[:, None]).exp_().to(weight.dtype)
-                unit_grad[start:end] = (weight[index[start:end]] - probs @ weight).float()
-        ctx.trainable_head, ctx.hidden_dtype = trainable_head, hidden.dtype
+        device = hidden.device.type
+        inputs, low, low_bias = hidden, weight, bias
+        if torch.is_autocast_enabled(device):  # cast once here, not per chunk and product as autocast would
+            dtype = torch.get_autocast_dtype(device)
+            inputs, low = hidden.to(dtype), frozen_cast(weight, dtype)
+            low_bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(device, enabled=False):
+            for start in range(0, rows, step):
+                end = start + step
+                logits = F.linear(inputs[start:end], low, low_bias)
+                out[start:end] = logits.gather(-1, index[start:end, None]).squeeze(-1).float()
+                chunk_lse = _log_partition_(logits, probs=unit_grad is not None)
+                lse[start:end] = chunk_lse
+                out[start:end] -= chunk_lse
+                if unit_grad is not None:
+                    # d/dh [z_y - logsumexp(z)] with z = W h + b: W[y] - softmax(z) @ W (`logits` now holds
+                    # softmax(z)).
+                    unit_grad[start:end] = weight[index[start:end]].float() - (logits @ low).float()
+        ctx.trainable_head, ctx.hidden_dtype, ctx.product_dtype = trainable_head, hidden.dtype, low.dtype
         if unit_grad is not None:
             ctx.save_for_backward(unit_grad)
         else:
@@ -155,20 +182,31 @@ class _HeadLogSoftmax(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
-        step = _rows_per_chunk(weight.size(0))
+        step, sub = _rows_per_chunk(weight.size(0)), elementwise_rows(weight.size(0))
+        # The products in the forward's dtype (bf16 under its autocast, as autocast's own backward would run them),
+        # so the recomputed logits are those whose log-partition `lse` holds.
+        dtype = ctx.product_dtype
+        low_hidden, low_weight = hidden.to(dtype), weight.to(dtype)
+        low_bias = None if bias is None else bias.to(dtype)
         for start in range(0, hidden.size(0), step):
             end = start + step
-            # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z), times the incoming gradient.
-            grad_logits = F.linear(hidden[start:end], weight, bias).float().sub_(lse[start:end, None]).exp_()
-            scale = grad_out[start:end, None].float()
-            grad_logits.mul_(-scale).scatter_add_(-1, index[start:end, None], scale)
-            grad_logits = grad_logits.to(weight.dtype)
+            # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z), times the incoming gradient; in cache-sized
+            # blocks of rows, written back over the chunk's logits.
+            grad_logits = F.linear(low_hidden[start:end], low_weight, low_bias)
+            for first in range(0, grad_logits.size(0), sub):
+                rows = slice(first, first + sub)
+                block = grad_logits[rows].float()
+                scale = grad_out[start:end][rows, None].float()
+                block.sub_(lse[start:end][rows, None]).exp_().mul_(-scale)
+                block.scatter_add_(-1, index[start:end][rows, None], scale)
+                if block.dtype != grad_logits.dtype:  # fp32 logits: `block` is their rows, already written
+                    grad_logits[rows] = block
             if grad_hidden is not None:
-                grad_hidden[start:end] = grad_logits @ weight
+                grad_hidden[start:end] = grad_logits @ low_weight
             if grad_weight is not None:
-                grad_weight += grad_logits.T @ hidden[start:end]
+                grad_weight += grad_logits.T @ low_hidden[start:end]
             if grad_bias is not None:
-                grad_bias += grad_logits.sum(0)
+                grad_bias += grad_logits.float().sum(0)
         return grad_hidden, grad_weight, grad_bias, None
 
 

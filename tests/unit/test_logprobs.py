@@ -212,6 +212,36 @@ def test_head_log_softmax_equals_linear_then_selective_log_softmax(monkeypatch, 
         logprobs.head_log_softmax(hidden[None], weight, bias, index)
 
 
+@pytest.mark.parametrize("trainable", [False, True])
+def test_head_log_softmax_under_bf16_autocast_is_the_bf16_product_once_cast(monkeypatch, trainable):
+    """Under bf16 autocast the chunks multiply bf16 copies cast once (a frozen weight's copy kept until it changes),
+    and the log-softmax over each chunk is fp32 in blocks of rows: the log-probs and gradients are those of
+    `selective_log_softmax` over the autocast product `F.linear(hidden, weight)` in bf16, in several chunks and
+    blocks (a short last one of each)."""
+    import alignkit.model.logprobs as logprobs
+
+    monkeypatch.setattr(logprobs, "_CHUNK_ELEMENTS", 9 * 50)  # chunks of 9 rows
+    monkeypatch.setattr(logprobs, "ELEMENTWISE_CHUNK_ELEMENTS", 4 * 50)  # blocks of 4 rows
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 16, generator=generator, requires_grad=trainable)
+    index = torch.randint(0, 50, (23,), generator=generator)
+    upstream = torch.randn(23, generator=generator)
+    params = [t for t in (hidden, weight) if t.requires_grad]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = logprobs.head_log_softmax(hidden, weight, None, index)
+        logits = torch.nn.functional.linear(hidden, weight)
+    assert logits.dtype == torch.bfloat16 and ours.dtype == torch.float32
+    grads = torch.autograd.grad((ours * upstream).sum(), params)
+    expected = logits.float().log_softmax(-1).gather(-1, index[:, None])[:, 0]
+    reference = torch.autograd.grad((expected * upstream).sum(), params)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, reference):  # bf16 products of the softmax: bf16's precision
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    if not trainable:
+        assert torch.equal(weight._alignkit_cast[1], weight.to(torch.bfloat16))
+
+
 def test_head_log_softmax_hand_computed():
     """H = 1, weight [[1], [0]], no bias, hidden [[ln 3]]: logits (ln 3, 0), softmax (3/4, 1/4).
     log p(0) = ln 3 - ln 4 = ln 0.75; d/dh = W[0] - (3/4 * 1 + 1/4 * 0) = 1/4."""

@@ -333,9 +333,15 @@ def evaluate_rewards(
     stop_ids = formatter.stop_token_ids()
     pad_id = padding_token_id(tokenizer)
 
+    device_type = next(model.parameters()).device.type
+    # `bf16=true` decodes under bf16 autocast (on a CPU `packed_linears` then streams bf16 weight copies: half the
+    # bytes a token); `auto` and `false` decode in fp32, so an evaluation's numbers do not depend on the machine.
+    bf16 = config.training.bf16 is True
+
     def decode(input_ids: torch.Tensor, attention_mask: torch.Tensor, kwargs: dict[str, Any]):
-        return generate_with_decode(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_ids,
-                                    generation_kwargs=kwargs)
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+            return generate_with_decode(model, tokenizer, input_ids, attention_mask, stop_token_ids=stop_ids,
+                                        generation_kwargs=kwargs)
 
     def generate_turn(contexts: list[list[int]], _rows: list[int], _turn: int, budget: int) -> list[list[int]]:
         """One turn of the tool loop for the rows still calling, greedy, at most `budget` new tokens."""

@@ -106,6 +106,31 @@ def test_completions_are_model_generates_greedy_ones(workspace, tiny_model_dir, 
                            expected.completion_ids[expected.completion_mask.bool()])
 
 
+@pytest.mark.parametrize("setting, bf16", [(None, False), ("bf16=false", False), ("bf16=true", True)])
+def test_bf16_true_decodes_under_bf16_autocast(workspace, tiny_model_dir, monkeypatch, capsys, setting, bf16):
+    """`bf16=true` decodes under bf16 autocast (`packed_linears` then packs bf16 copies); the default decodes in
+    fp32, so an evaluation's answers do not depend on the machine's bf16 hardware. The header says which."""
+    import torch
+
+    import alignkit.config.parse as parse_module
+    import alignkit.model.generation as generation
+
+    monkeypatch.setattr(parse_module, "_cpu_has_bf16", lambda: True)  # whatever this machine has
+    seen = []
+    decode = generation.generate_with_decode
+
+    def recording(model, tokenizer, input_ids, attention_mask, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return decode(model, tokenizer, input_ids, attention_mask, **kwargs)
+
+    monkeypatch.setattr(generation, "generate_with_decode", recording)
+    assert _eval(workspace, tiny_model_dir, "--reward", "length", *([setting] if setting else [])) == 0
+    assert seen and all(enabled == bf16 for enabled, _ in seen)
+    assert all(dtype == torch.bfloat16 for enabled, dtype in seen if enabled)
+    assert (", greedy, bf16," in capsys.readouterr().out) == bf16
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_the_batch_width_does_not_change_the_greedy_answers(workspace, tiny_model_dir):
     """The default batch (every prompt of this set at once) gives the rows one prompt at a time gives, token for
     token: left padding and the attention mask keep each row to its own prompt."""

@@ -39,6 +39,9 @@ PROBE_ENV = "ALIGNKIT_PRECISION_PROBE"
 PROBE_CACHE_FILE = "precision_probe.json"
 CHOICE_FILE = "precision.json"
 PROBE_ROWS, PROBE_TOKENS, PROBE_REPEATS = 2, 128, 3
+# Part of the cache key: raised when a change to alignkit's fp32 or bf16 step moves their speeds, so a probe cached
+# before it is taken again. 2: fp32 attention for short sequences, the fused LoRA node and output layer under autocast.
+PROBE_REVISION = 2
 
 
 def prefer_bf16(fp32_seconds: float, bf16_seconds: float, margin: float = BF16_MARGIN) -> bool:
@@ -62,15 +65,15 @@ def _cpu_model() -> str:
 
 
 def probe_key(model: nn.Module) -> str:
-    """What the probe's result depends on: the CPU, torch and its thread count, the model's shape and how many of
-    its weights train (LoRA or full)."""
+    """What the probe's result depends on: the CPU, torch and its thread count, the model's shape, how many of
+    its weights train (LoRA or full) and alignkit's step code (`PROBE_REVISION`)."""
     config = getattr(model, "config", None)
     shape = [getattr(config, name, None) for name in
              ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "vocab_size")]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return "|".join(map(str, [_cpu_model(), torch.__version__, f"threads={torch.get_num_threads()}", *shape,
-                              f"trainable={trainable}"]))
+                              f"trainable={trainable}", f"revision={PROBE_REVISION}"]))
 
 
 def _training_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,9 @@ def test_probed_choice_is_cached_per_machine_and_model(tmp_path, monkeypatch):
     assert list(cache) == [precision.probe_key(Tiny())]
     bf16, reason = precision.probed_choice(Tiny(), tmp_path)
     assert bf16 and reason.startswith("cached probe:") and len(runs) == 1
+    monkeypatch.setattr(precision, "PROBE_REVISION", precision.PROBE_REVISION + 1)  # new step code: probe again
+    bf16, reason = precision.probed_choice(Tiny(), tmp_path)
+    assert reason.startswith("probe:") and len(runs) == 2
     monkeypatch.setattr("alignkit.env.cpu_supports_bf16", lambda: False)
     assert precision.probed_choice(Tiny(), tmp_path) == (False, "this CPU has no bf16 hardware (AVX512-BF16 or AMX)")
 

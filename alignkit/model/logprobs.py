@@ -118,10 +118,10 @@ def _log_partition_(logits: torch.Tensor, probs: bool = False) -> torch.Tensor:
         rows = slice(first, first + sub)
         block = logits[rows].float()  # the rows themselves when fp32, else an fp32 copy of a few rows
         peak = block.amax(-1, keepdim=True)
-        total = block.sub_(peak).exp_().sum(-1, keepdim=True)
-        lse[rows] = total.log().add_(peak).squeeze(-1)
+        block_lse = (block - peak).exp_().sum(-1, keepdim=True).log_().add_(peak)
+        lse[rows] = block_lse.squeeze(-1)
         if probs:
-            block.div_(total)
+            block.sub_(block_lse).exp_()
             if block.dtype != logits.dtype:
                 logits[rows] = block
     return lse

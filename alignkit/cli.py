@@ -255,8 +255,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         turns = f"at most {cap} tool turns" if cap is not None else "no cap on tool turns"
         used = tools + ([f"environment {environment_factory}"] if environment_factory else [])
         with_tools = f", tools {', '.join(used)} ({turns}, tool_timeout {tool_args.tool_timeout:g} s)"
+    precision = ", bf16" if config.training.bf16 is True else ""
     print(f"eval: {result.num_rows} prompts of {args.dataset}, model {config.model.model_name_or_path or 'bundled'}"
-          f"{adapter}, greedy{', bf16' if config.training.bf16 is True else ''}, max_new_tokens {config.generating.max_new_tokens}{with_tools}")
+          f"{adapter}, greedy{precision}, max_new_tokens {config.generating.max_new_tokens}{with_tools}")
     print(result.summary())
     if args.output:
         print(f"Per-row completions and rewards written to {args.output}")

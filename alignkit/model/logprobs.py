@@ -93,19 +93,33 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         flat_index = index.reshape(-1, 1)
         flat_grad = grad_out.reshape(-1, 1).float()
         grad_rows = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device)
-        step = elementwise_rows(vocab)
-        in_place = logits.dtype == torch.float32
-        for start in range(0, rows.size(0), step):
-            end = start + step
-            # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z); fp32 is computed straight into the gradient
-            # buffer (never into the logits themselves), other dtypes through one fp32 chunk.
-            chunk = grad_rows[start:end] if in_place else None
-            chunk = torch.sub(rows[start:end].float(), lse[start:end, None], out=chunk)
-            chunk.exp_().mul_(-flat_grad[start:end])
-            chunk.scatter_add_(-1, flat_index[start:end], flat_grad[start:end])
-            if not in_place:
-                grad_rows[start:end] = chunk
+        # Into the gradient buffer, never into the logits themselves.
+        _log_softmax_backward(rows, lse, flat_index, flat_grad, out=grad_rows)
         return grad_rows.view(logits.shape), None
+
+
+def _log_softmax_backward(rows: torch.Tensor, lse: torch.Tensor, index: torch.Tensor, grad: torch.Tensor,
+                          out: torch.Tensor) -> None:
+    """Write `grad * (onehot(index) - softmax(rows))`, the gradient of `grad * log_softmax(rows)[index]`, into
+    `out` in blocks of `elementwise_rows` rows, with fp32 maths.
+
+    Args:
+        rows: `[R, V]` logits of any float dtype; `lse`: `[R]` their fp32 log-partition.
+        index, grad: `[R, 1]` token ids and fp32 incoming gradients.
+        out: `[R, V]`, `rows`' dtype; may be `rows` itself. fp32 is computed straight into it, other dtypes
+            through one fp32 block.
+    """
+    step = elementwise_rows(rows.size(-1))
+    in_place = out.dtype == torch.float32
+    for start in range(0, rows.size(0), step):
+        end = start + step
+        # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z).
+        chunk = out[start:end] if in_place else None
+        chunk = torch.sub(rows[start:end].float(), lse[start:end, None], out=chunk)
+        chunk.exp_().mul_(-grad[start:end])
+        chunk.scatter_add_(-1, index[start:end], grad[start:end])
+        if not in_place:
+            out[start:end] = chunk
 
 
 def _log_partition_(logits: torch.Tensor, probs: bool = False) -> torch.Tensor:
@@ -182,7 +196,7 @@ class _HeadLogSoftmax(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
-        step, sub = _rows_per_chunk(weight.size(0)), elementwise_rows(weight.size(0))
+        step = _rows_per_chunk(weight.size(0))
         # The products in the forward's dtype (bf16 under its autocast, as autocast's own backward would run them),
         # so the recomputed logits are those whose log-partition `lse` holds.
         dtype = ctx.product_dtype
@@ -190,17 +204,10 @@ class _HeadLogSoftmax(torch.autograd.Function):
         low_bias = None if bias is None else bias.to(dtype)
         for start in range(0, hidden.size(0), step):
             end = start + step
-            # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z), times the incoming gradient; in cache-sized
-            # blocks of rows, written back over the chunk's logits.
+            # The logits' gradient, written over the chunk's logits.
             grad_logits = F.linear(low_hidden[start:end], low_weight, low_bias)
-            for first in range(0, grad_logits.size(0), sub):
-                rows = slice(first, first + sub)
-                block = grad_logits[rows].float()
-                scale = grad_out[start:end][rows, None].float()
-                block.sub_(lse[start:end][rows, None]).exp_().mul_(-scale)
-                block.scatter_add_(-1, index[start:end][rows, None], scale)
-                if block.dtype != grad_logits.dtype:  # fp32 logits: `block` is their rows, already written
-                    grad_logits[rows] = block
+            _log_softmax_backward(grad_logits, lse[start:end], index[start:end, None],
+                                  grad_out[start:end, None].float(), out=grad_logits)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ low_weight
             if grad_weight is not None:

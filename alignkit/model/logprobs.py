@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -316,9 +316,21 @@ def _fusable_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
 
 
 @contextlib.contextmanager
-def _hidden_instead_of_logits(head: torch.nn.Linear) -> Iterator[None]:
-    """Within the block, the output layer passes its input through: the model returns hidden states as `logits`."""
-    with shadowed_forward(head, lambda hidden: hidden):  # hooks still run
+def _hidden_instead_of_logits(head: torch.nn.Linear, seen: dict[str, Any]) -> Iterator[None]:
+    """Within the block, the output layer passes its input through: the model returns hidden states as `logits`.
+
+    `seen["autocast"]` receives the autocast the layer was called under, `(device type, dtype)` or None: the caller
+    computes the log-probs from those hidden states after the model's call, where a mixed-precision wrapper's
+    autocast (accelerate's wraps `model.forward` alone) has ended, and re-enters it so that the output layer's
+    product runs in the precision it would have run in inside the model.
+    """
+
+    def passthrough(hidden: torch.Tensor) -> torch.Tensor:
+        device = hidden.device.type
+        seen["autocast"] = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
+        return hidden
+
+    with shadowed_forward(head, passthrough):  # hooks still run
         yield
 
 
@@ -454,11 +466,11 @@ def labelled_forward(
         slots, targets, positions = place, next_tokens, place
     targets = targets[positions]
     head = None if logits else _fusable_head(model)
-    seen: dict[str, torch.Tensor] = {}
+    seen: dict[str, Any] = {}
     call = model if call is None else call
     with (_output_layer_on(model, slots, seen if keep_hidden else None),
           packed_attention(model, flat) if flat is not None else contextlib.nullcontext(),
-          _hidden_instead_of_logits(head) if head is not None else contextlib.nullcontext()):
+          _hidden_instead_of_logits(head, seen) if head is not None else contextlib.nullcontext()):
         if flat is None:
             outputs = call(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                            **(model_inputs or {})).logits
@@ -467,7 +479,9 @@ def labelled_forward(
     if logits:
         values = outputs[0]
     elif head is not None:  # `outputs` are the selected hidden states: no [K, V] logits, in forward or backward
-        values = head_log_softmax(outputs[0], head.weight, head.bias, targets)
+        autocast = seen.get("autocast")
+        with torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext():
+            values = head_log_softmax(outputs[0], head.weight, head.bias, targets)
     else:
         values = selective_log_softmax(outputs[0], targets)
     hidden = seen.get("hidden")

@@ -285,3 +285,32 @@ def test_labelled_log_probs_use_the_fused_head_without_vocabulary_logits(tiny_mo
         assert vocab not in calls, padding_free
         torch.testing.assert_close(sums, want, atol=1e-5, rtol=1e-6)
         torch.testing.assert_close(gradient(), want_grad, atol=1e-5, rtol=1e-4)
+
+
+def test_labelled_log_probs_run_the_head_under_the_autocast_the_model_ran_under(tiny_model_dir):
+    """A mixed-precision wrapper autocasts `model.forward` alone (accelerate's does), so the fused log-probs,
+    computed after the call, re-enter that autocast: the output layer's product is bf16 as it would be inside the
+    model (the unfused path's bf16 logits), not fp32. Without the wrapper nothing is autocast."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, 300, (3, 9), generator=generator)
+    attention_mask = torch.tensor([[1] * 9, [1] * 7 + [0, 0], [1] * 4 + [0] * 5])
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :3] = -100
+
+    def both():
+        fused = logprobs.labelled_forward(model, input_ids, attention_mask, labels)
+        unfused = logprobs.labelled_forward(model, input_ids, attention_mask, labels, logits=True)
+        return fused.values, selective_log_softmax(unfused.values.float(), unfused.targets), unfused.values.dtype
+
+    with torch.no_grad():
+        fp32, fp32_unfused, dtype = both()
+        assert dtype == torch.float32
+        torch.testing.assert_close(fp32, fp32_unfused, atol=1e-5, rtol=1e-5)
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+        bf16, bf16_unfused, dtype = both()
+    assert dtype == torch.bfloat16 and not torch.is_autocast_enabled("cpu")
+    torch.testing.assert_close(bf16, bf16_unfused, atol=1e-5, rtol=1e-5)
+    assert (bf16 - fp32).abs().max() > 1e-3  # the bf16 product is told apart from the fp32 one

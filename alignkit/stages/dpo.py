@@ -32,21 +32,19 @@ What this file simplifies, and why:
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.multimodal import IMAGE_COLUMN
 from ..errors import ConfigError
 from ..model.logprobs import forward_sequence_logps
-from ..model.distributed import full_weights
 from .base import ReferenceSyncArguments, StageTrainer, check_reference_sync, run_stage_trainer, save_pair_predictions
+from .reference_cache import CollateWithReference, precompute_reference_logps, with_reference_logps
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -61,6 +59,8 @@ DATA_KIND = "preference"
 
 REFERENCE_FREE_LOSSES = ("orpo", "simpo")
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+# What the cached reference log-probs depend on besides the reference's weights (`reference_cache`).
+TOKEN_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", IMAGE_COLUMN)
 
 
 @dataclass
@@ -305,74 +305,6 @@ def preference_loss(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Reference log-probs computed once and cached
-# ---------------------------------------------------------------------------------------------------
-
-
-def _hash_arrow_columns(digest: "hashlib._Hash", dataset: "Dataset", columns: list[str]) -> None:
-    """Feed the bytes of `columns` (and the row selection, if any) into `digest`, without copying them."""
-    for name in columns:
-        digest.update(name.encode())
-        for chunk in dataset.data.column(name).chunks:
-            # The offset and length tell apart two slices that share buffers (e.g. after `select`).
-            digest.update(f"{chunk.offset}:{len(chunk)}".encode())
-            for buffer in chunk.buffers():
-                if buffer is not None:
-                    digest.update(memoryview(buffer))
-    indices = getattr(dataset, "_indices", None)
-    if indices is not None:
-        for chunk in indices.column(0).chunks:
-            digest.update(f"idx{chunk.offset}:{len(chunk)}".encode())
-            for buffer in chunk.buffers():
-                if buffer is not None:
-                    digest.update(memoryview(buffer))
-
-
-def _hash_parameters(digest: "hashlib._Hash", named_parameters: Iterator[tuple[str, nn.Parameter]]) -> None:
-    for name, param in named_parameters:
-        tensor = param.detach().contiguous().cpu()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        digest.update(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
-
-
-def reference_cache_path(dataset: "Dataset", reference_parameters: Iterator[tuple[str, nn.Parameter]]) -> Path:
-    """Where the reference log-probs of `dataset` under these weights are cached.
-
-    The key covers the token ids and labels of both responses and every weight of the reference, so a
-    changed dataset, cutoff, template or base model gets its own file. The file sits beside the
-    dataset's own cache files when it has them, else under the tokenised-data cache
-    (`alignkit.data.loader.cache_root`).
-    """
-    digest = hashlib.sha256(b"alignkit-ref-logps-v1")
-    columns = [c for c in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
-               if c in dataset.column_names]
-    _hash_arrow_columns(digest, dataset, columns)
-    _hash_parameters(digest, reference_parameters)
-    cache_files = getattr(dataset, "cache_files", None)
-    if cache_files:
-        folder = Path(cache_files[0]["filename"]).parent
-    else:
-        from ..data.loader import cache_root
-
-        folder = cache_root()
-    return folder / "ref_logps" / f"{digest.hexdigest()[:32]}.pt"
-
-
-class _CollateWithReference:
-    """Runs the pairwise collator on the token columns and adds the precomputed reference log-probs."""
-
-    def __init__(self, collator: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
-        self.collator = collator
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        batch = self.collator([{k: v for k, v in f.items() if k not in REF_COLUMNS} for f in features])
-        if features and REF_COLUMNS[0] in features[0]:
-            for name in REF_COLUMNS:
-                batch[name] = torch.tensor([f[name] for f in features], dtype=torch.float32)
-        return batch
-
-
-# ---------------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------------
 
@@ -408,28 +340,13 @@ class DPOTrainer(StageTrainer):
         self.needs_reference = self.loss_type not in REFERENCE_FREE_LOSSES
         self.precompute_ref_logps = dpo_args.precompute_ref_log_probs and self.needs_reference
         if self.precompute_ref_logps and kwargs.get("data_collator") is not None:
-            kwargs["data_collator"] = _CollateWithReference(kwargs["data_collator"])
+            kwargs["data_collator"] = CollateWithReference(kwargs["data_collator"], REF_COLUMNS)
         super().__init__(*args, ref_model=ref_model if self.needs_reference else None,
                          keep_reference_copy=self.needs_reference and not self.precompute_ref_logps,
                          reference_sync=dpo_args, **kwargs)
 
-        if self.precompute_ref_logps:
-            # Before any update, so that a full fine-tuning policy can serve as its own reference here. Under
-            # several processes the main one of each node computes and writes the cache, the others then read
-            # it; the weights are gathered once for the whole pass under ZeRO-3/FSDP2. The gather comes first:
-            # it is a collective every process must enter together, so inside `main_process_first` (where the
-            # others wait at a barrier) it would hang (seen under DeepSpeed ZeRO-3 on 2 processes).
-            with full_weights(self.ref_model or self.model), \
-                    self.args.main_process_first(local=True, desc="reference log-probs"):
-                self._precompute_reference_logps()
-
-    def _precompute_reference_logps(self) -> None:
-        if self.train_dataset is not None:
-            self.train_dataset = self._with_reference_logps(self.train_dataset, "train")
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {k: self._with_reference_logps(v, f"eval {k}") for k, v in self.eval_dataset.items()}
-        elif self.eval_dataset is not None:
-            self.eval_dataset = self._with_reference_logps(self.eval_dataset, "eval")
+        if self.precompute_ref_logps:  # before any update: the policy may serve as its own reference here
+            precompute_reference_logps(self, self._with_reference_logps)
 
     # ---- the reference ----
 
@@ -449,32 +366,8 @@ class DPOTrainer(StageTrainer):
 
     def _with_reference_logps(self, dataset: "Dataset", name: str) -> "Dataset":
         """`dataset` plus `ref_chosen_logps` / `ref_rejected_logps` columns, from the cache when it has them."""
-        if all(c in dataset.column_names for c in REF_COLUMNS):
-            return dataset
-        path = reference_cache_path(dataset, self.reference_parameters())
-        if path.is_file():
-            logger.info("Reading reference log-probs of the %s dataset from %s", name, path)
-            table = torch.load(path, weights_only=True)  # a plain dict of tensors: nothing to unpickle
-        else:
-            logger.info("Computing reference log-probs of the %s dataset (%d pairs) once", name, len(dataset))
-            collator = self.data_collator.collator if isinstance(self.data_collator, _CollateWithReference) \
-                else self.data_collator
-            batch_size = self.args.per_device_eval_batch_size
-            chosen, rejected = [], []
-            for start in range(0, len(dataset), batch_size):
-                rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-                batch = self._prepare_inputs(collator(rows))
-                ref_chosen, ref_rejected = self.reference_logps(batch)
-                chosen.append(ref_chosen.float().cpu())
-                rejected.append(ref_rejected.float().cpu())
-            table = {"ref_chosen_logps": torch.cat(chosen), "ref_rejected_logps": torch.cat(rejected)}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            torch.save(table, tmp)
-            os.replace(tmp, path)  # atomic: a killed run never leaves a half-written cache
-        for column in REF_COLUMNS:
-            dataset = dataset.add_column(column, table[column].tolist())
-        return dataset
+        return with_reference_logps(self, dataset, name, REF_COLUMNS, TOKEN_COLUMNS, self.reference_logps,
+                                    unit="pairs")
 
     # ---- the loss ----
 
@@ -568,7 +461,6 @@ __all__ = [
     "simpo_loss",
     "chosen_nll_loss",
     "preference_loss",
-    "reference_cache_path",
     "DPOArguments",
     "check_config",
     "DPOTrainer",

@@ -26,8 +26,11 @@ What this file simplifies, and why:
 - Rows with images (a vision-language model, `alignkit.data.multimodal`) run padded with their pixel inputs; a
   mismatched row keeps its own row's prompt and images whole (only the borrowed reply is cut to fit).
 - The reference is the policy at step 0, as in DPO (`StageTrainer.reference()`): the adapter disabled
-  under LoRA, a frozen in-memory copy under full / freeze fine-tuning. Reference log-probs are computed
-  on the fly (no `precompute_ref_log_probs` here).
+  under LoRA, a frozen in-memory copy under full / freeze fine-tuning. Its log-probs are computed on the fly,
+  or with `precompute_ref_log_probs` (TRL's key) once per dataset when the trainer is built, for the replies
+  and the KL rows alike, and cached on disk as DPO's are (`reference_cache`): a step then runs the policy alone,
+  and so does every evaluation. The KL rows are fixed when the trainer is built, so their reference
+  log-probs are too.
 - The loss is the mean over the batch's examples of the weighted per-example losses (TRL's `nanmean`
   over the concatenated desirable and undesirable losses); `kto_chosen_weight` / `kto_rejected_weight`
   (TRL: `desirable_weight` / `undesirable_weight`) rebalance data with unequal shares of the two.
@@ -54,10 +57,12 @@ import torch
 from torch import nn
 
 from ..constants import IGNORE_INDEX
+from ..data.multimodal import IMAGE_COLUMN
 from ..errors import ConfigError
 from ..jsonl import write_jsonl
 from ..model.logprobs import forward_sequence_logps
 from .base import PREDICTIONS_FILE, StageTrainer, run_stage_trainer
+from .reference_cache import CollateWithReference, precompute_reference_logps, with_reference_logps
 from .dpo import chosen_nll_loss
 
 if TYPE_CHECKING:
@@ -72,6 +77,10 @@ logger = logging.getLogger(__name__)
 DATA_KIND = "unpaired"
 
 KL_LOSSES = ("kto",)  # the loss types whose reference point is the KL estimate
+# The precomputed reference columns (`precompute_ref_log_probs`): the replies', then the KL rows' (KL losses only),
+# and what they depend on besides the reference's weights (`reference_cache`).
+REF_COLUMNS = ("ref_logps", "ref_kl_logps")
+TOKEN_COLUMNS = ("input_ids", "labels", "kl_input_ids", "kl_labels", IMAGE_COLUMN)
 
 
 @dataclass
@@ -96,6 +105,11 @@ class KTOArguments:
             "help": "kto (the paper's loss, reference point = KL estimate) or apo_zero_unpaired (the unpaired "
             "APO-zero loss of D'Oosterlinck et al. 2024: no reference point, no KL pass)."
         },
+    )
+    precompute_ref_log_probs: bool = field(
+        default=False,
+        metadata={"help": "Compute reference log-probs (of the replies and of the KL rows) once for each dataset "
+                  "before training (cached): training and every evaluation then run no reference pass."},
     )
 
     def __post_init__(self) -> None:
@@ -242,7 +256,8 @@ class KTOTrainer(StageTrainer):
     """`Trainer` whose loss is KTO's over a batch of unpaired rows (`UnpairedCollator`).
 
     Args:
-        kto_args: `pref_beta`, `kto_chosen_weight`, `kto_rejected_weight`, `pref_ftx`, `loss_type`.
+        kto_args: `pref_beta`, `kto_chosen_weight`, `kto_rejected_weight`, `pref_ftx`, `loss_type`,
+            `precompute_ref_log_probs`.
         ref_model: an explicit frozen reference model. Default: the policy with its LoRA adapter disabled,
             or a frozen in-memory deep copy of the policy as it is now (full / freeze fine-tuning; under ZeRO-3
             the policy's source loaded again, partitioned: `StageTrainer`).
@@ -253,6 +268,11 @@ class KTOTrainer(StageTrainer):
     # The loss is a per-micro-batch mean over examples: let Trainer divide it by the accumulation steps.
     loss_is_scaled_for_ga = False
     predictions_from_evaluation = True  # predict reuses the evaluation's pass (StageTrainer)
+    no_reference_copy_message = (
+        "precompute_ref_log_probs=true with full/freeze fine-tuning keeps no reference copy, and the policy has "
+        "been trained since: reference log-probs exist only for the datasets given when the trainer was built. "
+        "Pass this dataset as eval_dataset then, or set precompute_ref_log_probs=false."
+    )
 
     def __init__(self, *args, kto_args: KTOArguments, ref_model: Optional[nn.Module] = None,
                  kl_max_length: Optional[int] = None, **kwargs) -> None:
@@ -262,7 +282,11 @@ class KTOTrainer(StageTrainer):
         self.pref_ftx = kto_args.pref_ftx
         self.loss_type = kto_args.loss_type
         self.uses_kl = self.loss_type in KL_LOSSES
-        super().__init__(*args, ref_model=ref_model, keep_reference_copy=True, **kwargs)
+        self.precompute_ref_logps = kto_args.precompute_ref_log_probs
+        self.reference_columns = REF_COLUMNS if self.uses_kl else REF_COLUMNS[:1]
+        if self.precompute_ref_logps and kwargs.get("data_collator") is not None:
+            kwargs["data_collator"] = CollateWithReference(kwargs["data_collator"], self.reference_columns)
+        super().__init__(*args, ref_model=ref_model, keep_reference_copy=not self.precompute_ref_logps, **kwargs)
         if self.uses_kl:
             # A step's rows over all processes (what one process with the whole batch would group).
             group = self.args.per_device_train_batch_size * self.args.world_size
@@ -276,6 +300,8 @@ class KTOTrainer(StageTrainer):
                                      for k, v in self.eval_dataset.items()}
             elif self.eval_dataset is not None:
                 self.eval_dataset = with_mismatched_rows(self.eval_dataset, group, kl_max_length)
+        if self.precompute_ref_logps:  # before any update (the KL rows are fixed above, so theirs can be too)
+            precompute_reference_logps(self, self._with_reference_logps)
         if self.train_dataset is not None and hasattr(self.train_dataset, "column_names"):
             _warn_if_unbalanced(self.train_dataset["desirable"], self.desirable_weight, self.undesirable_weight)
 
@@ -291,15 +317,29 @@ class KTOTrainer(StageTrainer):
                                       inputs[f"{prefix}labels"], padding_free=self.args.padding_free and not pixels,
                                       model_inputs=pixels)
 
+    def reference_logps(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Summed reference log-probs of the batch's rows [B] and, with the KL term, of its mismatched rows [B]."""
+        with self.reference() as reference:
+            ref_logps, _ = self._sequence_logps(reference, inputs)
+            if not self.uses_kl:
+                return (ref_logps,)
+            ref_kl_logps, _ = self._sequence_logps(reference, inputs, "kl_")
+        return ref_logps, ref_kl_logps
+
+    def _with_reference_logps(self, dataset: "Dataset", name: str) -> "Dataset":
+        """`dataset` plus `ref_logps` (and `ref_kl_logps`) columns, from the cache when it has them."""
+        return with_reference_logps(self, dataset, name, self.reference_columns, TOKEN_COLUMNS, self.reference_logps)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logps, lengths = self._sequence_logps(model, inputs)
         desirable = inputs["desirable"].bool()
         kl: torch.Tensor | float = 0.0
-        with self.reference() as reference:
-            ref_logps, _ = self._sequence_logps(reference, inputs)
-            if self.uses_kl:
-                ref_kl_logps, _ = self._sequence_logps(reference, inputs, "kl_")
+        if self.reference_columns[0] in inputs:  # precomputed (`precompute_ref_log_probs`)
+            ref_logps, *ref_kl = (inputs[column] for column in self.reference_columns)
+        else:
+            ref_logps, *ref_kl = self.reference_logps(inputs)
         if self.uses_kl:
+            (ref_kl_logps,) = ref_kl
             with torch.no_grad():  # z0 is a detached reference point: no graph for the policy's KL pass
                 kl_logps, _ = self._sequence_logps(model, inputs, "kl_")
             # z0 of the whole batch (every process's real rows, as one process with the whole batch would form

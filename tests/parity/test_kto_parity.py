@@ -53,7 +53,7 @@ def _trl_trainer(policy_dir, tiny_model_dir, tiny_tokenizer, tmp_path, **kto):
     args = KTOConfig(
         output_dir=str(tmp_path / "trl"), bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
         report_to="none", per_device_train_batch_size=len(ROWS), max_length=None, dataset_num_proc=None,
-        precompute_ref_log_probs=False, **kto,
+        **{"precompute_ref_log_probs": False, **kto},
     )
     return TRLKTOTrainer(
         model=AutoModelForCausalLM.from_pretrained(policy_dir),
@@ -62,16 +62,21 @@ def _trl_trainer(policy_dir, tiny_model_dir, tiny_tokenizer, tmp_path, **kto):
     )
 
 
-@pytest.mark.parametrize(("loss_type", "beta", "desirable_weight", "undesirable_weight"), [
-    ("kto", 0.1, 1.0, 1.0),
-    ("kto", 0.5, 1.0, 1.5),  # imbalanced: 4 desirable, 2 undesirable, the undesirable ones weighed up
-    ("kto", 2.0, 0.6, 1.0),
-    ("apo_zero_unpaired", 0.1, 1.2, 1.0),
+@pytest.mark.parametrize(("loss_type", "beta", "desirable_weight", "undesirable_weight", "precompute"), [
+    ("kto", 0.1, 1.0, 1.0, False),
+    ("kto", 0.5, 1.0, 1.5, False),  # imbalanced: 4 desirable, 2 undesirable, the undesirable ones weighed up
+    ("kto", 2.0, 0.6, 1.0, False),
+    ("apo_zero_unpaired", 0.1, 1.2, 1.0, False),
+    # precompute_ref_log_probs on both sides: the reference's log-probs (and the KL rows') come from the columns
+    ("kto", 0.5, 1.0, 1.5, True),
+    ("apo_zero_unpaired", 0.1, 1.2, 1.0, True),
 ])
 def test_first_step_loss_and_metrics_match_trl(policy_dir, tiny_model_dir, tiny_tokenizer, tmp_path, loss_type,
-                                               beta, desirable_weight, undesirable_weight):
+                                               beta, desirable_weight, undesirable_weight, precompute):
     theirs = _trl_trainer(policy_dir, tiny_model_dir, tiny_tokenizer, tmp_path, loss_type=loss_type, beta=beta,
-                          desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+                          desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
+                          precompute_ref_log_probs=precompute)
+    assert ("ref_logps" in theirs.train_dataset.column_names) == precompute
     rows = [theirs.train_dataset[i] for i in range(len(ROWS))]
     theirs.model.train()
     their_loss = theirs.compute_loss(theirs.model, theirs._prepare_inputs(theirs.data_collator(rows))).item()
@@ -85,7 +90,7 @@ def test_first_step_loss_and_metrics_match_trl(policy_dir, tiny_model_dir, tiny_
     config = parse_config({"stage": "kto", "loss_type": loss_type, "pref_beta": beta,
                            "kto_chosen_weight": desirable_weight, "kto_rejected_weight": undesirable_weight,
                            "finetuning_type": "full", "output_dir": str(tmp_path / "ours"), "use_cpu": True,
-                           "per_device_train_batch_size": len(ROWS)})
+                           "per_device_train_batch_size": len(ROWS), "precompute_ref_log_probs": precompute})
     ours = KTOTrainer(
         model=AutoModelForCausalLM.from_pretrained(policy_dir),
         ref_model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
@@ -93,6 +98,9 @@ def test_first_step_loss_and_metrics_match_trl(policy_dir, tiny_model_dir, tiny_
         train_dataset=Dataset.from_list(features),
     )
     our_rows = [ours.train_dataset[i] for i in range(len(ROWS))]
+    if precompute:  # the reference is never run in the step: its log-probs come from TRL's and our columns alike
+        assert our_rows[0]["ref_logps"] == pytest.approx(rows[0]["ref_logps"], abs=1e-5)
+        ours.ref_model = theirs.ref_model = None
     if loss_type == "kto":  # our rotation builds TRL's mismatched rows
         assert [r["kl_input_ids"] for r in our_rows] == [r["prompt_ids"] + r["KL_completion_ids"] for r in rows]
     ours.model.train()

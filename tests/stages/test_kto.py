@@ -14,7 +14,7 @@ from alignkit.config.parse import parse_config
 from alignkit.data import UnpairedCollator
 from alignkit.model.logprobs import forward_sequence_logps
 from alignkit.model.tiny import build_tiny_tokenizer
-from alignkit.stages.kto import KTOTrainer
+from alignkit.stages.kto import TOKEN_COLUMNS, KTOTrainer
 from alignkit.train import run_train
 from tests.helpers import tiny_config
 
@@ -157,6 +157,87 @@ def test_pref_ftx_adds_the_desirable_nll(tiny_model_dir, tiny_tokenizer, tmp_pat
     nll = (-logps[0] / lengths[0] - logps[2] / lengths[2]) / 2
     assert loss == pytest.approx(0.5 + 0.5 * nll.item(), abs=1e-5)
 
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_precomputed_reference_matches_on_the_fly_and_is_cached(tiny_model_dir, tiny_tokenizer, tmp_path,
+                                                                monkeypatch, loss_type):
+    """`precompute_ref_log_probs`: the columns hold the base model's summed log-probs of each reply and of each KL
+    row (kto only); training and evaluation read them instead of running the reference, and give the on-the-fly
+    losses and metrics; a second trainer over the same tokens and weights reads the cache."""
+    dataset = unpaired_dataset(tiny_tokenizer)
+    common = dict(max_steps=4, per_device_train_batch_size=2, loss_type=loss_type)
+    on_the_fly = make_trainer(lora_model(tiny_model_dir), make_config(tmp_path / "a", **common), dataset,
+                              eval_dataset=dataset)
+    on_the_fly.train()
+    on_the_fly_eval = on_the_fly.evaluate()
+
+    config = make_config(tmp_path / "b", precompute_ref_log_probs=True, **common)
+    precomputed = make_trainer(lora_model(tiny_model_dir), config, dataset, eval_dataset=dataset)
+    columns = ["ref_logps", "ref_kl_logps"] if loss_type == "kto" else ["ref_logps"]
+    assert [c for c in precomputed.train_dataset.column_names if c.startswith("ref_")] == columns
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    for column, prefix in zip(columns, ("", "kl_")):
+        for data in (precomputed.train_dataset, precomputed.eval_dataset):
+            batch = UnpairedCollator(build_tiny_tokenizer())([{k: v for k, v in row.items() if k not in columns}
+                                                              for row in data])
+            expected = logps_of(base, batch, prefix)[0].tolist()
+            assert data[column] == pytest.approx(expected, abs=1e-4), column
+    calls = []
+    original = KTOTrainer.reference_logps
+    monkeypatch.setattr(KTOTrainer, "reference_logps", lambda self, inputs: calls.append(1) or original(self, inputs))
+    precomputed.train()
+    precomputed_eval = precomputed.evaluate()
+    assert calls == []  # training and evaluation read the columns, never ran the reference
+    assert losses_of(precomputed) == pytest.approx(losses_of(on_the_fly), abs=1e-5)
+    assert precomputed_eval["eval_rewards/margins"] != pytest.approx(0.0, abs=1e-4)
+    for key, value in on_the_fly_eval.items():
+        if key.startswith("eval_") and not key.endswith(("_runtime", "_per_second")):
+            assert precomputed_eval[key] == pytest.approx(value, abs=1e-5), key
+
+    # A second trainer over the same tokens and weights reads the cache instead of recomputing.
+    again = make_trainer(lora_model(tiny_model_dir), config, dataset)
+    assert calls == []
+    assert again.train_dataset["ref_logps"] == precomputed.train_dataset["ref_logps"]
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_precomputed_reference_runs_under_the_runs_autocast(tiny_model_dir, tiny_tokenizer, tmp_path, bf16):
+    """The precompute replaces reference passes that would have run under the run's autocast (accelerate wraps the
+    forward once training prepares the model), so it runs under that autocast too: bf16 in a bf16 run."""
+    model = lora_model(tiny_model_dir)
+    seen = []
+    layer = model.base_model.model.model.layers[0]
+    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(torch.is_autocast_enabled("cpu")))
+    make_trainer(model, make_config(tmp_path, per_device_train_batch_size=2, bf16=bf16, precompute_ref_log_probs=True),
+                 unpaired_dataset(tiny_tokenizer))
+    handle.remove()
+    assert seen and set(seen) == {bf16}
+
+
+def test_reference_cache_key_counts_the_precision(tiny_model_dir, tiny_tokenizer):
+    """bf16-computed reference log-probs are not fp32's: another file; fp32 ("no") keeps the key it always had."""
+    from alignkit.stages.reference_cache import reference_cache_path
+
+    dataset = unpaired_dataset(tiny_tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    paths = {precision: reference_cache_path(dataset, model.named_parameters(), TOKEN_COLUMNS, precision)
+             for precision in ("no", "bf16")}
+    assert paths["no"] == reference_cache_path(dataset, model.named_parameters(), TOKEN_COLUMNS)
+    assert paths["no"] != paths["bf16"] and paths["no"].parent == paths["bf16"].parent
+
+
+def test_full_finetuning_with_precomputed_reference_keeps_no_copy(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """The policy at init served as the reference for the columns; no frozen copy is kept, and a dataset that did
+    not get its columns then cannot get a correct reference after training."""
+    dataset = unpaired_dataset(tiny_tokenizer)
+    trainer = make_trainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                           make_config(tmp_path, finetuning_type="full", max_steps=1, per_device_train_batch_size=2,
+                                       precompute_ref_log_probs=True), dataset)
+    assert trainer.ref_model is None and "ref_kl_logps" in trainer.train_dataset.column_names
+    trainer.train()
+    with pytest.raises(ValueError, match="precompute_ref_log_probs"):
+        trainer.evaluate(eval_dataset=dataset)
 
 
 def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tiny_tokenizer, tmp_path, stop_after_step):

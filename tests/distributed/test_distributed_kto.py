@@ -12,7 +12,9 @@ per-step losses, metrics and final adapter within 1e-5).
 
 The evaluations resume from the final checkpoint of that 2-process training run (the trained LoRA adapter; the
 reference is the adapter disabled): 1 process x training batch 4 (which groups the eval set's mismatched rows:
-4 x 1) and eval batch 8, against 2 processes x training batch 2 (2 x 2) and eval batch 4.
+4 x 1) and eval batch 8, against 2 processes x training batch 2 (2 x 2) and eval batch 4. The 2-process
+evaluation reads its reference log-probs from columns computed once (`precompute_ref_log_probs`: the main
+process computes and writes them, the other reads the file), the 1-process one runs the reference on the fly.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def test_two_processes_train_kto_as_one_and_evaluate_as_one_without_the_repeated
     single = dist.train(dist.config("kto", "kto_eval_1p", per_device_train_batch_size=4,
                                     per_device_eval_batch_size=8, **evaluate))
     double = dist.train(dist.config("kto", "kto_eval_2p", per_device_train_batch_size=2,
-                                    per_device_eval_batch_size=4, **evaluate), nproc=2)
+                                    per_device_eval_batch_size=4, precompute_ref_log_probs=True, **evaluate), nproc=2)
+    assert double.output.count("Computing reference log-probs of the eval dataset") == 1, double.output[-4000:]
+    assert double.output.count("Reading reference log-probs of the eval dataset") == 1
     results = [json.loads((run.out / "eval_results.json").read_text()) for run in (single, double)]
     # The evaluation's own figures (`epoch` and the token count are the resumed training state's; timing varies).
     timing = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")

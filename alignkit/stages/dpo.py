@@ -44,10 +44,9 @@ from ..data.multimodal import IMAGE_COLUMN
 from ..errors import ConfigError
 from ..model.logprobs import forward_sequence_logps
 from .base import ReferenceSyncArguments, StageTrainer, check_reference_sync, run_stage_trainer, save_pair_predictions
-from .reference_cache import CollateWithReference, precompute_reference_logps, with_reference_logps
+from .reference_cache import CollateWithReference, precompute_reference_logps
 
 if TYPE_CHECKING:
-    from datasets import Dataset
     from transformers import TrainerCallback
 
     from ..config import Config
@@ -346,7 +345,7 @@ class DPOTrainer(StageTrainer):
                          reference_sync=dpo_args, **kwargs)
 
         if self.precompute_ref_logps:  # before any update: the policy may serve as its own reference here
-            precompute_reference_logps(self, self._with_reference_logps)
+            precompute_reference_logps(self, REF_COLUMNS, TOKEN_COLUMNS, self.reference_logps, unit="pairs")
 
     # ---- the reference ----
 
@@ -363,11 +362,6 @@ class DPOTrainer(StageTrainer):
         pixels = image_inputs(inputs)  # a vision-language batch runs padded, with its images
         return forward_sequence_logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"],
                                       padding_free=self.args.padding_free and not pixels, model_inputs=pixels)
-
-    def _with_reference_logps(self, dataset: "Dataset", name: str) -> "Dataset":
-        """`dataset` plus `ref_chosen_logps` / `ref_rejected_logps` columns, from the cache when it has them."""
-        return with_reference_logps(self, dataset, name, REF_COLUMNS, TOKEN_COLUMNS, self.reference_logps,
-                                    unit="pairs")
 
     # ---- the loss ----
 

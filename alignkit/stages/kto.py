@@ -62,7 +62,7 @@ from ..errors import ConfigError
 from ..jsonl import write_jsonl
 from ..model.logprobs import forward_sequence_logps
 from .base import PREDICTIONS_FILE, StageTrainer, run_stage_trainer
-from .reference_cache import CollateWithReference, precompute_reference_logps, with_reference_logps
+from .reference_cache import CollateWithReference, precompute_reference_logps
 from .dpo import chosen_nll_loss
 
 if TYPE_CHECKING:
@@ -301,7 +301,7 @@ class KTOTrainer(StageTrainer):
             elif self.eval_dataset is not None:
                 self.eval_dataset = with_mismatched_rows(self.eval_dataset, group, kl_max_length)
         if self.precompute_ref_logps:  # before any update (the KL rows are fixed above, so theirs can be too)
-            precompute_reference_logps(self, self._with_reference_logps)
+            precompute_reference_logps(self, self.reference_columns, TOKEN_COLUMNS, self.reference_logps)
         if self.train_dataset is not None and hasattr(self.train_dataset, "column_names"):
             _warn_if_unbalanced(self.train_dataset["desirable"], self.desirable_weight, self.undesirable_weight)
 
@@ -325,10 +325,6 @@ class KTOTrainer(StageTrainer):
                 return (ref_logps,)
             ref_kl_logps, _ = self._sequence_logps(reference, inputs, "kl_")
         return ref_logps, ref_kl_logps
-
-    def _with_reference_logps(self, dataset: "Dataset", name: str) -> "Dataset":
-        """`dataset` plus `ref_logps` (and `ref_kl_logps`) columns, from the cache when it has them."""
-        return with_reference_logps(self, dataset, name, self.reference_columns, TOKEN_COLUMNS, self.reference_logps)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logps, lengths = self._sequence_logps(model, inputs)

@@ -92,8 +92,10 @@ class CollateWithReference:
         return batch
 
 
-def precompute_reference_logps(trainer: "StageTrainer", with_logps: Callable[["Dataset", str], "Dataset"]) -> None:
-    """Give the trainer's train and eval datasets their reference columns (`with_logps(dataset, name)`).
+def precompute_reference_logps(trainer: "StageTrainer", columns: Sequence[str], token_columns: Sequence[str],
+                               batch_logps: Callable[[dict[str, Any]], Sequence[torch.Tensor]],
+                               unit: str = "rows") -> None:
+    """Give the trainer's train and eval datasets their reference `columns` (`with_reference_logps`).
 
     Call it when the trainer is built, before any update; the passes run under the run's autocast (bf16 where the
     run trains in it). Under several processes the main one of each node
@@ -108,6 +110,9 @@ def precompute_reference_logps(trainer: "StageTrainer", with_logps: Callable[["D
     # forward in its autocast only when training or evaluation prepares it, which has not happened yet here.
     with full_weights(trainer.ref_model or trainer.model), trainer.accelerator.autocast(), \
             trainer.args.main_process_first(local=True, desc="reference log-probs"):
+        def with_logps(dataset: "Dataset", name: str) -> "Dataset":
+            return with_reference_logps(trainer, dataset, name, columns, token_columns, batch_logps, unit)
+
         if trainer.train_dataset is not None:
             trainer.train_dataset = with_logps(trainer.train_dataset, "train")
         if isinstance(trainer.eval_dataset, dict):

@@ -96,9 +96,17 @@ def build_folder_once(target: Path, build: Callable[[Path], dict]) -> Path:
     leftover temporary sibling (a killed build) is removed, and an unmarked `target` is replaced.
 
     Used for the bundled model conversion and for the merged bases of `alignkit.model.loader` (ZeRO-3).
+
+    In a process group (a torchrun run), only global rank 0 builds and the other ranks wait for the finished
+    folder: transformers' `save_pretrained` writes the model only on rank 0 of an initialised group, so a folder
+    built by another rank held the tokenizer and no weights, was marked complete all the same, and failed every
+    later run that read it ("holds no config.json"). A build that leaves no `config.json` is never marked.
     """
     if is_complete(target):
         return target
+    rank = _rank_that_does_not_save()
+    if rank is not None:
+        return _wait_for_rank_zero(target, rank)
     target.parent.mkdir(parents=True, exist_ok=True)
 
     from filelock import FileLock
@@ -114,6 +122,9 @@ def build_folder_once(target: Path, build: Callable[[Path], dict]) -> Path:
         try:
             started = time.time()
             marker = dict(build(tmp_dir))
+            if not (tmp_dir / "config.json").is_file():
+                raise RuntimeError(f"building {target} wrote no config.json (files: "
+                                   f"{sorted(p.name for p in tmp_dir.iterdir())}); nothing was kept.")
             marker["seconds"] = round(time.time() - started, 1)
             (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker), encoding="utf-8")
             if target.exists():  # an unmarked directory: not ours to trust, replace it
@@ -122,6 +133,37 @@ def build_folder_once(target: Path, build: Callable[[Path], dict]) -> Path:
         except BaseException:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             raise
+    return target
+
+
+# How long a rank other than 0 waits for rank 0 to build a folder (`build_folder_once`): the bundled conversion takes
+# about 40 s on 2 cores, a merged base of a 7B model minutes.
+RANK_ZERO_WAIT_SECONDS = 3600.0
+
+
+def _rank_that_does_not_save() -> int | None:
+    """This process's global rank when a process group is initialised and the rank is not 0, else None (torch is
+    not imported for this: a process that has not imported it has no process group)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    rank = torch.distributed.get_rank()
+    return rank if rank != 0 else None
+
+
+def _wait_for_rank_zero(target: Path, rank: int, timeout: float | None = None) -> Path:
+    """`target` once rank 0 of the process group has built it (`build_folder_once`)."""
+    timeout = RANK_ZERO_WAIT_SECONDS if timeout is None else timeout
+    started = time.monotonic()
+    while not is_complete(target):
+        if time.monotonic() - started > timeout:
+            raise ConfigError(
+                f"{target} was not built: rank {rank} waited {timeout:.0f} s for rank 0 of the run to build it "
+                "(transformers writes a model folder on rank 0 only). On several machines, point ALIGNKIT_HOME at a "
+                "folder they all share, or build it on each machine first with a one-process run.")
+        time.sleep(0.2)
     return target
 
 

@@ -196,6 +196,69 @@ def test_two_processes_build_the_merged_base_once(tiny_model_dir, sft_chain, hom
     assert sorted(p.name for p in folder.parent.iterdir()) == sorted([folder.name, folder.name + ".lock"])
 
 
+_RANK_RACE = """
+import sys, time
+from pathlib import Path
+import torch.distributed as dist
+from alignkit.config.parse import parse_config
+from alignkit.model import loader
+
+rank, store, log = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+real = loader.merge_adapters
+
+def merging(model, adapter_dirs, **kwargs):
+    with open(log, "a") as f:
+        f.write(f"merged on rank {rank}\\n")
+    return real(model, adapter_dirs, **kwargs)
+
+loader.merge_adapters = merging
+model_args = parse_config({"model_name_or_path": sys.argv[4], "adapter_name_or_path": sys.argv[5]}).model
+chain = loader.resolve_adapter_chain(loader.split_adapters(model_args.adapter_name_or_path))
+if rank == 0:
+    time.sleep(3.0)  # rank 1 reaches the folder's lock first
+print(loader.ensure_merged_base(model_args, chain))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.distributed  # two real processes: out of the fast tier (scripts/test.sh --fast)
+def test_in_a_process_group_rank_zero_builds_the_merged_base_while_the_others_wait(tiny_model_dir, sft_chain, home,
+                                                                                 tmp_path):
+    """transformers' `save_pretrained` writes the model on rank 0 of a process group only: a rank 1 that reached the
+    lock first used to build a folder of tokenizer files, mark it complete, and fail this run and every later one
+    reading it ("holds no config.json"). Rank 1 comes first here; rank 0 must build, rank 1 read the same folder."""
+    store, log = tmp_path / "store", tmp_path / "merges.log"
+    env = {**os.environ, "ALIGNKIT_HOME": str(home), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    runs = [subprocess.Popen([sys.executable, "-c", _RANK_RACE, str(rank), str(store), str(log), tiny_model_dir,
+                              str(sft_chain[1])], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank in (0, 1)]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert log.read_text() == "merged on rank 0\n"
+    folders = {out.strip().splitlines()[-1] for out, _ in outputs}
+    assert len(folders) == 1
+    folder = Path(folders.pop())
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def test_a_folder_whose_build_writes_no_model_is_never_marked_complete(tmp_path):
+    from alignkit.model.bundled import build_folder_once, is_complete
+
+    target = tmp_path / "merged"
+    with pytest.raises(RuntimeError, match="wrote no config.json"):
+        build_folder_once(target, lambda folder: (folder / "tokenizer.json").write_text("{}") and {})
+    assert not target.exists() and not is_complete(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["merged.lock"]
+
+
+def test_a_rank_waiting_for_rank_zero_gives_up_with_the_fix(tmp_path):
+    from alignkit.model.bundled import _wait_for_rank_zero
+
+    with pytest.raises(ConfigError, match=r"rank 1 waited 0 s for rank 0.*ALIGNKIT_HOME at a folder they all share"):
+        _wait_for_rank_zero(tmp_path / "never", 1, timeout=0.3)
+
+
 def test_a_reference_reloads_only_what_load_model_built(tiny_model_dir):
     with pytest.raises(ValueError, match="was not loaded by alignkit.model.loader.load_model.*ref_model"):
         loader.load_frozen_copy(AutoModelForCausalLM.from_pretrained(tiny_model_dir))

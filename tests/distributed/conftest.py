@@ -14,8 +14,12 @@ Harness API (fixture `dist`, a `DistHarness`):
   Default datasets: `demo_pt` (pt), `demo_sft` (sft), `demo_pref` (rm, dpo), `demo_kto` (kto), `demo_math`
   (grpo, ppo).
 - `dist.train(config, *overrides, nproc=1, launcher=None, home=None, env=None, timeout=..., check=True,
-  cpu_gates=False) -> DistRun`: runs `alignkit train CONFIG key=value ...` in fresh processes. `launcher`:
-  - None: `"torchrun"` when `nproc > 1`, else `"python"`;
+  cpu_gates=False) -> DistRun`: runs `alignkit train CONFIG key=value ...` in fresh processes, except the plain
+  one-process run (`nproc=1`, no `launcher`, `env` or `cpu_gates`, `check=True`, no `deepspeed` or `fsdp` key):
+  that one goes through `alignkit.cli.main` in the test process (`dist.train_in_process`, which restores the
+  environment, working folder, thread count and logging afterwards; `ALIGNKIT_TEST_IN_PROCESS=0` starts a
+  process for it too). `launcher`:
+  - None: `"torchrun"` when `nproc > 1`, else `"python"` (or in the test process, above);
   - `"python"`: `python -m alignkit train ...`, one process (the single-process equivalent);
   - `"torchrun"`: `python -m torch.distributed.run --standalone --nproc_per_node N -m alignkit train ...`
     (torchrun's own module, so the venv's python runs it);
@@ -56,7 +60,10 @@ Harness API (fixture `dist`, a `DistHarness`):
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -263,9 +270,66 @@ class DistHarness:
     def train(self, config: Path, *overrides: str, nproc: int = 1, launcher=None, home: Optional[Path] = None,
               env: Optional[dict[str, str]] = None, timeout: float = DEFAULT_TIMEOUT, check: bool = True,
               cpu_gates: bool = False) -> DistRun:
+        if nproc == 1 and launcher is None and env is None and not cpu_gates and check \
+                and _plain_single_process(config, overrides):
+            return self.train_in_process(config, *overrides, home=home)
         proc = self.launch(config, *overrides, nproc=nproc, launcher=launcher, home=home, env=env,
                            cpu_gates=cpu_gates)
         return self.wait(proc, output_dir_of(config, overrides), timeout=timeout, check=check)
+
+    def train_in_process(self, config: Path, *overrides: str, home: Optional[Path] = None) -> DistRun:
+        """`alignkit train CONFIG key=value ...` through its entry point (`alignkit.cli.main`) in this test process,
+        in the run's environment (`environment`), from `self.tmp`, on one torch thread, its printed and logged
+        output collected (alignkit's loggers; transformers' own handler writes elsewhere).
+
+        The single-process side of a comparison needs no process of its own: starting one costs about 6 CPU
+        seconds of imports (torch, transformers, peft, which imports bitsandbytes), a fifth of the distributed
+        tier's CPU time (docs/testing.md). Everything is put back afterwards: the environment, the working
+        folder, the thread count, the root logger's level and handlers.
+        """
+        import torch
+
+        from alignkit.cli import main
+
+        run_env, run_home = self.environment(home)
+        saved_env, saved_cwd, saved_threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
+        root = logging.getLogger()
+        saved_level, saved_handlers = root.level, list(root.handlers)
+        buffer = io.StringIO()
+        handler = logging.StreamHandler(buffer)
+        handler.setFormatter(logging.Formatter("[%(levelname)s|%(name)s] %(message)s"))
+        command = ["alignkit", "train", str(config), *overrides]
+        try:
+            os.environ.clear()
+            os.environ.update(run_env)
+            os.chdir(self.tmp)
+            torch.set_num_threads(1)
+            root.addHandler(handler)
+            root.setLevel(logging.INFO)
+            with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+                returncode = main(command[1:])
+        finally:
+            root.handlers[:] = saved_handlers
+            root.setLevel(saved_level)
+            torch.set_num_threads(saved_threads)
+            os.chdir(saved_cwd)
+            os.environ.clear()
+            os.environ.update(saved_env)
+        run = DistRun(out=output_dir_of(config, overrides), returncode=returncode, output=buffer.getvalue(),
+                      command=[*command, "(in the test process)"], home=run_home)
+        if returncode != 0:
+            pytest.fail(f"exit code {returncode}: {' '.join(run.command)}\n{_tail(run.output)}")
+        return run
+
+
+def _plain_single_process(config: Path, overrides: Sequence[str]) -> bool:
+    """Whether a one-process run of `config` can go in the test process: not under DeepSpeed or FSDP (engines
+    that set up process groups and state of their own), and not asked otherwise by `ALIGNKIT_TEST_IN_PROCESS=0`."""
+    if os.environ.get("ALIGNKIT_TEST_IN_PROCESS", "1") == "0":
+        return False
+    keys = set(yaml.safe_load(config.read_text(encoding="utf-8")) or {})
+    keys |= {item.split("=", 1)[0].strip() for item in overrides}
+    return not keys & {"deepspeed", "fsdp", "fsdp_config"}
 
 
 def output_dir_of(config: Path, overrides: Iterable[str] = ()) -> Path:

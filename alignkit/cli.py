@@ -38,8 +38,12 @@ REWARD_EVAL_BATCH_SIZE = 32
 TASKS_BATCH_SIZE = 8
 
 
+# The format of every log line the CLI prints (also the tests' in-process runs, tests/distributed/conftest.py).
+LOG_FORMAT = "[%(levelname)s|%(name)s] %(message)s"
+
+
 def _configure_logging() -> None:
-    logging.basicConfig(format="[%(levelname)s|%(name)s] %(message)s", level=logging.INFO)
+    logging.basicConfig(format=LOG_FORMAT, level=logging.INFO)
     for noisy in ("httpx", "urllib3", "filelock", "datasets", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

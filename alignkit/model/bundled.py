@@ -153,9 +153,8 @@ def _rank_that_does_not_save() -> int | None:
     return rank if rank != 0 else None
 
 
-def _wait_for_rank_zero(target: Path, rank: int, timeout: float | None = None) -> Path:
+def _wait_for_rank_zero(target: Path, rank: int, timeout: float = RANK_ZERO_WAIT_SECONDS) -> Path:
     """`target` once rank 0 of the process group has built it (`build_folder_once`)."""
-    timeout = RANK_ZERO_WAIT_SECONDS if timeout is None else timeout
     started = time.monotonic()
     while not is_complete(target):
         if time.monotonic() - started > timeout:

@@ -289,7 +289,7 @@ class DistHarness:
         """
         import torch
 
-        from alignkit.cli import main
+        from alignkit.cli import LOG_FORMAT, main
 
         run_env, run_home = self.environment(home)
         saved_env, saved_cwd, saved_threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
@@ -297,7 +297,7 @@ class DistHarness:
         saved_level, saved_handlers = root.level, list(root.handlers)
         buffer = io.StringIO()
         handler = logging.StreamHandler(buffer)
-        handler.setFormatter(logging.Formatter("[%(levelname)s|%(name)s] %(message)s"))
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
         command = ["alignkit", "train", str(config), *overrides]
         try:
             os.environ.clear()

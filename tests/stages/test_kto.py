@@ -202,9 +202,12 @@ def test_precomputed_reference_matches_on_the_fly_and_is_cached(tiny_model_dir, 
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_precomputed_reference_runs_under_the_runs_autocast(tiny_model_dir, tiny_tokenizer, tmp_path, bf16):
+def test_precomputed_reference_runs_under_the_runs_autocast(tiny_model_dir, tiny_tokenizer, tmp_path, bf16,
+                                                           monkeypatch):
     """The precompute replaces reference passes that would have run under the run's autocast (accelerate wraps the
-    forward once training prepares the model), so it runs under that autocast too: bf16 in a bf16 run."""
+    forward once training prepares the model), so it runs under that autocast too: bf16 in a bf16 run. The CPU's
+    bf16 support is patched in: without it the config keeps `bf16: true` off (a CPU without AVX512-BF16 or AMX)."""
+    monkeypatch.setattr("alignkit.config.parse._cpu_has_bf16", lambda: True)
     model = lora_model(tiny_model_dir)
     seen = []
     layer = model.base_model.model.model.layers[0]

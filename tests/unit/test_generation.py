@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 from alignkit.config.parse import parse_config
 from alignkit.data.template import ChatFormatter
 from alignkit.errors import DataError
+from alignkit.model import generation
 from alignkit.model.generation import (completion_mask, decode, encode_prompts, generate, generate_with_decode,
                                        left_pad, merged_lora, packed_linears, pad_prompts, sample_from_probs,
                                        sampling_processors, stop_token_ids)
@@ -289,11 +290,18 @@ def _packed_dtypes(model) -> set:
 
 
 @needs_onednn
-def test_packed_linears_pack_bf16_copies_under_a_bf16_autocast(lora_model):
+@pytest.mark.parametrize("onednn_bf16", [True, False], ids=["onednn-bf16", "no-onednn-bf16"])
+def test_packed_linears_pack_copies_in_the_autocast_dtype(lora_model, monkeypatch, onednn_bf16):
     """Entered under a bf16 CPU autocast (a bf16 run's rollout), every packed copy is bf16 and each packed layer
     gives bf16 outputs, as autocast's `F.linear` does; the logits are the autocast merged model's up to bf16
     rounding (the merge is rounded once, where autocast rounds base and adapter apart), far closer than the
-    adapter's own effect. Entered without autocast the copies stay fp32."""
+    adapter's own effect. Entered without autocast the copies stay fp32. Where oneDNN cannot pack bf16 (an
+    AVX2-only AMD EPYC raised "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+    in every bf16 rollout) the copies are fp32 under autocast too, with the same logits."""
+    if onednn_bf16 and not generation._packed_bf16_supported():
+        pytest.skip("oneDNN packs bf16 only with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT; the fp32 case runs here")
+    monkeypatch.setattr(generation, "_packed_bf16_supported", lambda: onednn_bf16)
+    packed_dtype = torch.bfloat16 if onednn_bf16 else torch.float32
     lora_model.eval()
     batch = torch.tensor([[5, 17, 30, 44, 9], [7, 8, 40, 41, 42]])
     head = lora_model.get_output_embeddings()
@@ -313,8 +321,8 @@ def test_packed_linears_pack_bf16_copies_under_a_bf16_autocast(lora_model):
             fp32_copies = _packed_dtypes(lora_model)
     finally:
         hook.remove()
-    assert copies == {torch.bfloat16} and fp32_copies == {torch.float32}
-    assert seen[2] == torch.bfloat16  # the packed head's own output
+    assert copies == {packed_dtype} and fp32_copies == {torch.float32}
+    assert seen[2] == packed_dtype  # the packed head's own output
     effect = (merged - base).abs().max()
     assert effect > 1e-2
     assert (got - merged).abs().max() < effect / 4

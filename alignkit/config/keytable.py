@@ -8,8 +8,9 @@ section's keys with their types, the stage names, and the `--help-keys` text. It
 dataclasses (`python -m alignkit.config.keytable`), and `tests/unit/test_key_table.py` fails when it no longer
 matches them.
 
-The table names the transformers release whose keys it holds; with another release installed it is not used
-and every check waits for the full parse, which finds the same errors. The early check is a subset of the full
+The table names the transformers releases whose keys it holds (every release it was generated with whose keys
+came out the same); with another release installed it is not used and every check waits for the full parse,
+which finds the same errors. The early check is a subset of the full
 parse: it raises only what the parse would raise (through the same functions, `alignkit.config.values`), and a
 type it cannot write down (an enum, a class) accepts any value here and is checked by the parse.
 """
@@ -82,20 +83,25 @@ def build_key_table() -> dict[str, Any]:
     help_groups = all_keys()
     # `--help-keys` prints transformers' own keys by name only (their help is transformers' documentation).
     help_groups[TRANSFORMERS_TRAINING_GROUP] = dict.fromkeys(help_groups[TRANSFORMERS_TRAINING_GROUP], "")
-    return {"transformers": importlib.metadata.version("transformers"), "stages": list(STAGES),
+    return {"transformers": [importlib.metadata.version("transformers")], "stages": list(STAGES),
             "default_stage": FinetuningArguments.stage, "default_dataset_dir": DataArguments.dataset_dir,
             "data_class": f"{DataArguments.__module__}.{DataArguments.__qualname__}",
             "classes": classes, "help": help_groups}
 
 
 def load_key_table() -> Optional[dict[str, Any]]:
-    """The committed table, or None when it is missing or was made with another transformers release."""
+    """The committed table, or None when it is missing or none of its transformers releases is the installed one."""
     try:
         table = json.loads(TABLE_FILE.read_text(encoding="utf-8"))
         installed = importlib.metadata.version("transformers")
     except (OSError, ValueError, importlib.metadata.PackageNotFoundError):
         return None
-    return table if table.get("transformers") == installed else None
+    return table if installed in table.get("transformers", ()) else None
+
+
+def same_keys(table: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether two tables hold the same keys, types, stages and help (the transformers releases aside)."""
+    return {**table, "transformers": None} == {**other, "transformers": None}
 
 
 def check_config_early(path: str, overrides: list[str], table: dict[str, Any]) -> None:
@@ -129,8 +135,20 @@ def check_config_early(path: str, overrides: list[str], table: dict[str, Any]) -
 
 
 def write_key_table() -> Path:
-    """Regenerate `keys.json` from the live dataclasses; run after changing a config key or upgrading transformers."""
-    TABLE_FILE.write_text(json.dumps(build_key_table(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    """Regenerate `keys.json` from the live dataclasses; run after changing a config key or upgrading transformers.
+
+    Where the committed table holds the same keys, the installed release joins its list, so one table serves
+    every release it was checked with; otherwise the new table names the installed release alone.
+    """
+    table = build_key_table()
+    try:
+        committed = json.loads(TABLE_FILE.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        committed = None
+    if committed is not None and isinstance(committed.get("transformers"), list) and same_keys(committed, table):
+        table["transformers"] = sorted(set(committed["transformers"]) | set(table["transformers"]),
+                                       key=lambda release: [int(p) if p.isdigit() else p for p in release.split(".")])
+    TABLE_FILE.write_text(json.dumps(table, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return TABLE_FILE
 
 
@@ -138,5 +156,5 @@ if __name__ == "__main__":  # pragma: no cover
     print(f"wrote {write_key_table()}")
 
 
-__all__ = ["TABLE_FILE", "build_key_table", "check_config_early", "load_key_table", "type_from_spec", "type_spec",
-           "write_key_table"]
+__all__ = ["TABLE_FILE", "build_key_table", "check_config_early", "load_key_table", "same_keys", "type_from_spec",
+           "type_spec", "write_key_table"]

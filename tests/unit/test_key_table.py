@@ -23,13 +23,34 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_committed_table_matches_the_dataclasses():
     committed = json.loads(keytable.TABLE_FILE.read_text(encoding="utf-8"))
-    assert committed == build_key_table(), "keys.json is stale: run `python -m alignkit.config.keytable`"
+    live = build_key_table()
+    assert keytable.same_keys(committed, live), "keys.json is stale: run `python -m alignkit.config.keytable`"
+    assert live["transformers"][0] in committed["transformers"], "run `python -m alignkit.config.keytable`"
     assert load_key_table() == committed  # made with the installed transformers, so it is used
+
+
+def test_regenerating_adds_the_installed_release_where_the_keys_are_the_same(tmp_path, monkeypatch):
+    """transformers 5.24.0 and 5.25.0 gave the same table: one file lists both. A table whose keys differ from the
+    live ones is replaced by one naming the installed release alone."""
+    live = build_key_table()
+    installed = live["transformers"][0]
+    table_file = tmp_path / "keys.json"
+    monkeypatch.setattr(keytable, "TABLE_FILE", table_file)
+    monkeypatch.setattr(keytable, "build_key_table", lambda: json.loads(json.dumps(live)))
+    table_file.write_text(json.dumps({**live, "transformers": ["10.0.0", "4.9.1"]}), encoding="utf-8")
+    keytable.write_key_table()
+    assert json.loads(table_file.read_text())["transformers"] == sorted(
+        ["4.9.1", installed, "10.0.0"], key=lambda r: [int(p) for p in r.split(".")])
+    assert load_key_table() is not None
+    other = dict(live, transformers=["4.9.1"], stages=[*live["stages"], "another"])
+    table_file.write_text(json.dumps(other), encoding="utf-8")
+    keytable.write_key_table()
+    assert json.loads(table_file.read_text()) == live
 
 
 def test_a_table_of_another_transformers_release_is_not_used(tmp_path, monkeypatch):
     table = json.loads(keytable.TABLE_FILE.read_text(encoding="utf-8"))
-    table["transformers"] = "0.0.1"
+    table["transformers"] = ["0.0.1"]
     stale = tmp_path / "keys.json"
     stale.write_text(json.dumps(table), encoding="utf-8")
     monkeypatch.setattr(keytable, "TABLE_FILE", stale)

@@ -65,6 +65,12 @@ TOOL_STAGES = {"alignkit": ("sft", "rm", "dpo", "grpo", "rloo", "distill", "onli
 # Variants that run only some of their tool's stages.
 VARIANT_STAGES = {"alignkit_qlora": ("sft",)}
 # The worker's --variant for each variant key.
+# Without AVX512-BF16 or AMX, torch multiplies bf16 matrices in a generic loop: 0.3 GFLOP/s against 124 in fp32
+# for the 2048^2 probe on a 2-core AVX2 AMD EPYC (2026-12-03), so one step of TRL's bf16 default outlasts the
+# run timeout. `--variants trl_default_bf16` still runs it.
+NO_BF16_HARDWARE = ("left out: this CPU has no bf16 hardware (AVX512-BF16 or AMX), where torch's bf16 matmul runs "
+                    "hundreds of times slower than fp32 (the bf16 probe below), so TRL's real default, bf16=True, "
+                    "would not finish a step within the run timeout; `--variants ...,trl_default_bf16` runs it")
 WORKER_VARIANT = {"trl_best": "best", "trl_default_bf16": "bf16", "alignkit_qlora": "qlora"}
 # (numerator, denominator) of the ratio rows: alignkit against each peer run, QLoRA against fp32 LoRA.
 RATIO_PAIRS = [("alignkit", other) for other in VARIANTS if not other.startswith("alignkit")] + [
@@ -316,11 +322,21 @@ def cpu_features(cpuinfo: str) -> dict[str, Any]:
     return {"cpu": cpu, "flags": have, "native_bf16": native}
 
 
-def machine_info(threads: int, device: str) -> dict[str, Any]:
+def read_cpu_features() -> dict[str, Any]:
+    """`cpu_features` of this machine's /proc/cpuinfo (native_bf16 "unknown ..." where there is none)."""
     try:
-        features = cpu_features(Path("/proc/cpuinfo").read_text())
+        return cpu_features(Path("/proc/cpuinfo").read_text())
     except OSError:
-        features = {"cpu": None, "flags": {}, "native_bf16": "unknown (no /proc/cpuinfo)"}
+        return {"cpu": None, "flags": {}, "native_bf16": "unknown (no /proc/cpuinfo)"}
+
+
+def native_bf16() -> str:
+    """This CPU's native bf16 matmul: "AMX", "AVX512-BF16", "none" or "unknown ..." (`cpu_features`)."""
+    return read_cpu_features()["native_bf16"]
+
+
+def machine_info(threads: int, device: str) -> dict[str, Any]:
+    features = read_cpu_features()
     info = {"cpu": features["cpu"] or platform.processor() or "unknown", "cores": os.cpu_count(), "threads": threads,
             "device": device, "cpu_flags": features["flags"], "native_bf16": features["native_bf16"],
             "platform": platform.platform(), "python": platform.python_version()}
@@ -396,6 +412,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         *([f"TRL default = TRL {v['trl']} config defaults except {s['trl_default_overrides']}"
            + ("; trl_default_bf16 = its real default, bf16=True (autocast on the CPU)"
               if "trl_default_bf16" in s.get("variants", ()) else "")
+           + "".join(f"; {variant} {why}" for variant, why in s.get("left_out", {}).items())
            + "; TRL best adds "
            + "; ".join(f"{st}: {', '.join(f'{k}={val}' for k, val in kv.items())}" for st, kv in TRL_BEST.items())
            + ".  "] if any(tool_of(x) == "trl" for x in s.get("variants", VARIANTS)) else []),
@@ -588,10 +605,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_sweep_arguments(p)
     opts = p.parse_args(argv)
     opts.peer = list(dict.fromkeys(opts.peer or ["trl"]))
+    opts.left_out = {}
     if opts.variants is None:
         opts.variants = ["alignkit", *[v for peer in opts.peer for v in PEERS[peer]]]
         if opts.device == "cpu" and "trl_default" in opts.variants:  # TRL's real default, bf16=True, beside fp32
-            opts.variants.insert(opts.variants.index("trl_default") + 1, "trl_default_bf16")
+            if native_bf16() == "none":
+                opts.left_out["trl_default_bf16"] = NO_BF16_HARDWARE
+            else:
+                opts.variants.insert(opts.variants.index("trl_default") + 1, "trl_default_bf16")
     else:
         opts.variants = [v.strip() for v in opts.variants.split(",") if v.strip()]
     unknown = set(opts.variants) - set(VARIANTS)
@@ -653,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.dry_run:
         dry: dict[str, Any] = {"stages": stages, "alignkit_available": available, "device": opts.device,
                                "bf16": opts.device == "cuda", "alignkit_bf16": opts.alignkit_bf16, "peers": opts.peer,
-                               "runs": plan}
+                               "runs": plan, "left_out": opts.left_out}
         if lf_wanted:
             venv = llamafactory.default_venv_dir()
             dry["llamafactory"] = {
@@ -762,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
                      "lr": opts.lr, "reps": opts.reps, "threads": opts.threads, "device": opts.device,
                      "num_generations": opts.num_generations, "max_completion_length": lengths,
                      "precision": precision, "alignkit_bf16": opts.alignkit_bf16, "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target": "all linear"},
-                     "variants": opts.variants,
+                     "variants": opts.variants, "left_out": opts.left_out,
                      "trl_default_overrides": "bf16=True" if opts.device == "cuda" else "bf16=False",
                      "trl_best": TRL_BEST},
         "data": data,

@@ -723,6 +723,10 @@ def main(argv: list[str] | None = None) -> int:
               "share the CPU and the figures will be noisy. Measure alone.", file=sys.stderr)
     probes = [probe("before")]
     runs: list[dict[str, Any]] = []
+    # Each finished run's result, as it comes: a benchmark that dies before its report (a 33-minute run on
+    # 2026-12-03 ended without one, no traceback) leaves the figures of every run it finished.
+    record = work_dir / "runs.jsonl"
+    print(f"[bench] each finished run's result goes to {record}", file=sys.stderr, flush=True)
     for i, (stage, rep, variant) in enumerate(plan, 1):
         kind = data_kind(stage)
         tool = tool_of(variant)
@@ -754,6 +758,8 @@ def main(argv: list[str] | None = None) -> int:
                   if result.get("ok") else f"FAILED: {result.get('error')}")
         print(f"[bench]   {status}", file=sys.stderr, flush=True)
         runs.append(result)
+        with record.open("a", encoding="utf-8") as out:
+            out.write(json.dumps(result) + "\n")
     probes.append(probe("after"))
     load_after = os.getloadavg()[0]
 

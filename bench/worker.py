@@ -597,15 +597,18 @@ def measure_matmul(size: int, device: str, seconds: float, dtype_name: str | Non
             torch.cuda.synchronize()
 
     for _ in range(2):  # warm-up: thread pool start, allocator, clocks
+        started = time.perf_counter()
         torch.mm(a, b)
-    sync()
+        sync()
+        if time.perf_counter() - started > seconds:
+            break  # a product slower than the whole probe (bf16 without bf16 hardware: ~1 min): one is enough
     iterations, start = 0, time.perf_counter()
     while True:
         torch.mm(a, b)
         iterations += 1
         sync()
         elapsed = time.perf_counter() - start
-        if elapsed >= seconds and iterations >= 3:
+        if elapsed >= seconds and (iterations >= 3 or elapsed >= 3 * seconds):
             break
     return {"matmul_size": size, "matmul_dtype": str(dtype).replace("torch.", ""), "matmul_iterations": iterations,
             "matmul_gflops": 2 * size**3 * iterations / elapsed / 1e9}

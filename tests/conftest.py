@@ -148,13 +148,18 @@ def bundled_model_dir(tmp_path_factory):
     """The bundled SmolLM2-135M-Instruct converted once per test session (for `slow` tests).
 
     Uses $ALIGNKIT_HOME's cache when the variable is set (so a developer's converted copy is reused),
-    else converts into a session temp dir.
+    else converts into a temp dir that every xdist worker of the session shares (the base temp dir's parent is
+    the session's; the conversion's file lock lets one worker convert while the others wait for it: 30 s of
+    conversion a worker, once).
     """
     from alignkit.model import bundled
 
     if "ALIGNKIT_HOME" not in os.environ:
         mp = pytest.MonkeyPatch()
-        mp.setenv("ALIGNKIT_HOME", str(tmp_path_factory.mktemp("bundled_home")))
+        shared = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            shared = shared.parent
+        mp.setenv("ALIGNKIT_HOME", str(shared / "bundled_home"))
         try:
             return str(bundled.ensure_bundled_model())
         finally:

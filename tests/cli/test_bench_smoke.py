@@ -17,6 +17,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+# The benchmark's own default is 2 torch threads a process; here a second test runs beside each one (one xdist
+# worker per core), and a second OpenMP thread on a tiny model's products takes CPU from it (this file: 254 CPU s
+# with 2 threads, 238 with 1, 2-core AVX2 AMD EPYC, 2026-12-03).
+ONE_THREAD = ("--threads", "1")
 if str(ROOT) not in sys.path:  # `bench/` is a folder of the checkout, not part of the installed package
     sys.path.insert(0, str(ROOT))
 
@@ -113,7 +117,7 @@ def test_cuda_mode_parses_and_plans_bf16(capsys):
 def test_bench_end_to_end_on_tiny_model(tmp_path):
     """All three stages, alignkit and TRL's default, 2 steps (1 timed), one repetition."""
     out_dir = tmp_path / "results"
-    cmd = [sys.executable, "-m", "bench", "--model", "tiny", "--stage", "sft", "rm", "dpo", "--reps", "1",
+    cmd = [sys.executable, "-m", "bench", *ONE_THREAD, "--model", "tiny", "--stage", "sft", "rm", "dpo", "--reps", "1",
            "--steps", "2", "--warmup", "1", "--batch", "2", "--cutoff", "96", "--variants", "alignkit,trl_default",
            "--matmul-size", "256", "--matmul-seconds", "0.2", "--output-dir", str(out_dir), "--name", "smoke",
            "--work-dir", str(tmp_path / "work")]
@@ -126,12 +130,16 @@ def test_bench_end_to_end_on_tiny_model(tmp_path):
     assert report["versions"]["trl"] == "1.16.0"
     assert report["matmul"]["probes_gflops"] and report["matmul"]["gflops"] == max(report["matmul"]["probes_gflops"])
     assert set(report["stages"]) == {"sft", "rm", "dpo"}
+    # Every finished run was also recorded as it came, for a benchmark that dies before its report.
+    recorded = [json.loads(line) for line in (tmp_path / "work" / "runs.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r["variant_key"], r["step_times_s"]) for r in recorded] == [
+        (r["stage"], r["variant_key"], r["step_times_s"]) for data in report["stages"].values() for r in data["runs"]]
     for stage, data in report["stages"].items():
         assert {r["variant_key"] for r in data["runs"]} == {"alignkit", "trl_default"}
         for run in data["runs"]:
             assert run["ok"], run.get("error")
             assert run["steps"] == 2 and run["measured_steps"] == 1
-            assert run["threads"] == 2
+            assert run["threads"] == 1
             # Step 1 is warm-up: the figures are those of step 2 alone.
             assert run["step_time_s"] == pytest.approx(run["step_times_s"][1], abs=1e-4)
             assert run["tokens_per_s"] == pytest.approx(run["tokens_per_step"][1] / run["step_time_s"])
@@ -226,7 +234,7 @@ def _online_bench(tmp_path, stage: str) -> tuple[dict, str]:
     """`python -m bench` for one online stage on the tiny model, alignkit and TRL's default, 2 steps (1 timed), batch
     4 of 2 completions per prompt, at most 8 new tokens: the JSON report and the Markdown."""
     out_dir = tmp_path / "results"
-    cmd = [sys.executable, "-m", "bench", "--model", "tiny", "--stage", stage, "--reps", "1", "--steps", "2",
+    cmd = [sys.executable, "-m", "bench", *ONE_THREAD, "--model", "tiny", "--stage", stage, "--reps", "1", "--steps", "2",
            "--warmup", "1", "--batch", "4", "--num-generations", "2", "--max-completion-length", "8",
            "--variants", "alignkit,trl_default", "--matmul-size", "256", "--matmul-seconds", "0.2",
            "--output-dir", str(out_dir), "--name", stage, "--work-dir", str(tmp_path / "work")]
@@ -281,7 +289,7 @@ def test_summarise_ppo_step_split():
 def test_bench_ppo_end_to_end_on_tiny_model(tmp_path):
     """PPO, alignkit alone (no TRL runs are planned), 2 steps (1 timed): step time, its split, peak memory."""
     out_dir = tmp_path / "results"
-    cmd = [sys.executable, "-m", "bench", "--model", "tiny", "--stage", "ppo", "--reps", "1", "--steps", "2",
+    cmd = [sys.executable, "-m", "bench", *ONE_THREAD, "--model", "tiny", "--stage", "ppo", "--reps", "1", "--steps", "2",
            "--warmup", "1", "--batch", "2", "--max-completion-length", "8", "--matmul-size", "256",
            "--matmul-seconds", "0.2", "--output-dir", str(out_dir), "--name", "ppo", "--work-dir", str(tmp_path / "work")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -371,7 +379,7 @@ def test_sweep_quick_end_to_end(tmp_path):
     exactly batch x 2 x L tokens per step, the table, the fits and both plots are written; a second call with
     the same settings reruns nothing."""
     out_dir = tmp_path / "results"
-    cmd = [sys.executable, "-m", "bench", "--sweep", "--quick", "--stage", "dpo", "--sweep-lengths", "128", "256",
+    cmd = [sys.executable, "-m", "bench", *ONE_THREAD, "--sweep", "--quick", "--stage", "dpo", "--sweep-lengths", "128", "256",
            "--sweep-batches", "1", "2", "--variants", "alignkit", "--output-dir", str(out_dir),
            "--work-dir", str(tmp_path / "work")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -105,8 +105,10 @@ def test_ensure_venv_returns_a_matching_stamp_without_running_anything(tmp_path,
         lf.ensure_venv(tmp_path, log=lambda line: None)
 
 
-def test_default_peer_is_trl_and_peer_llamafactory_adds_its_runs():
-    """On a CPU the TRL peer runs its defaults in fp32 and its real default, bf16=True (trl_default_bf16)."""
+def test_default_peer_is_trl_and_peer_llamafactory_adds_its_runs(monkeypatch):
+    """On a CPU with bf16 hardware the TRL peer runs its defaults in fp32 and its real default, bf16=True
+    (trl_default_bf16); without it, tests/cli/test_bench_config.py."""
+    monkeypatch.setattr(bench_run, "native_bf16", lambda: "AVX512-BF16")
     assert bench_run.parse_args([]).variants == ["alignkit", "trl_default", "trl_default_bf16", "trl_best"]
     assert bench_run.parse_args(["--peer", "llamafactory"]).variants == ["alignkit", "llamafactory"]
     both = bench_run.parse_args(["--peer", "trl", "llamafactory"]).variants

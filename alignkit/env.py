@@ -59,6 +59,23 @@ def _version(distribution: str) -> str | None:
         return None
 
 
+def _torch_check(owner: Any, name: str) -> bool:
+    """One of torch's private hardware checks (`owner.name()`); False where this torch lacks it or it raises."""
+    probe = getattr(owner, name, None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
+
+
+def onednn_supports_bf16() -> bool:
+    """Whether oneDNN has bf16 kernels on this CPU (on x86 it needs AVX512 BW, VL and DQ, or AVX-NE-CONVERT;
+    on ARM the BF16 extension): its bf16 weight packing raises without them."""
+    import torch
+
+    return _torch_check(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
+
+
 def cpu_supports_bf16() -> bool:
     """Whether this CPU does bf16 arithmetic in hardware, so that bf16 training is not slower than fp32.
 
@@ -69,16 +86,10 @@ def cpu_supports_bf16() -> bool:
     """
     import torch
 
-    def check(owner: Any, name: str) -> bool:
-        probe = getattr(owner, name, None)
-        try:
-            return bool(probe()) if probe is not None else False
-        except RuntimeError:
-            return False
-
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-        return check(torch.cpu, "_is_avx512_bf16_supported") or check(torch.cpu, "_is_amx_tile_supported")
-    return check(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
+        return (_torch_check(torch.cpu, "_is_avx512_bf16_supported")
+                or _torch_check(torch.cpu, "_is_amx_tile_supported"))
+    return onednn_supports_bf16()
 
 
 def env_info() -> dict[str, Any]:
@@ -117,4 +128,4 @@ def format_env(info: dict[str, Any]) -> str:
 
 
 __all__ = ["DEEPSPEED_CPU_NOTICE", "alignkit_home", "cpu_supports_bf16", "env_info", "format_env", "launched_processes",
-           "silence_deepspeed_cpu_notice"]
+           "onednn_supports_bf16", "silence_deepspeed_cpu_notice"]

@@ -64,13 +64,13 @@ TOOL_STAGES = {"alignkit": ("sft", "rm", "dpo", "grpo", "rloo", "distill", "onli
                "llamafactory": llamafactory.LF_STAGES}
 # Variants that run only some of their tool's stages.
 VARIANT_STAGES = {"alignkit_qlora": ("sft",)}
-# The worker's --variant for each variant key.
 # Without AVX512-BF16 or AMX, torch multiplies bf16 matrices in a generic loop: 0.3 GFLOP/s against 124 in fp32
 # for the 2048^2 probe on a 2-core AVX2 AMD EPYC (2026-12-03), so one step of TRL's bf16 default outlasts the
 # run timeout. `--variants trl_default_bf16` still runs it.
 NO_BF16_HARDWARE = ("left out: this CPU has no bf16 hardware (AVX512-BF16 or AMX), where torch's bf16 matmul runs "
                     "hundreds of times slower than fp32 (the bf16 probe below), so TRL's real default, bf16=True, "
                     "would not finish a step within the run timeout; `--variants ...,trl_default_bf16` runs it")
+# The worker's --variant for each variant key.
 WORKER_VARIANT = {"trl_best": "best", "trl_default_bf16": "bf16", "alignkit_qlora": "qlora"}
 # (numerator, denominator) of the ratio rows: alignkit against each peer run, QLoRA against fp32 LoRA.
 RATIO_PAIRS = [("alignkit", other) for other in VARIANTS if not other.startswith("alignkit")] + [

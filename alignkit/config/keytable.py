@@ -134,6 +134,11 @@ def check_config_early(path: str, overrides: list[str], table: dict[str, Any]) -
             resolve_datasets(data[key], data.get("dataset_dir", table["default_dataset_dir"]))
 
 
+def _release_order(release: str) -> list[tuple[int, int, str]]:
+    """Sort key of a release string: numeric parts as numbers ("5.9.0" before "5.24.0"), others ("0rc1") after."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in release.split(".")]
+
+
 def write_key_table() -> Path:
     """Regenerate `keys.json` from the live dataclasses; run after changing a config key or upgrading transformers.
 
@@ -147,7 +152,7 @@ def write_key_table() -> Path:
         committed = None
     if committed is not None and isinstance(committed.get("transformers"), list) and same_keys(committed, table):
         table["transformers"] = sorted(set(committed["transformers"]) | set(table["transformers"]),
-                                       key=lambda release: [int(p) if p.isdigit() else p for p in release.split(".")])
+                                       key=_release_order)
     TABLE_FILE.write_text(json.dumps(table, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return TABLE_FILE
 

@@ -44,6 +44,7 @@ import torch
 
 from ..data.collator import pad_sequences, padding_token_id
 from ..data.template import ChatFormatter, Message
+from ..env import onednn_supports_bf16
 from .lora_fused import quantized_base_layer, shadowed_forward
 
 
@@ -202,16 +203,6 @@ def _packed_weight_supported() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def _packed_bf16_supported() -> bool:
-    """Whether oneDNN can pack bf16 weights on this CPU: its bf16 reorder needs AVX512 (BW, VL, DQ) or
-    AVX-NE-CONVERT on x86 and raises without them (an AVX2-only AMD EPYC, for one)."""
-    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    try:
-        return bool(probe()) if probe is not None else False
-    except RuntimeError:
-        return False
-
-
 def _packed_forward(packed: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor, *args,
                     **kwargs) -> torch.Tensor:
     """`F.linear(x, W, bias)` with `W` in oneDNN's packed layout (`torch.ops.mkldnn._reorder_linear_weight`).
@@ -250,9 +241,10 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
     bundled model's linear layers on an AMD EPYC with AVX512-BF16). The merge is computed in fp32 and rounded
     once, where autocast rounds base and adapter apart: sampling cannot tell the two apart. Weights stored in bf16
     (a frozen base under `precision.bf16_frozen_linears`) are merged in fp32 the same way. Where oneDNN cannot
-    pack bf16 on this CPU (no AVX512 or AVX-NE-CONVERT; a run's config keeps bf16 off on such a CPU, so only an
-    autocast entered by other code, such as a test patching bf16 support in, gets here), the copies are fp32 even under autocast, and the packed layers give fp32 outputs, which the layers after
-    them take as they take an RMSNorm's.
+    pack bf16 on this CPU (`alignkit.env.onednn_supports_bf16`; a run's config keeps bf16 off on such a CPU, so
+    only an autocast entered by other code, such as a test patching bf16 support in, gets here), the copies are
+    fp32 even under autocast, and the packed layers give fp32 outputs, which the layers after them take as they
+    take an RMSNorm's.
 
     Yields False and changes nothing where it does not apply: no oneDNN in this torch build, weights that are
     not whole fp32 or bf16 tensors on the CPU (sharded ones outside `full_weights`), or LoRA layers other than plain
@@ -279,7 +271,7 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
         return
     wrapped = {id(m.get_base_layer()) for m in lora_layers}
     dtype = (torch.bfloat16 if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-             and _packed_bf16_supported() else torch.float32)
+             and onednn_supports_bf16() else torch.float32)
     # Merged weights are built in one reused buffer per shape: a fresh 1-5 MB tensor per layer costs its page
     # faults each round (a third of the packing time of the bundled model).
     scratch: dict[tuple[int, ...], torch.Tensor] = {}

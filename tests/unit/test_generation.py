@@ -298,9 +298,9 @@ def test_packed_linears_pack_copies_in_the_autocast_dtype(lora_model, monkeypatc
     adapter's own effect. Entered without autocast the copies stay fp32. Where oneDNN cannot pack bf16 (an
     AVX2-only AMD EPYC raised "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
     in every bf16 rollout) the copies are fp32 under autocast too, with the same logits."""
-    if onednn_bf16 and not generation._packed_bf16_supported():
+    if onednn_bf16 and not generation.onednn_supports_bf16():
         pytest.skip("oneDNN packs bf16 only with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT; the fp32 case runs here")
-    monkeypatch.setattr(generation, "_packed_bf16_supported", lambda: onednn_bf16)
+    monkeypatch.setattr(generation, "onednn_supports_bf16", lambda: onednn_bf16)
     packed_dtype = torch.bfloat16 if onednn_bf16 else torch.float32
     lora_model.eval()
     batch = torch.tensor([[5, 17, 30, 44, 9], [7, 8, 40, 41, 42]])

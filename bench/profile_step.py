@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=20, help="Operators to list.")
     p.add_argument("--num-generations", type=int, default=4, help="GRPO, as for `python -m bench`.")
     p.add_argument("--max-completion-length", type=int, default=32, help="GRPO, as for `python -m bench`.")
+    p.add_argument("--alignkit-bf16", choices=["false", "true", "auto"], default="auto",
+                   help="Precision, as for `python -m bench --alignkit-bf16`.")
     p.add_argument("--extra", nargs="*", default=[], help="key=value training settings added for this run.")
     p.add_argument("--output", default=None, help="Also write the table and shares as JSON here.")
     opts = p.parse_args(argv)
@@ -77,11 +79,16 @@ def main(argv: list[str] | None = None) -> int:
                 profiled["profiler"].__exit__(None, None, None)
 
     recorder = StepRecorder()
-    opts_run = argparse.Namespace(stage=opts.stage, model_dir=model_dir, alignkit_dataset=data[kind]["alignkit_dataset"],
-                                  alignkit_dataset_dir=data[kind]["alignkit_dataset_dir"], cutoff=opts.cutoff,
-                                  output_dir=str(work / "out"), batch=opts.batch, steps=steps, lr=1e-4,
-                                  device="cpu", extra=opts.extra, num_generations=opts.num_generations,
-                                  max_completion_length=opts.max_completion_length)
+    # The worker's own parser fills every option the run reads, so this profile cannot drift from the benchmark's.
+    from bench.worker import parse_args as worker_args
+
+    opts_run = worker_args([
+        "--tool", "alignkit", "--stage", opts.stage, "--model-dir", str(model_dir),
+        "--alignkit-dataset", data[kind]["alignkit_dataset"], "--alignkit-dataset-dir", data[kind]["alignkit_dataset_dir"],
+        "--cutoff", str(opts.cutoff), "--output-dir", str(work / "out"), "--batch", str(opts.batch),
+        "--steps", str(steps), "--warmup", str(opts.warmup), "--threads", str(opts.threads),
+        "--num-generations", str(opts.num_generations), "--max-completion-length", str(opts.max_completion_length),
+        "--alignkit-bf16", opts.alignkit_bf16, "--extra", *opts.extra])
     # run_alignkit imports run_train when called: wrap it so the profiling callback joins the benchmark's own.
     import alignkit.train
 

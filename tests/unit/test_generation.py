@@ -281,12 +281,74 @@ def test_packed_linears_equal_the_merged_model_and_write_no_weight(lora_model):
     assert all(torch.equal(before[name], t) for name, t in _snapshot(lora_model).items())
 
 
+def _packed_weights(model) -> dict[str, torch.Tensor]:
+    """The packed weight each layer multiplies with inside a `packed_linears` block, by module name (siblings
+    sharing one product name the same tensor)."""
+    from alignkit.model.generation import _packed_forward, _SharedProduct
+
+    found = {}
+    for name, m in model.named_modules():
+        forward = vars(m).get("forward")
+        func = getattr(forward, "func", None)
+        if func is _packed_forward:
+            found[name] = forward.args[0]
+        elif isinstance(getattr(func, "__self__", None), _SharedProduct):
+            found[name] = func.__self__.packed
+    return found
+
+
 def _packed_dtypes(model) -> set:
     """The dtypes of the packed weights the model's layers multiply with inside a `packed_linears` block."""
-    from alignkit.model.generation import _packed_forward
+    return {w.dtype for w in _packed_weights(model).values()}
 
-    return {m.forward.args[0].dtype for m in model.modules()
-            if getattr(vars(m).get("forward"), "func", None) is _packed_forward}
+
+@needs_onednn
+def test_packed_linears_pack_siblings_as_one_product_and_skip_lora_factors(lora_model):
+    """Each attention's q/k/v projections share one packed product, each MLP's gate/up projections another;
+    o_proj, down_proj and the head are packed alone, and a LoRA layer's own `lora_A`/`lora_B`/base modules are
+    never packed (they run inside the layer's packed forward: packing them cost a third of the packing time)."""
+    lora_model.eval()
+    with torch.no_grad(), packed_linears(lora_model, batch_size=2) as packed:
+        assert packed
+        weights = _packed_weights(lora_model)
+    layers = lora_model.config.num_hidden_layers
+    assert len(weights) == 7 * layers + 1  # every projection of every layer, and the head
+    assert not any(part in name for name in weights for part in ("lora_A", "lora_B", "base_layer"))
+    shared = {}
+    for name, weight in weights.items():
+        shared.setdefault(id(weight), []).append(name.rsplit(".", 1)[-1])
+    assert sorted(map(tuple, shared.values())) == sorted(
+        [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",)] * layers
+        + [("lm_head",)])
+
+
+@needs_onednn
+def test_shared_product_serves_siblings_in_any_order_and_recomputes_for_another_input():
+    """A shared product equals each sibling's own `F.linear` whatever the calls: in the model's order, in another
+    order, one sibling twice with the same input (recomputed, not served stale), or a sibling with a new tensor
+    (the earlier input's columns are not handed out for it)."""
+    from alignkit.model.generation import _SharedProduct
+
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, 6, generator=g) for n in (5, 3, 3)]
+    biases = [torch.randn(n, generator=g) for n in (5, 3, 3)]
+    product = _SharedProduct(torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), 2), torch.cat(biases),
+                             [5, 3, 3])
+    x, y = torch.randn(2, 1, 6, generator=g), torch.randn(2, 1, 6, generator=g)
+
+    def check(index, inputs):
+        got = product.forward(index, inputs)
+        assert got.shape == (2, 1, weights[index].size(0)) and got.is_contiguous()
+        torch.testing.assert_close(got, torch.nn.functional.linear(inputs, weights[index], biases[index]))
+
+    for index in (0, 1, 2):
+        check(index, x)
+    assert product.input is None and product.output is None  # all served: nothing held between steps
+    for index, inputs in ((1, x), (1, x), (0, y), (2, x), (2, y), (0, x)):
+        check(index, inputs)
+    check(0, x)
+    x.mul_(2.0)  # an in-place change to the same tensor object between two siblings is seen
+    check(1, x)
 
 
 @needs_onednn

@@ -33,6 +33,28 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+ROLLOUT = "alignkit.rollout"  # the profiler label around an online stage's sampling call
+
+
+def rollout_split(events) -> dict:
+    """Self CPU seconds inside and outside the `ROLLOUT` label (an online step's sampling call, the label's own
+    self time included, and the rest of the step), and the training part's seconds per operator."""
+    seconds = {"rollout": 0.0, "training": 0.0}
+    training_ops: dict[str, float] = {}
+    for e in events:
+        if e.name == ROLLOUT:  # its own self time: the Python of the sampling loop and the model's modules
+            seconds["rollout"] += e.self_cpu_time_total / 1e6
+            continue
+        parent, inside = e.cpu_parent, False
+        while parent is not None and not inside:
+            inside, parent = parent.name == ROLLOUT, parent.cpu_parent
+        part = "rollout" if inside else "training"
+        seconds[part] += e.self_cpu_time_total / 1e6
+        if part == "training":
+            training_ops[e.name] = training_ops.get(e.name, 0.0) + e.self_cpu_time_total / 1e6
+    return {**seconds, "training_ops": training_ops}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__.splitlines()[0])
     p.add_argument("--stage", choices=["sft", "rm", "dpo", "grpo"], default="sft")
@@ -89,6 +111,16 @@ def main(argv: list[str] | None = None) -> int:
         "--steps", str(steps), "--warmup", str(opts.warmup), "--threads", str(opts.threads),
         "--num-generations", str(opts.num_generations), "--max-completion-length", str(opts.max_completion_length),
         "--alignkit-bf16", opts.alignkit_bf16, "--extra", *opts.extra])
+    # An online stage's rollout runs under a profiler label, so the table can be split into rollout and training.
+    import alignkit.stages.online as online
+
+    sample_completions = online.sample_completions
+
+    def labelled_rollout(*args, **kwargs):
+        with torch.profiler.record_function(ROLLOUT):
+            return sample_completions(*args, **kwargs)
+
+    online.sample_completions = labelled_rollout
     # run_alignkit imports run_train when called: wrap it so the profiling callback joins the benchmark's own.
     import alignkit.train
 
@@ -98,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         run_alignkit(opts_run, make_callback(recorder))
     finally:
         alignkit.train.run_train = run_train
+        online.sample_completions = sample_completions
     events = profiled["profiler"].key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     ranked = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
@@ -114,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                      "calls": e.count})
         print(f"| {e.key} | {e.self_cpu_time_total / 1e6:.3f} | {100 * e.self_cpu_time_total / total:.1f}% | {e.count} |")
     print("shares by kind: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in sorted(shares.items(), key=lambda x: -x[1])))
+    parts = rollout_split(profiled["profiler"].events())
+    if parts["rollout"]:
+        print(f"self CPU by part: rollout {parts['rollout']:.2f} s, training {parts['training']:.2f} s")
+        ranked = sorted(((name, t) for name, t in parts["training_ops"].items()), key=lambda x: -x[1])
+        print("training part, top operators: " + ", ".join(f"{name} {t:.3f} s" for name, t in ranked[:12]))
     if opts.output:
         Path(opts.output).write_text(json.dumps({"stage": opts.stage, "step_s": profiled["seconds"], "tokens": tokens,
                                                  "ops": rows, "shares": shares}, indent=1))

@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
     opts_run = worker_args([
         "--tool", "alignkit", "--stage", opts.stage, "--model-dir", str(model_dir),
-        "--alignkit-dataset", data[kind]["alignkit_dataset"], "--alignkit-dataset-dir", data[kind]["alignkit_dataset_dir"],
+        "--alignkit-dataset", data[kind]["alignkit_dataset"],
+        "--alignkit-dataset-dir", data[kind]["alignkit_dataset_dir"],
         "--cutoff", str(opts.cutoff), "--output-dir", str(work / "out"), "--batch", str(opts.batch),
         "--steps", str(steps), "--warmup", str(opts.warmup), "--threads", str(opts.threads),
         "--num-generations", str(opts.num_generations), "--max-completion-length", str(opts.max_completion_length),
@@ -150,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = rollout_split(profiled["profiler"].events())
     if parts["rollout"]:
         print(f"self CPU by part: rollout {parts['rollout']:.2f} s, training {parts['training']:.2f} s")
-        ranked = sorted(((name, t) for name, t in parts["training_ops"].items()), key=lambda x: -x[1])
-        print("training part, top operators: " + ", ".join(f"{name} {t:.3f} s" for name, t in ranked[:12]))
+        top = sorted(parts["training_ops"].items(), key=lambda x: -x[1])[:12]
+        print("training part, top operators: " + ", ".join(f"{name} {t:.3f} s" for name, t in top))
     if opts.output:
         Path(opts.output).write_text(json.dumps({"stage": opts.stage, "step_s": profiled["seconds"], "tokens": tokens,
                                                  "ops": rows, "shares": shares}, indent=1))

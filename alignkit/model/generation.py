@@ -28,8 +28,8 @@ One path from prompts to completions:
    each token with one uniform number per row instead of `torch.multinomial`'s one exponential per
    vocabulary entry. A decode step at batch 8 is otherwise the model's matrix multiplies; rollouts run them on
    oneDNN-packed copies of the weights with the LoRA adapter merged in (`packed_linears`, packed once per
-   rollout, sibling projections that read one input stacked into one product; measured in docs/performance.md), and the KV cache grows in place (`_reserve_cache`) instead of
-   being concatenated per token.
+   rollout, sibling projections that read one input stacked into one product; measured in docs/performance.md),
+   and the KV cache grows in place (`_reserve_cache`) instead of being concatenated per token.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import math
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
+from itertools import accumulate
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -222,23 +223,25 @@ def _packed_forward(packed: torch.Tensor, bias: Optional[torch.Tensor], x: torch
 SIBLING_LAYERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _sibling_groups(model, layers: Sequence[torch.nn.Module]) -> list[list[torch.nn.Module]]:
+def _base_linear(layer: torch.nn.Module) -> torch.nn.Module:
+    """The `nn.Linear` holding a packed layer's weight: a LoRA layer's base layer, or the layer itself."""
+    return layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+
+
+def _sibling_groups(modules: Sequence[torch.nn.Module],
+                    layers: Sequence[torch.nn.Module]) -> list[list[torch.nn.Module]]:
     """`layers` in groups that `packed_linears` packs as one weight: the members of a `SIBLING_LAYERS` set under one
-    parent, when all of them are in `layers` with the same input size and all or none with a bias; every other
-    layer alone. Order: as in `layers`, each group where its first member is."""
+    parent (any of `modules`), when all of them are in `layers` with the same input size and all or none with a
+    bias; every other layer alone. Order: as in `layers`, each group where its first member is."""
     chosen = {id(m) for m in layers}
-
-    def base(m):
-        return m.get_base_layer() if hasattr(m, "get_base_layer") else m
-
     group_of: dict[int, list[torch.nn.Module]] = {}
-    for parent in model.modules():
+    for parent in modules:
         children = parent._modules
         for names in SIBLING_LAYERS:
             members = [children.get(name) for name in names]
             if any(m is None or id(m) not in chosen for m in members):
                 continue
-            bases = [base(m) for m in members]
+            bases = [_base_linear(m) for m in members]
             if len({b.in_features for b in bases}) == 1 and len({b.bias is None for b in bases}) == 1:
                 for m in members:
                     group_of[id(m)] = members
@@ -266,9 +269,7 @@ class _SharedProduct:
 
     def __init__(self, packed: torch.Tensor, bias: Optional[torch.Tensor], sizes: Sequence[int]):
         self.packed, self.bias = packed, bias
-        self.bounds = [0]
-        for size in sizes:
-            self.bounds.append(self.bounds[-1] + size)
+        self.bounds = [0, *accumulate(sizes)]  # sibling i's columns: bounds[i]:bounds[i + 1]
         self.input: Optional[torch.Tensor] = None
         self.version: Optional[int] = None
         self.output: Optional[torch.Tensor] = None
@@ -299,8 +300,9 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
     Plain LoRA layers are packed with the adapter merged (`W + B A scale`, computed layer by layer into a
     temporary that is dropped once packed), and their forward is the packed product alone, as PEFT's merged
     forward is; the model's parameters are never written. Siblings that read one input (`SIBLING_LAYERS`: q/k/v,
-    gate/up) are stacked into one packed weight and served by one product (`_SharedProduct`). Memory: one packed copy of each linear weight while
-    the block runs (the output head included), in place of `merged_lora`'s copies of the adapted weights. The
+    gate/up) are stacked into one packed weight and served by one product (`_SharedProduct`). Memory: one packed
+    copy of each linear weight while the block runs (the output head included), in place of `merged_lora`'s copies
+    of the adapted weights. The
     outputs equal `F.linear`'s up to float rounding (summation order: about 1e-6 on logits of size ~10), which
     sampling cannot tell apart; only decoding uses them, never a pass whose log-probs or gradients train.
 
@@ -349,8 +351,8 @@ def packed_linears(model, batch_size: int) -> Iterator[bool]:
     # faults each round (a third of the packing time of the bundled model).
     scratch: dict[tuple[int, ...], torch.Tensor] = {}
     with ExitStack() as patched:
-        for group in _sibling_groups(model, layers):
-            base = [m.get_base_layer() if type(m) is LoraLinear else m for m in group]
+        for group in _sibling_groups(modules, layers):
+            base = [_base_linear(m) for m in group]
             adapters = [[] if type(m) is not LoraLinear or m.merged or m.disable_adapters else
                         [name for name in m.active_adapters if name in m.lora_A] for m in group]
             if len(group) == 1 and not adapters[0]:

@@ -247,6 +247,40 @@ def test_merged_lora_computes_each_delta_once(lora_model, monkeypatch):
     assert len(calls) == len(layers) and not any(layer.merged for layer in layers)
 
 
+def test_merge_into_equals_peft_deltas_for_fused_and_fallback_factors():
+    """`_merge_into` writes `W + sum of B A scale` over the given adapters: the fused `addmm` for fp32 factors and
+    PEFT's `get_delta_weight` for bf16 ones give the same block as PEFT's deltas added by hand; no adapter names
+    copy the base weight; the layer's own tensors are not written."""
+    from peft import LoraConfig, get_peft_model
+
+    from alignkit.model.generation import _merge_into
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(6, 4)),
+                                LoraConfig(r=2, lora_alpha=4, target_modules=["0"]), adapter_name="one")
+    peft_model.add_adapter("two", LoraConfig(r=3, lora_alpha=6, target_modules=["0"]))
+    layer = peft_model.base_model.model[0]
+    for name in ("one", "two"):
+        torch.nn.init.normal_(layer.lora_B[name].weight)
+    weight = layer.get_base_layer().weight.detach()
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    expected = weight + layer.get_delta_weight("one") + layer.get_delta_weight("two")
+    block = torch.full_like(weight, float("nan"))
+    with torch.no_grad():
+        _merge_into(block, weight, layer, ["one", "two"])
+    torch.testing.assert_close(block, expected, atol=1e-6, rtol=0)
+    assert (expected - weight).abs().max() > 0.1  # the deltas are there to be merged
+    with torch.no_grad():
+        _merge_into(block, weight, layer, [])
+    assert torch.equal(block, weight)
+    layer.lora_A["two"].to(torch.bfloat16), layer.lora_B["two"].to(torch.bfloat16)
+    with torch.no_grad():
+        _merge_into(block, weight, layer, ["one", "two"])
+    half = weight + layer.get_delta_weight("one") + layer.get_delta_weight("two").float()
+    torch.testing.assert_close(block, half, atol=1e-6, rtol=0)
+    assert all(torch.equal(before[k].to(v.dtype), v) for k, v in layer.state_dict().items())
+
+
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 

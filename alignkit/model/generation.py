@@ -593,6 +593,71 @@ def sample_from_probs(probs: torch.Tensor, generator: Generators = None) -> torc
     return tokens.squeeze(1).clamp_(max=probs.size(-1) - 1)
 
 
+# A shared prefix is prefilled apart when that saves at least this many token positions: the extra forward call
+# costs about what ~15 prefill tokens of the bundled model cost (its modules' Python).
+_SHARED_PREFIX_TOKENS = 32
+
+
+def _shared_prefix_length(model, cache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """How many leading real tokens `decode` prefills once for all rows of these left-padded, distinct prompts: the
+    tokens every row starts with, less one (each row's own last token gives its first logits); 0 where sharing
+    saves fewer than `_SHARED_PREFIX_TOKENS` positions, or where the cache or the attention could not take it (a
+    cache layer other than a plain `DynamicLayer`, such as a sliding window; an attention other than sdpa or
+    eager, which might not take padding in the middle of a row).
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    rows, width = prompt_ids.shape
+    lengths = prompt_mask.sum(1)
+    most = int(lengths.min()) - 1
+    if rows < 2 or most * (rows - 1) < _SHARED_PREFIX_TOKENS or not bool((prompt_mask[:, -1] == 1).all()):
+        return 0
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) not in ("sdpa", "eager") \
+            or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return 0
+    # Row b's real tokens start at column width - lengths[b]: align them at column 0 and compare with row 0.
+    columns = torch.arange(most, device=prompt_ids.device)
+    starts = (width - lengths)[:, None]
+    heads = prompt_ids.gather(1, starts + columns)
+    differs = (heads != heads[:1]).any(0)
+    prefix = int(differs.int().argmax()) if bool(differs.any()) else most
+    return prefix if prefix * (rows - 1) >= _SHARED_PREFIX_TOKENS else 0
+
+
+def _prefill_shared_prefix(model, cache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                           prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill left-padded prompts whose first `prefix` real tokens are the same: those once (one row), their keys
+    and values then serve every row, and each row's remaining tokens run after them, left-padded.
+
+    The cache then holds, per row, `[prefix | padding | the row's other tokens]` instead of `[padding | prompt]`:
+    as many columns, the same positions (rotary reads the position ids, not the column), and the attention
+    masks the padding wherever it sits, so the numbers are those of the usual prefill up to float rounding.
+
+    Returns:
+        `(logits [rows, 1, V], layout [rows, width])`: each row's last-token logits, and the cache columns' mask
+        (1 on real tokens), which the decode steps extend.
+    """
+    rows, width = prompt_ids.shape
+    device = prompt_ids.device
+    pads = width - prompt_mask.sum(1, keepdim=True)
+    shared = prompt_ids[0, int(pads[0]):int(pads[0]) + prefix]
+    model(input_ids=shared[None], position_ids=torch.arange(prefix, device=device)[None], cache=cache,
+          use_cache=True, logits_to_keep=1)
+    for layer in cache.layers:  # the one row's keys and values, viewed as every row's
+        layer.keys = layer.keys.expand(rows, *layer.keys.shape[1:])
+        layer.values = layer.values.expand(rows, *layer.values.shape[1:])
+    # Each row without its prefix: its padding, then its other tokens (columns pads + prefix onwards).
+    columns = torch.arange(width - prefix, device=device)[None]
+    source = torch.where(columns < pads, columns, columns + prefix)
+    rest_ids, rest_mask = prompt_ids.gather(1, source), prompt_mask.gather(1, source)
+    layout = torch.cat([prompt_mask.new_ones(rows, prefix), rest_mask], dim=1)
+    padded = not bool((rest_mask == 1).all())
+    logits = model(input_ids=rest_ids, attention_mask=layout if padded else None,
+                   position_ids=(prefix + rest_mask.long().cumsum(-1) - 1).masked_fill(rest_mask == 0, 0),
+                   cache=cache, use_cache=True, logits_to_keep=1).logits
+    return logits, layout
+
+
 def _reserve_cache(cache, rows: Optional[torch.Tensor], room: int) -> None:
     """Give each plain layer of a prefilled `DynamicCache` buffers with `room` free columns, selecting `rows`.
 
@@ -668,6 +733,8 @@ def decode(
 
     - identical prompt rows (a GRPO group: one prompt repeated `num_generations` times) are prefilled once and
       their cache rows copied, so the prompt's forward pass is paid once per distinct prompt;
+    - the leading tokens all distinct prompts share (a chat template's default system prompt: 24 tokens of
+      SmolLM2's) are prefilled once for all of them where that saves enough (`_shared_prefix_length`);
     - a token is drawn with one uniform number per row (`sample_from_probs`) from the caller's `generator`.
 
     Greedy output equals `model.generate`'s token for token (tested); sampled output follows the same
@@ -723,14 +790,20 @@ def decode(
             if shared else None
         pixels = {k: v.to(device) for k, v in flat_image_inputs(image_inputs, rows.cpu() if shared else None).items()}
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=prefill_ids, attention_mask=prefill_mask if padded else None,
-                   position_ids=(prefill_mask.long().cumsum(-1) - 1).masked_fill(prefill_mask == 0, 0),
-                   cache=cache, use_cache=True, logits_to_keep=1, **pixels).logits
+    prefix = _shared_prefix_length(model, cache, prefill_ids, prefill_mask) if image_inputs is None else 0
+    if prefix:
+        logits, layout = _prefill_shared_prefix(model, cache, prefill_ids, prefill_mask, prefix)
+    else:
+        logits = model(input_ids=prefill_ids, attention_mask=prefill_mask if padded else None,
+                       position_ids=(prefill_mask.long().cumsum(-1) - 1).masked_fill(prefill_mask == 0, 0),
+                       cache=cache, use_cache=True, logits_to_keep=1, **pixels).logits
+        layout = prefill_mask
     if shared:
-        logits = logits[inverse]
+        logits, layout = logits[inverse], layout[inverse]
     _reserve_cache(cache, inverse if shared else None, max_new_tokens)
 
-    mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)
+    # The cache's columns: the prompts' (left padding, or the shared prefix first), then the new tokens.
+    mask = torch.cat([layout, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)
     sequences = torch.cat([prompt_ids, prompt_ids.new_full((batch, max_new_tokens), pad_token_id)], dim=1)
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
     next_position = prompt_mask.long().sum(-1, keepdim=True)  # real tokens from 0, so the next one is at their count

@@ -504,6 +504,10 @@ def _hf_greedy(model, ids, mask, max_new_tokens, stop_ids, **kwargs):
     return out[:, ids.shape[1]:]
 
 
+# 20 leading tokens several prompts share (a chat template's system prompt): `decode` prefills them once.
+SHARED = [11, 23, 4, 37, 9, 50, 13, 28, 6, 45, 19, 33, 8, 41, 26, 15, 48, 7, 31, 22]
+
+
 @pytest.fixture(scope="module")
 def varied_model(tiny_model):
     """The tiny model with its own random output head: with the head tied to the embeddings it only repeats the
@@ -519,6 +523,8 @@ def varied_model(tiny_model):
     [[5, 17, 30, 44, 9], [7, 8], [40, 41, 42]],             # padded, all distinct
     [[5, 17, 30], [7, 8], [5, 17, 30], [7, 8], [7, 8]],     # repeated prompts: prefilled once each
     [[5, 17, 30], [6, 18, 31]],                             # no padding: no mask, as in generate
+    [SHARED + [5, 17, 30], SHARED + [7, 8], SHARED + [40, 41, 42, 43], SHARED + [7, 8]],  # shared prefix, padded
+    [SHARED + [5, 17], SHARED + [6, 18], SHARED + [7, 19]],  # shared prefix, no padding
 ])
 @pytest.mark.parametrize("repetition_penalty", [1.0, 1.3])
 def test_decode_greedy_equals_hf_generate(varied_model, prompts, repetition_penalty):
@@ -583,6 +589,39 @@ def test_decode_prefills_each_distinct_prompt_once(varied_model, record_forward_
         out = decode(model, ids, mask, max_new_tokens=4, stop_token_ids=[], pad_token_id=IM_END)
     assert seen == [(2, 3), (6, 1), (6, 1), (6, 1)]
     assert out.tolist()[:3] == [out.tolist()[0]] * 3  # greedy: a group's rows are the same
+
+
+def test_decode_prefills_a_shared_prefix_once(varied_model, record_forward_shapes, monkeypatch):
+    """Distinct prompts that start alike: the 20 shared tokens run once on one row, then each distinct prompt's
+    other tokens (left-padded to 4) after them; the prefill's last-token logits equal the usual padded prefill's,
+    and the cache layout puts the padding after the prefix. Below `_SHARED_PREFIX_TOKENS` saved positions, or
+    with another attention implementation, the usual prefill runs."""
+    from transformers import DynamicCache
+
+    from alignkit.model.generation import _prefill_shared_prefix, _shared_prefix_length
+
+    model = copy.deepcopy(varied_model)
+    prompts = [SHARED + [5, 17, 30], SHARED + [7, 8], SHARED + [40, 41, 42, 43], SHARED + [7, 8]]
+    ids, mask = pad_prompts(prompts, IM_END)
+    cache = DynamicCache(config=model.config)
+    assert _shared_prefix_length(model, cache, ids, mask) == 20
+    assert _shared_prefix_length(model, cache, ids[:2], mask[:2]) == 0  # 20 positions saved: not worth a call
+    ids_near = ids.clone()
+    ids_near[1, -4] = 12  # row 1's 19th real token differs (row 1 has 2 columns of padding): a prefix of 18
+    assert _shared_prefix_length(model, cache, ids_near, mask) == 18
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                         logits_to_keep=1).logits
+        logits, layout = _prefill_shared_prefix(model, cache, ids, mask, 20)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    assert layout.tolist() == [[1] * 20 + [0] + [1] * 3, [1] * 20 + [0, 0, 1, 1], [1] * 24, [1] * 20 + [0, 0, 1, 1]]
+    assert cache.get_seq_length() == ids.shape[1]
+    seen = record_forward_shapes(model)
+    with torch.no_grad():
+        decode(model, ids, mask, max_new_tokens=3, stop_token_ids=[], pad_token_id=IM_END)
+    assert seen == [(1, 20), (3, 4), (4, 1), (4, 1)]
+    monkeypatch.setattr(model.config, "_attn_implementation", "flash_attention_2")
+    assert _shared_prefix_length(model, DynamicCache(config=model.config), ids, mask) == 0
 
 
 @pytest.mark.parametrize("knobs", [

@@ -593,9 +593,11 @@ def sample_from_probs(probs: torch.Tensor, generator: Generators = None) -> torc
     return tokens.squeeze(1).clamp_(max=probs.size(-1) - 1)
 
 
-# A shared prefix is prefilled apart when that saves at least this many token positions: the extra forward call
-# costs about what ~15 prefill tokens of the bundled model cost (its modules' Python).
-_SHARED_PREFIX_TOKENS = 32
+# A shared prefix is prefilled apart when that saves at least this many token positions. The extra forward call
+# streams every weight once more and runs the modules' Python: on the bundled model (AVX2 AMD EPYC, 2 threads)
+# a 24-token prefix shared by 2 prompts prefilled 20 ms slower apart, by 4 prompts (72 positions saved) 55 ms
+# faster, by 8 (168) 216 ms faster (docs/performance.md).
+_SHARED_PREFIX_TOKENS = 40
 
 
 def _shared_prefix_length(model, cache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:

@@ -646,6 +646,8 @@ def _prefill_shared_prefix(model, cache, prompt_ids: torch.Tensor, prompt_mask: 
     model(input_ids=shared[None], position_ids=torch.arange(prefix, device=device)[None], cache=cache,
           use_cache=True, logits_to_keep=1)
     for layer in cache.layers:  # the one row's keys and values, viewed as every row's
+        if not layer.is_initialized:  # a layer the forward wrote nothing to keeps its lazy start
+            continue
         layer.keys = layer.keys.expand(rows, *layer.keys.shape[1:])
         layer.values = layer.values.expand(rows, *layer.values.shape[1:])
     # Each row without its prefix: its padding, then its other tokens (columns pads + prefix onwards).

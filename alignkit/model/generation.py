@@ -47,6 +47,7 @@ from ..data.collator import pad_sequences, padding_token_id
 from ..data.template import ChatFormatter, Message
 from ..env import onednn_supports_bf16
 from .lora_fused import quantized_base_layer, shadowed_forward
+from .padding_free import attention_takes_any_mask
 
 
 @dataclass
@@ -614,8 +615,7 @@ def _shared_prefix_length(model, cache, prompt_ids: torch.Tensor, prompt_mask: t
     most = int(lengths.min()) - 1
     if rows < 2 or most * (rows - 1) < _SHARED_PREFIX_TOKENS or not bool((prompt_mask[:, -1] == 1).all()):
         return 0
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) not in ("sdpa", "eager") \
-            or any(type(layer) is not DynamicLayer for layer in cache.layers):
+    if not attention_takes_any_mask(model) or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return 0
     # Row b's real tokens start at column width - lengths[b]: align them at column 0 and compare with row 0.
     columns = torch.arange(most, device=prompt_ids.device)

@@ -412,6 +412,12 @@ def model_config(model: torch.nn.Module):
     return getattr(getattr(model, "module", model), "config", None)
 
 
+def attention_takes_any_mask(model: torch.nn.Module) -> bool:
+    """Whether the model's attention takes an arbitrary mask (sdpa or eager), such as a block mask over a packed
+    row or padding in the middle of a row; flash attention and the kernels hub's take only their own layouts."""
+    return getattr(model_config(model), "_attn_implementation", None) in ("sdpa", "eager")
+
+
 def uses_per_sequence_attention(model: torch.nn.Module) -> bool:
     """True when a packed forward of `model` should attend each sequence on its own (`per_sequence_sdpa`).
 

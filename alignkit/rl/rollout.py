@@ -29,7 +29,7 @@ from ..data.multimodal import flat_image_inputs
 from ..errors import RewardFunctionError
 from ..model.generation import Generation, generate_with_decode, pad_prompts
 from ..model.logprobs import elementwise_rows, labelled_forward, selective_log_softmax
-from ..model.padding_free import model_config
+from ..model.padding_free import attention_takes_any_mask, model_config
 
 # Rows of logits per entropy chunk: bounds the softmax temporary to about this many elements.
 # Longest padding-free row `completion_logps` builds (`_packed_prompt_logits`). Its attention runs densely over a
@@ -364,7 +364,7 @@ def completion_token_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.
 
 def _packable(model) -> bool:
     """Whether the model's attention takes the `[1, 1, T, T]` mask of `_packed_prompt_logits`' row."""
-    return getattr(model_config(model), "_attn_implementation", None) in ("sdpa", "eager")
+    return attention_takes_any_mask(model)
 
 
 def _fed_tokens(completion_mask: torch.Tensor) -> torch.Tensor:

@@ -273,7 +273,8 @@ def test_merge_into_equals_peft_deltas_for_fused_and_fallback_factors():
     with torch.no_grad():
         _merge_into(block, weight, layer, [])
     assert torch.equal(block, weight)
-    layer.lora_A["two"].to(torch.bfloat16), layer.lora_B["two"].to(torch.bfloat16)
+    layer.lora_A["two"].to(torch.bfloat16)
+    layer.lora_B["two"].to(torch.bfloat16)
     with torch.no_grad():
         _merge_into(block, weight, layer, ["one", "two"])
     half = weight + layer.get_delta_weight("one") + layer.get_delta_weight("two").float()

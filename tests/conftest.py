@@ -175,16 +175,25 @@ class SimulatedCrash(Exception):
 def record_forward_shapes(monkeypatch):
     """`record_forward_shapes(model) -> list`: until the test ends, every forward of `model`'s class appends the
     shape of its `input_ids` (a tuple) to the returned list, then runs as before (counts the passes a batch
-    takes and their sizes)."""
+    takes and their sizes). A decode step that `DecodeStep` runs instead of the model's forward is recorded
+    the same way, as `(rows, 1)`."""
+    from alignkit.model.decode_step import DecodeStep
+
     def record(model) -> list[tuple[int, ...]]:
         seen: list[tuple[int, ...]] = []
         real_forward = type(model).forward
+        real_step = DecodeStep.__call__
 
         def recording_forward(self, *args, **kwargs):
             seen.append(tuple(kwargs["input_ids"].shape))
             return real_forward(self, *args, **kwargs)
 
+        def recording_step(self, tokens, *args, **kwargs):
+            seen.append((tokens.shape[0], 1))
+            return real_step(self, tokens, *args, **kwargs)
+
         monkeypatch.setattr(type(model), "forward", recording_forward)
+        monkeypatch.setattr(DecodeStep, "__call__", recording_step)
         return seen
 
     return record

@@ -46,6 +46,7 @@ import torch
 from ..data.collator import pad_sequences, padding_token_id
 from ..data.template import ChatFormatter, Message
 from ..env import onednn_supports_bf16
+from .decode_step import DecodeStep
 from .lora_fused import quantized_base_layer, shadowed_forward
 from .padding_free import attention_takes_any_mask
 
@@ -733,13 +734,15 @@ def decode(
 
     It does what `model.generate` does for greedy and multinomial sampling (same positions, masks and cache,
     same logits processors, rows stopping at their own stop token and padded after it), without its per-step
-    machinery, and with two savings of its own:
+    machinery, and with savings of its own:
 
     - identical prompt rows (a GRPO group: one prompt repeated `num_generations` times) are prefilled once and
       their cache rows copied, so the prompt's forward pass is paid once per distinct prompt;
     - the leading tokens all distinct prompts share (a chat template's default system prompt: 24 tokens of
       SmolLM2's) are prefilled once for all of them where that saves enough (`_shared_prefix_length`);
-    - a token is drawn with one uniform number per row (`sample_from_probs`) from the caller's `generator`.
+    - a token is drawn with one uniform number per row (`sample_from_probs`) from the caller's `generator`;
+    - each step after the prefill runs through `DecodeStep` where it applies (Llama-family layers, sdpa): the
+      model's own modules called layer by layer without the forward's per-layer Python, same logits.
 
     Greedy output equals `model.generate`'s token for token (tested); sampled output follows the same
     distribution (same processors) but not the same random stream.
@@ -812,6 +815,7 @@ def decode(
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
     next_position = prompt_mask.long().sum(-1, keepdim=True)  # real tokens from 0, so the next one is at their count
     steps = 0
+    lean = DecodeStep.for_model(model) if image_inputs is None else None
     for step in range(max_new_tokens):
         scores = logits[:, -1].float()
         if suppressed.numel():
@@ -832,8 +836,12 @@ def decode(
                 unfinished &= ~finished.to(device)
         if steps == max_new_tokens or not bool(unfinished.any()):
             break
-        logits = model(input_ids=tokens[:, None], attention_mask=mask[:, :prompt_len + steps] if padded else None,
-                       position_ids=next_position, cache=cache, use_cache=True, logits_to_keep=1).logits
+        step_mask = mask[:, :prompt_len + steps] if padded else None
+        if lean is not None:
+            logits = lean(tokens, next_position, step_mask, cache)
+        else:
+            logits = model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=next_position,
+                           cache=cache, use_cache=True, logits_to_keep=1).logits
         next_position = next_position + 1
     return sequences[:, prompt_len:prompt_len + steps]
 

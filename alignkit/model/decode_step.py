@@ -18,7 +18,8 @@ So its logits equal the model's forward at the same positions, cache and mask (t
 architecture, with and without padding, LoRA and packing; greedy decoding equals `model.generate`).
 
 It applies only where that equality is known: the exact decoder-layer classes of Llama, Qwen2 and Mistral
-(`SUPPORTED_LAYERS`; Qwen2's and Mistral's only without sliding-window layers), sdpa attention, no forward hooks
+(`SUPPORTED_LAYERS`; Qwen2's and Mistral's only without a sliding window: Mistral's config sets one by default,
+so its models take the step only with `sliding_window: null`), sdpa attention, no forward hooks
 on any module (calling `forward` directly would skip them), and a model that is not training. Everywhere else
 `DecodeStep.for_model` returns None and decode calls the model as before.
 """
@@ -72,6 +73,8 @@ class DecodeStep:
         decoder, head = parts
         config = decoder.config
         if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "hidden_act", None) != "silu":
+            return None
+        if getattr(config, "sliding_window", None) is not None:  # Mistral's default: its mask would need the window
             return None
         layers = list(decoder.layers[: config.num_hidden_layers])
         for layer in layers:

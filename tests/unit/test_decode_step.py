@@ -19,6 +19,8 @@ def _config(architecture: str, **extra):
                   attn_implementation="sdpa")
     if architecture == "qwen2":
         common.update(use_sliding_window=False)
+    if architecture == "mistral":
+        common.update(sliding_window=None)
     common.update(extra)
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                     "mistral": transformers.MistralConfig}[architecture]
@@ -115,13 +117,15 @@ def test_step_runs_lora_and_packed_weights(tiny_model_dir, tmp_path, save_pertur
 
 
 def test_step_applies_only_where_its_equality_is_known():
-    """None for eager attention, a Qwen2 model with sliding-window layers, a model in training mode, a module
-    with a forward hook; a step for the same model without them."""
+    """None for eager attention, a non-SiLU MLP, a Qwen2 model with sliding-window layers, a Mistral model with
+    a sliding window, a model in training mode, a module with a forward hook; a step for the same model without
+    them."""
     assert DecodeStep.for_model(_model("llama")) is not None
     assert DecodeStep.for_model(_model("llama", attn_implementation="eager")) is None
     assert DecodeStep.for_model(_model("llama", hidden_act="gelu")) is None
     assert DecodeStep.for_model(_model("qwen2", use_sliding_window=True, sliding_window=8,
                                        max_window_layers=0)) is None
+    assert DecodeStep.for_model(_model("mistral", sliding_window=4096)) is None  # Mistral's default window
     assert DecodeStep.for_model(_model("llama").train()) is None
     hooked = _model("llama")
     handle = hooked.model.layers[1].mlp.register_forward_hook(lambda *args: None)

@@ -9,8 +9,8 @@ the model's own modules and weights, layer by layer:
 
 - each RMSNorm, linear layer (plain, PEFT's LoRA layer, or the packed copy `generation.packed_linears` put in
   its place) and the rotary embedding run through their own `forward`, so their numerics are the model's;
-- rotary positions are applied as `apply_rotary_pos_emb` does, keys and values go through the cache layer's
-  own `update`, and attention is transformers' sdpa function with the mask its sdpa path builds for one query
+- rotary positions are applied by the modeling file's own `apply_rotary_pos_emb`, keys and values go through the
+  cache's own `update`, and attention is transformers' sdpa function with the mask its sdpa path builds for one query
   (padding columns masked, or no mask without padding);
 - the MLP is `down(act(gate(x)) * up(x))`, the residual adds as the decoder layer's.
 
@@ -26,6 +26,7 @@ on any module (calling `forward` directly would skip them), and a model that is 
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -60,9 +61,8 @@ def _has_hooks(model: nn.Module) -> bool:
 class DecodeStep:
     """Logits of one new token per row, computed layer by layer with the model's own modules (module doc)."""
 
-    def __init__(self, decoder: nn.Module, head: nn.Module, attention):
-        self.decoder, self.head, self.attention = decoder, head, attention
-        self.layers = list(decoder.layers[: decoder.config.num_hidden_layers])
+    def __init__(self, decoder: nn.Module, head: nn.Module, layers: list[nn.Module], attention, rotary):
+        self.decoder, self.head, self.layers, self.attention, self.rotary = decoder, head, layers, attention, rotary
 
     @classmethod
     def for_model(cls, model: nn.Module) -> Optional["DecodeStep"]:
@@ -82,7 +82,6 @@ class DecodeStep:
             attn = getattr(layer, "self_attn", None)
             if (attention_class is None or type(attn).__name__ != attention_class
                     or type(layer).__module__ != type(attn).__module__
-                    or getattr(attn, "sliding_window", None) is not None
                     or type(layer.mlp).__name__ != type(layer).__name__.replace("DecoderLayer", "MLP")):
                 return None
         if not layers or type(decoder.norm).__name__ != type(layers[0]).__name__.replace("DecoderLayer", "RMSNorm"):
@@ -91,7 +90,8 @@ class DecodeStep:
             return None
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        return cls(decoder, head, ALL_ATTENTION_FUNCTIONS["sdpa"])
+        rotary = sys.modules[type(layers[0]).__module__].apply_rotary_pos_emb
+        return cls(decoder, head, layers, ALL_ATTENTION_FUNCTIONS["sdpa"], rotary)
 
     def __call__(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: Optional[torch.Tensor],
                  cache) -> torch.Tensor:
@@ -105,7 +105,6 @@ class DecodeStep:
         decoder = self.decoder
         hidden = decoder.embed_tokens.forward(tokens[:, None])
         cos, sin = decoder.rotary_emb.forward(hidden, position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         # transformers' sdpa mask for one query: True where attended, (batch, 1, 1, columns).
         attention_mask = None if mask is None else mask.bool()[:, None, None, :]
         batch = hidden.shape[0]
@@ -116,8 +115,7 @@ class DecodeStep:
             q = attn.q_proj.forward(x).view(shape).transpose(1, 2)
             k = attn.k_proj.forward(x).view(shape).transpose(1, 2)
             v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = self.rotary(q, k, cos, sin)
             k, v = cache.update(k, v, index)
             out, _ = self.attention(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling)
             hidden = hidden + attn.o_proj.forward(out.reshape(batch, 1, -1).contiguous())
@@ -126,11 +124,6 @@ class DecodeStep:
             gated = mlp.act_fn.forward(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x)
             hidden = hidden + mlp.down_proj.forward(gated)
         return self.head.forward(decoder.norm.forward(hidden))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 __all__ = ["DecodeStep", "SUPPORTED_LAYERS"]

@@ -5,6 +5,8 @@ projection of its 30 layers (q, k, v, o, gate, up, down at SmolLM2-135M's shapes
 each weight packed by oneDNN (`torch.ops.mkldnn._reorder_linear_weight`) for `--rows` rows, multiplied by random
 rows, once with fp32 weights and rows and once with bf16 weights and rows. Prints the seconds per step of each
 (`--steps` timed steps after 3 warm-ups) as one JSON object. Random weights: the time does not depend on the values.
+On a CPU where oneDNN cannot pack bf16 weights (`alignkit.env.onednn_supports_bf16`: x86 without AVX512 BW/VL/DQ
+or AVX-NE-CONVERT), `bf16_s` is null and `bf16_skipped` says why; the rollouts then decode in fp32 as well.
 """
 
 from __future__ import annotations
@@ -48,10 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
     import torch
 
+    from alignkit.env import onednn_supports_bf16
+
     torch.set_num_threads(opts.threads)
     result = {"rows": opts.rows, "threads": opts.threads, "steps": opts.steps,
-              "fp32_s": round(step_seconds(torch.float32, opts.rows, opts.steps), 5),
-              "bf16_s": round(step_seconds(torch.bfloat16, opts.rows, opts.steps), 5)}
+              "fp32_s": round(step_seconds(torch.float32, opts.rows, opts.steps), 5)}
+    if onednn_supports_bf16():
+        result["bf16_s"] = round(step_seconds(torch.bfloat16, opts.rows, opts.steps), 5)
+    else:
+        result["bf16_s"] = None
+        result["bf16_skipped"] = ("oneDNN has no bf16 weight packing on this CPU (it needs AVX512 BW, VL and DQ, "
+                                  "or AVX-NE-CONVERT); packed_linears keeps fp32 weights here")
     print(json.dumps(result))
     return 0
 

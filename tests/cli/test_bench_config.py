@@ -1,5 +1,6 @@
 """The benchmark's run building, by hand, without running anything: which runs the plan holds, what each tool is
-told for the online stages, the precision a run is measured in and the CPU features the report states."""
+told for the online stages, the precision a run is measured in and the CPU features the report states; and which
+precisions the decode dtype probe times (one real step of its fp32 products)."""
 
 from __future__ import annotations
 
@@ -189,3 +190,34 @@ def test_sweep_of_online_stages_takes_its_own_defaults():
     assert bench_run.parse_args(["--sweep"]).sweep_name == "sweep"
     with pytest.raises(SystemExit):
         bench_run.parse_args(["--sweep", "--stage", "grpo", "sft"])
+
+
+def test_decode_dtype_probe_skips_bf16_where_onednn_cannot_pack_it(monkeypatch, capsys):
+    """On a CPU without oneDNN bf16 packing (AVX2 only) the probe times fp32 alone and says why bf16 is missing,
+    instead of dying in oneDNN's weight reorder; with it, both precisions are timed."""
+    import json
+
+    import alignkit.env
+    from bench import decode_dtype_probe as probe
+
+    timed = []
+    monkeypatch.setattr(probe, "step_seconds", lambda dtype, rows, steps: timed.append((str(dtype), rows)) or 0.5)
+    monkeypatch.setattr(alignkit.env, "onednn_supports_bf16", lambda: False)
+    assert probe.main(["--rows", "4", "--steps", "1", "--threads", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert timed == [("torch.float32", 4)]
+    assert result["fp32_s"] == 0.5 and result["bf16_s"] is None and "AVX512" in result["bf16_skipped"]
+
+    timed.clear()
+    monkeypatch.setattr(alignkit.env, "onednn_supports_bf16", lambda: True)
+    assert probe.main(["--rows", "4", "--steps", "1", "--threads", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert timed == [("torch.float32", 4), ("torch.bfloat16", 4)]
+    assert result["bf16_s"] == 0.5 and "bf16_skipped" not in result
+
+
+def test_decode_dtype_probe_times_the_packed_fp32_products():
+    """One real step of the 211 packed products (fp32 works on every CPU with oneDNN): a positive time."""
+    from bench import decode_dtype_probe as probe
+
+    assert probe.step_seconds(__import__("torch").float32, rows=2, steps=1) > 0

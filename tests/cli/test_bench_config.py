@@ -4,6 +4,7 @@ precisions the decode dtype probe times (one real step of its fp32 products)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -197,20 +198,25 @@ def test_decode_dtype_probe_skips_bf16_where_onednn_cannot_pack_it(monkeypatch, 
     instead of dying in oneDNN's weight reorder; with it, both precisions are timed."""
     import json
 
+    import torch
+
     import alignkit.env
     from bench import decode_dtype_probe as probe
 
+    # The probe sets the thread count and OMP_NUM_THREADS: keep this process's as they are.
+    threads = str(torch.get_num_threads())
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", threads))
     timed = []
     monkeypatch.setattr(probe, "step_seconds", lambda dtype, rows, steps: timed.append((str(dtype), rows)) or 0.5)
     monkeypatch.setattr(alignkit.env, "onednn_supports_bf16", lambda: False)
-    assert probe.main(["--rows", "4", "--steps", "1", "--threads", "1"]) == 0
+    assert probe.main(["--rows", "4", "--steps", "1", "--threads", threads]) == 0
     result = json.loads(capsys.readouterr().out)
     assert timed == [("torch.float32", 4)]
     assert result["fp32_s"] == 0.5 and result["bf16_s"] is None and "AVX512" in result["bf16_skipped"]
 
     timed.clear()
     monkeypatch.setattr(alignkit.env, "onednn_supports_bf16", lambda: True)
-    assert probe.main(["--rows", "4", "--steps", "1", "--threads", "1"]) == 0
+    assert probe.main(["--rows", "4", "--steps", "1", "--threads", threads]) == 0
     result = json.loads(capsys.readouterr().out)
     assert timed == [("torch.float32", 4), ("torch.bfloat16", 4)]
     assert result["bf16_s"] == 0.5 and "bf16_skipped" not in result
@@ -218,6 +224,8 @@ def test_decode_dtype_probe_skips_bf16_where_onednn_cannot_pack_it(monkeypatch, 
 
 def test_decode_dtype_probe_times_the_packed_fp32_products():
     """One real step of the 211 packed products (fp32 works on every CPU with oneDNN): a positive time."""
+    import torch
+
     from bench import decode_dtype_probe as probe
 
-    assert probe.step_seconds(__import__("torch").float32, rows=2, steps=1) > 0
+    assert probe.step_seconds(torch.float32, rows=2, steps=1) > 0

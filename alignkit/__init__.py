@@ -18,3 +18,9 @@ for _name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
 # of transformers can emit it.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"))
+
+# peft imports bitsandbytes (when installed) in every process, and bitsandbytes' import set up torch's compiler for
+# four kernels a run rarely calls: 1.3-2 s of each start-up. That set-up now waits for a kernel's first call.
+from .env import defer_compile_set_up_in_bitsandbytes as _defer
+
+_defer()

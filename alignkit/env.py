@@ -50,6 +50,100 @@ def silence_deepspeed_cpu_notice() -> None:
         ds_logger.addFilter(_not_the_deepspeed_cpu_notice)
 
 
+def _compile_on_first_call(real_compile):
+    """A stand-in for `torch.compile` that sets up each compiled function at its first call instead of at once.
+
+    `torch.compile(fn)` compiles nothing until `fn` is called, but its set-up at decoration imports torch's whole
+    compiler (`torch._inductor`, to read its configuration). Here that set-up waits for the first call; a set-up
+    that fails then leaves the function uncompiled, as bitsandbytes' own wrapper does when it fails at decoration.
+    Anything but a plain function (a module) goes to `torch.compile` at once.
+    """
+    import functools
+    import inspect
+
+    def compile(model=None, **kwargs):
+        if model is None:  # used as `@torch.compile(dynamic=False)`
+            return lambda fn: compile(fn, **kwargs)
+        if not inspect.isfunction(model):
+            return real_compile(model, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **call_kwargs):
+            nonlocal compiled
+            if compiled is None:
+                try:
+                    compiled = real_compile(model, **kwargs)
+                except Exception:
+                    compiled = model
+            return compiled(*args, **call_kwargs)
+
+        return first_call_compiles
+
+    return compile
+
+
+class _CompileOnFirstCallLoader:
+    """Runs bitsandbytes' package code with `_compile_on_first_call` in place of `torch.compile`; every other
+    loader attribute (resource readers and the like) is the real loader's."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        import torch
+
+        real_compile = torch.compile
+        torch.compile = _compile_on_first_call(real_compile)
+        try:
+            self._loader.exec_module(module)
+        finally:
+            torch.compile = real_compile
+
+
+class _BitsandbytesFinder:
+    """A `sys.meta_path` entry that hands bitsandbytes' import to `_CompileOnFirstCallLoader`; other names pass."""
+
+    def __init__(self):
+        self._finding = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "bitsandbytes" or self._finding:
+            return None
+        import importlib.util
+
+        self._finding = True  # the real finders, not this one, find it
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
+        if spec is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _CompileOnFirstCallLoader(spec.loader)
+        return spec
+
+
+def defer_compile_set_up_in_bitsandbytes() -> None:
+    """Keep bitsandbytes' import from importing torch's compiler: 1.3-2 s of every process's start-up.
+
+    peft imports bitsandbytes whenever it is installed (the qlora and dev extras), quantized model or not, and
+    bitsandbytes wraps four of its CPU kernels in `torch.compile` as it is imported; that set-up alone imports
+    `torch._inductor`, which nothing else in a run needs (docs/performance.md, "The twentieth session"). With this,
+    that set-up happens at a kernel's first call instead (a QLoRA run that uses one); what runs is unchanged.
+    Called as alignkit is imported; no effect where bitsandbytes is imported already.
+    """
+    import sys
+
+    if "bitsandbytes" in sys.modules or any(isinstance(f, _BitsandbytesFinder) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _BitsandbytesFinder())
+
+
 def _version(distribution: str) -> str | None:
     import importlib.metadata  # here, not at the top: `alignkit --help` imports this module and needs none of it
 

@@ -63,3 +63,66 @@ def test_help_and_early_errors_do_not_import_torch(tmp_path):
     for (argv, code, message), (got_code, err) in zip(cases, report["results"]):
         assert got_code == code and message in err, (argv, got_code, err)
     assert report["heavy"] == [], f"imported before anything ran: {report['heavy']}"
+
+
+def test_compile_on_first_call_defers_the_set_up_and_falls_back_like_bitsandbytes():
+    """`alignkit.env._compile_on_first_call`, with a recording stand-in for `torch.compile`: nothing is set up at
+    decoration, a function's first call sets it up once, the decorator form keeps its keywords, a module goes to the
+    real compile at once, and a set-up that raises leaves the plain function running."""
+    import torch
+
+    from alignkit.env import _compile_on_first_call
+
+    calls = []
+
+    def real_compile(model, **kwargs):
+        calls.append((model, kwargs))
+        if kwargs.get("fail"):
+            raise RuntimeError("no compiler here")
+        return lambda *args, **kw: ("compiled", model(*args, **kw))
+
+    compile = _compile_on_first_call(real_compile)
+
+    def double(x, scale=1):
+        return 2 * x * scale
+
+    wrapped = compile(double, dynamic=False)
+    assert calls == [] and wrapped.__name__ == "double" and wrapped.__wrapped__ is double
+    assert wrapped(3, scale=2) == ("compiled", 12) and wrapped(1) == ("compiled", 2)
+    assert calls == [(double, {"dynamic": False})]  # set up once, at the first call
+
+    @compile(dynamic=True)
+    def triple(x):
+        return 3 * x
+
+    assert len(calls) == 1 and triple(2) == ("compiled", 6) and calls[-1][1] == {"dynamic": True}
+
+    layer = torch.nn.Linear(2, 2)
+    compile(layer)
+    assert calls[-1] == (layer, {})  # a module: at once
+
+    failing = compile(double, fail=True)
+    assert failing(5) == 10 and failing(6) == 12  # uncompiled, and set up only once
+    assert [kwargs for _, kwargs in calls].count({"fail": True}) == 1
+
+
+def test_importing_peft_after_alignkit_does_not_import_torchs_compiler():
+    """peft imports bitsandbytes, and bitsandbytes' `torch.compile` decorations imported `torch._inductor` (1.3-2 s of
+    every process's start-up); after `import alignkit` they wait for a kernel's first call. bitsandbytes itself is
+    still imported, whole: its package resources are readable through the loader alignkit puts in front."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed (the qlora and dev extras)")
+    script = ("import importlib.resources, json, sys\n"
+              "import alignkit, peft, bitsandbytes\n"
+              "from bitsandbytes.backends.default import ops\n"
+              "print(json.dumps({'inductor': 'torch._inductor.compile_fx' in sys.modules,\n"
+              "                  'resources': importlib.resources.files('bitsandbytes').joinpath('__init__.py').is_file(),\n"
+              "                  'deferred': ops._dequantize_4bit_compute.__wrapped__.__name__}))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report == {"inductor": False, "resources": True, "deferred": "_dequantize_4bit_compute"}

@@ -81,10 +81,7 @@ def test_bundled_conversion_caches_and_answers(monkeypatch, tmp_path):
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
 
     monkeypatch.setattr(bundled, "convert_gguf", lambda *a: pytest.fail("reconverted a finished cache"))
-    started = time.time()
-    model = load_model(config.model, config.finetuning, is_trainable=False)
-    load_seconds = time.time() - started
-    assert load_seconds < 15, f"loading the cached model took {load_seconds:.1f}s"
+    model = load_model(config.model, config.finetuning, is_trainable=False)  # from the cache: convert_gguf fails it
     c = model.config
     assert (c.num_hidden_layers, c.hidden_size, c.vocab_size, c.tie_word_embeddings) == (30, 576, 49152, True)
     assert getattr(c, "quantization_config", None) is None

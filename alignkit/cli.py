@@ -27,7 +27,7 @@ import logging
 import os
 import sys
 
-from .env import launched_processes, silence_deepspeed_cpu_notice
+from .env import launched_processes, silence_deepspeed_cpu_notice, start_up_imports
 from .errors import ConfigError, DataError, RewardFunctionError, TrainingDiverged
 
 
@@ -77,6 +77,14 @@ def _print_help_keys() -> None:
             print(f"  {key}: {help_text}")
 
 
+def _import_training_stack() -> None:
+    """Import torch, transformers, peft and alignkit's stages (`alignkit.config.parse` imports them all) with the
+    collector paused, as a command's start-up (`env.start_up_imports`); a command calls this before its first
+    import of them."""
+    with start_up_imports():
+        from .config import parse  # noqa: F401
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     if args.help_keys:
         _print_help_keys()
@@ -97,6 +105,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if command is None and deepspeed:
         # Before the config is read: reading it sets up the process group (transformers' TrainingArguments).
         os.environ.update(single_process_rendezvous(os.environ))
+    _import_training_stack()
     from .config.parse import read_config
 
     config = read_config(args.config, args.overrides)  # checked here first: a bad key fails before any launch
@@ -166,6 +175,7 @@ def _model_args(model: str | None, adapter: str | None, extra: list[str] | None 
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    _import_training_stack()
     from .chat import chat
 
     config = _model_args(args.model, args.adapter, args.overrides)
@@ -178,6 +188,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     if args.gguf_type != "f16" and args.format != "gguf":
         raise ConfigError("--gguf-type applies to --format gguf; add --format gguf.")
+    _import_training_stack()
     from .export import export_model
 
     config = _model_args(args.model, args.adapter)
@@ -191,6 +202,7 @@ def _cmd_api(args: argparse.Namespace) -> int:
     from .serve import check_installed, parse_adapters, serve
 
     check_installed()
+    _import_training_stack()
     adapters = parse_adapters(args.adapter or [])
     config = _model_args(args.model, None, args.overrides)
     base_id = args.model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
@@ -202,6 +214,7 @@ def _cmd_api(args: argparse.Namespace) -> int:
 
 
 def _cmd_score(args: argparse.Namespace) -> int:
+    _import_training_stack()
     from .config import DataArguments
     from .score import score_file
 
@@ -221,6 +234,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                           "benchmarks).")
     from dataclasses import fields
 
+    _import_training_stack()
     from .evaluate import TOOL_KEYS, default_dataset_dir, evaluate_rewards, reward_arguments, tool_arguments
     from .config.parse import parse_override
     from .rewards import RewardFunctionArguments
@@ -279,6 +293,7 @@ def _report_evaluation(config, metrics: dict[str, float]) -> None:
 
 
 def _eval_tasks(args: argparse.Namespace) -> int:
+    _import_training_stack()
     from .benchmark import check_installed, run_tasks
 
     check_installed()
@@ -302,6 +317,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    _import_training_stack()
     from .demo import run_demo
 
     run_demo(output_dir=args.output_dir, steps=args.steps)

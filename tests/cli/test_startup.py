@@ -126,3 +126,60 @@ def test_importing_peft_after_alignkit_does_not_import_torchs_compiler():
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report == {"inductor": False, "resources": True, "deferred": "_dequantize_4bit_compute"}
+
+
+PAUSED_SCRIPT = """
+import gc, json, sys, weakref
+from alignkit.cli import main
+
+class Node:
+    pass
+
+node = Node()
+node.cycle = node
+before = weakref.ref(node)  # garbage from before the imports: to be collected, not frozen
+del node
+generations = []
+gc.callbacks.append(lambda phase, info: generations.append([info["generation"], "torch" in sys.modules])
+                   if phase == "start" else None)
+code = main(["train", "c.yaml", "fp16=true", "bf16=true"])  # an error of the full parse: after the imports
+frozen = gc.get_freeze_count()
+print(json.dumps({"code": code, "torch": "torch" in sys.modules, "generations": generations, "frozen": frozen,
+                  "enabled": gc.isenabled(), "before_collected": before() is None}))
+"""
+
+
+def test_train_imports_the_stack_with_the_collector_paused_then_freezes_it(tmp_path):
+    """A fresh `alignkit train` imports torch, transformers, peft and the stages with the cyclic collector paused
+    (`alignkit.env.start_up_imports`): one collection of what was garbage before, then none during the import
+    (hundreds without the pause: 0 here is a collection after torch was imported), and the import's objects frozen
+    out of later collections, the collector back on.
+    Reached through a config error the full parse finds (fp16 and bf16 both set), so no model loads."""
+    (tmp_path / "c.yaml").write_text("stage: sft\ndataset: rows.jsonl\n", encoding="utf-8")
+    (tmp_path / "rows.jsonl").write_text('{"instruction": "hi", "output": "hello"}\n', encoding="utf-8")
+    run = subprocess.run([sys.executable, "-c", PAUSED_SCRIPT], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["code"] == 2 and "fp16 and bf16 are both true" in run.stderr
+    assert report["torch"] and report["enabled"] and report["before_collected"]
+    without_torch = [generation for generation, torch in report["generations"] if not torch]
+    with_torch = [generation for generation, torch in report["generations"] if torch]
+    assert without_torch[-1] == 2  # the full collection just before the imports
+    assert len(with_torch) < 20, with_torch[:40]
+    assert report["frozen"] > 100_000  # the training stack's objects
+
+
+def test_start_up_imports_changes_nothing_where_torch_is_imported_already():
+    """In a process that has torch (a notebook, this test process), the block runs as it is: the collector stays
+    on and nothing more is frozen."""
+    import gc
+
+    import torch  # noqa: F401
+
+    from alignkit.env import start_up_imports
+
+    frozen = gc.get_freeze_count()
+    with start_up_imports():
+        assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import weakref
 
@@ -50,6 +51,16 @@ def pytest_sessionstart(session):
     reporter.write_line(f"cpu: {_cpu_description()}; torch {torch.__version__}, ATen capability "
                         f"{torch.backends.cpu.get_cpu_capability()}"
                         + (f", MKL_ENABLE_INSTRUCTIONS={mkl}" if mkl else ""))
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection imported (torch, transformers, peft, alignkit, every test module) out of the cyclic
+    collector's way, as `alignkit.env.start_up_imports` does for a command. The tests then build and drop models
+    and trainers in this process, and each full collection walked those libraries' objects too: on
+    `tests/stages tests/parity` the two workers spent 31 and 29 s in full collections, 6.3 and 7.5 s with this
+    (docs/testing.md)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,12 @@ for _name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
 # of transformers can emit it.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"))
+# Offline (HF_HUB_OFFLINE=1), `kernels` 0.19 warns first, for that same fetch, that it skips the repository's
+# publisher check; the fetch then fails as above. Only that repository's line is dropped: a kernel the user asks
+# for still gets the warning.
+_logging.getLogger("kernels._internals.hf_hub").addFilter(
+    lambda record: not record.getMessage().startswith(
+        "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'"))
 
 # peft imports bitsandbytes (when installed) in every process, and bitsandbytes' import set up torch's compiler for
 # four kernels a run rarely calls: 1.3-2 s of each start-up. That set-up now waits for a kernel's first call.

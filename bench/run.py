@@ -246,7 +246,10 @@ def summarise_stage(runs: list[dict[str, Any]], n_params: int, peak_gflops: floa
             r["flops_per_token"] = flops
             peak = peaks.get(r.get("precision") or "fp32") or float("nan")
             r["mfu_probe_gflops"] = peak
-            r["mfu"] = flops * r["tokens_per_s"] / (peak * 1e9) if r.get("tokens_per_s") else None
+            # On the tokens the model ran: a shared prefix runs once (alignkit's rm/dpo/kto), so its repeats are
+            # throughput (tokens_per_s) but not FLOPs.
+            per_s = r.get("computed_tokens_per_s") or r.get("tokens_per_s")
+            r["mfu"] = flops * per_s / (peak * 1e9) if per_s else None
         summary[variant] = {fig: spread([r.get(fig) for r in ok]) for fig in FIGURES}
         summary[variant]["first_loss"] = spread([r.get("first_loss") for r in ok])
         summary[variant]["setup_s"] = spread([r.get("setup_s") for r in ok])

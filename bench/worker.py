@@ -87,6 +87,8 @@ class StepRecorder:
         self.train_begin = 0.0
         self.step_ends: list[float] = []
         self.batch_tokens: list[int | None] = []  # None for a batch of raw rows (GRPO prompts)
+        # The tokens the model ran per batch where fewer than `batch_tokens` (alignkit's shared prefixes), else equal.
+        self.computed_tokens: list[int | None] = []
         self.threads_at_begin = 0
         # What the run computed in: Trainer's bf16 (autocast) and the frozen weights' dtypes, at train begin.
         self.precision: dict[str, Any] = {}
@@ -120,6 +122,29 @@ def count_real_tokens(batch: dict[str, Any]) -> int:
     return int(sum(int(t.numel()) for t in ids))
 
 
+def count_computed_tokens(batch: dict[str, Any]) -> int:
+    """The tokens alignkit's padding-free forward runs for a batch: each forward's (`input_ids`, `kl_input_ids`) real
+    tokens less the prefixes its sequences share with earlier ones (`alignkit.model.padding_free.shared_prefixes`,
+    which such a forward runs once). For a preference batch the pairs' prompts count once."""
+    from alignkit.model.padding_free import shared_prefixes
+
+    total = 0
+    for key in [k for k in batch if k.endswith("input_ids")]:
+        real = batch[key.replace("input_ids", "attention_mask")].bool()
+        lengths = real.sum(-1)
+        total += int(lengths.sum() - shared_prefixes(batch[key][real], lengths)[1].sum())
+    return total
+
+
+def shares_prefixes(args, model) -> bool:
+    """Whether a run's forwards share prefixes: alignkit's padding-free path under per-sequence attention, which
+    the rm, dpo and kto stages build their forwards with (SFT's loss reads the packed layout and shares none)."""
+    from alignkit.model.padding_free import uses_per_sequence_attention
+
+    return (type(args).__module__.startswith("alignkit.") and bool(getattr(args, "padding_free", False))
+            and model is not None and uses_per_sequence_attention(model))
+
+
 def run_precision(bf16_autocast: bool, frozen_dtypes: dict[str, int]) -> str:
     """"bf16" when the run autocasts to bf16 or most of its frozen weights (by element count) are bf16, else
     "fp32": the matmul probe its MFU is measured against.
@@ -142,10 +167,12 @@ def record_precision(recorder: StepRecorder, args, model) -> None:
                           "precision": run_precision(bf16, frozen)}
 
 
-def make_callback(recorder: StepRecorder, count_tokens: bool = True):
+def make_callback(recorder: StepRecorder, count_tokens: bool = True, stage_shares_prefixes: bool = False):
     """The TrainerCallback feeding `recorder` (built here so that `--matmul` never imports transformers).
 
-    `count_tokens=False` (online stages, whose batches are prompt rows) records None for every batch."""
+    `count_tokens=False` (online stages, whose batches are prompt rows) records None for every batch.
+    `stage_shares_prefixes`: the stage's forwards share prefixes where the run allows (`shares_prefixes`); the
+    tokens they run are then counted apart (`count_computed_tokens`), for MFU."""
     import torch
     from transformers import TrainerCallback
 
@@ -157,12 +184,14 @@ def make_callback(recorder: StepRecorder, count_tokens: bool = True):
                 raise RuntimeError("the Trainer did not pass train_dataloader to callbacks; cannot count tokens.")
             loader = getattr(train_dataloader, "base_dataloader", train_dataloader)  # accelerate's wrapper
             collate = loader.collate_fn
+            sharing = stage_shares_prefixes and shares_prefixes(args, model)
 
             def counting_collate(examples):
                 batch = collate(examples)
                 # A Mapping, not only a dict: LLaMA-Factory's collators return transformers' BatchEncoding.
-                recorder.batch_tokens.append(count_real_tokens(batch) if count_tokens and isinstance(batch, Mapping)
-                                             else None)
+                tokens = count_real_tokens(batch) if count_tokens and isinstance(batch, Mapping) else None
+                recorder.batch_tokens.append(tokens)
+                recorder.computed_tokens.append(count_computed_tokens(batch) if sharing and tokens else tokens)
                 return batch
 
             loader.collate_fn = counting_collate
@@ -191,6 +220,10 @@ def summarise(recorder: StepRecorder, log_history: list[dict[str, Any]], warmup:
     time_measured = sum(durations[i] for i in measured)
     counted = all(tokens[i] is not None for i in measured)
     tokens_measured = sum(tokens[i] for i in measured) if counted else None
+    computed = recorder.computed_tokens[:steps]
+    computed_measured = (sum(computed[i] for i in measured)
+                         if counted and len(computed) == steps and all(computed[i] is not None for i in measured)
+                         else tokens_measured)
     losses = [h["loss"] for h in log_history if "loss" in h]
     out = {
         "steps": steps,
@@ -199,6 +232,8 @@ def summarise(recorder: StepRecorder, log_history: list[dict[str, Any]], warmup:
         "tokens_per_step": tokens,
         "step_time_s": time_measured / len(measured) if measured else None,
         "tokens_per_s": tokens_measured / time_measured if counted and time_measured > 0 else None,
+        # The tokens the model ran per second (fewer than tokens_per_s where prefixes are shared): MFU's basis.
+        "computed_tokens_per_s": computed_measured / time_measured if counted and time_measured > 0 else None,
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
     }
@@ -694,7 +729,8 @@ def main(argv: list[str] | None = None) -> int:
                     opts.model_dir = tool_model_dir(opts.model_dir, Path(tmp) / "tool_model")
                 recorder = StepRecorder()
                 callback = (make_ppo_callback(recorder) if opts.stage == "ppo"
-                            else make_callback(recorder, count_tokens=opts.stage not in ONLINE_STAGES))
+                            else make_callback(recorder, count_tokens=opts.stage not in ONLINE_STAGES,
+                                               stage_shares_prefixes=opts.stage in ("rm", "dpo", "kto")))
                 runner = {"alignkit": run_alignkit, "trl": run_trl, "llamafactory": run_llamafactory}[opts.tool]
                 history, settings = runner(opts, callback)
                 if opts.stage == "ppo":

@@ -23,10 +23,8 @@ from torch import nn
 
 from .padding_free import (
     FlatBatch,
-    attention_slot_cost,
-    flatten_padded,
+    flatten_for_model,
     packed_attention,
-    row_token_bound,
     unflatten_to_padded,
 )
 
@@ -109,7 +107,7 @@ def last_hidden_states(
             adapter applies).
         input_ids: [N, L], left- or right-padded.
         attention_mask: [N, L], 1 on real tokens.
-        padding_free: run the real tokens packed into rows (`flatten_padded`).
+        padding_free: run the real tokens packed into rows (`flatten_for_model`).
 
     Returns:
         `(hidden, flat)`: padded, `hidden` is [N, L, H] (padding positions hold whatever the model computed
@@ -120,8 +118,7 @@ def last_hidden_states(
     if not padding_free:
         out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.last_hidden_state, None
-    flat = flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(decoder),
-                          slot_cost=attention_slot_cost(decoder))
+    flat = flatten_for_model(decoder, input_ids, attention_mask)
     with packed_attention(decoder, flat):
         out = decoder(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False)
     return flat.from_rows(out.last_hidden_state).unsqueeze(0), flat

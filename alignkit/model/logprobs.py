@@ -37,11 +37,9 @@ from .distributed import is_zero3_partitioned
 from .lora_fused import frozen_cast, shadowed_forward
 from .padding_free import (
     FlatBatch,
-    attention_slot_cost,
-    flatten_padded,
+    flatten_for_model,
     next_token_targets,
     packed_attention,
-    row_token_bound,
     segment_sum,
 )
 
@@ -359,7 +357,9 @@ def _output_layer_on(model: torch.nn.Module, slots: torch.Tensor,
         hidden = args[0]
         if seen is not None:
             seen["hidden"] = hidden
-        return (hidden.reshape(-1, hidden.size(-1))[slots].unsqueeze(0), *args[1:])
+        # index_select: a shared prefix's last slot can be kept twice (for each sequence's next token), and its
+        # backward sums repeats in index order (`FlatBatch.from_rows`).
+        return (hidden.reshape(-1, hidden.size(-1)).index_select(0, slots).unsqueeze(0), *args[1:])
 
     handle = head.register_forward_pre_hook(select)
     try:
@@ -454,9 +454,8 @@ def labelled_forward(
     rows, length = input_ids.shape
     flat = None
     if padding_free:
-        flat = flatten_padded(input_ids, attention_mask, labels, max_row_tokens=row_token_bound(model),
-                              slot_cost=attention_slot_cost(model))
-        targets = next_token_targets(flat.from_rows(flat.labels), flat.sequence_index)
+        flat = flatten_for_model(model, input_ids, attention_mask)
+        targets = next_token_targets(labels[flat.real], flat.sequence_index)
         positions = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
         slots = flat.slots[positions]
         place = flat.real.reshape(-1).nonzero().squeeze(-1)[positions]

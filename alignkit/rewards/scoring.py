@@ -37,8 +37,7 @@ from ..config import ModelArguments
 from ..model.adapters import use_adapter
 from ..model.heads import find_score_head, gather_last_token_scores, last_hidden_states, last_token_index
 from ..model.loader import load_tokenizer
-from ..model.padding_free import (attention_slot_cost, flatten_padded, last_token_per_sequence, packed_attention,
-                                  row_token_bound)
+from ..model.padding_free import flatten_for_model, last_token_per_sequence, packed_attention
 from .reward_model import RewardAdapter, load_reward_model, reward_model_arguments
 
 Messages = list[dict[str, str]]
@@ -62,8 +61,7 @@ def sequence_rewards(
     """
     flat = None
     if padding_free:
-        flat = flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(model),
-                              slot_cost=attention_slot_cost(model))
+        flat = flatten_for_model(model, input_ids, attention_mask)
     captured: list[torch.Tensor] = []
     handle = find_score_head(model).register_forward_hook(lambda _module, _args, output: captured.append(output))
     try:

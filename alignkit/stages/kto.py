@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..constants import IGNORE_INDEX
@@ -317,17 +318,43 @@ class KTOTrainer(StageTrainer):
                                       inputs[f"{prefix}labels"], padding_free=self.args.padding_free and not pixels,
                                       model_inputs=pixels)
 
+    def _row_and_kl_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]
+                          ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """`_sequence_logps` of the rows and of their mismatched rows; one padding-free forward for both when it can.
+
+        A mismatched row starts with its own row's prompt, so in one forward the prompt runs once for both
+        (`alignkit.model.padding_free.flatten_for_model` shares prefixes): for passes without gradients (the
+        reference, evaluation), where no backward pays for the mismatched rows' tokens.
+        """
+        from ..data.multimodal import image_inputs
+
+        if not self.args.padding_free or image_inputs(inputs):
+            return self._sequence_logps(model, inputs), self._sequence_logps(model, inputs, "kl_")
+        width = max(inputs["input_ids"].size(1), inputs["kl_input_ids"].size(1))
+        both = {}
+        for name, fill in (("input_ids", 0), ("attention_mask", 0), ("labels", IGNORE_INDEX)):
+            # Widened on the right: each row's real tokens stay contiguous, which is all the padding-free layout needs.
+            both[name] = torch.cat([F.pad(inputs[f"{prefix}{name}"], (0, width - inputs[f"{prefix}{name}"].size(1)),
+                                          value=fill) for prefix in ("", "kl_")])
+        logps, lengths = forward_sequence_logps(model, both["input_ids"], both["attention_mask"], both["labels"],
+                                                padding_free=True)
+        rows = inputs["input_ids"].size(0)
+        return (logps[:rows], lengths[:rows]), (logps[rows:], lengths[rows:])
+
     def reference_logps(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Summed reference log-probs of the batch's rows [B] and, with the KL term, of its mismatched rows [B]."""
         with self.reference() as reference:
-            ref_logps, _ = self._sequence_logps(reference, inputs)
             if not self.uses_kl:
-                return (ref_logps,)
-            ref_kl_logps, _ = self._sequence_logps(reference, inputs, "kl_")
+                return (self._sequence_logps(reference, inputs)[0],)
+            (ref_logps, _), (ref_kl_logps, _) = self._row_and_kl_logps(reference, inputs)
         return ref_logps, ref_kl_logps
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        logps, lengths = self._sequence_logps(model, inputs)
+        kl_logps = None
+        if self.uses_kl and not torch.is_grad_enabled() and "kl_input_ids" in inputs:  # evaluation: one forward
+            (logps, lengths), (kl_logps, _) = self._row_and_kl_logps(model, inputs)
+        else:
+            logps, lengths = self._sequence_logps(model, inputs)
         desirable = inputs["desirable"].bool()
         kl: torch.Tensor | float = 0.0
         if self.reference_columns[0] in inputs:  # precomputed (`precompute_ref_log_probs`)
@@ -336,8 +363,9 @@ class KTOTrainer(StageTrainer):
             ref_logps, *ref_kl = self.reference_logps(inputs)
         if self.uses_kl:
             (ref_kl_logps,) = ref_kl
-            with torch.no_grad():  # z0 is a detached reference point: no graph for the policy's KL pass
-                kl_logps, _ = self._sequence_logps(model, inputs, "kl_")
+            if kl_logps is None:
+                with torch.no_grad():  # z0 is a detached reference point: no graph for the policy's KL pass
+                    kl_logps, _ = self._sequence_logps(model, inputs, "kl_")
             # z0 of the whole batch (every process's real rows, as one process with the whole batch would form
             # it; TRL averages the processes' estimates, the same when their batches are equal).
             kl = kl_estimate(*self.gather_real_rows(kl_logps, ref_kl_logps))

@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:  # `bench/` is a folder of the checkout, not part 
 
 from bench import run as bench_run  # noqa: E402
 from bench import workloads  # noqa: E402
-from bench.worker import StepRecorder, count_real_tokens, summarise  # noqa: E402
+from bench.worker import StepRecorder, count_computed_tokens, count_real_tokens, summarise  # noqa: E402
 
 
 def test_count_real_tokens_sums_every_attention_mask():
@@ -40,6 +40,16 @@ def test_count_real_tokens_sums_every_attention_mask():
         count_real_tokens({"labels": torch.zeros(2)})
 
 
+def test_count_computed_tokens_counts_a_shared_prefix_once():
+    """A pair [7 8 9 4], [7 8 5] (right-padded) shares [7 8]: 7 real tokens, 5 run. The mismatched (`kl_`) rows
+    [7 1], [3 3] are a forward of their own: 4 real, 4 run (they share nothing). 9 in all."""
+    batch = {"input_ids": torch.tensor([[7, 8, 9, 4], [7, 8, 5, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+             "kl_input_ids": torch.tensor([[7, 1], [3, 3]]), "kl_attention_mask": torch.ones(2, 2, dtype=torch.long)}
+    assert count_real_tokens(batch) == 11
+    assert count_computed_tokens(batch) == 9
+
+
 def test_summarise_leaves_out_warmup_steps():
     """Begin at t=0, steps end at 10, 12, 15, 19: durations 10, 2, 3, 4. With warmup 2 the measured steps
     are the last two: (3 + 4) / 2 = 3.5 s per step; their tokens 30 + 40 = 70 over 7 s = 10 tokens/s."""
@@ -51,7 +61,10 @@ def test_summarise_leaves_out_warmup_steps():
     assert out["measured_steps"] == 2
     assert out["step_time_s"] == pytest.approx(3.5)
     assert out["tokens_per_s"] == pytest.approx(10.0)
+    assert out["computed_tokens_per_s"] == pytest.approx(10.0)  # nothing shared: the same tokens
     assert (out["first_loss"], out["final_loss"]) == (2.0, 1.5)
+    recorder.computed_tokens = [100, 20, 15, 20]  # half of the measured steps' tokens ran (shared prefixes)
+    assert summarise(recorder, history, warmup=2)["computed_tokens_per_s"] == pytest.approx(5.0)
 
 
 def test_flops_per_token_formula():
@@ -143,8 +156,13 @@ def test_bench_end_to_end_on_tiny_model(tmp_path):
             # Step 1 is warm-up: the figures are those of step 2 alone.
             assert run["step_time_s"] == pytest.approx(run["step_times_s"][1], abs=1e-4)
             assert run["tokens_per_s"] == pytest.approx(run["tokens_per_step"][1] / run["step_time_s"])
+            # MFU counts the tokens the model ran: alignkit's rm and dpo run each pair's shared prompt once.
+            if run["variant_key"] == "alignkit" and stage in ("rm", "dpo"):
+                assert run["computed_tokens_per_s"] < 0.9 * run["tokens_per_s"]
+            else:
+                assert run["computed_tokens_per_s"] == pytest.approx(run["tokens_per_s"])
             assert run["mfu"] == pytest.approx(
-                run["flops_per_token"] * run["tokens_per_s"] / (report["matmul"]["gflops"] * 1e9))
+                run["flops_per_token"] * run["computed_tokens_per_s"] / (report["matmul"]["gflops"] * 1e9))
             assert run["peak_rss_mb"] > 0 and math.isfinite(run["final_loss"])
         for variant in ("alignkit", "trl_default"):
             (run,) = [r for r in data["runs"] if r["variant_key"] == variant]

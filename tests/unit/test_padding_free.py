@@ -272,7 +272,7 @@ def _logps_and_gradients(model, batch: dict[str, torch.Tensor], padding_free: bo
     logps, mask = forward_token_logps(model, **batch, padding_free=padding_free)
     sums, counts = forward_sequence_logps(model, **batch, padding_free=padding_free)
     (sums * torch.linspace(0.5, 1.5, sums.numel())).sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return logps.detach(), mask, sums.detach(), counts, grads
 
 
@@ -625,3 +625,124 @@ def test_flatten_with_slot_cost_keeps_every_token_and_equal_logps(causal_lm):
     packed, packed_mask = forward_token_logps(causal_lm, **batch, padding_free=True)
     assert torch.equal(mask, packed_mask)
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared prefixes: a sequence's prefix shared with an earlier one runs once
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_shared_prefixes_hand_computed():
+    """Sequences [5 6 7], [5 6 8 9], [5 6 7 1], [4], [5 6 7]: 1 shares [5 6] with 0; 2 shares [5 6 7] with 0 (only
+    [5 6] with 1); 3 shares nothing; 4 equals 0 but keeps its last token, so shares [5 6] (the first such host, 0)."""
+    from alignkit.model.padding_free import shared_prefixes
+
+    sequences = [[5, 6, 7], [5, 6, 8, 9], [5, 6, 7, 1], [4], [5, 6, 7]]
+    flat_ids = torch.tensor([t for s in sequences for t in s])
+    host, shared = shared_prefixes(flat_ids, torch.tensor([len(s) for s in sequences]))
+    assert host.tolist() == [-1, 0, 0, -1, 0]
+    assert shared.tolist() == [0, 2, 3, 0, 2]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_flatten_with_shared_prefixes_hand_computed(side):
+    """Rows [10 11 12], [10 11 13 14], [10 11 13 15], [20]: row 1 shares [10 11] with row 0, row 2 shares
+    [10 11 13] with row 1, whose own 13 sits at slot 3 (a chain: 10 and 11 resolve to row 0's slots).
+
+    The one row holds each sequence's own tokens in order: 10 11 12 | 13 14 | 15 | 20, positions 0 1 2 | 2 3 | 3 | 0.
+    Slots in flat order: row 0: 0 1 2; row 1: 0 1 3 4; row 2: 0 1 3 5; row 3: 6. from_rows undoes the layout."""
+    sequences = [[10, 11, 12], [10, 11, 13, 14], [10, 11, 13, 15], [20]]
+    input_ids = torch.full((4, 4), PAD)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, tokens in enumerate(sequences):
+        columns = slice(0, len(tokens)) if side == "right" else slice(4 - len(tokens), 4)
+        input_ids[row, columns] = torch.tensor(tokens)
+        attention_mask[row, columns] = 1
+    labels = input_ids.masked_fill(attention_mask == 0, X)
+    flat = flatten_padded(input_ids, attention_mask, labels, max_row_tokens=None, share_prefixes=True)
+    assert flat.input_ids.tolist() == [[10, 11, 12, 13, 14, 15, 20]]
+    assert flat.position_ids.tolist() == [[0, 1, 2, 2, 3, 3, 0]]
+    assert flat.labels.tolist() == [[10, 11, 12, 13, 14, 15, 20]]
+    assert flat.slots.tolist() == [0, 1, 2, 0, 1, 3, 4, 0, 1, 3, 5, 6]
+    assert flat.shared.tolist() == [0, 2, 3, 0]
+    assert flat.from_rows(flat.input_ids).tolist() == input_ids[attention_mask.bool()].tolist()
+    with pytest.raises(ValueError, match="shared prefixes"):
+        flat.to_rows(flat.sequence_index)
+    # Rows bounded by width (eager attention, checkpointing), or nothing shared: the plain layout.
+    assert flatten_padded(input_ids, attention_mask, share_prefixes=True).shared is None
+    assert flatten_padded(input_ids[[0, 3]], attention_mask[[0, 3]], max_row_tokens=None,
+                          share_prefixes=True).shared is None
+
+
+def shared_prefix_batch(side: str) -> dict[str, torch.Tensor]:
+    """A preference-like batch: rows 0-2 chosen, 3-5 rejected; rows 3 and 4 repeat their chosen row's first tokens
+    (the prompt, and for row 4 one reply token more); row 2 starts like row 0 (as a template's system prompt
+    does) and row 5 repeats row 2's first 3 tokens, 2 of them row 0's (a chain). Labels start after each prompt."""
+    batch = padded_batch(side, seed=5, lengths=(9, 12, 6, 7, 10, 8), prompts=(4, 5, 2, 4, 6, 2))
+    real = batch["attention_mask"].bool()
+    rows = [batch["input_ids"][r][real[r]] for r in range(6)]
+    rows[3][:4] = rows[0][:4]
+    rows[4][:6] = rows[1][:6]
+    rows[2][:2] = rows[0][:2]
+    rows[5][:3] = rows[2][:3]
+    for r in range(6):
+        batch["input_ids"][r][real[r]] = rows[r]
+        labels = batch["labels"][r][real[r]]
+        batch["labels"][r][real[r]] = torch.where(labels == X, X, rows[r])
+    return batch
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("finetuning", ["lora", "full"])
+def test_shared_prefix_logps_and_gradients_equal_the_padded_forward(causal_lm, side, finetuning):
+    """Per-token and summed log-probs and their gradients with shared prefixes equal the padded forward's, and
+    the decoder runs fewer tokens than the batch holds."""
+    from alignkit.model.padding_free import flatten_for_model
+
+    model = _lora(causal_lm) if finetuning == "lora" else copy.deepcopy(causal_lm)
+    batch = shared_prefix_batch(side)
+    flat = flatten_for_model(model, batch["input_ids"], batch["attention_mask"])
+    assert flat.shared is not None and flat.shared.tolist() == [0, 0, 2, 4, 6, 3]
+    assert flat.input_ids.size(1) == int(batch["attention_mask"].sum()) - 15
+    padded, packed = _logps_and_gradients(model, batch, False), _logps_and_gradients(model, batch, True)
+    torch.testing.assert_close(packed[0], padded[0], atol=1e-5, rtol=0)
+    assert torch.equal(packed[1], padded[1])
+    torch.testing.assert_close(packed[2], padded[2], atol=1e-5, rtol=0)
+    assert torch.equal(packed[3], padded[3])
+    for name, grad in padded[4].items():
+        torch.testing.assert_close(packed[4][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    # Deterministic: the repeated slots' gradients are summed in one order.
+    again = _logps_and_gradients(model, batch, True)
+    assert all(torch.equal(again[4][name], grad) for name, grad in packed[4].items())
+
+
+def test_shared_prefix_rewards_and_gradients_equal_the_padded_forward(tiny_model_dir):
+    """A reward model's pairs (chosen rows first) score the same with their prompts run once."""
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    model.config.pad_token_id = PAD
+    batch = shared_prefix_batch("right")
+    results = []
+    for padding_free in (False, True):
+        model.zero_grad()
+        rewards = sequence_rewards(model, batch["input_ids"], batch["attention_mask"], padding_free=padding_free)
+        (rewards * torch.linspace(0.5, 1.5, 6)).sum().backward()
+        results.append((rewards.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (padded, padded_grads), (packed, packed_grads) = results
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    assert padded.std() > 1e-3
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_shared_prefix_layout_refused_without_per_sequence_attention(tiny_model_dir):
+    """Eager attention would attend the shared row through a block-diagonal mask: refused, not silently wrong."""
+    from alignkit.model.padding_free import flatten_for_model, packed_attention
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+    batch = shared_prefix_batch("right")
+    assert flatten_for_model(model, batch["input_ids"], batch["attention_mask"]).shared is None
+    flat = flatten_padded(batch["input_ids"], batch["attention_mask"], max_row_tokens=None, share_prefixes=True)
+    with pytest.raises(RuntimeError, match="per-sequence attention"):
+        with packed_attention(model, flat):
+            pass

@@ -431,8 +431,8 @@ def render_markdown(report: dict[str, Any]) -> str:
            if report["matmul"].get("bf16") else "") + ".  ",
         f"MFU = FLOPs per real token x real tokens/s the model ran / matmul GFLOP/s of the run's precision (bf16 "
         f"when it autocasts to bf16 or its frozen weights are bf16, else fp32), with {report['formula']}. "
-        "alignkit's rm, dpo and kto run a prefix shared with an earlier sequence of the batch once: its repeats count "
-        "in real tokens/s, not in MFU.",
+        "alignkit's sft, rm, dpo and kto run a prefix shared with an earlier sequence of the batch once: its repeats "
+        "count in real tokens/s, not in MFU.",
         "",
         "Figures are medians over the repetitions, (min–max) when they differ. Step time excludes setup "
         "(model load, tokenisation, and TRL's reference precomputation, shown as setup).",

@@ -125,7 +125,8 @@ def count_real_tokens(batch: dict[str, Any]) -> int:
 def count_computed_tokens(batch: dict[str, Any]) -> int:
     """The tokens alignkit's padding-free forward runs for a batch: each forward's (`input_ids`, `kl_input_ids`) real
     tokens less the prefixes its sequences share with earlier ones (`alignkit.model.padding_free.shared_prefixes`,
-    which such a forward runs once). For a preference batch the pairs' prompts count once."""
+    which such a forward runs once). For a preference batch the pairs' prompts count once, for a chat batch the
+    system prompt."""
     from alignkit.model.padding_free import shared_prefixes
 
     total = 0
@@ -138,7 +139,7 @@ def count_computed_tokens(batch: dict[str, Any]) -> int:
 
 def shares_prefixes(args, model) -> bool:
     """Whether a run's forwards share prefixes: alignkit's padding-free path under per-sequence attention, which
-    the rm, dpo and kto stages build their forwards with (SFT's loss reads the packed layout and shares none)."""
+    the sft (training steps), rm, dpo and kto stages build their forwards with."""
     from alignkit.model.padding_free import uses_per_sequence_attention
 
     return (type(args).__module__.startswith("alignkit.") and bool(getattr(args, "padding_free", False))
@@ -730,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
                 recorder = StepRecorder()
                 callback = (make_ppo_callback(recorder) if opts.stage == "ppo"
                             else make_callback(recorder, count_tokens=opts.stage not in ONLINE_STAGES,
-                                               stage_shares_prefixes=opts.stage in ("rm", "dpo", "kto")))
+                                               stage_shares_prefixes=opts.stage in ("sft", "rm", "dpo", "kto")))
                 runner = {"alignkit": run_alignkit, "trl": run_trl, "llamafactory": run_llamafactory}[opts.tool]
                 history, settings = runner(opts, callback)
                 if opts.stage == "ppo":

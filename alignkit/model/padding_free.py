@@ -251,15 +251,19 @@ def shared_prefixes(flat_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torc
     rows = torch.repeat_interleave(torch.arange(count, device=flat_ids.device), lengths)
     # Left-aligned tokens, padding -1 (never a token id): prefixes compare column by column.
     aligned = flat_ids.new_full((count, longest), -1).index_put((rows, columns), flat_ids)
-    host = torch.full((count,), -1, dtype=torch.long, device=flat_ids.device)
-    shared = torch.zeros(count, dtype=torch.long, device=flat_ids.device)
-    for j in range(1, count):
-        differs = (aligned[:j] != aligned[j]) | (aligned[:j] < 0)  # [j, longest]
-        common = torch.where(differs.any(1), differs.int().argmax(1), longest)
-        best = int(common.argmax())  # the first of the longest
-        take = min(int(common[best]), int(lengths[j]) - 1)
-        if take > 0:
-            host[j], shared[j] = best, take
+    common = torch.empty(count, count, dtype=torch.long, device=flat_ids.device)
+    step = max(1, (1 << 24) // max(count * longest, 1))  # rows of the [step, N, longest] comparison per chunk
+    for first in range(0, count, step):
+        # differs[j, i, c]: sequence j's column c is not sequence i's real token there.
+        differs = (aligned[first:first + step, None, :] != aligned[None, :, :]) | (aligned[None, :, :] < 0)
+        # The common prefix is the first differing column (all `longest` when none differs).
+        common[first:first + step] = torch.where(differs.any(-1), differs.to(torch.uint8).argmax(-1), longest)
+    later = torch.ones(count, count, dtype=torch.bool, device=flat_ids.device).triu()
+    # Only an earlier sequence can be a host, and a sequence keeps its last token.
+    common = torch.minimum(common, (lengths - 1)[:, None]).masked_fill(later, -1)
+    best, host = common.max(1) if count else (common.new_zeros(0), common.new_zeros(0))  # max: the first of ties
+    shared = best.clamp(min=0)
+    host = torch.where(shared > 0, host, -1)
     return host, shared
 
 

@@ -746,3 +746,23 @@ def test_shared_prefix_layout_refused_without_per_sequence_attention(tiny_model_
     with pytest.raises(RuntimeError, match="per-sequence attention"):
         with packed_attention(model, flat):
             pass
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=12))
+def test_shared_prefixes_match_a_brute_force_search(sequences):
+    """Property: each sequence's host is the first earlier sequence with the longest common prefix, and it shares
+    that prefix up to its own length less one (few token values, so prefixes often coincide)."""
+    from alignkit.model.padding_free import shared_prefixes
+
+    flat_ids = torch.tensor([t for s in sequences for t in s])
+    host, shared = shared_prefixes(flat_ids, torch.tensor([len(s) for s in sequences]))
+    for j, sequence in enumerate(sequences):
+        best, take = -1, 0
+        for i in range(j):
+            common = 0
+            while common < min(len(sequence), len(sequences[i])) and sequence[common] == sequences[i][common]:
+                common += 1
+            if min(common, len(sequence) - 1) > take:
+                best, take = i, min(common, len(sequence) - 1)
+        assert (host[j].item(), shared[j].item()) == (best, take), j

@@ -64,7 +64,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -449,10 +449,21 @@ def unflatten_to_padded(values: torch.Tensor, real: torch.Tensor, fill: float = 
 # ---------------------------------------------------------------------------------------------------
 
 PER_SEQUENCE_ATTENTION = "alignkit_per_sequence_sdpa"
+
+
+class _SharedContexts(NamedTuple):
+    """A row with shared prefixes, as its attention reads it: each sequence's whole context is gathered by `slots`
+    (flat order), `lengths` long each, and its first `shared` outputs are its host's."""
+
+    slots: torch.Tensor
+    lengths: list[int]
+    shared: list[int]
+
+
 # (start, end) of each sequence in the single packed row, for the attention calls of one forward; or, for a row with
-# shared prefixes, the `FlatBatch` itself (each sequence then attends over its whole prefix, gathered by its slots).
-_SEQUENCE_BOUNDS: contextvars.ContextVar[Optional[Union[list[tuple[int, int]], FlatBatch]]] = contextvars.ContextVar(
-    "alignkit_sequence_bounds", default=None)
+# shared prefixes, its `_SharedContexts`. Set once per forward by `packed_attention`, read by every layer.
+_SEQUENCE_BOUNDS: contextvars.ContextVar[Optional[Union[list[tuple[int, int]], _SharedContexts]]] = (
+    contextvars.ContextVar("alignkit_sequence_bounds", default=None))
 
 
 # Under a CPU bf16 autocast, sequences shorter than this attend in fp32: torch's CPU flash-attention kernel runs a
@@ -489,13 +500,12 @@ def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float 
                            "model was called outside it (gradient checkpointing recomputes outside it: set "
                            "padding_free: false, or turn gradient checkpointing off).")
     own = None
-    if isinstance(bounds, FlatBatch):
+    if isinstance(bounds, _SharedContexts):
         # Shared prefixes: gather every sequence's whole context (its prefix's slots, then its own) in flat order;
         # each sequence attends causally over it and keeps the outputs of its own tokens, which tile the row in
         # sequence order. One gather per tensor, so its backward is one index_add in index order (deterministic).
         query, key, value = (t.index_select(2, bounds.slots) for t in (query, key, value))
-        lengths = bounds.lengths.tolist()
-        own = bounds.shared.tolist()
+        lengths, own = bounds.lengths, bounds.shared
     else:
         lengths = [b - a for a, b in bounds]  # the sequences tile the row: split, whose backward is one cat
     cpu_autocast = query.device.type == "cpu" and torch.is_autocast_enabled("cpu")
@@ -567,7 +577,7 @@ def packed_attention(model: torch.nn.Module, flat: "FlatBatch") -> Iterator[None
     if PER_SEQUENCE_ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(PER_SEQUENCE_ATTENTION, per_sequence_sdpa)
     if flat.shared is not None:
-        token = _SEQUENCE_BOUNDS.set(flat)
+        token = _SEQUENCE_BOUNDS.set(_SharedContexts(flat.slots, flat.lengths.tolist(), flat.shared.tolist()))
     else:
         # Sequences sit in the row in packing order, not flat order: read where each starts from the position resets.
         starts = (flat.position_ids[0] == 0).nonzero().squeeze(-1).tolist() + [flat.position_ids.size(1)]
@@ -603,12 +613,7 @@ def row_token_bound(model: torch.nn.Module) -> Optional[int]:
     return 0
 
 
-def flatten_for_model(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    labels: Optional[torch.Tensor] = None,
-) -> FlatBatch:
+def flatten_for_model(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> FlatBatch:
     """`flatten_padded` with the layout `model` runs fastest: one row under per-sequence or flash attention, rows
     bounded by cost otherwise; under per-sequence attention each prefix shared with an earlier sequence of the batch
     runs once (`shared_prefixes`). The caller must read results in flat order (`FlatBatch.from_rows`) and run the
@@ -619,7 +624,7 @@ def flatten_for_model(
     per reply in the demo data). The 60 held-out demo pairs, batches of 8, hold 6193 real tokens; 2191 of them run
     (35%; the 300 training pairs 37%). docs/performance.md, "Shared prefixes", has the times.
     """
-    return flatten_padded(input_ids, attention_mask, labels, max_row_tokens=row_token_bound(model),
+    return flatten_padded(input_ids, attention_mask, max_row_tokens=row_token_bound(model),
                           slot_cost=attention_slot_cost(model), share_prefixes=uses_per_sequence_attention(model))
 
 

@@ -422,12 +422,12 @@ def labelled_forward(
 
     Every stage that needs `log p(token | prefix)` of given tokens goes through here: DPO, KTO and SFT's sequence
     log-probs, PPO's policy and reference log-probs (with the hidden states its value head reads), `alignkit eval`'s
-    KL logits, and GRPO's rollout scoring where it does not share prompts (`alignkit.rl.rollout.completion_logps`,
-    whose shared-prompt layouts are strategies on top). The model runs as a whole (`call`, e.g. a DeepSpeed engine
-    around `model`, or `model` itself), so PEFT, DDP and ZeRO-3 hooks run as in a training step. A pre-hook on the
-    output layer passes it only the kept positions (`_output_layer_on`), so no `[N, L, V]` logits exist; where the
-    head is a plain linear layer of a family that does nothing after it (`_fusable_head`) the log-probs come from
-    its weight chunk by chunk (`head_log_softmax`) and no `[K, V]` logits exist either.
+    KL logits, and the rollouts' scoring (`alignkit.rl.rollout.completion_logps`, whose KV-cache prompt pass for
+    attention that is not per-sequence is the one strategy beside it). The model runs as a whole (`call`, e.g. a
+    DeepSpeed engine around `model`, or `model` itself), so PEFT, DDP and ZeRO-3 hooks run as in a training step. A
+    pre-hook on the output layer passes it only the kept positions (`_output_layer_on`), so no `[N, L, V]` logits
+    exist; where the head is a plain linear layer of a family that does nothing after it (`_fusable_head`) the
+    log-probs come from its weight chunk by chunk (`head_log_softmax`) and no `[K, V]` logits exist either.
 
     Layouts: padded (the batch as given) or padding-free (`padding_free=True`: the real tokens packed into rows no
     wider than the longest sequence, `alignkit.model.padding_free`). Both score the same positions.

@@ -29,15 +29,7 @@ from ..data.multimodal import flat_image_inputs
 from ..errors import RewardFunctionError
 from ..model.generation import Generation, generate_with_decode, pad_prompts
 from ..model.logprobs import elementwise_rows, labelled_forward, selective_log_softmax
-from ..model.padding_free import attention_takes_any_mask, model_config
-
-# Rows of logits per entropy chunk: bounds the softmax temporary to about this many elements.
-# Longest padding-free row `completion_logps` builds (`_packed_prompt_logits`). Its attention runs densely over a
-# [T, T] mask (T^2 floats: 4 MB at 1024), about T x 4 x hidden FLOPs per token against ~2 x (layer weights) for the
-# linear layers, so a long enough row costs more than the padded forward with a shared prompt pass. On the bundled
-# model the packed row won at every length under this cap and stopped winning with gradients at about 1500 tokens
-# (docs/performance.md, "Rollout log-probs: the packed row's cap").
-_PACKED_ROW_TOKENS = 1024
+from ..model.padding_free import activation_checkpointing, model_config, uses_per_sequence_attention
 
 
 def rollout_seed(seed: int, round_index: int) -> int:
@@ -248,12 +240,14 @@ def completion_logps(
     completion token j. Dividing by the sampling temperature scores the tokens under the distribution
     they were sampled from, as TRL does.
 
-    Rows that share a prompt (a GRPO group) share its forward pass (`share_prompts`): in one padding-free row
-    (`_packed_prompt_logits`, which also skips the padding after short completions; a batch whose row would pass
-    `_PACKED_ROW_TOKENS` is halved until each half's row fits) or, for a single row too long for it and attention
-    implementations that take no custom mask, a prompt pass whose KV cache the group shares
-    (`_shared_prompt_logits`). The same numbers as the one padded pass up to float rounding, with and without
-    gradients, at masked positions excepted (left at 0 by the padding-free row; callers mask them).
+    Rows that share a prompt (a GRPO group) share its forward pass (`share_prompts`). Under per-sequence attention
+    (sdpa, no gradient checkpointing: `alignkit.model.padding_free.uses_per_sequence_attention`) the batch runs
+    padding-free (`completion_token_logits`): each sequence's real tokens once, a prompt (or any longer prefix)
+    already run for an earlier row of the batch not again (`flatten_for_model`'s shared prefixes), the padding after
+    short completions not at all, and only the completion's positions reach the output layer. Other attention
+    implementations (eager, flash attention) run each distinct prompt once with its KV cache shared by its group
+    (`_shared_prompt_logits`). Both give the one padded pass's numbers up to float rounding, with and without
+    gradients, at masked positions excepted (left at 0; callers mask them).
 
     Args:
         model: a causal LM accepting `logits_to_keep` and `cache` (a `PeftModel` forwards them).
@@ -277,39 +271,19 @@ def completion_logps(
     step = batch_size or prompt_ids.size(0)
     # Checkpointed layers drop the cache while gradients are on (transformers turns `use_cache` off there).
     share_prompts = share_prompts and image_inputs is None and not (
-        torch.is_grad_enabled() and model.training and getattr(model, "is_activation_checkpointing", False))
+        torch.is_grad_enabled() and model.training and activation_checkpointing(model))
     all_logps, all_entropy = [], []
-    pending = [slice(start, min(start + step, prompt_ids.size(0))) for start in range(0, prompt_ids.size(0), step)]
-    while pending:
-        rows = pending.pop(0)
-        if (share_prompts and rows.stop - rows.start > 1 and _packable(model)
-                and _packed_row_tokens(prompt_ids[rows], prompt_mask[rows], completion_mask[rows]) > _PACKED_ROW_TOKENS):
-            # Too long for one padding-free row: two halves, each packed if it fits (halved again if not), rather
-            # than the padded layout, whose `[N, C, V]` logits grow with the longest completion, not the real
-            # tokens (a GRPO step of 8 completions of at most 512 tokens peaked at 8.9 GB that way).
-            middle = (rows.start + rows.stop) // 2
-            pending[:0] = [slice(rows.start, middle), slice(middle, rows.stop)]
-            continue
-        packed = _packed_prompt_logits(model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows],
-                                       completion_mask[rows]) if share_prompts else None
-        if packed is not None:
-            logits, index, place = packed
-            if temperature != 1.0:
-                logits = logits / temperature
-            count = completion_ids[rows].size(0)
-            logps = torch.zeros(count, length, dtype=torch.float32, device=logits.device)
-            all_logps.append(logps.index_put((place[0], place[1]), selective_log_softmax(logits, index)))
-            if with_entropy:
-                entropy = torch.zeros(count, length, dtype=torch.float32, device=logits.device)
-                all_entropy.append(entropy.index_put((place[0], place[1]), token_entropy(logits)))
-            continue
+    padding_free = share_prompts and uses_per_sequence_attention(model)
+    for start in range(0, prompt_ids.size(0), step):
+        rows = slice(start, min(start + step, prompt_ids.size(0)))
         shared = _shared_prompt_logits(model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows],
-                                       completion_mask[rows]) if share_prompts else None
+                                       completion_mask[rows]) if share_prompts and not padding_free else None
         if shared is None:
-            # The padded per-token forward on [prompt; completion], scoring the completion's real tokens only.
+            # The per-token forward on [prompt; completion], padding-free with shared prefixes or padded, scoring the
+            # completion's real tokens only.
             logits, place = completion_token_logits(
                 model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows],
-                padding_free=False,
+                padding_free=padding_free,
                 model_inputs=flat_image_inputs(image_inputs, rows) if image_inputs is not None else None)
             if temperature != 1.0:
                 logits = logits / temperature
@@ -348,8 +322,9 @@ def completion_token_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.
 
     The per-token forward (`model.logprobs.labelled_forward`) on `[prompt; completion]`, padding-free by default:
     only real tokens reach the model (each sequence attended on its own, so a row's numbers do not depend on the
-    batch it shares) and only the completion's positions the output layer. `completion_logps` runs it padded, with
-    a vision-language model's pixel inputs as `model_inputs`, where it cannot share the prompts.
+    batch it shares) and only the completion's positions the output layer. `completion_logps` scores rollouts through
+    it, padding-free with shared prompts under per-sequence attention, padded with a vision-language model's pixel
+    inputs as `model_inputs` or without `share_prompts`.
     """
     scored = labelled_forward(
         model, torch.cat([prompt_ids, completion_ids], dim=1), torch.cat([prompt_mask, completion_mask], dim=1),
@@ -360,78 +335,6 @@ def completion_token_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.
     # Column P - 1 + j of the [N, P + C] layout predicts completion token j.
     rows = torch.div(scored.place, width, rounding_mode="floor")
     return scored.values, (rows, scored.place - rows * width - (prompt_ids.size(1) - 1))
-
-
-def _packable(model) -> bool:
-    """Whether the model's attention takes the `[1, 1, T, T]` mask of `_packed_prompt_logits`' row."""
-    return attention_takes_any_mask(model)
-
-
-def _fed_tokens(completion_mask: torch.Tensor) -> torch.Tensor:
-    """`[N, C]` bool: the completion tokens the padding-free row feeds (each completion's real tokens but its last)."""
-    lengths = completion_mask.sum(1)  # [N] real completion tokens (1 up to and including the stop token)
-    return torch.arange(completion_mask.size(1), device=completion_mask.device) < (lengths - 1).clamp(min=0)[:, None]
-
-
-def _packed_row_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> int:
-    """The length of `_packed_prompt_logits`' row: each distinct prompt's real tokens once, then the fed tokens."""
-    distinct = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0)
-    return int(distinct[:, prompt_ids.size(1):].sum() + _fed_tokens(completion_mask).sum())
-
-
-def _packed_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                          completion_mask: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, tuple]]:
-    """The logits `completion_logps` needs from one padding-free row: each distinct prompt once, each completion's
-    real tokens once; None where the model's attention cannot take the mask this needs (not sdpa or eager) or the
-    row would be longer than `_PACKED_ROW_TOKENS` (then `_shared_prompt_logits` runs).
-
-    The row holds every distinct prompt's real tokens, then every completion's tokens but its last (whose logits
-    would predict past it), each completion token attending to its own prompt and to its own earlier tokens
-    (a `[1, 1, T, T]` mask; positions continue from the prompt's length, as in the padded forward). Only the
-    positions that predict a completion token reach the output layer. Against the padded forward with a shared
-    prompt pass (`_shared_prompt_logits`) this skips the padding after short completions: a GRPO batch of 8
-    completions of at most 32 tokens averaging ~19 fed 346 tokens through the model, here ~234. The numbers
-    are the padded forward's up to float rounding. Example: prompts [a b] (rows 0, 1) and completions [x y z],
-    [u] (one real token): the row is `a b x y`, positions 0 1 2 3; `b` predicts x and u, `x` predicts y, `y` z.
-
-    Returns:
-        `(logits [K, V], index [K], (row [K], column [K]))`: K predictions, the completion token each one scores,
-        and where its log-prob goes in the `[N, C]` output.
-    """
-    if not _packable(model):
-        return None
-    if completion_ids.size(1) == 0 or _packed_row_tokens(prompt_ids, prompt_mask, completion_mask) > _PACKED_ROW_TOKENS:
-        return None
-    device = prompt_ids.device
-    distinct, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
-    prompt_len = prompt_ids.size(1)
-    real_prompt = distinct[:, prompt_len:].bool()
-    prompt_lengths = real_prompt.sum(1)  # [D]
-    fed = _fed_tokens(completion_mask)
-    # The flat row: prompts' real tokens, then each completion's fed tokens.
-    ids = torch.cat([distinct[:, :prompt_len][real_prompt], completion_ids[fed]])
-    prompt_group = torch.arange(distinct.size(0), device=device)[:, None].expand_as(real_prompt)[real_prompt]
-    prompt_position = (real_prompt.long().cumsum(1) - 1)[real_prompt]
-    rows, columns = fed.nonzero(as_tuple=True)
-    group = torch.cat([prompt_group, inverse[rows]])
-    owner = torch.cat([torch.full_like(prompt_group, -1), rows])  # -1: a prompt token
-    positions = torch.cat([prompt_position, prompt_lengths[inverse[rows]] + columns])
-    order = torch.arange(ids.size(0), device=device)
-    allowed = ((group[:, None] == group[None, :]) & (order[None, :] <= order[:, None])
-               & ((owner[None, :] == -1) | (owner[None, :] == owner[:, None])))
-    dtype = next(model.parameters()).dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    # Predicting positions: each distinct prompt's last token, then every fed completion token.
-    prompt_last = prompt_lengths.cumsum(0) - 1
-    keep = torch.cat([prompt_last, order[prompt_group.numel():]])
-    logits = model(input_ids=ids[None], attention_mask=mask[None, None], position_ids=positions[None],
-                   use_cache=False, logits_to_keep=keep).logits[0]
-    first = logits[:prompt_last.numel()].index_select(0, inverse)  # [N, V]: each row's prediction of its first token
-    everyone = torch.arange(completion_ids.size(0), device=device)
-    logits = torch.cat([first, logits[prompt_last.numel():]])
-    index = torch.cat([completion_ids[:, 0], completion_ids[rows, columns + 1]])
-    place = (torch.cat([everyone, rows]), torch.cat([torch.zeros_like(everyone), columns + 1]))
-    return logits, index, place
 
 
 def _repeat_cache_rows(cache, rows: torch.Tensor) -> None:

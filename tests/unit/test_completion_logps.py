@@ -1,5 +1,6 @@
-"""`rollout.completion_logps` with shared prompts (one padding-free row) equals the padded one-pass forward, values
-and gradients."""
+"""`rollout.completion_logps` with shared prompts (the padding-free row with shared prefixes under per-sequence
+attention; otherwise a prompt pass whose KV cache the group shares) equals the padded one-pass forward, values and
+gradients."""
 
 from __future__ import annotations
 
@@ -24,11 +25,17 @@ def _batch(completion_len: int):
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
+@pytest.mark.parametrize("layout", ["padding_free", "kv_cache"])
 @pytest.mark.parametrize("completion_len", [1, 6])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_shared_prompt_pass_equals_one_pass(lora_policy, completion_len, temperature):
+def test_shared_prompt_pass_equals_one_pass(lora_policy, monkeypatch, layout, completion_len, temperature):
     """Log-probs, entropies and LoRA gradients of a loss over them agree within 1e-5 (float rounding only),
-    also with `batch_size` cutting a group across chunks; C = 1 takes the prompt pass alone."""
+    also with `batch_size` cutting a group across chunks, in both shared layouts; C = 1 takes the prompt pass alone
+    in the KV-cache layout."""
+    from alignkit.rl import rollout
+
+    if layout == "kv_cache":
+        monkeypatch.setattr(rollout, "uses_per_sequence_attention", lambda model: False)
     batch = _batch(completion_len)
     results = {}
     for share in (False, True):
@@ -58,15 +65,17 @@ def test_shared_prompt_pass_equals_one_pass(lora_policy, completion_len, tempera
 
 def test_shared_prompt_pass_runs_each_prompt_once(lora_policy, record_forward_shapes):
     """7 rows over 3 distinct prompts: one padding-free row of the 3 prompts' real tokens (3 + 5 + 4) and each
-    completion's real tokens but its last; without sharing, 7 padded rows of P + C."""
+    completion's real tokens, each prompt run once for its group (the completions share no first token); without
+    sharing, 7 padded rows of P + C."""
+    batch = _batch(6)
+    assert len({(int(row[0]), tuple(p[m.bool()].tolist())) for row, p, m in zip(batch[2], batch[0], batch[1])}) == 7
     seen = record_forward_shapes(lora_policy.get_base_model())
     with torch.no_grad():
-        completion_logps(lora_policy, *_batch(6))
-    lengths = _batch(6)[3].sum(1)
-    assert seen == [(1, 12 + int((lengths - 1).sum()))]
+        completion_logps(lora_policy, *batch)
+    assert seen == [(1, 12 + int(batch[3].sum()))]
     seen.clear()
     with torch.no_grad():
-        completion_logps(lora_policy, *_batch(6), share_prompts=False)
+        completion_logps(lora_policy, *batch, share_prompts=False)
     assert seen == [(7, 11)]
 
 
@@ -80,53 +89,42 @@ def lora_policy(tiny_model_dir, tmp_path, save_perturbed_adapter):
     return model
 
 
-def test_attention_without_the_custom_mask_takes_the_padded_shared_prompt_pass(lora_policy, monkeypatch,
-                                                                             record_forward_shapes):
-    """Where the padding-free row cannot be built (an attention implementation without custom masks), the prompt
-    pass (3 distinct prompts of 5 columns) and the completion pass on its cache run instead, with the same
-    log-probs."""
-    from alignkit.rl import rollout
-
+def test_eager_attention_takes_the_kv_cache_prompt_pass(lora_policy, record_forward_shapes):
+    """Without per-sequence attention (eager here; flash attention alike) the prompt pass (3 distinct prompts of 5
+    columns) and the completion pass on its cache (7 rows of the completions but their last token) run instead, with
+    the padding-free layout's log-probs."""
     batch = _batch(6)
+    config = lora_policy.get_base_model().config
     with torch.no_grad():
         packed, _ = completion_logps(lora_policy, *batch)
-        monkeypatch.setattr(rollout, "_packable", lambda model: False)
-        seen = record_forward_shapes(lora_policy.get_base_model())
-        padded, _ = completion_logps(lora_policy, *batch)
+        config._attn_implementation = "eager"
+        try:
+            seen = record_forward_shapes(lora_policy.get_base_model())
+            cached, _ = completion_logps(lora_policy, *batch)
+        finally:
+            config._attn_implementation = "sdpa"
     assert seen == [(3, 5), (7, 5)]
     mask = batch[3].bool()
-    torch.testing.assert_close(padded.masked_fill(~mask, 0), packed, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cached.masked_fill(~mask, 0), packed, atol=1e-5, rtol=0)
 
 
-def test_a_batch_past_the_row_cap_is_halved_into_rows_that_fit(lora_policy, monkeypatch, record_forward_shapes):
-    """Past `_PACKED_ROW_TOKENS` the batch is halved (and halved again) until each part's padding-free row fits, not
-    sent to the padded layout (whose `[N, C, V]` logits grow with the longest completion): at a cap of 16 tokens
-    every forward is one packed row of at most 16 and the log-probs and LoRA gradients are the one row's; a single
-    row past the cap alone runs padded."""
-    from alignkit.rl import rollout
-
+def test_gradient_checkpointing_scores_padded(lora_policy, record_forward_shapes):
+    """Under gradient checkpointing with gradients on, checkpointed layers rerun outside any shared layout, so the
+    rows run padded (7 rows of P + C) with the shared layout's log-probs; without gradients they still share."""
     batch = _batch(6)
-    lora_policy.zero_grad()
-    whole, _ = completion_logps(lora_policy, *batch)
-    (whole * batch[3]).sum().backward()
-    grads = {n: p.grad.clone() for n, p in lora_policy.named_parameters() if p.grad is not None}
-    lora_policy.zero_grad()
-    assert rollout._packed_row_tokens(batch[0], batch[1], batch[3]) > 16
-    monkeypatch.setattr(rollout, "_PACKED_ROW_TOKENS", 16)
-    seen = record_forward_shapes(lora_policy.get_base_model())
-    halves, _ = completion_logps(lora_policy, *batch)
-    (halves * batch[3]).sum().backward()
-    assert len(seen) > 1 and all(rows == 1 and width <= 16 for rows, width in seen), seen
-    torch.testing.assert_close(halves, whole, atol=1e-5, rtol=0)
-    for name, grad in grads.items():
-        torch.testing.assert_close(lora_policy.get_parameter(name).grad, grad, atol=1e-5, rtol=0, msg=name)
-    # One row longer than the cap: the padded forward of its 5 + 6 columns (one row has no prompt to share).
-    seen.clear()
-    monkeypatch.setattr(rollout, "_PACKED_ROW_TOKENS", 4)
+    base = lora_policy.get_base_model()
     with torch.no_grad():
-        single, _ = completion_logps(lora_policy, *(t[:1] for t in batch))
-    assert seen == [(1, 11)]
-    torch.testing.assert_close(single.masked_fill(batch[3][:1] == 0, 0), whole[:1].detach(), atol=1e-5, rtol=0)
+        shared, _ = completion_logps(lora_policy, *batch)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        seen = record_forward_shapes(base)
+        padded, _ = completion_logps(lora_policy, *batch)
+        (padded * batch[3]).sum().backward()
+        assert seen == [(7, 11)]
+    finally:
+        base.gradient_checkpointing_disable()
+    mask = batch[3].bool()
+    torch.testing.assert_close(padded.detach().masked_fill(~mask, 0), shared, atol=1e-5, rtol=0)
 
 
 def test_shared_prompt_gradients_are_bit_reproducible_on_two_threads(lora_policy, monkeypatch):
@@ -145,7 +143,8 @@ def test_shared_prompt_gradients_are_bit_reproducible_on_two_threads(lora_policy
     group = {5: 0, 7: 1, 40: 2}  # each row's prompt, by its first real token
     prompt_ids = torch.cat([prefix[[group[int(row[row != 2][0])] for row in prompt_ids]], prompt_ids], dim=1)
     prompt_mask = torch.cat([torch.ones(7, 295, dtype=torch.long), prompt_mask], dim=1)
-    monkeypatch.setattr(rollout, "_packable", lambda model: False)  # the prompt pass and its copied cache
+    # The prompt pass and its copied cache.
+    monkeypatch.setattr(rollout, "uses_per_sequence_attention", lambda model: False)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

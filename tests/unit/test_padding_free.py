@@ -121,9 +121,28 @@ def test_row_token_bound_keeps_one_row_for_flash_and_per_sequence_attention():
     for attention, checkpointing, bound in [("sdpa", False, None), ("sdpa", True, 0), ("eager", False, 0),
                                             ("flash_attention_2", False, None), ("flash_attention_3", False, None)]:
         model.config = SimpleNamespace(_attn_implementation=attention)
-        model.is_activation_checkpointing = checkpointing
+        model.gradient_checkpointing = checkpointing  # the flag transformers sets on the layers it checkpoints
         assert row_token_bound(model) == bound, attention
         assert row_token_bound(SimpleNamespace(module=model)) == bound, attention
+
+
+def test_activation_checkpointing_follows_transformers(tiny_model_dir):
+    """`activation_checkpointing` answers what transformers' `is_activation_checkpointing` does, through a PEFT
+    wrapper, as checkpointing is turned on and off after the first call."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from alignkit.model.padding_free import activation_checkpointing
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    for enable in (False, True, False, True):
+        if enable:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            base.gradient_checkpointing_disable()
+        assert activation_checkpointing(model) is enable is base.is_activation_checkpointing
+        assert activation_checkpointing(base) is enable
 
 
 @settings(max_examples=200, deadline=None)

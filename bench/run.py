@@ -595,6 +595,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cpu: alignkit's `bf16` key in its runs (auto, its default: its own per-machine choice, a "
                         "probe at the model's shapes; false: fp32, as TRL's fp32 runs; true: bf16 autocast). MFU "
                         "follows the precision each run used.")
+    p.add_argument("--alignkit-extra", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="alignkit's runs only: training keys added to its settings (e.g. gradient_checkpointing=true), "
+                        "recorded in the report's settings.")
     p.add_argument("--peer", nargs="+", choices=sorted(PEERS), action="extend", default=None,
                    help="Peers to compare alignkit with (repeatable; default: trl). `llamafactory` creates "
                         "LLaMA-Factory's own environment the first time (bench/llamafactory.py).")
@@ -623,6 +626,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(opts.variants) - set(VARIANTS)
     if unknown:
         p.error(f"--variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}.")
+    bad = [item for item in opts.alignkit_extra if "=" not in item or not item.partition("=")[0]]
+    if bad:
+        p.error(f"--alignkit-extra: {', '.join(bad)} is not KEY=VALUE (e.g. gradient_checkpointing=true).")
     if opts.warmup >= opts.steps:
         p.error(f"--warmup {opts.warmup} must be smaller than --steps {opts.steps}: no step would be timed.")
     if opts.matmul_size is None:
@@ -741,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--threads", str(opts.threads), "--device", opts.device]
         if tool == "alignkit":
             args += ["--alignkit-bf16", opts.alignkit_bf16]
+            if opts.alignkit_extra:
+                args += ["--extra", *opts.alignkit_extra]
         if stage == "ppo":
             args += ["--max-completion-length", str(lengths[stage])]
         if stage in ONLINE_STAGES:
@@ -793,7 +801,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"steps": opts.steps, "warmup": opts.warmup, "batch": opts.batch, "cutoff": opts.cutoff,
                      "lr": opts.lr, "reps": opts.reps, "threads": opts.threads, "device": opts.device,
                      "num_generations": opts.num_generations, "max_completion_length": lengths,
-                     "precision": precision, "alignkit_bf16": opts.alignkit_bf16, "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target": "all linear"},
+                     "precision": precision, "alignkit_bf16": opts.alignkit_bf16,
+                     "alignkit_extra": opts.alignkit_extra, "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target": "all linear"},
                      "variants": opts.variants, "left_out": opts.left_out,
                      "trl_default_overrides": "bf16=True" if opts.device == "cuda" else "bf16=False",
                      "trl_best": TRL_BEST},

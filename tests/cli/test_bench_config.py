@@ -100,6 +100,17 @@ def test_plan_adds_trl_real_default_on_cpu_and_qlora_only_for_sft(monkeypatch):
                               "--alignkit-bf16", "true"]).alignkit_bf16 == "true"
 
 
+def test_alignkit_extra_keys_reach_only_alignkit_runs(capsys):
+    """`--alignkit-extra` must be KEY=VALUE; it is an alignkit-only option (TRL's runs keep their settings)."""
+    opts = bench_run.parse_args(["--stage", "sft", "--alignkit-extra", "gradient_checkpointing=true", "neftune_noise_alpha=5"])
+    assert opts.alignkit_extra == ["gradient_checkpointing=true", "neftune_noise_alpha=5"]
+    assert bench_run.parse_args([]).alignkit_extra == []
+    with pytest.raises(SystemExit):
+        bench_run.parse_args(["--alignkit-extra", "gradient_checkpointing"])
+    assert "gradient_checkpointing is not KEY=VALUE" in capsys.readouterr().err
+    assert worker._parse_extra(opts.alignkit_extra) == {"gradient_checkpointing": True, "neftune_noise_alpha": 5}
+
+
 def test_online_batch_must_hold_whole_groups(capsys):
     """Online DPO samples 2 answers per prompt: --batch 5 cannot be cut into pairs; --batch 4 plans."""
     with pytest.raises(SystemExit, match="multiple of 2 for stage online_dpo"):

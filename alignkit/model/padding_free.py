@@ -28,11 +28,13 @@ case; `cutoff_len` as the bound (LLaMA-Factory's 2048) was among the slowest cho
 Each sequence attended on its own is now what the trainers do under sdpa (issue 15): `packed_attention`
 switches the model to `per_sequence_sdpa` for the packed forward, one causal sdpa call per sequence and layer
 over one row of all T tokens, so the row carries no padding and attention costs sum(l_i^2) instead of a
-masked row's W^2 (docs/performance.md has the step's profile before and after). The rows-of-bounded-width
-layout below remains for eager attention and for gradient checkpointing, whose backward reruns a layer
-outside `packed_attention`.
+masked row's W^2 (docs/performance.md has the step's profile before and after). Under transformers' gradient
+checkpointing too: a checkpointed layer reruns its forward during backward, after `packed_attention` has ended, so
+`packed_attention` wraps the layers' checkpoint function to rerun it under the same attention (`_replaying`). The
+rows-of-bounded-width layout below remains for eager attention and for torch's `checkpoint_wrapper` (FSDP's or
+accelerate's activation checkpointing), whose reruns that wrapping does not reach.
 
-With eager attention, or under gradient checkpointing, the bound is chosen per batch by a cost model (`cheapest_row_capacity`): a layout of R
+With eager attention, or under a `checkpoint_wrapper`, the bound is chosen per batch by a cost model (`cheapest_row_capacity`): a layout of R
 rows of width W costs `R * W * (slot_cost + W)`, where `slot_cost = attention_slot_cost(model)` is how many
 attention score pairs cost as much as one token slot in the layer's weight matrices (3072 for SmolLM2-135M).
 One row of all T tokens holds no padding, so it has the fewest slots and the least activation memory; rows
@@ -63,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Optional, Sequence, Union
@@ -461,10 +464,11 @@ class _SharedContexts(NamedTuple):
     shared: list[int]
 
 
-# (start, end) of each sequence in the single packed row, for the attention calls of one forward; or, for a row with
-# shared prefixes, its `_SharedContexts`. Set once per forward by `packed_attention`, read by every layer.
-_SEQUENCE_BOUNDS: contextvars.ContextVar[Optional[Union[list[tuple[int, int]], _SharedContexts]]] = (
-    contextvars.ContextVar("alignkit_sequence_bounds", default=None))
+# While `packed_attention` (or a checkpointed layer's rerun, `_replaying`) is active: the model config it switched to
+# `per_sequence_sdpa`, and the (start, end) of each sequence in the single packed row or, for a row with shared
+# prefixes, its `_SharedContexts`. Set once per forward, read by every layer.
+_PACKED_STATE: contextvars.ContextVar[Optional[tuple[object, Union[list[tuple[int, int]], _SharedContexts]]]] = (
+    contextvars.ContextVar("alignkit_packed_state", default=None))
 
 
 # Under a CPU bf16 autocast, sequences shorter than this attend in fp32: torch's CPU flash-attention kernel runs a
@@ -495,11 +499,12 @@ def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float 
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    bounds = _SEQUENCE_BOUNDS.get()
-    if bounds is None or query.size(0) != 1 or attention_mask is not None:
+    state = _PACKED_STATE.get()
+    if state is None or query.size(0) != 1 or attention_mask is not None:
         raise RuntimeError(f"{PER_SEQUENCE_ATTENTION} runs only inside `packed_attention` on one packed row; the "
-                           "model was called outside it (gradient checkpointing recomputes outside it: set "
-                           "padding_free: false, or turn gradient checkpointing off).")
+                           "model was called outside it (a checkpoint wrapper other than transformers' gradient "
+                           "checkpointing reruns layers outside it: set padding_free: false).")
+    bounds = state[1]
     own = None
     if isinstance(bounds, _SharedContexts):
         # Shared prefixes: gather every sequence's whole context (its prefix's slots, then its own) in flat order;
@@ -542,37 +547,114 @@ def attention_takes_any_mask(model: torch.nn.Module) -> bool:
 def uses_per_sequence_attention(model: torch.nn.Module) -> bool:
     """True when a packed forward of `model` should attend each sequence on its own (`per_sequence_sdpa`).
 
-    That is under the sdpa implementation (transformers' default on CPU) with gradient checkpointing off: a
-    checkpointed layer reruns its forward during backward, outside `packed_attention`, where no mask would
-    separate the sequences. Eager attention keeps the block-diagonal mask (its users asked for eager);
-    flash attention has its own variable-length kernel (`row_token_bound`).
+    That is under the sdpa implementation (transformers' default on CPU), with or without transformers' gradient
+    checkpointing: a checkpointed layer reruns its forward during backward, after `packed_attention` has ended, and
+    `packed_attention` wraps the layers' checkpoint function so that the rerun attends as the forward did
+    (`_replaying`). Eager attention keeps the block-diagonal mask (its users asked for eager); flash attention has its
+    own variable-length kernel (`row_token_bound`). A model whose layers torch's `checkpoint_wrapper` wraps (FSDP's
+    or accelerate's activation checkpointing) keeps the masked rows: its reruns are not replayed.
     """
     config = model_config(model)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
-    return not activation_checkpointing(model)
+    return not _wrapped_checkpointing(model)
 
 
-# Per model, the modules that carry transformers' `gradient_checkpointing` flag (`activation_checkpointing`).
-_CHECKPOINT_FLAG_HOLDERS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+class _CheckpointSites(NamedTuple):
+    """The modules of a model that carry transformers' `gradient_checkpointing` flag (the decoder layers, the decoder),
+    and where each sits: `(parent, key)`, `parent._modules[key]` being the module unless a wrapper replaced it."""
+
+    holders: tuple
+    places: tuple
+
+
+# Per model, its `_CheckpointSites`, found once (`_checkpoint_sites`).
+_CHECKPOINT_SITES: "weakref.WeakKeyDictionary[torch.nn.Module, _CheckpointSites]" = weakref.WeakKeyDictionary()
+
+
+def _checkpoint_sites(model: torch.nn.Module) -> _CheckpointSites:
+    inner = getattr(model, "module", model)
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    sites = _CHECKPOINT_SITES.get(base)
+    if sites is None:
+        places = tuple((parent, key) for parent in base.modules() for key, child in parent._modules.items()
+                       if child is not None and hasattr(child, "gradient_checkpointing"))
+        holders = tuple(parent._modules[key] for parent, key in places)
+        if hasattr(base, "gradient_checkpointing"):
+            holders = (base, *holders)
+        sites = _CHECKPOINT_SITES[base] = _CheckpointSites(holders, places)
+    return sites
 
 
 def activation_checkpointing(model: torch.nn.Module) -> bool:
-    """Whether gradient (activation) checkpointing is on anywhere in `model` (PEFT, DDP or DeepSpeed wrapper allowed).
+    """Whether transformers' gradient (activation) checkpointing is on anywhere in `model` (PEFT, DDP or DeepSpeed
+    wrapper allowed).
 
     transformers' `is_activation_checkpointing` answers the same by probing every module with `hasattr`, about 5-7 ms
     for the bundled model with LoRA adapters on an AMD EPYC, and a padding-free forward asks three or four times.
-    Here the modules that carry the flag (the decoder layers, the decoder) are found once per model and their flags
-    read on every call, so turning checkpointing on or off later is seen; modules added to the model after the first
-    call are not (wrapping in PEFT adds none that carry the flag).
+    Here the modules that carry the flag are found once per model (`_checkpoint_sites`) and their flags read on every
+    call, so turning checkpointing on or off later is seen; modules added to the model after the first call are not
+    (wrapping in PEFT adds none that carry the flag).
     """
-    inner = getattr(model, "module", model)
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    holders = _CHECKPOINT_FLAG_HOLDERS.get(base)
-    if holders is None:
-        holders = tuple(m for m in base.modules() if hasattr(m, "gradient_checkpointing"))
-        _CHECKPOINT_FLAG_HOLDERS[base] = holders
-    return any(bool(m.gradient_checkpointing) for m in holders)
+    return any(bool(m.gradient_checkpointing) for m in _checkpoint_sites(model).holders)
+
+
+def _wrapped_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether torch's `checkpoint_wrapper` (FSDP's or accelerate's activation checkpointing, which wrap each decoder
+    layer) wraps a layer of `model`. Its rerun calls the layer outside `packed_attention`, which `_replaying` does not
+    reach, so such a model attends through masks. The wrapping is applied when the trainer prepares the model, which
+    may be after the model first ran, so each call looks again where the flag-carrying layers sit (`_CheckpointSites`:
+    about 60 type checks, where a walk over the bundled model's 2,499 modules with LoRA took 2.4 ms)."""
+    if "torch.distributed.algorithms._checkpoint.checkpoint_wrapper" not in sys.modules:
+        return False  # nothing imported the wrapper, so nothing is wrapped
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    return any(isinstance(parent, ActivationWrapper) or isinstance(parent._modules.get(key), ActivationWrapper)
+               for parent, key in _checkpoint_sites(model).places)
+
+
+def _replaying(checkpoint_func):
+    """`checkpoint_func` (a layer's `_gradient_checkpointing_func`) with its reruns under the packed attention of the
+    forward they recompute.
+
+    transformers checkpoints a layer as `layer._gradient_checkpointing_func(partial(forward, ...), *args)`; torch reruns
+    that function during backward, when `packed_attention` has ended and the model is back on plain sdpa, which would
+    attend across the sequences of the packed row. The wrapper captures the attention state at the forward
+    (`_PACKED_STATE`) and reruns the function under it; outside `packed_attention` it
+    is `checkpoint_func` unchanged. Works for reentrant and non-reentrant checkpointing alike.
+    """
+    if getattr(checkpoint_func, "_alignkit_replays", False):
+        return checkpoint_func
+
+    def replaying(function, *args, **kwargs):
+        state = _PACKED_STATE.get()
+        if state is None:
+            return checkpoint_func(function, *args, **kwargs)
+
+        def rerun(*inner_args, **inner_kwargs):
+            if _PACKED_STATE.get() is state:  # the forward itself (or a rerun inside that same forward)
+                return function(*inner_args, **inner_kwargs)
+            with _attending(*state):
+                return function(*inner_args, **inner_kwargs)
+
+        return checkpoint_func(rerun, *args, **kwargs)
+
+    replaying._alignkit_replays = True
+    replaying.__wrapped__ = checkpoint_func
+    return replaying
+
+
+@contextlib.contextmanager
+def _attending(config, bounds) -> Iterator[None]:
+    """`config`'s model attends each sequence of `bounds` on its own (`per_sequence_sdpa`) within the block."""
+    token = _PACKED_STATE.set((config, bounds))
+    previous = config._attn_implementation
+    config._attn_implementation = PER_SEQUENCE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+        _PACKED_STATE.reset(token)
 
 
 @contextlib.contextmanager
@@ -580,13 +662,15 @@ def packed_attention(model: torch.nn.Module, flat: "FlatBatch") -> Iterator[None
     """Within the block, `model` attends each sequence of `flat` on its own when `uses_per_sequence_attention`.
 
     `flat` must then be one row (`row_token_bound` gives None for such a model). Otherwise nothing changes:
-    transformers builds the block-diagonal mask from the position resets.
+    transformers builds the block-diagonal mask from the position resets. Under transformers' gradient checkpointing
+    the layers' checkpoint function is wrapped (`_replaying`, once) so that their reruns during backward attend the
+    same way.
     """
     config = model_config(model)
     if not uses_per_sequence_attention(model) or flat.input_ids.size(0) != 1:
         if flat.shared is not None:
-            raise RuntimeError("a layout with shared prefixes needs per-sequence attention (sdpa, no gradient "
-                               "checkpointing); build it with `flatten_for_model`, which shares only then.")
+            raise RuntimeError("a layout with shared prefixes needs per-sequence attention (sdpa, no "
+                               "checkpoint_wrapper); build it with `flatten_for_model`, which shares only then.")
         yield
         return
     from transformers import AttentionInterface
@@ -594,17 +678,18 @@ def packed_attention(model: torch.nn.Module, flat: "FlatBatch") -> Iterator[None
     if PER_SEQUENCE_ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(PER_SEQUENCE_ATTENTION, per_sequence_sdpa)
     if flat.shared is not None:
-        token = _SEQUENCE_BOUNDS.set(_SharedContexts(flat.slots, flat.lengths.tolist(), flat.shared.tolist()))
+        bounds = _SharedContexts(flat.slots, flat.lengths.tolist(), flat.shared.tolist())
     else:
         # Sequences sit in the row in packing order, not flat order: read where each starts from the position resets.
         starts = (flat.position_ids[0] == 0).nonzero().squeeze(-1).tolist() + [flat.position_ids.size(1)]
-        token = _SEQUENCE_BOUNDS.set(list(zip(starts[:-1], starts[1:])))
-    config._attn_implementation = PER_SEQUENCE_ATTENTION
-    try:
+        bounds = list(zip(starts[:-1], starts[1:]))
+    if activation_checkpointing(model):
+        # The layers rerun their forward during backward, after this block: make those reruns attend as this one.
+        for holder in _checkpoint_sites(model).holders:
+            if getattr(holder, "_gradient_checkpointing_func", None) is not None:
+                holder._gradient_checkpointing_func = _replaying(holder._gradient_checkpointing_func)
+    with _attending(config, bounds):
         yield
-    finally:
-        config._attn_implementation = "sdpa"
-        _SEQUENCE_BOUNDS.reset(token)
 
 
 def row_token_bound(model: torch.nn.Module) -> Optional[int]:

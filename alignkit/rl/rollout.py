@@ -241,7 +241,7 @@ def completion_logps(
     they were sampled from, as TRL does.
 
     Rows that share a prompt (a GRPO group) share its forward pass (`share_prompts`). Under per-sequence attention
-    (sdpa, no gradient checkpointing: `alignkit.model.padding_free.uses_per_sequence_attention`) the batch runs
+    (sdpa, gradient checkpointing or not: `alignkit.model.padding_free.uses_per_sequence_attention`) the batch runs
     padding-free (`completion_token_logits`): each sequence's real tokens once, a prompt (or any longer prefix)
     already run for an earlier row of the batch not again (`flatten_for_model`'s shared prefixes), the padding after
     short completions not at all, and only the completion's positions reach the output layer. Other attention
@@ -256,8 +256,8 @@ def completion_logps(
         temperature: sampling temperature (> 0).
         batch_size: rows per forward pass (default: all at once); bounds activation memory without grad.
         with_entropy: also return each position's entropy (no gradient; for the `entropy` metric).
-        share_prompts: run each distinct prompt once per forward pass (off under gradient checkpointing,
-            where transformers turns the cache off).
+        share_prompts: run each distinct prompt once per forward pass (the KV-cache pass is left out under
+            gradient checkpointing with gradients on, where transformers turns the cache off).
         image_inputs: a vision-language model's pixel inputs of the rows, laid out by row
             (`alignkit.data.multimodal.ImageProcessing.row_pixel_inputs`). Such rows run the padded forward with
             their images, as TRL scores them: the shared layouts tell prompts apart by their token ids, which a
@@ -269,11 +269,13 @@ def completion_logps(
     """
     length = completion_ids.size(1)
     step = batch_size or prompt_ids.size(0)
-    # Checkpointed layers drop the cache while gradients are on (transformers turns `use_cache` off there).
-    share_prompts = share_prompts and image_inputs is None and not (
-        torch.is_grad_enabled() and model.training and activation_checkpointing(model))
-    all_logps, all_entropy = [], []
+    share_prompts = share_prompts and image_inputs is None
     padding_free = share_prompts and uses_per_sequence_attention(model)
+    # The KV-cache pass cannot run where checkpointed layers drop the cache (transformers turns `use_cache` off while
+    # gradients are on); the padding-free one needs no cache.
+    share_prompts = share_prompts and (padding_free or not (
+        torch.is_grad_enabled() and model.training and activation_checkpointing(model)))
+    all_logps, all_entropy = [], []
     for start in range(0, prompt_ids.size(0), step):
         rows = slice(start, min(start + step, prompt_ids.size(0)))
         shared = _shared_prompt_logits(model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows],

@@ -22,6 +22,12 @@ CASES = {  # name: (stage, keys)
     "rm_lora": ("rm", PADDING_FREE),
     "dpo_full": ("dpo", {**FULL, **PADDING_FREE}),  # the reference is a copy of the policy made before sharding
     "dpo_lora": ("dpo", {}),  # the reference is the policy with its adapter disabled
+    # Checkpointed layers rerun their forward in backward: transformers' gradient checkpointing (both runs) replays
+    # the per-sequence attention there; FSDP's own activation checkpointing (torch's checkpoint_wrapper, the FSDP2
+    # run only) keeps masked rows, as its rerun is not replayed. (With LoRA that one is refused: peft would save an
+    # empty adapter, tests/unit/test_distributed_helpers.py.)
+    "sft_lora_checkpointing": ("sft", {**PADDING_FREE, "gradient_checkpointing": True}),
+    "sft_full_fsdp_checkpointing": ("sft", {**FULL, **PADDING_FREE, "fsdp_activation_checkpointing": True}),
     # Rollouts under `full_weights` (FSDP2: unsharded once per generation batch); G = 4 over 2 processes x 2.
     "grpo_lora": ("grpo", {"num_generations": 4, "max_completion_length": 6, "learning_rate": 2e-2, "beta": 0.05}),
 }
@@ -33,12 +39,16 @@ REWARD_SOURCE = "def token_sum_reward(completions, completion_ids, **kwargs):\n"
 def _config(dist, case, nproc, **extra):
     stage, keys = CASES[case]
     name = f"{case}_{'fsdp2' if nproc > 1 else '1p'}"
+    fsdp = FSDP2
+    if keys.get("fsdp_activation_checkpointing"):
+        keys = {k: v for k, v in keys.items() if k != "fsdp_activation_checkpointing"}
+        fsdp = {**FSDP2, "fsdp_config": {**FSDP2["fsdp_config"], "activation_checkpointing": True}}
     if stage == "grpo":  # a reward that differs between the completions of a random tiny model
         reward = dist.tmp / "token_reward.py"
         reward.write_text(REWARD_SOURCE, encoding="utf-8")
         extra = {"reward_funcs": [f"{reward}:token_sum_reward"], **extra}
     return dist.config(stage, name, per_device_train_batch_size=4 // nproc, **keys,
-                       **(FSDP2 if nproc > 1 else {}), **extra)
+                       **(fsdp if nproc > 1 else {}), **extra)
 
 
 @pytest.fixture(scope="module")

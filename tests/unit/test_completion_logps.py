@@ -108,23 +108,41 @@ def test_eager_attention_takes_the_kv_cache_prompt_pass(lora_policy, record_forw
     torch.testing.assert_close(cached.masked_fill(~mask, 0), packed, atol=1e-5, rtol=0)
 
 
-def test_gradient_checkpointing_scores_padded(lora_policy, record_forward_shapes):
-    """Under gradient checkpointing with gradients on, checkpointed layers rerun outside any shared layout, so the
-    rows run padded (7 rows of P + C) with the shared layout's log-probs; without gradients they still share."""
+def test_gradient_checkpointing_keeps_the_padding_free_shared_row(lora_policy, record_forward_shapes):
+    """Under gradient checkpointing with gradients on, the padding-free row with shared prefixes still runs (the
+    checkpointed layers' reruns attend as its forward did), with the log-probs and LoRA gradients of the run without
+    checkpointing. The KV-cache pass cannot (transformers drops the cache in checkpointed layers): under eager
+    attention the rows run padded (7 rows of P + C), with the same log-probs."""
     batch = _batch(6)
     base = lora_policy.get_base_model()
-    with torch.no_grad():
-        shared, _ = completion_logps(lora_policy, *batch)
+
+    def scored():
+        lora_policy.zero_grad()
+        logps, _ = completion_logps(lora_policy, *batch)
+        (logps * batch[3]).sum().backward()
+        return logps.detach().masked_fill(~batch[3].bool(), 0), {
+            n: p.grad.clone() for n, p in lora_policy.named_parameters() if p.grad is not None}
+
+    plain, plain_grads = scored()
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
         seen = record_forward_shapes(base)
-        padded, _ = completion_logps(lora_policy, *batch)
-        (padded * batch[3]).sum().backward()
+        checkpointed, grads = scored()
+        assert seen == [(1, 12 + int(batch[3].sum()))]
+        seen.clear()
+        base.config._attn_implementation = "eager"
+        try:
+            eager, _ = scored()
+        finally:
+            base.config._attn_implementation = "sdpa"
         assert seen == [(7, 11)]
     finally:
         base.gradient_checkpointing_disable()
-    mask = batch[3].bool()
-    torch.testing.assert_close(padded.detach().masked_fill(~mask, 0), shared, atol=1e-5, rtol=0)
+    torch.testing.assert_close(checkpointed, plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(eager, plain, atol=1e-5, rtol=0)
+    assert set(grads) == set(plain_grads) and len(grads) > 0
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_shared_prompt_gradients_are_bit_reproducible_on_two_threads(lora_policy, monkeypatch):

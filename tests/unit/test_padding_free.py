@@ -111,18 +111,23 @@ def test_packed_rows_hand_computed():
 
 
 def test_row_token_bound_keeps_one_row_for_flash_and_per_sequence_attention():
-    """eager, and sdpa under gradient checkpointing: 0 (rows bounded by the longest sequence, block-diagonal mask);
-    a flash-attention kernel: None (one row, whose position resets transformers turns into cu_seqlens only at
-    batch size 1); sdpa without checkpointing: None (one row, each sequence attended alone by
-    `per_sequence_sdpa`); a DDP-style `.module` unwrapped."""
+    """eager: 0 (rows bounded by the longest sequence, block-diagonal mask); a flash-attention kernel: None (one row,
+    whose position resets transformers turns into cu_seqlens only at batch size 1); sdpa, with transformers' gradient
+    checkpointing or without: None (one row, each sequence attended alone by `per_sequence_sdpa`); sdpa with a layer
+    in torch's `checkpoint_wrapper`: 0; a DDP-style `.module` unwrapped."""
     from types import SimpleNamespace
 
-    model = torch.nn.Linear(1, 1)
-    for attention, checkpointing, bound in [("sdpa", False, None), ("sdpa", True, 0), ("eager", False, 0),
-                                            ("flash_attention_2", False, None), ("flash_attention_3", False, None)]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for attention, checkpointing, wrapped, bound in [
+            ("sdpa", False, False, None), ("sdpa", True, False, None), ("sdpa", False, True, 0),
+            ("eager", False, False, 0), ("flash_attention_2", False, False, None),
+            ("flash_attention_3", False, False, None)]:
+        layer = torch.nn.Linear(1, 1)
+        layer.gradient_checkpointing = checkpointing  # the flag transformers sets on the layers it checkpoints
+        model = torch.nn.Sequential(checkpoint_wrapper(layer) if wrapped else layer)
         model.config = SimpleNamespace(_attn_implementation=attention)
-        model.gradient_checkpointing = checkpointing  # the flag transformers sets on the layers it checkpoints
-        assert row_token_bound(model) == bound, attention
+        assert row_token_bound(model) == bound, (attention, checkpointing, wrapped)
         assert row_token_bound(SimpleNamespace(module=model)) == bound, attention
 
 
@@ -504,12 +509,12 @@ def test_per_sequence_attention_under_bf16_autocast_is_fp32_for_short_sequences(
     query, key, value = (torch.randn(1, 2, 11, 4, generator=generator) for _ in range(3))
     module = torch.nn.Module()
     module.is_causal, module.training = True, False
-    token = padding_free._SEQUENCE_BOUNDS.set([(0, 3), (3, 9), (9, 11)])
+    token = padding_free._PACKED_STATE.set((None, [(0, 3), (3, 9), (9, 11)]))
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out, _ = padding_free.per_sequence_sdpa(module, query, key, value.bfloat16(), None)
     finally:
-        padding_free._SEQUENCE_BOUNDS.reset(token)
+        padding_free._PACKED_STATE.reset(token)
     assert seen == [(3, torch.float32, False), (6, torch.float32, True), (2, torch.float32, False)]
     assert out.dtype == torch.bfloat16 and out.shape == (1, 11, 2, 4)
     for (a, b), atol in (((0, 3), 1e-2), ((3, 9), 5e-2), ((9, 11), 1e-2)):
@@ -518,13 +523,56 @@ def test_per_sequence_attention_under_bf16_autocast_is_fp32_for_short_sequences(
         torch.testing.assert_close(out[:, a:b].float(), want, atol=atol, rtol=0)
 
 
-def test_gradient_checkpointing_keeps_the_masked_rows_and_equal_gradients(causal_lm, monkeypatch):
-    """With gradient checkpointing a layer reruns its forward in backward, outside `packed_attention`, so the
-    packed forward keeps rows bounded by the longest sequence with transformers' block-diagonal mask (sdpa calls
-    as wide as a row), and log-probs and gradients still equal the padded forward's."""
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_reruns_each_sequence_alone(causal_lm, monkeypatch, reentrant):
+    """Under transformers' gradient checkpointing a layer reruns its forward during backward, after `packed_attention`
+    has ended; its wrapped checkpoint function reruns it under the same per-sequence attention. Every sdpa call is one
+    sequence's own (never the whole row): the token log-probs' forward, the sums' forward and the sums' rerun, three
+    rounds; the model is back on sdpa afterwards; log-probs and gradients equal the padded forward's."""
     model = copy.deepcopy(causal_lm)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()
+    batch = mixed_batch("right")
+    padded = _logps_and_gradients(model, batch, False)
+    calls = _count_sdpa_calls(monkeypatch)
+    flat = _logps_and_gradients(model, batch, True)
+    assert sorted(calls) == sorted(list(MIXED_LENGTHS) * model.config.num_hidden_layers * 3)
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(flat[0], padded[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(flat[2], padded[2], atol=1e-5, rtol=1e-6)
+    for name, grad in padded[4].items():
+        torch.testing.assert_close(flat[4][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    # Checkpointing turned off and on again installs a new checkpoint function: it is wrapped again.
+    model.gradient_checkpointing_disable()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    calls.clear()
+    again = _logps_and_gradients(model, batch, True)
+    assert sorted(calls) == sorted(list(MIXED_LENGTHS) * model.config.num_hidden_layers * 3)
+    for name, grad in padded[4].items():
+        torch.testing.assert_close(again[4][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_checkpoint_wrapper_keeps_the_masked_rows_and_equal_gradients(causal_lm, monkeypatch):
+    """torch's `checkpoint_wrapper` (FSDP's or accelerate's activation checkpointing) reruns a layer outside
+    `packed_attention`, where the replaying wrapper does not reach: such a model keeps rows bounded by the longest
+    sequence with transformers' block-diagonal mask (sdpa calls as wide as a row, forward and rerun alike), and its
+    log-probs and gradients equal the padded forward's."""
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    model = copy.deepcopy(causal_lm)
+    assert row_token_bound(model) is None  # before the wrapping (the trainer wraps after the model has run)
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda module: type(module).__name__.endswith("DecoderLayer"))
+    model.train()
+    assert row_token_bound(model) == 0
+    assert row_token_bound(copy.deepcopy(model)) == 0  # found already wrapped
     batch = mixed_batch("right")
     padded = _logps_and_gradients(model, batch, False)
     calls = _count_sdpa_calls(monkeypatch)
@@ -711,14 +759,19 @@ def shared_prefix_batch(side: str) -> dict[str, torch.Tensor]:
     return batch
 
 
-@pytest.mark.parametrize("side", ["right", "left"])
-@pytest.mark.parametrize("finetuning", ["lora", "full"])
-def test_shared_prefix_logps_and_gradients_equal_the_padded_forward(causal_lm, side, finetuning):
+@pytest.mark.parametrize(("side", "finetuning", "checkpointing"), [
+    ("right", "lora", False), ("left", "lora", False), ("right", "full", False), ("left", "full", False),
+    ("right", "lora", True), ("left", "full", True)])
+def test_shared_prefix_logps_and_gradients_equal_the_padded_forward(causal_lm, side, finetuning, checkpointing):
     """Per-token and summed log-probs and their gradients with shared prefixes equal the padded forward's, and
-    the decoder runs fewer tokens than the batch holds."""
+    the decoder runs fewer tokens than the batch holds; under gradient checkpointing too, whose reruns gather each
+    sequence's context again."""
     from alignkit.model.padding_free import flatten_for_model
 
     model = _lora(causal_lm) if finetuning == "lora" else copy.deepcopy(causal_lm)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     batch = shared_prefix_batch(side)
     flat = flatten_for_model(model, batch["input_ids"], batch["attention_mask"])
     assert flat.shared is not None and flat.shared.tolist() == [0, 0, 2, 4, 6, 3]

@@ -335,6 +335,14 @@ def read_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     return config
 
 
+def _fsdp_activation_checkpointing(t: TrainingArguments) -> bool:
+    """Whether FSDP's own activation checkpointing is asked for: `fsdp_config` (transformers has stripped its `fsdp_`
+    prefixes by now) or an `accelerate launch` FSDP config (its environment variables)."""
+    asked = bool(t.fsdp) and bool((t.fsdp_config or {}).get("activation_checkpointing"))
+    return asked or (os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+                     and os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "").lower() in ("1", "true"))
+
+
 def check_combinations(config: Config) -> None:
     """Reject settings that are valid alone but not together, saying how to fix them.
 
@@ -351,6 +359,12 @@ def check_combinations(config: Config) -> None:
         raise ConfigError(f"quantization_bit={config.model.quantization_bit} with finetuning_type={f.finetuning_type}: "
                           "a quantized base cannot be trained itself (its weights are frozen integers); use "
                           "finetuning_type=lora (QLoRA), or remove quantization_bit.")
+    if t.do_train and f.finetuning_type == "lora" and _fsdp_activation_checkpointing(t):
+        raise ConfigError("FSDP's activation checkpointing (fsdp_config activation_checkpointing, or "
+                          "fsdp_activation_checkpointing in an accelerate config) with finetuning_type=lora: torch's "
+                          "checkpoint wrapper renames every decoder layer, and peft then finds none of the adapter's "
+                          "weights when it saves them (the saved adapter would be empty). Use gradient_checkpointing: "
+                          "true instead, which checkpoints the same decoder layers.")
     if f.pissa_init and f.stage not in ("pt", "sft", "rm"):
         raise ConfigError(f"pissa_init=true with stage {f.stage}: PiSSA moves the adapter's principal part out of the "
                           "base weights, so the base with the adapter disabled (this stage's reference) is no longer "

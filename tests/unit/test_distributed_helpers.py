@@ -107,6 +107,27 @@ def test_fsdp_on_a_cpu_passes_where_accelerate_was_made_to_run_it(monkeypatch, t
     config = parse_config({"output_dir": str(tmp_path), "fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2}})
     assert config.training.fsdp
 
+@pytest.mark.parametrize("keys, env", [
+    ({"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2, "activation_checkpointing": True}}, {}),
+    ({"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_activation_checkpointing": True}}, {}),
+    ({}, {"ACCELERATE_USE_FSDP": "true", "FSDP_ACTIVATION_CHECKPOINTING": "true"})])
+def test_fsdp_activation_checkpointing_with_lora_is_refused(keys, env, monkeypatch, tmp_path):
+    """torch's checkpoint wrapper renames the decoder layers, and peft's save then finds no adapter weights (an
+    empty adapter file, seen in tests/distributed/test_distributed_fsdp.py before this check): refused before any
+    model loads, pointing at gradient_checkpointing; full fine-tuning keeps it."""
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setattr("alignkit.config.parse._has_accelerator", lambda: False)
+    monkeypatch.setattr(AcceleratorState, "fsdp_on_cpu", True, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    base = {"output_dir": str(tmp_path), "do_train": True, "dataset": "demo_sft", **keys}
+    with pytest.raises(ConfigError, match="activation checkpointing.*finetuning_type=lora.*gradient_checkpointing: true"):
+        parse_config(base)
+    assert parse_config({**base, "finetuning_type": "full"}).finetuning.finetuning_type == "full"
+    assert parse_config({**base, "do_train": False, "do_eval": True, "val_size": 0.1})
+
+
 # ---- full_weights under ZeRO-3, DeepSpeed stubbed ----
 
 class _FakeZero:

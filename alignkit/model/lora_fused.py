@@ -10,11 +10,13 @@ model-FLOPs utilisation does not count. `_LoraLinear` does the same arithmetic w
     backward: g_down = g B;  dx = g W + scaling * g_down A;  dA = scaling * g_down^T x;  dB = scaling * g^T down
 
 (plus dW = g^T x and db = sum(g) for a trainable base layer). It saves `x` and `down` for backward, as the
-unfused layers do.
+unfused layers do. With LoRA dropout (`lora_dropout` > 0, while training) the adapter reads `d = dropout(x)` in
+place of `x`: `down = d A^T`, and the node returns d's gradient `scaling * g_down A` apart from x's (`g W`), for the
+dropout's own backward to mask; it then saves `d` instead of `x` (and `x` too only for a trainable base).
 
 `fuse_lora_linears` installs it on every plain LoRA linear layer of a PEFT model. The fused path runs only in the
-plain case: adapters enabled and not merged, one active adapter without a variant (DoRA, ...), no dropout in
-effect, an `nn.Linear` base layer with matching dtypes, no LoRA bias, no per-call adapter names, no DeepSpeed
+plain case: adapters enabled and not merged, one active adapter without a variant (DoRA, ...), its dropout
+`nn.Dropout` or none, an `nn.Linear` base layer with matching dtypes, no LoRA bias, no per-call adapter names, no DeepSpeed
 ZeRO-3 partitions (whose weights only the modules' own calls gather); anything else calls PEFT's own forward,
 unchanged.
 
@@ -49,21 +51,29 @@ from .distributed import is_zero3_partitioned
 
 
 class _LoraLinear(torch.autograd.Function):
-    """`F.linear(x, weight, bias) + scaling * (x @ lora_a.T) @ lora_b.T` as one node (see the module docstring)."""
+    """`F.linear(x, weight, bias) + scaling * (d @ lora_a.T) @ lora_b.T` as one node, `d` being `dropped` (the
+    adapter's input after LoRA dropout) or `x` itself (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropped):
         rows = x.reshape(-1, x.size(-1))
+        adapter_rows = rows if dropped is None else dropped.reshape(-1, dropped.size(-1))
         out = F.linear(rows, weight, bias)
-        down = rows @ lora_a.T
+        down = adapter_rows @ lora_a.T
         out.addmm_(down, lora_b.T, alpha=scaling)
-        ctx.save_for_backward(rows, weight, lora_a, lora_b, down)
+        # With dropout the adapter's gradient reads the dropped copy, and `x` is needed only for a trainable base
+        # weight's gradient: a frozen base keeps one `[tokens, in]` tensor saved per layer, as without dropout.
+        saved_rows = rows if dropped is None or weight.requires_grad else None
+        ctx.save_for_backward(saved_rows, None if dropped is None else adapter_rows, weight, lora_a, lora_b, down)
         ctx.scaling, ctx.input_shape, ctx.has_bias = scaling, x.shape, bias is not None
+        ctx.dropped_shape = None if dropped is None else dropped.shape
         return out.view(*x.shape[:-1], out.size(-1))
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows, weight, lora_a, lora_b, down = ctx.saved_tensors
+        rows, adapter_rows, weight, lora_a, lora_b, down = ctx.saved_tensors
+        if adapter_rows is None:
+            adapter_rows = rows
         scaling = ctx.scaling
         g = grad_out.reshape(-1, grad_out.size(-1))
         # The rank-r products are formed with the wide side as the output: `[r, out] @ [out, tokens]` rather than
@@ -71,33 +81,39 @@ class _LoraLinear(torch.autograd.Function):
         # columns wide 2-4x slower (the bundled model's 1086-token RM batch: dB of an MLP layer 1.84 ms against
         # 0.44; docs/performance.md). `g_down` is then a transposed view, which `addmm_` and `.T @` take as is.
         g_down = (lora_b.T @ g.T).T  # [tokens, r]
-        grad_x = grad_weight = grad_bias = grad_a = grad_b = None
+        grad_x = grad_weight = grad_bias = grad_a = grad_b = grad_dropped = None
         if ctx.needs_input_grad[0]:
-            grad_x = (g @ weight).addmm_(g_down, lora_a, alpha=scaling).view(ctx.input_shape)
+            grad_x = g @ weight
+            if ctx.dropped_shape is None:
+                grad_x.addmm_(g_down, lora_a, alpha=scaling)
+            grad_x = grad_x.view(ctx.input_shape)
         if ctx.needs_input_grad[1]:
             grad_weight = g.T @ rows
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g.sum(0)
         if ctx.needs_input_grad[3]:
-            grad_a = torch.mm(g_down.T, rows).mul_(scaling)
+            grad_a = torch.mm(g_down.T, adapter_rows).mul_(scaling)
         if ctx.needs_input_grad[4]:
             grad_b = torch.mm(down.T, g).mul_(scaling).T.contiguous()
-        return grad_x, grad_weight, grad_bias, grad_a, grad_b, None
+        if ctx.dropped_shape is not None and ctx.needs_input_grad[6]:
+            grad_dropped = torch.mm(g_down, lora_a).mul_(scaling).view(ctx.dropped_shape)
+        return grad_x, grad_weight, grad_bias, grad_a, grad_b, None, grad_dropped
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+                lora_b: torch.Tensor, scaling: float, dropped: torch.Tensor | None = None) -> torch.Tensor:
     """A LoRA-adapted linear layer in one autograd node.
 
     Args:
         x: `[..., in]` input.
         weight: `[out, in]` base weight; bias: `[out]` or None.
         lora_a: `[r, in]`; lora_b: `[out, r]`; scaling: `lora_alpha / r` (or PEFT's rsLoRA scaling).
+        dropped: the adapter's input when LoRA dropout is in effect (`dropout(x)`, shaped as `x`); None: `x`.
 
     Returns:
-        `[..., out]`: `x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T`.
+        `[..., out]`: `x @ weight.T + bias + scaling * (dropped @ lora_a.T) @ lora_b.T`.
     """
-    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, scaling)
+    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, scaling, dropped)
 
 
 def frozen_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -140,7 +156,7 @@ def _plain_adapter(layer: nn.Module, x: torch.Tensor) -> str | None:
     if name not in layer.lora_A or name in getattr(layer, "lora_variant", {}):
         return None
     dropout = layer.lora_dropout[name]
-    if not isinstance(dropout, nn.Identity) and (dropout.training and getattr(dropout, "p", 0.0) > 0):
+    if not isinstance(dropout, (nn.Identity, nn.Dropout)):
         return None
     base, lora_a, lora_b = layer.get_base_layer(), layer.lora_A[name], layer.lora_B[name]
     if type(base) is not nn.Linear or lora_b.bias is not None or lora_a.bias is not None:
@@ -165,6 +181,9 @@ def _fused_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
         return type(self).forward(self, x, *args, **kwargs)  # PEFT's own forward
     base = self.get_base_layer()
     weight, bias, lora_a, lora_b = base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight
+    dropout = self.lora_dropout[name]
+    # LoRA dropout in effect: on `x` as PEFT applies it (before any cast; the same random draws in the same order).
+    dropped = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else None
     device = x.device.type
     if torch.is_autocast_enabled(device):
         # What autocast would do, once: every input cast to its dtype (the casts are autograd nodes, so the fp32
@@ -173,8 +192,8 @@ def _fused_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
         weight = frozen_cast(weight, dtype)
         with torch.autocast(device, enabled=False):
             return lora_linear(x.to(dtype), weight, None if bias is None else bias.to(dtype), lora_a.to(dtype),
-                               lora_b.to(dtype), self.scaling[name])
-    return lora_linear(x, weight, bias, lora_a, lora_b, self.scaling[name])
+                               lora_b.to(dtype), self.scaling[name], None if dropped is None else dropped.to(dtype))
+    return lora_linear(x, weight, bias, lora_a, lora_b, self.scaling[name], dropped)
 
 
 def fuse_lora_linears(model: nn.Module) -> int:

@@ -90,19 +90,54 @@ def test_fused_peft_model_equals_peft(tiny_model_dir, monkeypatch):
     assert calls == []
 
 
-def test_dropout_in_training_takes_peft_path(tiny_model_dir, monkeypatch):
-    model = _peft(tiny_model_dir, dropout=0.5)
-    fuse_lora_linears(model)
+def test_lora_linear_with_dropped_input_matches_unfused():
+    """The adapter reads `dropped` (dropout's output) while the base reads `x`: values and the gradients of x,
+    dropped, W, b, A and B equal the unfused formula's, with a trainable base and with a frozen one."""
+    generator = torch.Generator().manual_seed(0)
+    for base_trainable in (True, False):
+        x, w, bias, a, b = (torch.randn(shape, generator=generator) for shape in [(2, 5, 6), (7, 6), (7,), (3, 6), (7, 3)])
+        dropped = x * (torch.rand(x.shape, generator=generator) > 0.5) * 2  # a dropout mask of p = 0.5
+        tensors = [t.requires_grad_(base_trainable or t is not w and t is not bias) for t in (x, w, bias, a, b, dropped)]
+        upstream = torch.randn(2, 5, 7, generator=generator)
+        wanted = [t for t in tensors if t.requires_grad]
+        out = lora_linear(x, w, bias, a, b, 2.0, dropped)
+        reference = torch.nn.functional.linear(x, w, bias) + (dropped @ a.T @ b.T) * 2.0
+        torch.testing.assert_close(out, reference)
+        for got, want in zip(torch.autograd.grad((out * upstream).sum(), wanted),
+                             torch.autograd.grad((reference * upstream).sum(), wanted)):
+            torch.testing.assert_close(got, want)
+
+
+def test_dropout_in_training_is_fused_and_equals_peft(tiny_model_dir, monkeypatch):
+    """LoRA dropout (p = 0.5) while training: every layer takes the fused node, and from the same random state the
+    loss and every LoRA gradient equal PEFT's own forward (the same masks, drawn in the same order); in eval the
+    dropout is off and the node gets no dropped copy."""
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    plain = _peft(tiny_model_dir, dropout=0.5)
+    fused = copy.deepcopy(plain)
+    fuse_lora_linears(fused)
     calls = []
     original = lora_linear.__globals__["_LoraLinear"].apply
-    monkeypatch.setattr(lora_linear.__globals__["_LoraLinear"], "apply", lambda *a: calls.append(1) or original(*a))
-    ids = torch.randint(3, 300, (1, 6))
-    model.train()
-    model(input_ids=ids)
-    assert calls == []
-    model.eval()  # dropout off: the fused path computes exactly what PEFT does
-    model(input_ids=ids)
-    assert len(calls) == 14
+    monkeypatch.setattr(lora_linear.__globals__["_LoraLinear"], "apply",
+                        lambda *a: calls.append(a[-1] is not None) or original(*a))
+    results = []
+    for model in (plain, fused):
+        model.train()
+        torch.manual_seed(7)
+        results.append(_loss_and_grads(model, ids))
+    assert calls == [True] * 14
+    (loss_p, grads_p), (loss_f, grads_f) = results
+    torch.testing.assert_close(loss_f, loss_p, atol=1e-6, rtol=1e-6)
+    assert grads_f.keys() == grads_p.keys() and any("lora_A" in n for n in grads_f)
+    for name, grad in grads_p.items():
+        torch.testing.assert_close(grads_f[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    torch.manual_seed(8)  # another draw: another loss (the dropout is really on)
+    assert not torch.allclose(_loss_and_grads(fused, ids)[0], loss_f)
+    calls.clear()
+    fused.eval()
+    with torch.no_grad():
+        fused(input_ids=ids)
+    assert calls == [False] * 14
 
 
 def test_autocast_runs_the_fused_node_in_bf16(tiny_model_dir, monkeypatch):

@@ -28,8 +28,13 @@ element-wise passes. Bundled model, LoRA on every linear layer, forward and back
 autocast: see docs/performance.md ("bf16 steps").
 
 The LoRA variants: rsLoRA (`use_rslora`) changes only `scaling` and PiSSA (`pissa_init`) only the starting weights,
-so both are plain here and fused; DoRA (`use_dora`) is a peft variant (`lora_variant`) and runs peft's forward; LoRA+
-(`loraplus_lr_ratio`) is an optimizer setting. tests/unit/test_lora_variants.py checks each against peft.
+so both are plain here and fused. DoRA (`use_dora`, a peft variant in `lora_variant`) is fused too while its dropout
+is not in effect: PEFT's output `base(x) + (s - 1) * W x + s * scaling * B A x`, with s = magnitude / ||W + scaling *
+B A|| per output row (the norm without gradient), is `s * (x W^T + scaling * x A^T B^T) + bias`, the node's product
+times one factor (`dora_scale`); under an autocast the products run in its dtype and the adapter's up-projection
+and the sum in fp32, as PEFT sums them (a bf16 sum rounds the adapter's small part against the base's); with LoRA dropout in effect PEFT recomputes the base product on the dropped input,
+and that case runs PEFT's forward. LoRA+ (`loraplus_lr_ratio`) is an optimizer setting.
+tests/unit/test_lora_variants.py checks each against peft.
 
 A quantized base (`quantization_bit`, QLoRA) is never fused: its LoRA layers are PEFT's bitsandbytes classes
 (`lora.bnb.Linear4bit`, `Linear8bitLt`), which `fuse_lora_linears` leaves alone, because the fused node would need
@@ -153,15 +158,19 @@ def _plain_adapter(layer: nn.Module, x: torch.Tensor) -> str | None:
     if len(active) != 1:
         return None
     name = active[0]
-    if name not in layer.lora_A or name in getattr(layer, "lora_variant", {}):
+    if name not in layer.lora_A:
         return None
     dropout = layer.lora_dropout[name]
     if not isinstance(dropout, (nn.Identity, nn.Dropout)):
         return None
+    dora = name in getattr(layer, "lora_variant", {})
+    if dora and not _fusable_dora(layer, name, dropout):
+        return None
     base, lora_a, lora_b = layer.get_base_layer(), layer.lora_A[name], layer.lora_B[name]
     if type(base) is not nn.Linear or lora_b.bias is not None or lora_a.bias is not None:
         return None
-    if any(is_zero3_partitioned(p) for p in (base.weight, lora_a.weight, lora_b.weight)):
+    weights = (base.weight, lora_a.weight, lora_b.weight) + ((layer.lora_magnitude_vector[name].weight,) if dora else ())
+    if any(is_zero3_partitioned(p) for p in weights):
         # DeepSpeed ZeRO-3: a weight is whole only inside its own module's forward and backward (the engine's
         # hooks gather it there), so reading `base.weight` here would read this process's empty partition.
         return None
@@ -174,6 +183,49 @@ def _plain_adapter(layer: nn.Module, x: torch.Tensor) -> str | None:
     return name
 
 
+def _fusable_dora(layer: nn.Module, name: str, dropout: nn.Module) -> bool:
+    """Whether adapter `name`'s variant is DoRA on a linear layer in the case the fused path computes: its dropout
+    not in effect (PEFT then runs the magnitude's rescaling on the base output it already has; with dropout it
+    recomputes the base product on the dropped input, which this path does not)."""
+    from peft.tuners.lora.variants import DoraLinearVariant
+
+    return (isinstance(layer.lora_variant[name], DoraLinearVariant) and not layer.fan_in_fan_out
+            and (isinstance(dropout, nn.Identity) or not layer.training))
+
+
+class _RowScale(torch.autograd.Function):
+    """`y * scale` (`scale` `[out]`, per output row) that saves `y` for the factor's gradient in `saved_dtype`: DoRA's
+    sum comes out in fp32 under a bf16 autocast, and keeping it in fp32 for the magnitude's gradient alone held one
+    more fp32 `[tokens, out]` tensor per adapted layer (PEFT keeps its two bf16 products for that gradient)."""
+
+    @staticmethod
+    def forward(ctx, y, scale, saved_dtype):
+        ctx.save_for_backward(y.to(saved_dtype) if ctx.needs_input_grad[1] else None, scale)
+        return y * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, scale = ctx.saved_tensors
+        grad_y = grad * scale if ctx.needs_input_grad[0] else None
+        grad_scale = None
+        if ctx.needs_input_grad[1]:
+            grad_scale = (grad.reshape(-1, grad.size(-1)) * y.reshape(-1, y.size(-1))).sum(0, dtype=scale.dtype)
+        return grad_y, grad_scale, None
+
+
+def dora_scale(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+               magnitude: torch.Tensor) -> torch.Tensor:
+    """DoRA's per-output factor `magnitude / ||weight + scaling * lora_b @ lora_a||` (row norms), `[out]`.
+
+    The norm carries no gradient, as in PEFT and the DoRA paper (section 4.3: treated as a constant); `magnitude`
+    gets its gradient through the quotient. Computed in the base weight's dtype (PEFT's, outside an autocast).
+    """
+    with torch.no_grad():
+        norm = torch.linalg.norm(weight.addmm(lora_b.to(weight.dtype), lora_a.to(weight.dtype), alpha=scaling),
+                                 dim=1)
+    return magnitude / norm
+
+
 def _fused_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """Installed as a bound method of each PEFT `lora.Linear` (so `copy.deepcopy` rebinds it to the copy)."""
     name = None if args or kwargs else _plain_adapter(self, x)
@@ -181,19 +233,43 @@ def _fused_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
         return type(self).forward(self, x, *args, **kwargs)  # PEFT's own forward
     base = self.get_base_layer()
     weight, bias, lora_a, lora_b = base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight
-    dropout = self.lora_dropout[name]
-    # LoRA dropout in effect: on `x` as PEFT applies it (before any cast; the same random draws in the same order).
-    dropped = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else None
+    scaling = self.scaling[name]
+    scale = None
+    if name in getattr(self, "lora_variant", {}):
+        # DoRA (`_fusable_dora`): PEFT's `base(x) + (s - 1) * (W x) + s * scaling * B A x` is `s * (W x + scaling *
+        # B A x) + bias`, s = `dora_scale`; the node computes the bracket and the factor is applied after it.
+        scale = dora_scale(weight, lora_a, lora_b, scaling, self.lora_magnitude_vector[name].weight)
+        dropped, node_bias = None, None
+    else:
+        dropout = self.lora_dropout[name]
+        # LoRA dropout in effect: on `x` as PEFT applies it (before any cast; the same draws in the same order).
+        dropped = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else None
+        node_bias = bias
     device = x.device.type
     if torch.is_autocast_enabled(device):
         # What autocast would do, once: every input cast to its dtype (the casts are autograd nodes, so the fp32
         # adapter weights get fp32 gradients), then the node runs in that dtype with autocast off inside it.
         dtype = torch.get_autocast_dtype(device)
-        weight = frozen_cast(weight, dtype)
         with torch.autocast(device, enabled=False):
-            return lora_linear(x.to(dtype), weight, None if bias is None else bias.to(dtype), lora_a.to(dtype),
-                               lora_b.to(dtype), self.scaling[name], None if dropped is None else dropped.to(dtype))
-    return lora_linear(x, weight, bias, lora_a, lora_b, self.scaling[name], dropped)
+            if scale is not None:
+                # DoRA: the products in the autocast dtype, the adapter's up-projection and the sum in fp32, as PEFT
+                # sums them (a bf16 sum, the node's, rounds the adapter's small part against the base's).
+                rows = x.to(dtype).reshape(-1, x.size(-1))
+                out = torch.addmm(F.linear(rows, frozen_cast(weight, dtype)).float(),
+                                  F.linear(rows, lora_a.to(dtype)).float(), lora_b.float().T, alpha=scaling)
+                out = out.view(*x.shape[:-1], out.size(-1))
+            else:
+                out = lora_linear(x.to(dtype), frozen_cast(weight, dtype), None if node_bias is None else
+                                  node_bias.to(dtype), lora_a.to(dtype), lora_b.to(dtype), scaling,
+                                  None if dropped is None else dropped.to(dtype))
+    else:
+        out = lora_linear(x, weight, node_bias, lora_a, lora_b, scaling, dropped)
+    if scale is None:
+        return out
+    # Under an autocast the fp32 sum is kept in the autocast dtype for the magnitude's gradient (`_RowScale`).
+    out = _RowScale.apply(out, scale, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                          else out.dtype)
+    return out if bias is None else out + bias
 
 
 def fuse_lora_linears(model: nn.Module) -> int:
@@ -230,4 +306,4 @@ def shadowed_forward(module: nn.Module, forward: Callable[..., Any]) -> Iterator
             module.forward = previous
 
 
-__all__ = ["frozen_cast", "lora_linear", "fuse_lora_linears", "quantized_base_layer", "shadowed_forward"]
+__all__ = ["dora_scale", "frozen_cast", "lora_linear", "fuse_lora_linears", "quantized_base_layer", "shadowed_forward"]

@@ -15,9 +15,9 @@ place of `x`: `down = d A^T`, and the node returns d's gradient `scaling * g_dow
 dropout's own backward to mask; it then saves `d` instead of `x` (and `x` too only for a trainable base).
 
 `fuse_lora_linears` installs it on every plain LoRA linear layer of a PEFT model. The fused path runs only in the
-plain case: adapters enabled and not merged, one active adapter without a variant (DoRA, ...), its dropout
-`nn.Dropout` or none, an `nn.Linear` base layer with matching dtypes, no LoRA bias, no per-call adapter names, no DeepSpeed
-ZeRO-3 partitions (whose weights only the modules' own calls gather); anything else calls PEFT's own forward,
+plain case: adapters enabled and not merged, one active adapter with no variant but DoRA (below), its dropout
+`nn.Dropout` or none, an `nn.Linear` base layer with matching dtypes, no LoRA bias, no per-call adapter names, no
+DeepSpeed ZeRO-3 partitions (whose weights only the modules' own calls gather); anything else calls PEFT's own forward,
 unchanged.
 
 Under autocast (a `bf16` run) the node runs in the autocast dtype on inputs cast once before it, as autocast
@@ -32,9 +32,9 @@ so both are plain here and fused. DoRA (`use_dora`, a peft variant in `lora_vari
 is not in effect: PEFT's output `base(x) + (s - 1) * W x + s * scaling * B A x`, with s = magnitude / ||W + scaling *
 B A|| per output row (the norm without gradient), is `s * (x W^T + scaling * x A^T B^T) + bias`, the node's product
 times one factor (`dora_scale`); under an autocast the products run in its dtype and the adapter's up-projection
-and the sum in fp32, as PEFT sums them (a bf16 sum rounds the adapter's small part against the base's); with LoRA dropout in effect PEFT recomputes the base product on the dropped input,
-and that case runs PEFT's forward. LoRA+ (`loraplus_lr_ratio`) is an optimizer setting.
-tests/unit/test_lora_variants.py checks each against peft.
+and the sum in fp32, as PEFT sums them (a bf16 sum rounds the adapter's small part against the base's). With LoRA
+dropout in effect PEFT recomputes the base product on the dropped input, and that case runs PEFT's forward. LoRA+
+(`loraplus_lr_ratio`) is an optimizer setting. tests/unit/test_lora_variants.py checks each against peft.
 
 A quantized base (`quantization_bit`, QLoRA) is never fused: its LoRA layers are PEFT's bitsandbytes classes
 (`lora.bnb.Linear4bit`, `Linear8bitLt`), which `fuse_lora_linears` leaves alone, because the fused node would need
@@ -169,7 +169,9 @@ def _plain_adapter(layer: nn.Module, x: torch.Tensor) -> str | None:
     base, lora_a, lora_b = layer.get_base_layer(), layer.lora_A[name], layer.lora_B[name]
     if type(base) is not nn.Linear or lora_b.bias is not None or lora_a.bias is not None:
         return None
-    weights = (base.weight, lora_a.weight, lora_b.weight) + ((layer.lora_magnitude_vector[name].weight,) if dora else ())
+    weights = [base.weight, lora_a.weight, lora_b.weight]
+    if dora:
+        weights.append(layer.lora_magnitude_vector[name].weight)
     if any(is_zero3_partitioned(p) for p in weights):
         # DeepSpeed ZeRO-3: a weight is whole only inside its own module's forward and backward (the engine's
         # hooks gather it there), so reading `base.weight` here would read this process's empty partition.

@@ -34,9 +34,10 @@ checkpointing too: a checkpointed layer reruns its forward during backward, afte
 rows-of-bounded-width layout below remains for eager attention and for torch's `checkpoint_wrapper` (FSDP's or
 accelerate's activation checkpointing), whose reruns that wrapping does not reach.
 
-With eager attention, or under a `checkpoint_wrapper`, the bound is chosen per batch by a cost model (`cheapest_row_capacity`): a layout of R
-rows of width W costs `R * W * (slot_cost + W)`, where `slot_cost = attention_slot_cost(model)` is how many
-attention score pairs cost as much as one token slot in the layer's weight matrices (3072 for SmolLM2-135M).
+With eager attention, or under a `checkpoint_wrapper`, the bound is chosen per batch by a cost model
+(`cheapest_row_capacity`): a layout of R rows of width W costs `R * W * (slot_cost + W)`, where
+`slot_cost = attention_slot_cost(model)` is how many attention score pairs cost as much as one token slot in the
+layer's weight matrices (3072 for SmolLM2-135M).
 One row of all T tokens holds no padding, so it has the fewest slots and the least activation memory; rows
 of the longest sequence times 1, 2, 4, ... are taken only when the cheapest of them costs under 3/4 of the
 one row. Many or long sequences get rows as narrow as the longest one (the measured tables; 32 x 512 on

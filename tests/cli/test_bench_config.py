@@ -102,7 +102,8 @@ def test_plan_adds_trl_real_default_on_cpu_and_qlora_only_for_sft(monkeypatch):
 
 def test_alignkit_extra_keys_reach_only_alignkit_runs(capsys):
     """`--alignkit-extra` must be KEY=VALUE; it is an alignkit-only option (TRL's runs keep their settings)."""
-    opts = bench_run.parse_args(["--stage", "sft", "--alignkit-extra", "gradient_checkpointing=true", "neftune_noise_alpha=5"])
+    opts = bench_run.parse_args(["--stage", "sft", "--alignkit-extra", "gradient_checkpointing=true",
+                                 "neftune_noise_alpha=5"])
     assert opts.alignkit_extra == ["gradient_checkpointing=true", "neftune_noise_alpha=5"]
     assert bench_run.parse_args([]).alignkit_extra == []
     with pytest.raises(SystemExit):

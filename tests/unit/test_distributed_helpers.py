@@ -122,7 +122,8 @@ def test_fsdp_activation_checkpointing_with_lora_is_refused(keys, env, monkeypat
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     base = {"output_dir": str(tmp_path), "do_train": True, "dataset": "demo_sft", **keys}
-    with pytest.raises(ConfigError, match="activation checkpointing.*finetuning_type=lora.*gradient_checkpointing: true"):
+    with pytest.raises(ConfigError,
+                       match="activation checkpointing.*finetuning_type=lora.*gradient_checkpointing: true"):
         parse_config(base)
     assert parse_config({**base, "finetuning_type": "full"}).finetuning.finetuning_type == "full"
     assert parse_config({**base, "do_train": False, "do_eval": True, "val_size": 0.1})

@@ -95,9 +95,11 @@ def test_lora_linear_with_dropped_input_matches_unfused():
     dropped, W, b, A and B equal the unfused formula's, with a trainable base and with a frozen one."""
     generator = torch.Generator().manual_seed(0)
     for base_trainable in (True, False):
-        x, w, bias, a, b = (torch.randn(shape, generator=generator) for shape in [(2, 5, 6), (7, 6), (7,), (3, 6), (7, 3)])
+        shapes = [(2, 5, 6), (7, 6), (7,), (3, 6), (7, 3)]
+        x, w, bias, a, b = (torch.randn(shape, generator=generator) for shape in shapes)
         dropped = x * (torch.rand(x.shape, generator=generator) > 0.5) * 2  # a dropout mask of p = 0.5
-        tensors = [t.requires_grad_(base_trainable or t is not w and t is not bias) for t in (x, w, bias, a, b, dropped)]
+        tensors = [t.requires_grad_(base_trainable or (t is not w and t is not bias))
+                   for t in (x, w, bias, a, b, dropped)]
         upstream = torch.randn(2, 5, 7, generator=generator)
         wanted = [t for t in tensors if t.requires_grad]
         out = lora_linear(x, w, bias, a, b, 2.0, dropped)

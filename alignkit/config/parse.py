@@ -95,6 +95,11 @@ def _has_accelerator() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
+def _env_flag(name: str) -> bool:
+    """Whether accelerate's environment variable `name` is set true (`accelerate launch` writes "true")."""
+    return os.environ.get(name, "").lower() in ("1", "true")
+
+
 def _accelerate_runs_fsdp_here() -> bool:
     """Whether accelerate turns an FSDP request into FSDP on this machine.
 
@@ -229,8 +234,7 @@ def parse_config(
     per_class[TrainingArguments]["report_to"] = check_report_to(per_class[TrainingArguments]["report_to"])
     # Pinned memory only helps host-to-GPU copies; on a CPU-only machine torch warns about it each epoch.
     per_class[TrainingArguments].setdefault("dataloader_pin_memory", _has_accelerator())
-    fsdp_asked = _asks_for_fsdp(per_class[TrainingArguments]) or \
-        os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    fsdp_asked = _asks_for_fsdp(per_class[TrainingArguments]) or _env_flag("ACCELERATE_USE_FSDP")
     if fsdp_asked and not _accelerate_runs_fsdp_here():
         # accelerate (1.15) switches to FSDP only on GPU-like devices; on a CPU the run silently falls back to
         # plain data parallelism with a whole model per process, which is not what was asked for.
@@ -339,8 +343,7 @@ def _fsdp_activation_checkpointing(t: TrainingArguments) -> bool:
     """Whether FSDP's own activation checkpointing is asked for: `fsdp_config` (transformers has stripped its `fsdp_`
     prefixes by now) or an `accelerate launch` FSDP config (its environment variables)."""
     asked = bool(t.fsdp) and bool((t.fsdp_config or {}).get("activation_checkpointing"))
-    return asked or (os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
-                     and os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "").lower() in ("1", "true"))
+    return asked or (_env_flag("ACCELERATE_USE_FSDP") and _env_flag("FSDP_ACTIVATION_CHECKPOINTING"))
 
 
 def check_combinations(config: Config) -> None:

@@ -233,44 +233,45 @@ def _fused_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
     name = None if args or kwargs else _plain_adapter(self, x)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)  # PEFT's own forward
+    if name in getattr(self, "lora_variant", {}):
+        return _dora_forward(self, name, x)
+    base = self.get_base_layer()
+    weight, bias, lora_a, lora_b = base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight
+    dropout = self.lora_dropout[name]
+    # LoRA dropout in effect: on `x` as PEFT applies it (before any cast; the same draws in the same order).
+    dropped = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else None
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return lora_linear(x, weight, bias, lora_a, lora_b, self.scaling[name], dropped)
+    # What autocast would do, once: every input cast to its dtype (the casts are autograd nodes, so the fp32 adapter
+    # weights get fp32 gradients), then the node runs in that dtype with autocast off inside it.
+    dtype = torch.get_autocast_dtype(device)
+    with torch.autocast(device, enabled=False):
+        return lora_linear(x.to(dtype), frozen_cast(weight, dtype), None if bias is None else bias.to(dtype),
+                           lora_a.to(dtype), lora_b.to(dtype), self.scaling[name],
+                           None if dropped is None else dropped.to(dtype))
+
+
+def _dora_forward(self: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """DoRA (`_fusable_dora`): PEFT's `base(x) + (s - 1) * (W x) + s * scaling * B A x` is `s * (W x + scaling * B A
+    x) + bias`, s = `dora_scale`; the bracket is the node's product (no dropout in effect here), then the factor."""
     base = self.get_base_layer()
     weight, bias, lora_a, lora_b = base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight
     scaling = self.scaling[name]
-    scale = None
-    if name in getattr(self, "lora_variant", {}):
-        # DoRA (`_fusable_dora`): PEFT's `base(x) + (s - 1) * (W x) + s * scaling * B A x` is `s * (W x + scaling *
-        # B A x) + bias`, s = `dora_scale`; the node computes the bracket and the factor is applied after it.
-        scale = dora_scale(weight, lora_a, lora_b, scaling, self.lora_magnitude_vector[name].weight)
-        dropped, node_bias = None, None
-    else:
-        dropout = self.lora_dropout[name]
-        # LoRA dropout in effect: on `x` as PEFT applies it (before any cast; the same draws in the same order).
-        dropped = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else None
-        node_bias = bias
+    scale = dora_scale(weight, lora_a, lora_b, scaling, self.lora_magnitude_vector[name].weight)
     device = x.device.type
-    if torch.is_autocast_enabled(device):
-        # What autocast would do, once: every input cast to its dtype (the casts are autograd nodes, so the fp32
-        # adapter weights get fp32 gradients), then the node runs in that dtype with autocast off inside it.
-        dtype = torch.get_autocast_dtype(device)
-        with torch.autocast(device, enabled=False):
-            if scale is not None:
-                # DoRA: the products in the autocast dtype, the adapter's up-projection and the sum in fp32, as PEFT
-                # sums them (a bf16 sum, the node's, rounds the adapter's small part against the base's).
-                rows = x.to(dtype).reshape(-1, x.size(-1))
-                out = torch.addmm(F.linear(rows, frozen_cast(weight, dtype)).float(),
-                                  F.linear(rows, lora_a.to(dtype)).float(), lora_b.float().T, alpha=scaling)
-                out = out.view(*x.shape[:-1], out.size(-1))
-            else:
-                out = lora_linear(x.to(dtype), frozen_cast(weight, dtype), None if node_bias is None else
-                                  node_bias.to(dtype), lora_a.to(dtype), lora_b.to(dtype), scaling,
-                                  None if dropped is None else dropped.to(dtype))
-    else:
-        out = lora_linear(x, weight, node_bias, lora_a, lora_b, scaling, dropped)
-    if scale is None:
-        return out
-    # Under an autocast the fp32 sum is kept in the autocast dtype for the magnitude's gradient (`_RowScale`).
-    out = _RowScale.apply(out, scale, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-                          else out.dtype)
+    if not torch.is_autocast_enabled(device):
+        out = _RowScale.apply(lora_linear(x, weight, None, lora_a, lora_b, scaling), scale, x.dtype)
+        return out if bias is None else out + bias
+    dtype = torch.get_autocast_dtype(device)
+    with torch.autocast(device, enabled=False):
+        # The products in the autocast dtype, the adapter's up-projection and the sum in fp32, as PEFT sums them (a
+        # bf16 sum, the node's, rounds the adapter's small part against the base's).
+        rows = x.to(dtype).reshape(-1, x.size(-1))
+        out = torch.addmm(F.linear(rows, frozen_cast(weight, dtype)).float(),
+                          F.linear(rows, lora_a.to(dtype)).float(), lora_b.float().T, alpha=scaling)
+    # The fp32 sum is kept in the autocast dtype for the magnitude's gradient (`_RowScale`).
+    out = _RowScale.apply(out.view(*x.shape[:-1], out.size(-1)), scale, dtype)
     return out if bias is None else out + bias
 
 

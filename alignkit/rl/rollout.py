@@ -271,15 +271,15 @@ def completion_logps(
     step = batch_size or prompt_ids.size(0)
     share_prompts = share_prompts and image_inputs is None
     padding_free = share_prompts and uses_per_sequence_attention(model)
-    # The KV-cache pass cannot run where checkpointed layers drop the cache (transformers turns `use_cache` off while
-    # gradients are on); the padding-free one needs no cache.
-    share_prompts = share_prompts and (padding_free or not (
-        torch.is_grad_enabled() and model.training and activation_checkpointing(model)))
+    # Otherwise the KV-cache pass, which cannot run where checkpointed layers drop the cache (transformers turns
+    # `use_cache` off while gradients are on).
+    kv_cache = share_prompts and not padding_free and not (
+        torch.is_grad_enabled() and model.training and activation_checkpointing(model))
     all_logps, all_entropy = [], []
     for start in range(0, prompt_ids.size(0), step):
         rows = slice(start, min(start + step, prompt_ids.size(0)))
         shared = _shared_prompt_logits(model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows],
-                                       completion_mask[rows]) if share_prompts and not padding_free else None
+                                       completion_mask[rows]) if kv_cache else None
         if shared is None:
             # The per-token forward on [prompt; completion], padding-free with shared prefixes or padded, scoring the
             # completion's real tokens only.

@@ -229,6 +229,11 @@ class DataArguments:
     packing: bool = field(
         default=False, metadata={"help": "SFT: pack several examples per row, attention kept inside each example."}
     )
+    neat_packing: bool = field(
+        default=False,
+        metadata={"help": "LLaMA-Factory's packing without cross-attention: sets packing: true, which here never "
+                          "attends across examples."},
+    )
     group_by_length: bool = field(
         default=False, metadata={"help": "Batch examples of similar length together to reduce padding."}
     )
@@ -252,6 +257,8 @@ class DataArguments:
             raise ConfigError(f"cutoff_len={self.cutoff_len} leaves no room for a prompt and a response.")
         if self.streaming:
             raise ConfigError("streaming=true is not supported; remove the key (datasets are loaded in full).")
+        if self.neat_packing:
+            self.packing = True  # LLaMA-Factory's meaning; alignkit's packing is always without cross-attention
         if not self.enable_thinking:
             if self.template is None:
                 raise ConfigError("enable_thinking=false needs a built-in reasoning template: set template: qwen3 "

@@ -85,6 +85,51 @@ def pack_dataset(dataset, cutoff_len: int):
     return Dataset.from_dict(packed)
 
 
+def unpack_rows(input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed rows (`PackedCollator`'s batch) back into one right-padded row per example.
+
+    An example starts at each real token whose position is 0 and runs to the next such token or the row's last
+    real token; a token's position is its column. The training step of `packing: true` runs these rows
+    through the padding-free forward (each example attending to itself alone, a prefix shared between examples
+    run once), so the examples a packed batch holds cost what the same examples cost unpacked. Labels come along
+    as they are: each packed example's first label is already -100, so the targets and their count are the
+    packed batch's.
+
+    Args:
+        input_ids, position_ids, attention_mask, labels: `(rows, width)` as `PackedCollator` returns them;
+            padding has attention 0.
+
+    Returns:
+        `(input_ids, attention_mask, labels)`, `(examples, longest example)`, in packing order, padded with
+        the rows' padding id, attention 0 and label -100.
+
+    Raises:
+        ValueError: a row's real tokens do not start at position 0, or positions do not count up by one inside
+            an example (rows that did not come from `pack_dataset`).
+    """
+    real = attention_mask.bool()
+    positions = position_ids[real]
+    starts = positions == 0
+    per_row = real.sum(1)
+    first_of_row = (torch.cumsum(per_row, 0) - per_row)[per_row > 0]
+    if not bool(starts[first_of_row].all()):
+        raise ValueError("packed rows: a row's first real token must have position 0 (rows from pack_dataset).")
+    if not bool(((positions[1:] == positions[:-1] + 1) | starts[1:]).all()):
+        raise ValueError("packed rows: position_ids must count 0, 1, 2, ... inside each example.")
+    example = torch.cumsum(starts.long(), 0) - 1
+    count = int(starts.sum())
+    width = int(positions.max()) + 1 if positions.numel() else 0
+    padding = input_ids[~real]
+    ids = input_ids.new_full((count, width), int(padding[0]) if padding.numel() else 0)
+    mask = attention_mask.new_zeros((count, width))
+    targets = labels.new_full((count, width), IGNORE_INDEX)
+    ids[example, positions] = input_ids[real]
+    mask[example, positions] = 1
+    targets[example, positions] = labels[real]
+    return ids, mask, targets
+
+
 @dataclass
 class PackedCollator:
     """Right-pads packed rows to the longest row of the batch.

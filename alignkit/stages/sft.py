@@ -9,7 +9,9 @@ module adds to `transformers.Trainer`:
   micro-batches), so a step of 8 rows x 1 micro-batch and one of 1 row x 8 micro-batches give the same
   loss and gradients. A per-micro-batch mean would weight short replies more.
 - packed rows (`packing: true`) carry `position_ids`; the loss is then the unpacked loss (see
-  `alignkit.data.packing`).
+  `alignkit.data.packing`). With `padding_free` (the default) a training step splits them back into their
+  examples (`unpack_rows`) and runs those padding-free as below; evaluation runs the rows as they are, the
+  block-diagonal mask derived from the position resets.
 - unpacked batches are trained padding-free by default (`padding_free`): the real tokens of the batch
   run packed into rows no wider than its longest example, position ids restarting per example
   (`alignkit.model.padding_free`), each example's first label set to -100 so no token is predicted
@@ -32,6 +34,7 @@ from transformers import InfNanRemoveLogitsProcessor, LogitsProcessorList
 
 from ..constants import IGNORE_INDEX
 from ..config import Config, GeneratingArguments
+from ..data.packing import unpack_rows
 from ..errors import ConfigError
 from ..jsonl import write_jsonl
 from ..metrics import argmax_logits, compute_token_accuracy, decode_token_ids, similarity_metrics
@@ -118,12 +121,17 @@ class SFTTrainer(StageTrainer):
         flat = None
         # Padding-free layouts hold text only: a batch with images (pixel_values) runs padded, as the model takes it.
         padding_free = self.args.padding_free and "pixel_values" not in inputs
-        if padding_free and not return_outputs and "position_ids" not in inputs and "attention_mask" in inputs:
+        if padding_free and not return_outputs and "attention_mask" in inputs:
             # Training: only the sum of the targets' log-probs is needed, so the output layer runs on the
             # labelled positions alone (a prompt token's logits carry no loss) and log-probs are gathered
             # chunk by chunk, never holding a (tokens x vocab) log-softmax (`alignkit.model.logprobs`).
-            summed_logps, _ = forward_sequence_logps(model, inputs["input_ids"], inputs["attention_mask"], labels,
-                                                     padding_free=True)
+            input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+            if "position_ids" in inputs:
+                # Packed rows (`packing: true`): their examples, one per row, take the same padding-free forward
+                # (each attending to itself alone, shared prefixes run once) instead of a block mask per row.
+                input_ids, attention_mask, labels = unpack_rows(input_ids, inputs["position_ids"], attention_mask,
+                                                                labels)
+            summed_logps, _ = forward_sequence_logps(model, input_ids, attention_mask, labels, padding_free=True)
             return self._scaled(-summed_logps.sum(), labels, num_items_in_batch)
         if "position_ids" in inputs:
             # Packed rows: transformers derives the block-diagonal mask from position resets only

@@ -61,6 +61,7 @@ def test_bad_values_are_errors(override, pattern):
     [
         ({"do_train": True}, "needs `dataset`"),
         ({"stage": "dpo", "packing": True}, "packing=true applies to stage sft"),
+        ({"stage": "dpo", "neat_packing": True}, "packing=true applies to stage sft"),
         ({"stage": "rm", "predict_with_generate": True}, "predict_with_generate applies to stage sft"),
         ({"stage": "sft", "precompute_ref_log_probs": True}, "precompute_ref_log_probs applies to stage dpo"),
         ({"stage": "dpo", "pref_loss": "simpo", "precompute_ref_log_probs": True}, "no reference model"),
@@ -73,6 +74,12 @@ def test_bad_values_are_errors(override, pattern):
 def test_invalid_combinations_say_how_to_fix(values, pattern):
     with pytest.raises(ConfigError, match=pattern):
         parse_config(values)
+
+
+def test_neat_packing_is_llamafactorys_name_for_packing():
+    """LLaMA-Factory's `neat_packing: true` (packing without cross-attention) is alignkit's `packing: true`."""
+    assert parse_config({"neat_packing": True}).data.packing is True
+    assert parse_config({}).data.packing is False
 
 
 def test_training_defaults_suit_the_toolkit():

@@ -11,7 +11,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from alignkit.config import TrainingArguments
-from alignkit.data.packing import PackedCollator, pack_dataset, pack_lengths
+from alignkit.data.packing import PackedCollator, pack_dataset, pack_lengths, unpack_rows
 from alignkit.stages.sft import SFTTrainer
 
 
@@ -40,6 +40,67 @@ def test_pack_dataset_row_layout_and_collator():
     assert batch["position_ids"][1].tolist() == [0, 1, 2, 3, 0]
     assert batch["labels"][1].tolist() == [-100, -100, 8, 9, -100]
     assert batch["attention_mask"][1].tolist() == [1, 1, 1, 1, 0]
+
+
+def test_unpack_rows_hand_computed():
+    """The collated rows above back into one right-padded row per example, in packing order; the labels as packed
+    (each example's first label -100). Rows that pack_dataset cannot have written are refused."""
+    rows = [{"input_ids": [1, 2, 3, 4, 5], "labels": [-100, 2, 3, -100, 5], "position_ids": [0, 1, 2, 0, 1],
+             "attention_mask": [1] * 5},
+            {"input_ids": [6, 7, 8, 9], "labels": [-100, -100, 8, 9], "position_ids": [0, 1, 2, 3],
+             "attention_mask": [1] * 4}]
+    batch = PackedCollator(pad_token_id=0)(rows)
+    ids, mask, labels = unpack_rows(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                                    batch["labels"])
+    assert ids.tolist() == [[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9]]
+    assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert labels.tolist() == [[-100, 2, 3, -100], [-100, 5, -100, -100], [-100, -100, 8, 9]]
+    # The targets and their count (over labels[:, 1:], as the Trainer counts) are the packed batch's.
+    assert int((labels[:, 1:] != -100).sum()) == int((batch["labels"][:, 1:] != -100).sum()) == 5
+    with pytest.raises(ValueError, match="first real token"):
+        unpack_rows(batch["input_ids"], batch["position_ids"] + 1, batch["attention_mask"], batch["labels"])
+    skipped = batch["position_ids"].clone()
+    skipped[0, 2] = 3
+    with pytest.raises(ValueError, match="count 0, 1, 2"):
+        unpack_rows(batch["input_ids"], skipped, batch["attention_mask"], batch["labels"])
+
+
+def test_packed_training_step_attends_each_example_alone(tiny_model_dir, tmp_path, monkeypatch):
+    """A packed batch's training loss runs its examples padding-free: every sdpa call is one example's own
+    (never a packed row's width), and the loss and gradients equal those of the rows run whole under their
+    block-diagonal masks (padding_free=false), with the step's token count and without."""
+    from tests.unit.test_padding_free import _count_sdpa_calls
+    from tests.unit.test_sft_trainer import make_rows
+
+    examples = make_rows(seed=3, lengths=(4, 14), prompts=(1, 3))
+    packed = pack_dataset(examples, cutoff_len=24)
+    batch = PackedCollator(pad_token_id=2)(packed.to_list())
+    assert batch["input_ids"].size(0) < len(examples)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    num_items = torch.tensor(2 * int((batch["labels"][:, 1:] != -100).sum()))
+    results = {}
+    for padding_free in (False, True):
+        args = TrainingArguments(output_dir=str(tmp_path / "sft"), report_to="none", use_cpu=True,
+                                 remove_unused_columns=False, padding_free=padding_free)
+        trainer = SFTTrainer(model=model, args=args)
+        calls = _count_sdpa_calls(monkeypatch)
+        for count in (num_items, None):
+            model.zero_grad()
+            loss = trainer.compute_loss(model, dict(batch), num_items_in_batch=count)
+            loss.backward()
+            results[padding_free, count is None] = (loss.detach(), {n: p.grad.clone()
+                                                                    for n, p in model.named_parameters()})
+        monkeypatch.undo()
+        layers = model.config.num_hidden_layers
+        if padding_free:
+            assert sorted(calls) == sorted(len(ids) for ids in examples["input_ids"] for _ in range(2 * layers))
+        else:
+            assert set(calls) == {batch["input_ids"].size(1)}
+    for own_count in (False, True):
+        (loss_p, grads_p), (loss_f, grads_f) = results[False, own_count], results[True, own_count]
+        torch.testing.assert_close(loss_f, loss_p, atol=1e-5, rtol=0)
+        for name, grad in grads_p.items():
+            torch.testing.assert_close(grads_f[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def step(model_dir, tmp_path, dataset, batch_size, collator, attn_implementation):

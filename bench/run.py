@@ -410,7 +410,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{report['model']['matmul_params_reward']:,} with the reward head).  ",
         f"Settings: LoRA r=8 alpha=16 dropout 0 on every linear layer but the head; batch {s['batch']}; "
         f"{s['steps']} steps (the first {s['warmup']} not timed); cutoff {s['cutoff']}; lr {s['lr']}; "
-        f"{s['precision']}; {s['reps']} repetition(s), alternating; every run a fresh process.  ",
+        f"{s['precision']}; {s['reps']} repetition(s), alternating; every run a fresh process"
+        + (f"; alignkit's runs also set {', '.join(s['alignkit_extra'])} (`--alignkit-extra`, over the settings "
+           "above)" if s.get("alignkit_extra") else "") + ".  ",
         f"Data: {report['data_note']}  ",
         *([f"TRL default = TRL {v['trl']} config defaults except {s['trl_default_overrides']}"
            + ("; trl_default_bf16 = its real default, bf16=True (autocast on the CPU)"
@@ -803,7 +805,9 @@ def main(argv: list[str] | None = None) -> int:
                      "num_generations": opts.num_generations, "max_completion_length": lengths,
                      "precision": precision, "alignkit_bf16": opts.alignkit_bf16,
                      "alignkit_extra": opts.alignkit_extra,
-                     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target": "all linear"},
+                     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target": "all linear",
+                              **({"note": "alignkit_extra overrides these for alignkit's runs where it sets them"}
+                                 if opts.alignkit_extra else {})},
                      "variants": opts.variants, "left_out": opts.left_out,
                      "trl_default_overrides": "bf16=True" if opts.device == "cuda" else "bf16=False",
                      "trl_best": TRL_BEST},

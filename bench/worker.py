@@ -90,6 +90,8 @@ class StepRecorder:
         # The tokens the model ran per batch where fewer than `batch_tokens` (alignkit's shared prefixes), else equal.
         self.computed_tokens: list[int | None] = []
         self.threads_at_begin = 0
+        # Batches collated per optimizer step (`gradient_accumulation_steps` of an offline stage; 1 otherwise).
+        self.batches_per_step = 1
         # What the run computed in: Trainer's bf16 (autocast) and the frozen weights' dtypes, at train begin.
         self.precision: dict[str, Any] = {}
         # Online stages: one entry per generation call (seconds, new tokens generated, the step it ran in: a tool
@@ -181,6 +183,8 @@ def make_callback(recorder: StepRecorder, count_tokens: bool = True, stage_share
         def on_train_begin(self, args, state, control, train_dataloader=None, model=None, **kwargs):
             recorder.threads_at_begin = torch.get_num_threads()
             record_precision(recorder, args, model)
+            if count_tokens:  # the Trainer collates this many micro-batches for each step
+                recorder.batches_per_step = max(int(args.gradient_accumulation_steps), 1)
             if train_dataloader is None:
                 raise RuntimeError("the Trainer did not pass train_dataloader to callbacks; cannot count tokens.")
             loader = getattr(train_dataloader, "base_dataloader", train_dataloader)  # accelerate's wrapper
@@ -208,6 +212,16 @@ def make_callback(recorder: StepRecorder, count_tokens: bool = True, stage_share
     return callback
 
 
+def per_step(batch_counts: list[int | None], batches_per_step: int) -> list[int | None]:
+    """Per-batch token counts summed over each step's `batches_per_step` micro-batches (None if any is None); a
+    trailing incomplete group is dropped.
+
+    Example: [3, 4, 5, None, 6], 2 -> [7, None]."""
+    groups = [batch_counts[i:i + batches_per_step]
+              for i in range(0, len(batch_counts) - batches_per_step + 1, batches_per_step)]
+    return [None if any(count is None for count in group) else sum(group) for group in groups]
+
+
 def summarise(recorder: StepRecorder, log_history: list[dict[str, Any]], warmup: int,
               completions_per_step: int | None = None) -> dict[str, Any]:
     """Per-run figures from the recorded timestamps, token counts and the Trainer's log history."""
@@ -215,13 +229,13 @@ def summarise(recorder: StepRecorder, log_history: list[dict[str, Any]], warmup:
     durations = [b - a for a, b in zip(stamps, stamps[1:])]
     steps = len(durations)
     measured = list(range(min(warmup, max(steps - 1, 0)), steps))  # keep at least one step
-    tokens = recorder.batch_tokens[:steps]
+    tokens = per_step(recorder.batch_tokens, recorder.batches_per_step)[:steps]
     if len(tokens) < steps:
         raise RuntimeError(f"counted {len(tokens)} batches for {steps} steps; the token counter missed batches.")
     time_measured = sum(durations[i] for i in measured)
     counted = all(tokens[i] is not None for i in measured)
     tokens_measured = sum(tokens[i] for i in measured) if counted else None
-    computed = recorder.computed_tokens[:steps]
+    computed = per_step(recorder.computed_tokens, recorder.batches_per_step)[:steps]
     computed_measured = (sum(computed[i] for i in measured)
                          if counted and len(computed) == steps and all(computed[i] is not None for i in measured)
                          else tokens_measured)

@@ -324,6 +324,7 @@ class DPOTrainer(StageTrainer):
     # The loss is a per-micro-batch mean over pairs: let Trainer divide it by the accumulation steps.
     loss_is_scaled_for_ga = False
     predictions_from_evaluation = True  # predict reuses the evaluation's pass (StageTrainer)
+    accumulation_is_one_batch = True  # a mean over equal micro-batches (StageTrainer)
     no_reference_copy_message = (
         "precompute_ref_log_probs=true with full/freeze fine-tuning keeps no reference copy, and the policy has "
         "been trained since: reference log-probs exist only for the datasets given when the trainer was built. "

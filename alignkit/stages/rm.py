@@ -142,6 +142,7 @@ class RewardTrainer(StageTrainer):
     # The loss is a per-micro-batch mean over pairs: let Trainer divide it by the accumulation steps.
     loss_is_scaled_for_ga = False
     predictions_from_evaluation = True  # predict reuses the evaluation's pass (StageTrainer)
+    accumulation_is_one_batch = True  # a mean over equal micro-batches (StageTrainer)
 
     def __init__(self, *args, center_rewards_coefficient: Optional[float] = None, **kwargs) -> None:
         kwargs.setdefault("compute_metrics", compute_reward_eval_metrics)

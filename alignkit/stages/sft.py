@@ -102,6 +102,7 @@ class SFTTrainer(StageTrainer):
 
     # `compute_loss` divides by the step's token count itself, so training_step must not divide again.
     loss_is_scaled_for_ga = True
+    accumulation_is_one_batch = True  # the loss is a token sum over the step (StageTrainer)
 
     def __init__(self, *args, generating_args: GeneratingArguments | None = None, template: str | None = None,
                  **kwargs) -> None:

@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:  # `bench/` is a folder of the checkout, not part 
 
 from bench import run as bench_run  # noqa: E402
 from bench import workloads  # noqa: E402
-from bench.worker import StepRecorder, count_computed_tokens, count_real_tokens, summarise  # noqa: E402
+from bench.worker import StepRecorder, count_computed_tokens, count_real_tokens, per_step, summarise  # noqa: E402
 
 
 def test_count_real_tokens_sums_every_attention_mask():
@@ -65,6 +65,19 @@ def test_summarise_leaves_out_warmup_steps():
     assert (out["first_loss"], out["final_loss"]) == (2.0, 1.5)
     recorder.computed_tokens = [100, 20, 15, 20]  # half of the measured steps' tokens ran (shared prefixes)
     assert summarise(recorder, history, warmup=2)["computed_tokens_per_s"] == pytest.approx(5.0)
+
+
+def test_summarise_sums_the_micro_batches_of_each_step():
+    """Gradient accumulation 2: batches [10, 20 | 30, 40 | 50, 60] are steps of 30, 70, 110 tokens; steps end at
+    1, 3, 6 s, so with warmup 1 the measured steps ran 180 tokens in 5 s = 36 tokens/s (one batch a step would
+    count 20 + 30 = 50 tokens)."""
+    assert per_step([3, 4, 5, None, 6], 2) == [7, None]
+    recorder = StepRecorder()
+    recorder.train_begin, recorder.step_ends = 0.0, [1.0, 3.0, 6.0]
+    recorder.batch_tokens, recorder.batches_per_step = [10, 20, 30, 40, 50, 60], 2
+    out = summarise(recorder, [{"loss": 1.0}], warmup=1)
+    assert out["tokens_per_step"] == [30, 70, 110]
+    assert out["tokens_per_s"] == pytest.approx(36.0)
 
 
 def test_flops_per_token_formula():

@@ -176,6 +176,31 @@ def test_lora_training_logs_metrics_and_moves_only_the_adapter(tiny_model_dir, t
         assert eval_logs[-1][key] == pytest.approx(value, abs=1e-5), key
 
 
+def test_accumulated_micro_batches_equal_one_batch(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """4 pairs as 1 pair x 4 micro-batches and as one batch of 4, from the same non-zero adapter: the same
+    examples in each step, the same logged loss and metrics, the same SGD update (what the trainer's hint on
+    accumulation says, `StageTrainer._suggest_one_batch`)."""
+    dataset = pair_dataset(tiny_tokenizer).select(range(4))
+    runs = {}
+    for batch, accumulation in ((4, 1), (1, 4)):
+        model = lora_model(tiny_model_dir, init_lora_weights=False)
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        config = make_config(tmp_path / f"{batch}x{accumulation}", max_steps=1, per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=accumulation, optim="sgd", learning_rate=1.0,
+                             max_grad_norm=0.0)
+        trainer = make_trainer(model, config, dataset)
+        trainer.train()
+        update = {n: before[n] - p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        runs[batch] = ([r for r in trainer.state.log_history if "loss" in r][0], update)
+    (log_one, update_one), (log_acc, update_acc) = runs[4], runs[1]
+    assert log_one["loss"] != pytest.approx(0.693147, abs=1e-3)  # a non-zero adapter: not the trivial log 2
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen"):
+        assert log_acc[key] == pytest.approx(log_one[key], abs=1e-5), key
+    assert max(u.abs().max().item() for u in update_one.values()) > 1e-4
+    for name, value in update_one.items():
+        torch.testing.assert_close(update_acc[name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_full_finetuning_reference_is_the_in_memory_policy_at_init(tiny_model_dir, tiny_tokenizer, tmp_path):
     """A policy changed in memory before the trainer is built gets that policy as reference, frozen after."""
     dataset = pair_dataset(tiny_tokenizer)

@@ -88,6 +88,28 @@ def test_gradient_accumulation_equivalence(tiny_model_dir, tmp_path):
     assert abs(mean_of_means - loss_8x1) > 1e-3, "rows too uniform to tell the normalisations apart"
 
 
+def test_accumulation_on_a_cpu_suggests_the_one_batch(tiny_model_dir, tmp_path, caplog):
+    """1 row x 8 micro-batches on a CPU: one info line names the equivalent batch (8 rows x 1, the same examples
+    per step, as the test above shows); 8 x 1 says nothing, nor does a stage whose loss is per micro-batch."""
+    from alignkit.stages.base import StageTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+    def built(cls, batch, accumulation):
+        caplog.clear()
+        args = TrainingArguments(output_dir=str(tmp_path / "hint"), per_device_train_batch_size=batch,
+                                 gradient_accumulation_steps=accumulation, report_to="none", use_cpu=True)
+        with caplog.at_level("INFO", logger="alignkit.stages.base"):
+            cls(model=model, args=args)
+        return [r.getMessage() for r in caplog.records if "gradient_accumulation_steps=" in r.getMessage()]
+
+    said = built(SFTTrainer, 1, 8)
+    assert len(said) == 1 and "gradient_accumulation_steps=8 at per_device_train_batch_size=1" in said[0]
+    assert "per_device_train_batch_size=8 with gradient_accumulation_steps=1" in said[0]
+    assert built(SFTTrainer, 8, 1) == []
+    assert built(StageTrainer, 1, 8) == []
+
+
 def make_generation_trainer(model_dir, tmp_path, tokenizer, max_new_tokens=5):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     args = TrainingArguments(output_dir=str(tmp_path / "gen"), predict_with_generate=True, report_to="none",

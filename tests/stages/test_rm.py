@@ -213,6 +213,26 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path, tiny_model_dir, stop_af
         torch.testing.assert_close(weights_a[name], weights_b[name], atol=1e-6, rtol=0)
 
 
+def test_accumulated_micro_batches_equal_one_batch(tmp_path, tiny_model_dir):
+    """Two steps of 4 pairs, as one batch of 4 and as 1 pair x 4 micro-batches: the same logged losses and the
+    same trained adapter and score head (what the trainer's hint on accumulation says)."""
+    def run(batch, accumulation):
+        # SGD: the update is the gradient (Adam's first steps would turn float noise in a near-zero gradient into
+        # a full-size step).
+        config = _config(tmp_path, tiny_model_dir, out=f"{batch}x{accumulation}", do_eval=False, max_steps=2,
+                         per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, optim="sgd",
+                         learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0)
+        run_train(config)
+        out = Path(config.training.output_dir)
+        return ([r["loss"] for r in read_log(out) if "loss" in r], load_file(out / "adapter_model.safetensors"))
+
+    (losses_one, weights_one), (losses_acc, weights_acc) = run(4, 1), run(1, 4)
+    assert len(losses_one) == 2 and losses_acc == pytest.approx(losses_one, abs=1e-6)
+    assert weights_one.keys() == weights_acc.keys()
+    for name in weights_one:
+        torch.testing.assert_close(weights_acc[name], weights_one[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_identical_and_vanishing_pairs_are_dropped_with_a_warning(tmp_path, tiny_model_dir, caplog):
     """With cutoff_len 24: a 731-token prompt leaves int(24 * 12 / 743) = 0 response tokens; two replies that
     differ only after their first 24 tokens become identical once cut."""

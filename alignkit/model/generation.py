@@ -533,7 +533,8 @@ def sampling_processors(prompt_mask: torch.Tensor, *, do_sample: bool, temperatu
     """The logits processors `model.generate` builds for these knobs, in its order: the repetition penalty
     (over the prompt and the new tokens, left padding excluded), then, when sampling, temperature, top-k,
     top-p. A knob at its neutral value adds nothing, as in `generate`. transformers' own processor classes
-    are used, so the distribution sampled from is `generate`'s by construction.
+    are used, so the distribution sampled from is `generate`'s by construction; top-p runs through
+    `NucleusFilter`, which keeps the tokens the warper keeps without sorting the vocabulary where it can.
 
     Args:
         prompt_mask: (batch, prompt_len) 1 on real prompt tokens of the left-padded prompts.
@@ -555,8 +556,48 @@ def sampling_processors(prompt_mask: torch.Tensor, *, do_sample: bool, temperatu
         if top_k:
             processors.append(TopKLogitsWarper(top_k=int(top_k), min_tokens_to_keep=1))
         if top_p is not None and top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p=float(top_p), min_tokens_to_keep=1))
+            processors.append(NucleusFilter(TopPLogitsWarper(top_p=float(top_p), min_tokens_to_keep=1)))
     return processors
+
+
+class NucleusFilter:
+    """transformers' `TopPLogitsWarper` without sorting the whole vocabulary where the most likely tokens decide.
+
+    The warper sorts every row's scores (SmolLM2's 49,152) to keep the smallest set of most likely tokens whose
+    probability reaches `top_p`: 19 ms a decode step at batch 8 on the 2-core development CPU, 7 ms after a top-k
+    of 50, where a step's products take about 50 ms. A token is kept exactly when the probability of the tokens
+    ranked above it is below `top_p` (the warper's rule, read from the top), so the `candidates` most likely
+    tokens decide a row whenever they hold `top_p` of its probability: every token below them has at least that
+    much above it. Such rows cost one `topk` and a log-sum-exp; any other row goes to the warper. Scores of kept
+    tokens are returned unchanged, the others set to the warper's `filter_value`. Probabilities are summed in fp32:
+    on bf16 scores (a bf16 decode) the warper sums in bf16, whose rounding can move its cut by a token, so there
+    the kept tokens are those the warper keeps on the same scores in fp32.
+
+    Args:
+        warper: the `TopPLogitsWarper` whose `top_p`, `filter_value` and `min_tokens_to_keep` apply.
+        candidates: how many of the most likely tokens to look at first.
+    """
+
+    def __init__(self, warper, candidates: int = 256) -> None:
+        self.warper = warper
+        self.candidates = candidates
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        top_p, keep_least = float(self.warper.top_p), int(self.warper.min_tokens_to_keep)
+        k = min(max(self.candidates, keep_least), scores.size(-1))
+        top_scores, top_ids = scores.topk(k, dim=-1)
+        probs = (top_scores.float() - torch.logsumexp(scores.float(), dim=-1, keepdim=True)).exp()
+        through = probs.cumsum(-1)
+        above = through - probs  # the probability of the tokens ranked above each
+        keep = above < top_p
+        keep[:, :keep_least] = True
+        kept = torch.full_like(scores, self.warper.filter_value)
+        kept.scatter_(-1, top_ids, top_scores.masked_fill(~keep, self.warper.filter_value))
+        undecided = (through[:, -1] < top_p) if k < scores.size(-1) else torch.zeros_like(keep[:, 0])
+        if bool(undecided.any()):
+            rows = undecided.nonzero().squeeze(1)
+            kept[rows] = self.warper(input_ids[rows], scores[rows].float()).to(scores.dtype)
+        return kept
 
 
 Generators = Union[torch.Generator, Sequence[torch.Generator], None]
@@ -867,7 +908,7 @@ def generate_replies(
     return replies
 
 
-__all__ = ["Generation", "stop_token_ids", "encode_prompts", "pad_prompts", "left_pad", "completion_mask", "merged_lora",
+__all__ = ["Generation", "NucleusFilter", "stop_token_ids", "encode_prompts", "pad_prompts", "left_pad", "completion_mask", "merged_lora",
            "packed_linears",
            "generate", "DECODE_KEYS", "sampling_processors", "sample_from_probs", "decode", "generate_with_decode",
            "generate_replies"]

@@ -657,6 +657,62 @@ def test_sampling_processors_equal_hf_generate_processors(tiny_model, knobs):
         assert got[0, IM_END] == scores[0, IM_END] / knobs.get("temperature", 1.0) or torch.isinf(got[0, IM_END])
 
 
+def test_nucleus_filter_hand_computed():
+    """probs [0.6, 0.25, 0.1, 0.05]: a token is kept when the probability ranked above it is below top_p. top_p 0.8
+    keeps the first two (0, 0.6 above; 0.85 above the third); 0.9 the first three. With 2 candidates, top_p 0.8 is
+    decided by them (they hold 0.85) and the warper is not asked; at 0.9 they hold too little, so it is."""
+    from transformers import TopPLogitsWarper
+
+    from alignkit.model.generation import NucleusFilter
+
+    scores = torch.tensor([[0.6, 0.25, 0.1, 0.05]]).log()
+    asked = []
+
+    class Counting(TopPLogitsWarper):
+        def __call__(self, input_ids, scores):
+            asked.append(scores.shape[0])
+            return super().__call__(input_ids, scores)
+
+    for top_p, kept in ((0.8, [0, 1]), (0.9, [0, 1, 2])):
+        for candidates in (256, 2):
+            asked.clear()
+            out = NucleusFilter(Counting(top_p=top_p), candidates=candidates)(torch.zeros(1, 1, dtype=torch.long),
+                                                                                scores.clone())
+            assert torch.isfinite(out[0]).nonzero().squeeze(1).tolist() == kept, (top_p, candidates)
+            assert torch.equal(out[0, kept], scores[0, kept])
+            assert asked == ([1] if (candidates, top_p) == (2, 0.9) else [])
+
+
+@pytest.mark.parametrize("candidates", [256, 16])
+@pytest.mark.parametrize("top_k", [0, 50])
+def test_nucleus_filter_equals_the_warper_on_a_large_vocabulary(candidates, top_k):
+    """64 rows over a 49,152-token vocabulary, peaked to flat (some rows decided by the candidates, others handed
+    to the warper): the kept tokens and their scores equal transformers' `TopPLogitsWarper` exactly, alone and
+    after a top-k of 50, as `sampling_processors` orders them."""
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    from alignkit.model.generation import NucleusFilter
+
+    generator = torch.Generator().manual_seed(7)
+    scales = torch.linspace(0.5, 12.0, 64)[:, None]
+    scores = torch.randn(64, 49152, generator=generator) * scales
+    input_ids = torch.zeros(64, 3, dtype=torch.long)
+    if top_k:
+        scores = TopKLogitsWarper(top_k=top_k)(input_ids, scores)
+    for top_p in (0.3, 0.7, 0.9, 0.99):
+        warper = TopPLogitsWarper(top_p=top_p)
+        expected = warper(input_ids, scores.clone())
+        got = NucleusFilter(warper, candidates=candidates)(input_ids, scores.clone())
+        assert torch.equal(got, expected), top_p
+        # bf16 scores, summed in fp32: what the warper keeps from the same scores in fp32, as a multiset per row
+        # (bf16 ties many scores; which of several equal scores at the cut is kept is the sort's arbitrary choice).
+        half = scores.bfloat16()
+        got = NucleusFilter(warper, candidates=candidates)(input_ids, half.clone())
+        expected = warper(input_ids, half.float())
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.float().sort(-1).values, expected.sort(-1).values), top_p
+
+
 def test_sample_from_probs_hand_computed_and_frequencies():
     """probs [0.2, 0, 0.8]: cumulative [0.2, 0.2, 1.0]; a draw u picks the first entry above u, so index 1
     (probability 0) is never drawn. Over 20000 seeded draws the frequencies of a 4-way distribution are

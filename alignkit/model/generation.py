@@ -564,14 +564,15 @@ class NucleusFilter:
     """transformers' `TopPLogitsWarper` without sorting the whole vocabulary where the most likely tokens decide.
 
     The warper sorts every row's scores (SmolLM2's 49,152) to keep the smallest set of most likely tokens whose
-    probability reaches `top_p`: 19 ms a decode step at batch 8 on the 2-core development CPU, 7 ms after a top-k
-    of 50, where a step's products take about 50 ms. A token is kept exactly when the probability of the tokens
-    ranked above it is below `top_p` (the warper's rule, read from the top), so the `candidates` most likely
-    tokens decide a row whenever they hold `top_p` of its probability: every token below them has at least that
-    much above it. Such rows cost one `topk` and a log-sum-exp; any other row goes to the warper. Scores of kept
-    tokens are returned unchanged, the others set to the warper's `filter_value`. Probabilities are summed in fp32:
-    on bf16 scores (a bf16 decode) the warper sums in bf16, whose rounding can move its cut by a token, so there
-    the kept tokens are those the warper keeps on the same scores in fp32.
+    probability reaches `top_p`: 16 ms a call on eight rows of the bundled model's logits (2-core development CPU),
+    4-5 ms after a top-k of 50, where a decode step's products take about 50 ms (docs/performance.md). A token is
+    kept exactly when the probability of the tokens ranked above it is below `top_p` (the warper's rule, read from
+    the top), so the `candidates` most likely tokens decide a row whenever they hold `top_p` of its probability:
+    every token below them has at least that much above it. Such rows cost one `topk` and a log-sum-exp; any other
+    row goes to the warper. Scores of kept tokens are returned unchanged, the others set to the warper's
+    `filter_value`. Probabilities are summed in fp32: on bf16 scores (a bf16 decode) the warper sums in bf16, whose
+    rounding can move its cut by a token, so there the kept tokens are those the warper keeps on the same scores in
+    fp32.
 
     Args:
         warper: the `TopPLogitsWarper` whose `top_p`, `filter_value` and `min_tokens_to_keep` apply.
@@ -908,7 +909,7 @@ def generate_replies(
     return replies
 
 
-__all__ = ["Generation", "NucleusFilter", "stop_token_ids", "encode_prompts", "pad_prompts", "left_pad", "completion_mask", "merged_lora",
-           "packed_linears",
+__all__ = ["Generation", "stop_token_ids", "encode_prompts", "pad_prompts", "left_pad", "completion_mask", "merged_lora",
+           "packed_linears", "NucleusFilter",
            "generate", "DECODE_KEYS", "sampling_processors", "sample_from_probs", "decode", "generate_with_decode",
            "generate_replies"]

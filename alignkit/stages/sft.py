@@ -34,7 +34,7 @@ from transformers import InfNanRemoveLogitsProcessor, LogitsProcessorList
 
 from ..constants import IGNORE_INDEX
 from ..config import Config, GeneratingArguments
-from ..data.packing import unpack_rows
+from ..data.packing import PackedCollator, pack_dataset, unpack_rows
 from ..errors import ConfigError
 from ..jsonl import write_jsonl
 from ..metrics import argmax_logits, compute_token_accuracy, decode_token_ids, similarity_metrics
@@ -218,7 +218,6 @@ def _run_causal_lm(config: Config, callbacks: list, data_kind: str) -> None:
     """What sft and pt share: load, (pack), train, evaluate, predict."""
     from ..data import get_dataset
     from ..data.collator import SupervisedCollator
-    from ..data.packing import PackedCollator, pack_dataset
     from ..data.multimodal import image_collator
     from ..model.loader import load_image_processing, load_model, load_tokenizer
 

@@ -534,8 +534,10 @@ class GRPOTrainer(OnlineTrainer):
         or adaptive (which may bring it back from 0)."""
         g = self.grpo_args
         self.advantage_estimator = g.advantage_estimator
-        if g.advantage_estimator == "reinforce_pp":
-            self.needs_old_logps = True  # the KL in the reward is taken at rollout time
+        if g.advantage_estimator == "reinforce_pp" and g.beta != 0:
+            # The KL in the reward is taken at rollout time. With beta 0 that reward is 0 whatever the log-probs, so
+            # no scoring pass runs for it (one no-grad forward of the batch a round, about a fifth of a step).
+            self.needs_old_logps = True
         self._entropy_bonus_enabled = g.entropy_coef != 0.0 or g.use_adaptive_entropy
         if g.use_adaptive_entropy:
             self._entropy_controller = AdaptiveEntropyController(g.entropy_coef, g.entropy_target,
@@ -768,7 +770,8 @@ class GRPOTrainer(OnlineTrainer):
             return advantages[local], std_is_zero
         if self.advantage_estimator == "reinforce_pp":
             mask = batch["completion_mask"]
-            old_logps = batch["old_logps"]
+            # Without the rollout's log-probs (beta 0, no scoring pass) the KL reward is 0 on any equal pair.
+            old_logps = batch.get("old_logps", torch.zeros(mask.shape, dtype=torch.float32, device=mask.device))
             ref_logps = batch["ref_logps"] if g.beta != 0 else old_logps
             # A completion no reward function scored gets score 0 (there is no group to leave it out of).
             scores = torch.nan_to_num(all_rewards[local], nan=0.0)

@@ -25,7 +25,8 @@ would cast them (the casts are autograd nodes, so the fp32 adapter gets fp32 gra
 bf16 copy is made once and kept until the weight changes (`frozen_cast`), where autocast casts it at every call:
 PEFT's path under autocast also casts the input twice per layer (base and adapter) and adds in three more
 element-wise passes. Bundled model, LoRA on every linear layer, forward and backward of 8 x 90 tokens in bf16
-autocast: see docs/performance.md ("bf16 steps").
+autocast: see docs/performance.md ("bf16 steps"). A layer whose adapters are disabled (the reference model of every
+stage under LoRA) runs its base product on the same kept copy (`_frozen_base_forward`).
 
 The LoRA variants: rsLoRA (`use_rslora`) changes only `scaling` and PiSSA (`pissa_init`) only the starting weights,
 so both are plain here and fused. DoRA (`use_dora`, a peft variant in `lora_variant`) is fused too while its dropout
@@ -185,6 +186,30 @@ def _plain_adapter(layer: nn.Module, x: torch.Tensor) -> str | None:
     return name
 
 
+def _plain_disabled(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `layer` runs its base layer alone (adapters disabled, as for the reference model) under an autocast,
+    with an unmerged `nn.Linear` base of float weights that are whole here (not ZeRO-3 partitions)."""
+    if not layer.disable_adapters or layer.merged or not torch.is_autocast_enabled(x.device.type):
+        return False
+    base = layer.get_base_layer()
+    return (type(base) is nn.Linear and x.is_floating_point() and base.weight.is_floating_point()
+            and not is_zero3_partitioned(base.weight))
+
+
+def _frozen_base_forward(base: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`base(x)` as the autocast computes it, its frozen weight's cast kept (`frozen_cast`) instead of made per call.
+
+    PEFT runs a disabled adapter's layer as `base_layer(x)`, and the autocast then casts the fp32 weight to bf16 at
+    every call: a reference forward of the bundled model casts all its 106 M frozen weights again. The copy is the
+    one the fused path keeps for the same weight, so it costs no memory of its own, and it rounds as the autocast's
+    cast does: the output is the same tensor.
+    """
+    dtype = torch.get_autocast_dtype(x.device.type)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.to(dtype), frozen_cast(base.weight, dtype),
+                        None if base.bias is None else base.bias.to(dtype))
+
+
 def _fusable_dora(layer: nn.Module, name: str, dropout: nn.Module) -> bool:
     """Whether adapter `name`'s variant is DoRA on a linear layer in the case the fused path computes: its dropout
     not in effect (PEFT then runs the magnitude's rescaling on the base output it already has; with dropout it
@@ -230,6 +255,8 @@ def dora_scale(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
 
 def _fused_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """Installed as a bound method of each PEFT `lora.Linear` (so `copy.deepcopy` rebinds it to the copy)."""
+    if not args and not kwargs and _plain_disabled(self, x):
+        return _frozen_base_forward(self.get_base_layer(), x)
     name = None if args or kwargs else _plain_adapter(self, x)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)  # PEFT's own forward

@@ -262,3 +262,32 @@ def test_dora_with_dropout_in_training_takes_peft_path(tiny_model_dir, monkeypat
     with torch.no_grad():
         model(input_ids=ids)
     assert len(calls) == 14
+
+
+def test_disabled_adapters_under_autocast_keep_the_weight_cast(tiny_model_dir, monkeypatch):
+    """Adapters disabled (the reference model) under a bf16 autocast: every layer runs its base product on the kept
+    bf16 copy (`frozen_cast`, made once per weight) and the logits equal PEFT's own path's exactly."""
+    import alignkit.model.lora_fused as lora_fused
+
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    fused = _peft(tiny_model_dir)
+    fuse_lora_linears(fused)
+    fused.eval()
+    calls = []
+    original = lora_fused._frozen_base_forward
+    monkeypatch.setattr(lora_fused, "_frozen_base_forward", lambda *a: calls.append(1) or original(*a))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), fused.disable_adapter():
+        ours = fused(input_ids=ids).logits
+        assert len(calls) == 14
+        casts = [layer.get_base_layer().weight._alignkit_cast[1] for layer in fused.modules()
+                 if hasattr(layer, "lora_A")]
+        again = fused(input_ids=ids).logits
+        assert all(layer.get_base_layer().weight._alignkit_cast[1] is cast for layer, cast in
+                   zip([m for m in fused.modules() if hasattr(m, "lora_A")], casts))  # cast once, kept
+        monkeypatch.setattr(lora_fused, "_plain_disabled", lambda *a: False)  # PEFT's `base_layer(x)`
+        peft_logits = fused(input_ids=ids).logits
+    assert torch.equal(ours, peft_logits) and torch.equal(again, peft_logits)
+    calls.clear()
+    with torch.no_grad(), fused.disable_adapter():  # no autocast: PEFT's path
+        fused(input_ids=ids)
+    assert calls == []

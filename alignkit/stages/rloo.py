@@ -8,7 +8,8 @@ RLOO is GRPO with two things changed, so it is GRPO's trainer with those two thi
   paper; GRPO instead adds a k3 term to the loss), so `beta` defaults to 0.05 here;
 - the loss: one importance ratio per completion, from the *summed* token log-probs (`exp(sum logp - sum
   logp_old)`), the clipped surrogate of it, averaged over completions (`rl.losses.clipped_surrogate` on `[N, 1]`).
-  The old log-probs are always computed after generation, as TRL does.
+  The old log-probs are computed after generation where needed: for the KL penalty (`beta` > 0) or when a slice
+  trains after an update since its generation (GRPO's rule); TRL computes them always, the loss is the same.
 Everything else (generation batches, buffering and `num_iterations`, scoring, several processes, exact resume,
 `completions.jsonl`, vLLM) is GRPO's, unchanged: see `stages/grpo.py`.
 
@@ -81,8 +82,11 @@ class RLOOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # The ratio is taken against the log-probs computed right after generation, always (as TRL's RLOO).
-        self.needs_old_logps = True
+        # The KL folded into the reward is taken at rollout time, so with beta it needs the log-probs computed right
+        # after generation (TRL's RLOO computes them always). Without it GRPO's rule holds: a slice trained before any
+        # update since its generation takes its own forward's log-probs, detached, as the old ones (the ratio is 1),
+        # and no no-grad pass of the batch runs for them.
+        self.needs_old_logps = self.needs_old_logps or self.grpo_args.beta != 0
 
     def _init_loss_state(self) -> None:
         """RLOO has one estimator (the class's) and no entropy bonus."""
@@ -113,7 +117,7 @@ class RLOOTrainer(GRPOTrainer):
                                           image_inputs=slice_image_inputs(inputs))
         mask_f = mask.to(logps.dtype)
         sequence_logps = (logps * mask_f).sum(1, keepdim=True)
-        old_sequence_logps = (inputs["old_logps"] * mask_f).sum(1, keepdim=True)
+        old_sequence_logps = (inputs.get("old_logps", logps.detach()) * mask_f).sum(1, keepdim=True)
         advantages = inputs["advantages"]
         per_sequence_loss, ratio = clipped_surrogate(sequence_logps, old_sequence_logps, advantages, g.epsilon,
                                                      g.epsilon_high)

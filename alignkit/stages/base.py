@@ -17,6 +17,9 @@
 - `ReferenceSyncArguments` are TRL's `sync_ref_model` keys (TR-DPO) for the stages TRL has them in (dpo, grpo,
   rloo); `check_reference_sync` refuses what cannot be synced before anything loads, and `StageTrainer` adds the
   `callbacks.ReferenceSync` callback that does it (when things happen belongs in callbacks).
+- `StageTrainer.evaluation_reference` keeps an evaluation batch's reference outputs for the next evaluation when
+  the reference cannot change during the run (a frozen copy, or the base under LoRA with nothing of it trained,
+  and no `sync_ref_model`): each evaluation after the first runs the policy alone on a batch seen before.
 - `run_stage_trainer` is the train / evaluate / predict / save sequence every `run_<stage>` ends with.
 - Evaluation and prediction share one pass: a stage whose predictions are a few numbers per example (rm, dpo,
   kto: `predictions_from_evaluation`) gathers them while it evaluates, and `predict` on the data just evaluated,
@@ -56,6 +59,25 @@ unwrap_without_importing_deepspeed()  # every stage trainer unwraps its model th
 logger = logging.getLogger(__name__)
 
 PREDICTIONS_FILE = "generated_predictions.jsonl"
+
+
+# At most this many evaluation batches' reference outputs are kept (a few numbers a row each: about 10 MB at 8 rows
+# a batch); batches past it are computed at every evaluation.
+MAX_KEPT_REFERENCE_BATCHES = 100_000
+
+
+def _batch_key(inputs: dict[str, Any]) -> bytes:
+    """A digest of every tensor of a batch (name, shape, dtype, bytes): equal only for batches with the same contents."""
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=20)
+    for name in sorted(inputs):
+        value = inputs[name]
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().contiguous().cpu()
+            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+            digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return digest.digest()
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -213,6 +235,10 @@ class StageTrainer(Trainer):
 
             self.add_callback(ReferenceSync(self.ref_model, reference_sync.ref_model_mixup_alpha,
                                             reference_sync.ref_model_sync_steps))
+        # Reference outputs of evaluation batches, by the batch's contents (`evaluation_reference`), kept only where
+        # the reference is fixed for the run.
+        self._reference_memo: Optional[dict[bytes, tuple[torch.Tensor, ...]]] = (
+            {} if self._reference_is_fixed(reference_sync) else None)
         self._add_pair_lengths_for_grouping()
         self._suggest_one_batch()
         self._last_evaluation: Optional[_Evaluation] = None
@@ -437,6 +463,47 @@ class StageTrainer(Trainer):
                     yield model
             finally:
                 model.train(was_training)
+
+    def _reference_is_fixed(self, reference_sync: Optional[ReferenceSyncArguments]) -> bool:
+        """Whether the reference computes the same outputs for the same batch all run: a frozen `ref_model` or a
+        PEFT policy whose weights outside its adapters are all frozen (the reference is then the untouched base),
+        and no `sync_ref_model` moving it. A full/freeze policy without a copy is its own reference: never fixed."""
+        if reference_sync is not None and reference_sync.sync_ref_model:
+            return False
+        if self.ref_model is not None:
+            return not any(p.requires_grad for p in self.ref_model.parameters())
+        if not is_peft_model(self.model):
+            return False
+        adapters = tuple(f".{name}." for name in self.model.peft_config)
+        return not any(p.requires_grad and not any(a in n for a in adapters) for n, p in self.model.named_parameters())
+
+    def evaluation_reference(self, inputs: dict[str, Any],
+                             compute: Callable[[dict[str, Any]], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """`compute(inputs)`, a batch's reference outputs; in an evaluation with a fixed reference
+        (`_reference_is_fixed`), the outputs of a batch with the same contents from an earlier evaluation.
+
+        An evaluation set is batched the same way each time, so from the second evaluation on the reference's
+        half of a DPO or KTO evaluation is not run again (TRL runs it at every evaluation unless the reference
+        log-probs are precomputed for the whole run). The key is every tensor of the batch, bytes and shapes, so
+        only an identical batch matches; training batches are never kept. Under several processes a batch's kept
+        outputs are used only when every process has its own batch's.
+        """
+        if self._reference_memo is None or self.model.training or torch.is_grad_enabled():
+            return compute(inputs)
+        key = _batch_key(inputs)
+        kept = self._reference_memo.get(key)
+        if self.accelerator.num_processes > 1:
+            # Every process takes the kept outputs or none does: the reference's forward may hold collectives
+            # (FSDP, ZeRO-3 gathers) that a process skipping it would leave the others waiting in.
+            everywhere = self.accelerator.reduce(torch.tensor([float(kept is not None)], device=self.args.device),
+                                                 reduction="sum")
+            if int(everywhere.item()) != self.accelerator.num_processes:
+                kept = None
+        if kept is None:
+            kept = tuple(t.detach() for t in compute(inputs))
+            if len(self._reference_memo) < MAX_KEPT_REFERENCE_BATCHES:
+                self._reference_memo[key] = kept
+        return kept
 
     def reference_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The weights the reference computes with (for cache keys): the base's alone under LoRA."""

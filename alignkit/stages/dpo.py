@@ -376,7 +376,7 @@ class DPOTrainer(StageTrainer):
             if "ref_chosen_logps" in inputs:
                 ref_chosen_logps, ref_rejected_logps = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
             else:
-                ref_chosen_logps, ref_rejected_logps = self.reference_logps(inputs)
+                ref_chosen_logps, ref_rejected_logps = self.evaluation_reference(inputs, self.reference_logps)
 
         losses, chosen_rewards, rejected_rewards = preference_loss(
             self.loss_type, chosen_logps, rejected_logps, chosen_lengths, rejected_lengths,

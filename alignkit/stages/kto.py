@@ -360,7 +360,7 @@ class KTOTrainer(StageTrainer):
         if self.reference_columns[0] in inputs:  # precomputed (`precompute_ref_log_probs`)
             ref_logps, *ref_kl = (inputs[column] for column in self.reference_columns)
         else:
-            ref_logps, *ref_kl = self.reference_logps(inputs)
+            ref_logps, *ref_kl = self.evaluation_reference(inputs, self.reference_logps)
         if self.uses_kl:
             (ref_kl_logps,) = ref_kl
             if kl_logps is None:

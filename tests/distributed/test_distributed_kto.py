@@ -15,6 +15,8 @@ reference is the adapter disabled): 1 process x training batch 4 (which groups t
 4 x 1) and eval batch 8, against 2 processes x training batch 2 (2 x 2) and eval batch 4. The 2-process
 evaluation reads its reference log-probs from columns computed once (`precompute_ref_log_probs`: the main
 process computes and writes them, the other reads the file), the 1-process one runs the reference on the fly.
+Both training runs also evaluate at steps 2 and 4; the second evaluation takes the reference's outputs kept from
+the first, and equals the fresh evaluations of the same weights.
 """
 
 from __future__ import annotations
@@ -26,9 +28,13 @@ KEYS = {"max_samples": EVAL_ROWS, "eval_dataset": "demo_kto_eval"}
 
 
 def test_two_processes_train_kto_as_one_and_evaluate_as_one_without_the_repeated_rows(dist):
-    single_train = dist.train(dist.config("kto", "kto_train_1p", per_device_train_batch_size=4, **KEYS))
-    trained = dist.train(dist.config("kto", "kto_train_2p", save_steps=4, per_device_train_batch_size=2, **KEYS),
-                         nproc=2)
+    # Both evaluate at steps 2 and 4; the step-4 evaluation takes the reference's outputs kept from step 2
+    # (`StageTrainer.evaluation_reference`, every process agreeing per batch).
+    during = {"eval_strategy": "steps", "eval_steps": 2, **KEYS}
+    single_train = dist.train(dist.config("kto", "kto_train_1p", per_device_train_batch_size=4,
+                                          per_device_eval_batch_size=8, **during))
+    trained = dist.train(dist.config("kto", "kto_train_2p", save_steps=4, per_device_train_batch_size=2,
+                                     per_device_eval_batch_size=4, **during), nproc=2)
     print("\nkto: per-step loss, 1 process x batch 4 vs 2 processes x batch 2\n"
           + dist.loss_table({"1 proc x 4": single_train, "2 procs x 2": trained}))
     dist.assert_same_losses(single_train, trained, atol=1e-5)
@@ -56,3 +62,12 @@ def test_two_processes_train_kto_as_one_and_evaluate_as_one_without_the_repeated
           + "\n".join(f"{k}: {results[0][k]:.8f} | {results[1][k]:.8f}" for k in keys))
     different = {k: (results[0][k], results[1][k]) for k in keys if abs(results[0][k] - results[1][k]) > 1e-5}
     assert not different, f"evaluation differs between 1 and 2 processes: {different}"
+    # The training runs' step-4 evaluations (kept reference outputs) equal the fresh ones of the same weights
+    # (checkpoint-4 is the final step), with 1 and with 2 processes.
+    for run in (single_train, trained):
+        during_eval = [r for r in run.log() if "eval_loss" in r]
+        assert [r["current_steps"] for r in during_eval] == [2, 4]
+        kept = {k: during_eval[-1][k] for k in keys if k in during_eval[-1]}
+        assert set(kept) == set(keys) - {"eval_model_preparation_time"}
+        different = {k: (v, results[0][k]) for k, v in kept.items() if abs(v - results[0][k]) > 1e-5}
+        assert not different, f"the step-4 evaluation differs from a fresh one: {different}"

@@ -142,7 +142,25 @@ def test_lora_reference_equals_base_model_logps(tiny_model_dir, tiny_tokenizer, 
     assert not torch.allclose(policy_logps.sum(-1), base_logps.sum(-1), atol=1e-3)
 
 
-def test_lora_training_logs_metrics_and_moves_only_the_adapter(tiny_model_dir, tiny_tokenizer, tmp_path):
+def _count_reference_passes(monkeypatch) -> list[bool]:
+    """Record each `DPOTrainer.reference_logps` call: True when it ran inside an evaluation."""
+    calls: list[bool] = []
+    original = DPOTrainer.reference_logps
+
+    def counted(self, inputs):
+        calls.append(not self.model.training)
+        return original(self, inputs)
+
+    monkeypatch.setattr(DPOTrainer, "reference_logps", counted)
+    return calls
+
+
+def test_lora_training_logs_metrics_and_moves_only_the_adapter(tiny_model_dir, tiny_tokenizer, tmp_path,
+                                                               monkeypatch):
+    """... and the reference (the untouched base) runs in the first evaluation only: the step-6 evaluation, on
+    the same two batches, takes their reference log-probs from the step-3 one and still equals the hand-computed
+    metrics."""
+    calls = _count_reference_passes(monkeypatch)
     dataset = pair_dataset(tiny_tokenizer)
     model = lora_model(tiny_model_dir)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -166,6 +184,7 @@ def test_lora_training_logs_metrics_and_moves_only_the_adapter(tiny_model_dir, t
     eval_logs = [r for r in trainer.state.log_history if "eval_loss" in r]
     assert [r["step"] for r in eval_logs] == [3, 6]
     assert "rewards/chosen" not in eval_logs[-1]
+    assert calls.count(True) == 2 and calls.count(False) == 6  # 2 evaluation batches once; every training step
     # The step-6 evaluation ran on the final weights: it equals the metrics computed pair by pair with the
     # trained policy against the base model as the reference.
     trainer.model.eval()
@@ -215,6 +234,34 @@ def test_full_finetuning_reference_is_the_in_memory_policy_at_init(tiny_model_di
     trainer.train()
     assert torch.allclose(torch.cat(trainer.reference_logps(batch)), at_init.sum(-1), atol=1e-5)
     assert not any(p.requires_grad for p in trainer.ref_model.parameters())
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_evaluation_reference_kept_only_while_it_cannot_move(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch,
+                                                             sync):
+    """A full fine-tuning's frozen reference copy serves every evaluation from the first one's outputs; with
+    `sync_ref_model` (TR-DPO mixes the policy into it every step here) each evaluation runs it again, and the
+    numbers show why: the reference moved."""
+    calls = _count_reference_passes(monkeypatch)
+    dataset = pair_dataset(tiny_tokenizer)
+    config = make_config(tmp_path, finetuning_type="full", max_steps=2, sync_ref_model=sync,
+                         ref_model_mixup_alpha=0.5, ref_model_sync_steps=1)
+    trainer = make_trainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config, dataset,
+                           eval_dataset=dataset)
+    def numbers(metrics):
+        return {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k}
+
+    first = trainer.evaluate()
+    assert numbers(trainer.evaluate()) == numbers(first) and calls == [True] * (2 if not sync else 4)
+    trainer.train()
+    calls.clear()
+    after = trainer.evaluate()
+    assert calls == ([True, True] if sync else [])
+    trainer.model.eval()
+    reference = trainer.ref_model if sync else AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    expected = dpo_eval_by_hand(trainer.model, reference, dataset, beta=config.method.pref_beta)
+    for key, value in expected.items():
+        assert after[key] == pytest.approx(value, abs=1e-5), key
 
 
 def test_full_finetuning_with_precomputed_reference_refuses_new_data_after_training(tiny_model_dir, tiny_tokenizer,

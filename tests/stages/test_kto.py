@@ -164,13 +164,19 @@ def test_precomputed_reference_matches_on_the_fly_and_is_cached(tiny_model_dir, 
                                                                 monkeypatch, loss_type):
     """`precompute_ref_log_probs`: the columns hold the base model's summed log-probs of each reply and of each KL
     row (kto only); training and evaluation read them instead of running the reference, and give the on-the-fly
-    losses and metrics; a second trainer over the same tokens and weights reads the cache."""
+    losses and metrics; a second trainer over the same tokens and weights reads the cache. Without precomputing,
+    an evaluation after training takes the reference outputs kept from the one before it (`evaluation_reference`)."""
     dataset = unpaired_dataset(tiny_tokenizer)
     common = dict(max_steps=4, per_device_train_batch_size=2, loss_type=loss_type)
     on_the_fly = make_trainer(lora_model(tiny_model_dir), make_config(tmp_path / "a", **common), dataset,
                               eval_dataset=dataset)
+    on_the_fly.evaluate()  # before training: the base's outputs of the evaluation batches are kept
     on_the_fly.train()
+    reference_passes = []
+    kept_from_before = on_the_fly.reference_logps
+    on_the_fly.reference_logps = lambda inputs: reference_passes.append(1) or kept_from_before(inputs)
     on_the_fly_eval = on_the_fly.evaluate()
+    assert reference_passes == []  # ... and serve this evaluation (checked against the precomputed columns below)
 
     config = make_config(tmp_path / "b", precompute_ref_log_probs=True, **common)
     precomputed = make_trainer(lora_model(tiny_model_dir), config, dataset, eval_dataset=dataset)
@@ -192,7 +198,7 @@ def test_precomputed_reference_matches_on_the_fly_and_is_cached(tiny_model_dir, 
     assert losses_of(precomputed) == pytest.approx(losses_of(on_the_fly), abs=1e-5)
     assert precomputed_eval["eval_rewards/margins"] != pytest.approx(0.0, abs=1e-4)
     for key, value in on_the_fly_eval.items():
-        if key.startswith("eval_") and not key.endswith(("_runtime", "_per_second")):
+        if key.startswith("eval_") and not key.endswith(("_runtime", "_per_second", "_preparation_time")):
             assert precomputed_eval[key] == pytest.approx(value, abs=1e-5), key
 
     # A second trainer over the same tokens and weights reads the cache instead of recomputing.

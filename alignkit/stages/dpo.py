@@ -347,6 +347,8 @@ class DPOTrainer(StageTrainer):
 
         if self.precompute_ref_logps:  # before any update: the policy may serve as its own reference here
             precompute_reference_logps(self, REF_COLUMNS, TOKEN_COLUMNS, self.reference_logps, unit="pairs")
+        elif self.needs_reference:
+            self._suggest_reference_precompute()
 
     # ---- the reference ----
 

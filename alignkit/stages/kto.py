@@ -303,6 +303,8 @@ class KTOTrainer(StageTrainer):
                 self.eval_dataset = with_mismatched_rows(self.eval_dataset, group, kl_max_length)
         if self.precompute_ref_logps:  # before any update (the KL rows are fixed above, so theirs can be too)
             precompute_reference_logps(self, self.reference_columns, TOKEN_COLUMNS, self.reference_logps)
+        else:
+            self._suggest_reference_precompute()
         if self.train_dataset is not None and hasattr(self.train_dataset, "column_names"):
             _warn_if_unbalanced(self.train_dataset["desirable"], self.desirable_weight, self.undesirable_weight)
 

@@ -220,6 +220,26 @@ def test_accumulated_micro_batches_equal_one_batch(tiny_model_dir, tiny_tokenize
         torch.testing.assert_close(update_acc[name], value, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_several_epochs_with_the_reference_on_the_fly_suggest_precomputing(tiny_model_dir, tiny_tokenizer, tmp_path,
+                                                                          caplog):
+    """One info line when the reference would run on each example more than once: several epochs, or `max_steps`
+    past one; nothing for one epoch, with `precompute_ref_log_probs` or for a loss without a reference."""
+    dataset = pair_dataset(tiny_tokenizer)  # 6 pairs
+
+    def said(**keys):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="alignkit.stages.base"):
+            make_trainer(lora_model(tiny_model_dir), make_config(tmp_path, **keys), dataset)
+        return [r.getMessage() for r in caplog.records if "precompute_ref_log_probs: true" in r.getMessage()]
+
+    three = said(max_steps=-1, num_train_epochs=3)
+    assert len(three) == 1 and "run of 3 epochs runs it 3 times" in three[0]
+    assert "2 epochs" in said(max_steps=6)[0]  # 6 steps x 2 pairs over 6 pairs
+    assert said(max_steps=3) == [] and said(max_steps=-1, num_train_epochs=1) == []
+    assert said(max_steps=6, precompute_ref_log_probs=True) == []
+    assert said(max_steps=6, pref_loss="simpo") == []
+
+
 def test_full_finetuning_reference_is_the_in_memory_policy_at_init(tiny_model_dir, tiny_tokenizer, tmp_path):
     """A policy changed in memory before the trainer is built gets that policy as reference, frozen after."""
     dataset = pair_dataset(tiny_tokenizer)

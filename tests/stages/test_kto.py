@@ -338,3 +338,19 @@ def test_prediction_on_the_data_just_evaluated_is_that_evaluation(tiny_model_dir
     assert trainer.evaluation_predictions(eval_rows) is None  # other data
     trainer.train()
     assert trainer.evaluation_predictions(evaluated) is None  # the weights moved since
+
+
+def test_several_epochs_with_the_reference_on_the_fly_suggest_precomputing(tiny_model_dir, tiny_tokenizer, tmp_path,
+                                                                          caplog):
+    """KTO says what DPO says (`StageTrainer._suggest_reference_precompute`): 2 epochs on the fly, once; not with
+    the columns precomputed."""
+    dataset = unpaired_dataset(tiny_tokenizer)
+
+    def said(**keys):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="alignkit.stages.base"):
+            make_trainer(lora_model(tiny_model_dir), make_config(tmp_path, **keys), dataset)
+        return [r.getMessage() for r in caplog.records if "precompute_ref_log_probs: true" in r.getMessage()]
+
+    assert len(said(max_steps=-1, num_train_epochs=2)) == 1
+    assert said(max_steps=-1, num_train_epochs=2, precompute_ref_log_probs=True) == []

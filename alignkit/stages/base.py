@@ -17,9 +17,10 @@
 - `ReferenceSyncArguments` are TRL's `sync_ref_model` keys (TR-DPO) for the stages TRL has them in (dpo, grpo,
   rloo); `check_reference_sync` refuses what cannot be synced before anything loads, and `StageTrainer` adds the
   `callbacks.ReferenceSync` callback that does it (when things happen belongs in callbacks).
-- `StageTrainer.evaluation_reference` keeps an evaluation batch's reference outputs for the next evaluation when
-  the reference cannot change during the run (a frozen copy, or the base under LoRA with nothing of it trained,
-  and no `sync_ref_model`): each evaluation after the first runs the policy alone on a batch seen before.
+- `StageTrainer.kept_reference` keeps each example's reference outputs (DPO, KTO) for the rest of the run when the
+  reference cannot change during it (a frozen copy, or the base under LoRA with nothing of it trained, and no
+  `sync_ref_model`): later epochs and evaluations after the first run the policy alone, and checkpoints carry
+  the kept outputs so a resumed run computes what the uninterrupted one does.
 - `run_stage_trainer` is the train / evaluate / predict / save sequence every `run_<stage>` ends with.
 - Evaluation and prediction share one pass: a stage whose predictions are a few numbers per example (rm, dpo,
   kto: `predictions_from_evaluation`) gathers them while it evaluates, and `predict` on the data just evaluated,
@@ -36,7 +37,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -61,23 +62,39 @@ logger = logging.getLogger(__name__)
 PREDICTIONS_FILE = "generated_predictions.jsonl"
 
 
-# At most this many evaluation batches' reference outputs are kept (a few numbers a row each: about 10 MB at 8 rows
-# a batch); batches past it are computed at every evaluation.
-MAX_KEPT_REFERENCE_BATCHES = 100_000
+# At most this many examples' reference outputs are kept (a few floats each, about 250 bytes with the key and the
+# dictionary's entry: 125 MB at the cap); examples past it run the reference whenever they come.
+MAX_KEPT_REFERENCE_EXAMPLES = 500_000
+REFERENCE_OUTPUTS_FILE = "reference_outputs.pt"
 
 
-def _batch_key(inputs: dict[str, Any]) -> bytes:
-    """A digest of every tensor of a batch (name, shape, dtype, bytes): equal only for batches with the same contents."""
+def example_digests(inputs: dict[str, Any], examples: Sequence[Sequence[tuple[str, int]]]) -> list[bytes]:
+    """One digest per example of a batch, over the real tokens and labels of the sequences that make it up.
+
+    Args:
+        inputs: the collated batch (`{prefix}input_ids`, `{prefix}attention_mask`, `{prefix}labels`).
+        examples: for each example, its sequences as `(prefix, row)`: a DPO pair `[("", i), ("", B + i)]` (chosen
+            and rejected stacked), a KTO row `[("", i), ("kl_", i)]` (its reply and its mismatched KL row).
+
+    Equal digests mean the same token ids and labels in every sequence, whatever the padding or the batch.
+    """
     import hashlib
 
-    digest = hashlib.blake2b(digest_size=20)
-    for name in sorted(inputs):
-        value = inputs[name]
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach().contiguous().cpu()
-            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-            digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-    return digest.digest()
+    columns = {}
+    for prefix in {prefix for example in examples for prefix, _ in example}:
+        columns[prefix] = tuple(inputs[f"{prefix}{name}"].detach().cpu()
+                                for name in ("input_ids", "attention_mask", "labels"))
+    digests = []
+    for example in examples:
+        digest = hashlib.blake2b(digest_size=20)
+        for prefix, row in example:
+            ids, mask, labels = (column[row] for column in columns[prefix])
+            real = mask.bool()
+            for part in (ids[real], labels[real]):
+                digest.update(f"{part.numel()};".encode())
+                digest.update(memoryview(part.to(torch.int64).contiguous().view(torch.uint8).numpy()))
+        digests.append(digest.digest())
+    return digests
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -235,9 +252,9 @@ class StageTrainer(Trainer):
 
             self.add_callback(ReferenceSync(self.ref_model, reference_sync.ref_model_mixup_alpha,
                                             reference_sync.ref_model_sync_steps))
-        # Reference outputs of evaluation batches, by the batch's contents (`evaluation_reference`), kept only where
-        # the reference is fixed for the run.
-        self._reference_memo: Optional[dict[bytes, tuple[torch.Tensor, ...]]] = (
+        # Each example's reference outputs, by its tokens (`kept_reference`), kept only where the reference is fixed
+        # for the run: {digest: its k outputs}, as floats (a tensor apiece would cost more than its numbers).
+        self._reference_memo: Optional[dict[bytes, tuple[float, ...]]] = (
             {} if self._reference_is_fixed(reference_sync) else None)
         self._add_pair_lengths_for_grouping()
         self._suggest_one_batch()
@@ -477,33 +494,74 @@ class StageTrainer(Trainer):
         adapters = tuple(f".{name}." for name in self.model.peft_config)
         return not any(p.requires_grad and not any(a in n for a in adapters) for n, p in self.model.named_parameters())
 
-    def evaluation_reference(self, inputs: dict[str, Any],
-                             compute: Callable[[dict[str, Any]], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-        """`compute(inputs)`, a batch's reference outputs; in an evaluation with a fixed reference
-        (`_reference_is_fixed`), the outputs of a batch with the same contents from an earlier evaluation.
+    def kept_reference(self, inputs: dict[str, Any], compute: Callable[[dict[str, Any]], tuple[torch.Tensor, ...]],
+                       examples: Sequence[Sequence[tuple[str, int]]]) -> tuple[torch.Tensor, ...]:
+        """`compute(inputs)`, the batch's reference outputs (`[B]` tensors, one value per example); where the reference
+        is fixed (`_reference_is_fixed`) and every example of the batch has been through it before in this run
+        (training or evaluation, any batch), the outputs kept then.
 
-        An evaluation set is batched the same way each time, so from the second evaluation on the reference's
-        half of a DPO or KTO evaluation is not run again (TRL runs it at every evaluation unless the reference
-        log-probs are precomputed for the whole run). The key is every tensor of the batch, bytes and shapes, so
-        only an identical batch matches; training batches are never kept. Under several processes a batch's kept
-        outputs are used only when every process has its own batch's.
+        A fixed reference gives an example the same outputs whenever it comes (up to float rounding, the batch
+        around it aside), so a run's second and later epochs, and its evaluations after the first, run the policy
+        alone: what `precompute_ref_log_probs` does, without a pass before training (TRL reruns the reference
+        unless it is set). A batch with any example not seen before runs the reference whole and keeps each
+        example's outputs. Under several processes the kept outputs are used only when every process has all of
+        its batch's (the reference's forward may hold collectives, FSDP or ZeRO-3 gathers, that a process skipping
+        it would leave the others waiting in). Kept outputs are saved with each checkpoint, so a resumed run
+        computes what the uninterrupted one does. A batch with images runs the reference always (its tokens do not
+        tell its pixels apart).
+
+        Args:
+            examples: each example's sequences as `example_digests` takes them.
         """
-        if self._reference_memo is None or self.model.training or torch.is_grad_enabled():
+        from ..data.multimodal import image_inputs
+
+        if self._reference_memo is None or image_inputs(inputs):
             return compute(inputs)
-        key = _batch_key(inputs)
-        kept = self._reference_memo.get(key)
+        keys = example_digests(inputs, examples)
+        kept = [self._reference_memo.get(key) for key in keys]
+        every = all(value is not None for value in kept)
         if self.accelerator.num_processes > 1:
-            # Every process takes the kept outputs or none does: the reference's forward may hold collectives
-            # (FSDP, ZeRO-3 gathers) that a process skipping it would leave the others waiting in.
-            everywhere = self.accelerator.reduce(torch.tensor([float(kept is not None)], device=self.args.device),
+            everywhere = self.accelerator.reduce(torch.tensor([float(every)], device=self.args.device),
                                                  reduction="sum")
-            if int(everywhere.item()) != self.accelerator.num_processes:
-                kept = None
-        if kept is None:
-            kept = tuple(t.detach() for t in compute(inputs))
-            if len(self._reference_memo) < MAX_KEPT_REFERENCE_BATCHES:
-                self._reference_memo[key] = kept
-        return kept
+            every = int(everywhere.item()) == self.accelerator.num_processes
+        if every:
+            # float32 outputs (`forward_sequence_logps` sums in float32), exact through the Python floats.
+            stacked = torch.tensor(kept, dtype=torch.float32, device=self.args.device)
+            return tuple(stacked[:, j] for j in range(stacked.shape[1]))
+        outputs = tuple(t.detach() for t in compute(inputs))
+        if all(t.dtype == torch.float32 for t in outputs):
+            for key, row in zip(keys, torch.stack(outputs, dim=1).tolist()):
+                if key in self._reference_memo or len(self._reference_memo) < MAX_KEPT_REFERENCE_EXAMPLES:
+                    self._reference_memo[key] = tuple(row)
+        return outputs
+
+    def _reference_outputs_name(self) -> str:
+        """`reference_outputs.pt` in one process; `reference_outputs_<rank>.pt` with several (each keeps its own)."""
+        if self.accelerator.num_processes == 1:
+            return REFERENCE_OUTPUTS_FILE
+        return REFERENCE_OUTPUTS_FILE.replace(".pt", f"_{self.accelerator.process_index}.pt")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Beside the optimizer: the reference outputs kept so far (`kept_reference`)."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self._reference_memo:
+            path = Path(output_dir) / self._reference_outputs_name()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            keys = torch.tensor([list(key) for key in self._reference_memo], dtype=torch.uint8)
+            values = torch.tensor(list(self._reference_memo.values()), dtype=torch.float32)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            torch.save({"keys": keys, "values": values}, tmp)
+            os.replace(tmp, path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self._reference_memo is None:
+            return
+        path = Path(checkpoint) / self._reference_outputs_name()
+        if path.is_file():
+            saved = torch.load(path, weights_only=True)
+            self._reference_memo.update((bytes(key), tuple(value))
+                                        for key, value in zip(saved["keys"].tolist(), saved["values"].tolist()))
 
     def reference_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The weights the reference computes with (for cache keys): the base's alone under LoRA."""
@@ -533,27 +591,6 @@ class StageTrainer(Trainer):
                     "with gradient_accumulation_steps=1 trains on the same examples in each step, "
                     "faster (2.1x for 1 x 8 on the bundled model), if the memory of %d rows' activations at once "
                     "is there.", a.gradient_accumulation_steps, a.per_device_train_batch_size, rows, rows)
-
-    def _suggest_reference_precompute(self) -> None:
-        """Say once, when a run with the reference computed on the fly covers its training set more than once, that
-        `precompute_ref_log_probs: true` runs the reference once per example instead of once per epoch.
-
-        The reference forward was 28% of a DPO step on the bundled model (3.16 s against 2.28 s with the columns
-        precomputed; docs/performance.md, "The twenty-seventh session"). Only said: the default stays TRL's.
-        """
-        dataset = self.train_dataset
-        if not self.is_world_process_zero() or dataset is None or not hasattr(dataset, "__len__") or not len(dataset):
-            return
-        a = self.args
-        epochs = a.num_train_epochs
-        if a.max_steps > 0:
-            examples = a.max_steps * a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size
-            epochs = examples / len(dataset)
-        if epochs <= 1:
-            return
-        logger.info("The reference model runs on every training batch, so this run of %.3g epochs runs it %.3g times "
-                    "on each example. precompute_ref_log_probs: true runs it once per example before training "
-                    "(cached on disk for later runs) and the steps run the policy alone.", epochs, epochs)
 
     def _add_pair_lengths_for_grouping(self) -> None:
         """`group_by_length` for pairwise data: the Trainer's sampler reads `input_ids`, which pairs lack.

@@ -347,8 +347,6 @@ class DPOTrainer(StageTrainer):
 
         if self.precompute_ref_logps:  # before any update: the policy may serve as its own reference here
             precompute_reference_logps(self, REF_COLUMNS, TOKEN_COLUMNS, self.reference_logps, unit="pairs")
-        elif self.needs_reference:
-            self._suggest_reference_precompute()
 
     # ---- the reference ----
 
@@ -378,7 +376,9 @@ class DPOTrainer(StageTrainer):
             if "ref_chosen_logps" in inputs:
                 ref_chosen_logps, ref_rejected_logps = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
             else:
-                ref_chosen_logps, ref_rejected_logps = self.evaluation_reference(inputs, self.reference_logps)
+                pairs = chosen_logps.shape[0]  # chosen rows 0..B-1, their rejected rows B..2B-1
+                ref_chosen_logps, ref_rejected_logps = self.kept_reference(
+                    inputs, self.reference_logps, [[("", i), ("", pairs + i)] for i in range(pairs)])
 
         losses, chosen_rewards, rejected_rewards = preference_loss(
             self.loss_type, chosen_logps, rejected_logps, chosen_lengths, rejected_lengths,

@@ -303,8 +303,6 @@ class KTOTrainer(StageTrainer):
                 self.eval_dataset = with_mismatched_rows(self.eval_dataset, group, kl_max_length)
         if self.precompute_ref_logps:  # before any update (the KL rows are fixed above, so theirs can be too)
             precompute_reference_logps(self, self.reference_columns, TOKEN_COLUMNS, self.reference_logps)
-        else:
-            self._suggest_reference_precompute()
         if self.train_dataset is not None and hasattr(self.train_dataset, "column_names"):
             _warn_if_unbalanced(self.train_dataset["desirable"], self.desirable_weight, self.undesirable_weight)
 
@@ -362,7 +360,9 @@ class KTOTrainer(StageTrainer):
         if self.reference_columns[0] in inputs:  # precomputed (`precompute_ref_log_probs`)
             ref_logps, *ref_kl = (inputs[column] for column in self.reference_columns)
         else:
-            ref_logps, *ref_kl = self.evaluation_reference(inputs, self.reference_logps)
+            parts = ("", "kl_") if self.uses_kl else ("",)  # a row's reply and, with the KL term, its KL row
+            ref_logps, *ref_kl = self.kept_reference(inputs, self.reference_logps,
+                                                     [[(p, i) for p in parts] for i in range(logps.shape[0])])
         if self.uses_kl:
             (ref_kl_logps,) = ref_kl
             if kl_logps is None:

@@ -29,7 +29,7 @@ KEYS = {"max_samples": EVAL_ROWS, "eval_dataset": "demo_kto_eval"}
 
 def test_two_processes_train_kto_as_one_and_evaluate_as_one_without_the_repeated_rows(dist):
     # Both evaluate at steps 2 and 4; the step-4 evaluation takes the reference's outputs kept from step 2
-    # (`StageTrainer.evaluation_reference`, every process agreeing per batch).
+    # (`StageTrainer.kept_reference`, every process agreeing per batch).
     during = {"eval_strategy": "steps", "eval_steps": 2, **KEYS}
     single_train = dist.train(dist.config("kto", "kto_train_1p", per_device_train_batch_size=4,
                                           per_device_eval_batch_size=8, **during))

@@ -157,9 +157,9 @@ def _count_reference_passes(monkeypatch) -> list[bool]:
 
 def test_lora_training_logs_metrics_and_moves_only_the_adapter(tiny_model_dir, tiny_tokenizer, tmp_path,
                                                                monkeypatch):
-    """... and the reference (the untouched base) runs in the first evaluation only: the step-6 evaluation, on
-    the same two batches, takes their reference log-probs from the step-3 one and still equals the hand-computed
-    metrics."""
+    """... and the reference (the untouched base) runs in the first epoch only (steps 1-3 take the 6 pairs by 2):
+    the second epoch and both evaluations (the same 6 pairs, by 3) take the outputs kept from those steps
+    (`StageTrainer.kept_reference`), and the step-6 evaluation still equals the hand-computed metrics."""
     calls = _count_reference_passes(monkeypatch)
     dataset = pair_dataset(tiny_tokenizer)
     model = lora_model(tiny_model_dir)
@@ -184,7 +184,7 @@ def test_lora_training_logs_metrics_and_moves_only_the_adapter(tiny_model_dir, t
     eval_logs = [r for r in trainer.state.log_history if "eval_loss" in r]
     assert [r["step"] for r in eval_logs] == [3, 6]
     assert "rewards/chosen" not in eval_logs[-1]
-    assert calls.count(True) == 2 and calls.count(False) == 6  # 2 evaluation batches once; every training step
+    assert calls == [False] * 3  # the first epoch's three steps
     # The step-6 evaluation ran on the final weights: it equals the metrics computed pair by pair with the
     # trained policy against the base model as the reference.
     trainer.model.eval()
@@ -220,26 +220,6 @@ def test_accumulated_micro_batches_equal_one_batch(tiny_model_dir, tiny_tokenize
         torch.testing.assert_close(update_acc[name], value, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_several_epochs_with_the_reference_on_the_fly_suggest_precomputing(tiny_model_dir, tiny_tokenizer, tmp_path,
-                                                                          caplog):
-    """One info line when the reference would run on each example more than once: several epochs, or `max_steps`
-    past one; nothing for one epoch, with `precompute_ref_log_probs` or for a loss without a reference."""
-    dataset = pair_dataset(tiny_tokenizer)  # 6 pairs
-
-    def said(**keys):
-        caplog.clear()
-        with caplog.at_level("INFO", logger="alignkit.stages.base"):
-            make_trainer(lora_model(tiny_model_dir), make_config(tmp_path, **keys), dataset)
-        return [r.getMessage() for r in caplog.records if "precompute_ref_log_probs: true" in r.getMessage()]
-
-    three = said(max_steps=-1, num_train_epochs=3)
-    assert len(three) == 1 and "run of 3 epochs runs it 3 times" in three[0]
-    assert "2 epochs" in said(max_steps=6)[0]  # 6 steps x 2 pairs over 6 pairs
-    assert said(max_steps=3) == [] and said(max_steps=-1, num_train_epochs=1) == []
-    assert said(max_steps=6, precompute_ref_log_probs=True) == []
-    assert said(max_steps=6, pref_loss="simpo") == []
-
-
 def test_full_finetuning_reference_is_the_in_memory_policy_at_init(tiny_model_dir, tiny_tokenizer, tmp_path):
     """A policy changed in memory before the trainer is built gets that policy as reference, frozen after."""
     dataset = pair_dataset(tiny_tokenizer)
@@ -257,8 +237,8 @@ def test_full_finetuning_reference_is_the_in_memory_policy_at_init(tiny_model_di
 
 
 @pytest.mark.parametrize("sync", [False, True])
-def test_evaluation_reference_kept_only_while_it_cannot_move(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch,
-                                                             sync):
+def test_reference_outputs_kept_only_while_it_cannot_move(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch,
+                                                           sync):
     """A full fine-tuning's frozen reference copy serves every evaluation from the first one's outputs; with
     `sync_ref_model` (TR-DPO mixes the policy into it every step here) each evaluation runs it again, and the
     numbers show why: the reference moved."""
@@ -391,12 +371,40 @@ def test_reference_cache_is_read_with_weights_only(tiny_model_dir, tiny_tokenize
 
 
 
+def test_later_epochs_take_the_kept_reference_outputs(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch):
+    """Three epochs of 6 pairs by 2, shuffled each epoch: the reference runs in the first epoch's 3 steps only, and
+    the losses and metrics equal those of the run that reruns it at every step (kept outputs off) within float
+    rounding."""
+    calls = _count_reference_passes(monkeypatch)
+    dataset = pair_dataset(tiny_tokenizer)
+    runs = {}
+    for keep in (True, False):
+        if not keep:
+            monkeypatch.setattr(DPOTrainer, "_reference_is_fixed", lambda self, sync: False)
+        calls.clear()
+        config = make_config(tmp_path / str(keep), max_steps=9)
+        trainer = make_trainer(lora_model(tiny_model_dir, init_lora_weights=False), config, dataset)
+        trainer.train()
+        runs[keep] = ([r for r in trainer.state.log_history if "loss" in r], len(calls))
+    (kept_logs, kept_calls), (rerun_logs, rerun_calls) = runs[True], runs[False]
+    assert (kept_calls, rerun_calls) == (3, 9)
+    for kept, rerun in zip(kept_logs, rerun_logs, strict=True):
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert kept[key] == pytest.approx(rerun[key], abs=1e-6), (kept["step"], key)
+
+
 @pytest.mark.parametrize("precompute", [False, True])
-def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tiny_tokenizer, tmp_path, precompute, stop_after_step):
+def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tiny_tokenizer, tmp_path, precompute, stop_after_step,
+                                              monkeypatch):
+    """Resumed in the second epoch (6 pairs by 2): on the fly, the checkpoint carries the reference outputs kept in
+    the first, so the resumed steps run no reference pass, as the uninterrupted ones do not."""
+    calls = _count_reference_passes(monkeypatch)
     dataset = pair_dataset(tiny_tokenizer)
     common = dict(max_steps=6, precompute_ref_log_probs=precompute)
     full = make_trainer(lora_model(tiny_model_dir), make_config(tmp_path / "full", **common), dataset)
+    calls.clear()  # with precompute: the pass over the dataset when the trainer is built
     full.train()
+    assert calls == ([] if precompute else [False] * 3)
 
     config = make_config(tmp_path / "resumed", **common)
     first = make_trainer(lora_model(tiny_model_dir), config, dataset, callbacks=[stop_after_step(3)])
@@ -404,7 +412,10 @@ def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tiny_tokenizer, tm
     checkpoint = tmp_path / "resumed" / "out" / "checkpoint-3"
     assert (checkpoint / "trainer_state.json").is_file()
     second = make_trainer(lora_model(tiny_model_dir), config, dataset)
+    calls.clear()
     second.train(resume_from_checkpoint=str(checkpoint))
+    assert calls == []
+    assert (checkpoint / "reference_outputs.pt").is_file() != precompute
     resumed_losses = losses_of(second)
     assert len(resumed_losses) == 6  # the checkpoint's log history plus steps 4-6
     assert resumed_losses == pytest.approx(losses_of(full), abs=1e-5)

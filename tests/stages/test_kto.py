@@ -165,7 +165,7 @@ def test_precomputed_reference_matches_on_the_fly_and_is_cached(tiny_model_dir, 
     """`precompute_ref_log_probs`: the columns hold the base model's summed log-probs of each reply and of each KL
     row (kto only); training and evaluation read them instead of running the reference, and give the on-the-fly
     losses and metrics; a second trainer over the same tokens and weights reads the cache. Without precomputing,
-    an evaluation after training takes the reference outputs kept from the one before it (`evaluation_reference`)."""
+    an evaluation after training takes the reference outputs kept from the one before it (`kept_reference`)."""
     dataset = unpaired_dataset(tiny_tokenizer)
     common = dict(max_steps=4, per_device_train_batch_size=2, loss_type=loss_type)
     on_the_fly = make_trainer(lora_model(tiny_model_dir), make_config(tmp_path / "a", **common), dataset,
@@ -314,7 +314,9 @@ def test_zero3_full_finetuning_reference_is_a_second_load_gathered_per_pass(tiny
     run_train(config(zero3))
     assert len(loaded) == 2  # the policy (given to the stand-in engine whole), then its reference, partitioned
     reference = next(loaded[1].parameters()).ds_owner
-    assert reference.gathers == 3 and reference.is_partitioned()  # one gather per batch's reference passes
+    # One gather per batch's reference passes: steps 1 and 2 (the 6 rows by 3); step 3 starts the second epoch,
+    # whose rows' outputs are kept (`StageTrainer.kept_reference`).
+    assert reference.gathers == 2 and reference.is_partitioned()
     losses = [[r["loss"] for r in read_log(out) if "loss" in r] for out in (plain, zero3)]
     assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], abs=1e-5)
 
@@ -340,17 +342,23 @@ def test_prediction_on_the_data_just_evaluated_is_that_evaluation(tiny_model_dir
     assert trainer.evaluation_predictions(evaluated) is None  # the weights moved since
 
 
-def test_several_epochs_with_the_reference_on_the_fly_suggest_precomputing(tiny_model_dir, tiny_tokenizer, tmp_path,
-                                                                          caplog):
-    """KTO says what DPO says (`StageTrainer._suggest_reference_precompute`): 2 epochs on the fly, once; not with
-    the columns precomputed."""
+def test_later_epochs_take_the_kept_reference_outputs(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch):
+    """Two epochs on the fly: the reference (replies and KL rows) runs in the first epoch's steps only
+    (`StageTrainer.kept_reference`), and the losses equal the rerun-every-step run's within float rounding."""
     dataset = unpaired_dataset(tiny_tokenizer)
-
-    def said(**keys):
-        caplog.clear()
-        with caplog.at_level("INFO", logger="alignkit.stages.base"):
-            make_trainer(lora_model(tiny_model_dir), make_config(tmp_path, **keys), dataset)
-        return [r.getMessage() for r in caplog.records if "precompute_ref_log_probs: true" in r.getMessage()]
-
-    assert len(said(max_steps=-1, num_train_epochs=2)) == 1
-    assert said(max_steps=-1, num_train_epochs=2, precompute_ref_log_probs=True) == []
+    calls = []
+    original = KTOTrainer.reference_logps
+    monkeypatch.setattr(KTOTrainer, "reference_logps", lambda self, inputs: calls.append(1) or original(self, inputs))
+    runs = {}
+    for keep in (True, False):
+        if not keep:
+            monkeypatch.setattr(KTOTrainer, "_reference_is_fixed", lambda self, sync: False)
+        calls.clear()
+        epoch = len(dataset) // 2
+        trainer = make_trainer(lora_model(tiny_model_dir, init_lora_weights=False),
+                               make_config(tmp_path / str(keep), max_steps=2 * epoch, per_device_train_batch_size=2),
+                               dataset)
+        trainer.train()
+        runs[keep] = (losses_of(trainer), len(calls))
+    assert runs[True][1] == epoch and runs[False][1] == 2 * epoch
+    assert runs[True][0] == pytest.approx(runs[False][0], abs=1e-6)

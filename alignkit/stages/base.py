@@ -573,24 +573,30 @@ class StageTrainer(Trainer):
 
     # ---- data ----
 
-    def _suggest_one_batch(self) -> None:
+    def _suggest_one_batch(self, applies: Optional[bool] = None, keep: str = "") -> None:
         """Say once, on a CPU, when gradient accumulation could be one larger batch of the same examples.
 
         Every micro-batch is a forward and backward of its own, and a few rows run the matrix products far below
         the CPU's speed: on the bundled model 1 row x 8 micro-batches took 2.1x the time of 8 rows x 1 for the same
         examples (docs/performance.md, "The twenty-sixth session"). Only said, never changed: the larger
         batch holds all its rows' activations at once, which is what accumulation is there to avoid.
+
+        Args:
+            applies: whether the stage's loss is the same either way (default: `accumulation_is_one_batch`); the
+                online stages decide it from their settings once they hold them.
+            keep: what else the larger batch must keep as it is, said after it (GRPO's generation batch).
         """
         a = self.args
-        if (not self.accumulation_is_one_batch or a.gradient_accumulation_steps <= 1 or a.device.type != "cpu"
+        applies = self.accumulation_is_one_batch if applies is None else applies
+        if (not applies or a.gradient_accumulation_steps <= 1 or a.device.type != "cpu"
                 or not self.is_world_process_zero()):
             return
         rows = a.per_device_train_batch_size * a.gradient_accumulation_steps
         logger.info("gradient_accumulation_steps=%d at per_device_train_batch_size=%d: on a CPU each micro-batch's "
                     "few rows run the matrix products far below the CPU's speed. per_device_train_batch_size=%d "
-                    "with gradient_accumulation_steps=1 trains on the same examples in each step, "
+                    "with gradient_accumulation_steps=1%s trains on the same examples in each step, "
                     "faster (2.1x for 1 x 8 on the bundled model), if the memory of %d rows' activations at once "
-                    "is there.", a.gradient_accumulation_steps, a.per_device_train_batch_size, rows, rows)
+                    "is there.", a.gradient_accumulation_steps, a.per_device_train_batch_size, rows, keep, rows)
 
     def _add_pair_lengths_for_grouping(self) -> None:
         """`group_by_length` for pairwise data: the Trainer's sampler reads `input_ids`, which pairs lack.

@@ -337,6 +337,8 @@ class DistillTrainer(GRPOTrainer):
         *args, **kwargs: as for `transformers.Trainer`; `train_dataset` holds the data layer's prompt rows.
     """
 
+    names_generation_batch = False  # one generation batch per optimizer step, whatever the batch's split
+
     def __init__(self, *args, distill_args: DistillArguments, teacher: nn.Module, stop_token_ids, **kwargs) -> None:
         super().__init__(*args, grpo_args=distill_args.generation_loop(), reward_functions=RewardFunctions([], []),
                          stop_token_ids=stop_token_ids, **kwargs)

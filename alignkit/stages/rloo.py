@@ -91,6 +91,11 @@ class RLOOTrainer(GRPOTrainer):
     def _init_loss_state(self) -> None:
         """RLOO has one estimator (the class's) and no entropy bonus."""
 
+    def _accumulation_is_one_batch(self) -> bool:
+        """The loss is a mean over the micro-batch's completions divided by the accumulation steps: over equal
+        micro-batches, the mean over the step's completions."""
+        return True
+
     def compute_advantages(self, all_per_function: torch.Tensor, all_rewards: torch.Tensor,
                            batch: dict[str, torch.Tensor], local: slice) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.grpo_args

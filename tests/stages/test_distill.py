@@ -51,7 +51,7 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 def test_distill_trains_towards_the_teacher_and_logs_trls_metrics(tiny_model_dir, tmp_path, teacher_adapter,
-                                                                 monkeypatch):
+                                                                 monkeypatch, caplog):
     """GA 2: each step generates 2 x 2 completions once and trains them as 2 micro-batches. The divergence to the
     teacher on fixed completions is lower after training than before."""
     seen = []
@@ -64,8 +64,13 @@ def test_distill_trains_towards_the_teacher_and_logs_trls_metrics(tiny_model_dir
 
     monkeypatch.setattr(distill_module.DistillTrainer, "compute_loss", recording)
     out = tmp_path / "out"
-    run_train(_config(tiny_model_dir, tmp_path, out, teacher_adapter, gradient_accumulation_steps=2, beta=0.5,
-                      log_completions=True))
+    with caplog.at_level("INFO", logger="alignkit.stages.base"):
+        run_train(_config(tiny_model_dir, tmp_path, out, teacher_adapter, gradient_accumulation_steps=2, beta=0.5,
+                          log_completions=True))
+    # The loss is a token mean over the step's completions, so one batch of 4 would train alike; the generation
+    # batch follows the batch here (no `generation_batch_size` to keep).
+    hints = [r.getMessage() for r in caplog.records if "gradient_accumulation_steps=1" in r.getMessage()]
+    assert len(hints) == 1 and "per_device_train_batch_size=4 with gradient_accumulation_steps=1 trains" in hints[0]
     records = [r for r in read_log(out) if "loss" in r]
     assert [r["current_steps"] for r in records] == [1, 2, 3, 4]
     for record in records:

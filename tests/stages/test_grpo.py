@@ -139,16 +139,22 @@ def test_reward_functions_get_prompts_in_trl_shapes_and_the_dataset_columns(tiny
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_accumulation_alone_does_not_change_the_update(loss_type, tiny_model_dir, tmp_path):
+def test_accumulation_alone_does_not_change_the_update(loss_type, tiny_model_dir, tmp_path, caplog):
     """per_device 8 x GA 1 and 4 x GA 2 generate the same 8 completions (same seed, one round) and must
-    log the same loss and save the same adapter (SGD, so the update is the gradient itself)."""
-    outs = []
+    log the same loss and save the same adapter (SGD, so the update is the gradient itself); so on a CPU the 4 x 2
+    run is told of the 8 x 1 one with its generation batch (`StageTrainer._suggest_one_batch`)."""
+    outs, hints = [], []
     for batch, accumulation in ((8, 1), (4, 2)):
         out = tmp_path / f"b{batch}"
-        run_train(_config(tiny_model_dir, tmp_path, out, per_device_train_batch_size=batch,
-                          gradient_accumulation_steps=accumulation, max_steps=2, optim="sgd", loss_type=loss_type,
-                          beta=0.02))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="alignkit.stages.base"):
+            run_train(_config(tiny_model_dir, tmp_path, out, per_device_train_batch_size=batch,
+                              gradient_accumulation_steps=accumulation, max_steps=2, optim="sgd", loss_type=loss_type,
+                              beta=0.02))
+        hints.append([r.getMessage() for r in caplog.records if "gradient_accumulation_steps=1" in r.getMessage()])
         outs.append(out)
+    assert hints[0] == [] and len(hints[1]) == 1
+    assert "per_device_train_batch_size=8 with gradient_accumulation_steps=1 and generation_batch_size=8" in hints[1][0]
     first, second = (_losses(o) for o in outs)
     assert first.keys() == second.keys() == {1, 2}
     for step in first:
@@ -156,6 +162,22 @@ def test_accumulation_alone_does_not_change_the_update(loss_type, tiny_model_dir
     a, b = (load_file(str(o / "adapter_model.safetensors")) for o in outs)
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("keys", [{"loss_type": "bnpo"}, {"top_entropy_quantile": 0.5}, {"entropy_coef": 0.01}])
+def test_no_one_batch_hint_where_the_split_changes_the_loss(keys, tiny_model_dir, tmp_path, caplog):
+    """bnpo normalises each micro-batch, the entropy quantile and bonus take statistics of it: 8 x 1 would train
+    otherwise than 4 x 2, so nothing is said."""
+    from alignkit.stages.grpo import GRPOTrainer
+
+    config = _config(tiny_model_dir, tmp_path, tmp_path / "out", gradient_accumulation_steps=2, **keys)
+    trainer = object.__new__(GRPOTrainer)
+    trainer.grpo_args = config.method
+    trainer._entropy_bonus_enabled = config.method.entropy_coef != 0.0 or config.method.use_adaptive_entropy
+    assert not trainer._accumulation_is_one_batch()
+    trainer.grpo_args = _config(tiny_model_dir, tmp_path, tmp_path / "out").method
+    trainer._entropy_bonus_enabled = False
+    assert trainer._accumulation_is_one_batch()
 
 
 def _rounds(out: Path) -> dict[int, list]:

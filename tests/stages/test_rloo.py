@@ -40,3 +40,32 @@ def test_scoring_passes_follow_the_kl(beta, scoring_passes, tiny_model_dir, tmp_
     assert ("old_logps" in batch) == (beta != 0)
     if beta == 0:
         assert all(logs[step]["clip_ratio/region_mean"] == 0 for step in logs)
+
+
+def test_accumulation_alone_does_not_change_the_update(tiny_model_dir, tmp_path, caplog):
+    """RLOO's loss is a mean over the micro-batch's completions divided by the accumulation steps: 8 x 1 and 4 x 2
+    (the same 8 completions, SGD) log the same losses and save the same adapter, and the 4 x 2 run is told so."""
+    from safetensors.torch import load_file
+
+    from alignkit.train import run_train
+    from tests.stages.test_grpo import _config, _losses
+
+    outs, hints = [], []
+    for batch, accumulation in ((8, 1), (4, 2)):
+        out = tmp_path / f"b{batch}"
+        caplog.clear()
+        with caplog.at_level("INFO", logger="alignkit.stages.base"):
+            run_train(_config(tiny_model_dir, tmp_path, out, stage="rloo", per_device_train_batch_size=batch,
+                              gradient_accumulation_steps=accumulation, max_steps=2, optim="sgd"))
+        hints.append([r.getMessage() for r in caplog.records if "gradient_accumulation_steps=1" in r.getMessage()])
+        outs.append(out)
+    assert hints[0] == [] and len(hints[1]) == 1 and "generation_batch_size=8" in hints[1][0]
+    first, second = (_losses(o) for o in outs)
+    assert first.keys() == second.keys() == {1, 2}
+    assert [first[s] for s in first] == pytest.approx([second[s] for s in first], abs=1e-5)
+    a, b = (load_file(str(o / "adapter_model.safetensors")) for o in outs)
+    assert max((a[name] - b[name]).abs().max().item() for name in a) < 1e-5
+    # The loss is about 0 at ratio 1 (leave-one-out advantages sum to 0 per group); its gradient is not.
+    assert any("lora_B" in name and a[name].abs().max().item() > 1e-4 for name in a)  # trained from zero
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0)

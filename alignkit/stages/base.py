@@ -535,29 +535,36 @@ class StageTrainer(Trainer):
                     self._reference_memo[key] = tuple(row)
         return outputs
 
-    def _reference_outputs_name(self) -> str:
-        """`reference_outputs.pt` in one process; `reference_outputs_<rank>.pt` with several (each keeps its own)."""
+    def process_file(self, name: str) -> str:
+        """A checkpoint file's name for this process's own state: `name` in one process, `name` with `_<rank>` before
+        its suffix with several (`reference_outputs_1.pt`, like the Trainer's `rng_state_<rank>.pth`)."""
         if self.accelerator.num_processes == 1:
-            return REFERENCE_OUTPUTS_FILE
-        return REFERENCE_OUTPUTS_FILE.replace(".pt", f"_{self.accelerator.process_index}.pt")
+            return name
+        path = Path(name)
+        return f"{path.stem}_{self.accelerator.process_index}{path.suffix}"
+
+    def save_process_file(self, value: Any, output_dir: str, name: str) -> None:
+        """`torch.save` this process's `value` as `process_file(name)` in `output_dir`, through a temporary file
+        renamed into place (a crash mid-write leaves no half file for a resume to read)."""
+        path = Path(output_dir) / self.process_file(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(value, tmp)
+        os.replace(tmp, path)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Beside the optimizer: the reference outputs kept so far (`kept_reference`)."""
         super()._save_optimizer_and_scheduler(output_dir)
         if self._reference_memo:
-            path = Path(output_dir) / self._reference_outputs_name()
-            path.parent.mkdir(parents=True, exist_ok=True)
             keys = torch.tensor([list(key) for key in self._reference_memo], dtype=torch.uint8)
             values = torch.tensor(list(self._reference_memo.values()), dtype=torch.float32)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            torch.save({"keys": keys, "values": values}, tmp)
-            os.replace(tmp, path)
+            self.save_process_file({"keys": keys, "values": values}, output_dir, REFERENCE_OUTPUTS_FILE)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None or self._reference_memo is None:
             return
-        path = Path(checkpoint) / self._reference_outputs_name()
+        path = Path(checkpoint) / self.process_file(REFERENCE_OUTPUTS_FILE)
         if path.is_file():
             saved = torch.load(path, weights_only=True)
             self._reference_memo.update((bytes(key), tuple(value))

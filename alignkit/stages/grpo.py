@@ -71,7 +71,6 @@ import importlib.util
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -992,21 +991,11 @@ class GRPOTrainer(OnlineTrainer):
         super()._save_optimizer_and_scheduler(output_dir)
         if self._buffer is not None:
             # Every process buffers its own share of the generation batch.
-            path = Path(output_dir) / self._rollout_buffer_name()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            torch.save({"round": self._buffer_round, "slices": [{k: v.cpu() for k, v in s.items()}
-                                                                for s in self._buffer]}, tmp)
-            os.replace(tmp, path)
+            self.save_process_file({"round": self._buffer_round,
+                                    "slices": [{k: v.cpu() for k, v in s.items()} for s in self._buffer]},
+                                   output_dir, ROLLOUT_BUFFER_FILE)
         if self._entropy_controller is not None and self.accelerator.is_main_process:
             (Path(output_dir) / ENTROPY_CONTROLLER_FILE).write_text(json.dumps(self._entropy_controller.state_dict()))
-
-    def _rollout_buffer_name(self) -> str:
-        """`grpo_rollout_buffer.pt` in one process; `grpo_rollout_buffer_<rank>.pt` with several (like the
-        Trainer's `rng_state_<rank>.pth`)."""
-        if self.accelerator.num_processes == 1:
-            return ROLLOUT_BUFFER_FILE
-        return ROLLOUT_BUFFER_FILE.replace(".pt", f"_{self.accelerator.process_index}.pt")
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -1017,7 +1006,7 @@ class GRPOTrainer(OnlineTrainer):
         controller_path = Path(checkpoint) / ENTROPY_CONTROLLER_FILE
         if self._entropy_controller is not None and controller_path.is_file():
             self._entropy_controller.load_state_dict(json.loads(controller_path.read_text()))
-        path = Path(checkpoint) / self._rollout_buffer_name()
+        path = Path(checkpoint) / self.process_file(ROLLOUT_BUFFER_FILE)
         if path.is_file():
             saved = torch.load(path, weights_only=True)
             self._buffer = [{k: v.to(self.args.device) for k, v in s.items()} for s in saved["slices"]]

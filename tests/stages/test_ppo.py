@@ -372,6 +372,40 @@ def test_gradient_accumulation_does_not_change_the_update(tiny_model_dir, prompt
     assert any(t.abs().sum() > 0 for k, t in adapters[0].items() if "lora_B" in k)
 
 
+@pytest.mark.parametrize("critic", ["head", "adapter"])
+def test_the_first_pass_trains_on_the_rollouts_own_forward(critic, tiny_model_dir, prompts_file, reward_dir, tmp_path,
+                                                          monkeypatch):
+    """A rollout of 4 in one micro-batch (the defaults): the rollout's policy and critic forward runs with its graph
+    and the first PPO pass backpropagates it, so a step runs ppo_epochs forwards of the rollout, not one more. The
+    run equals one where the rollout's pass runs apart without gradients (the first pass then runs the model
+    again), within the float noise of Adam's first steps (see the test above). With LoRA dropout active, or
+    mini-batches of 2, the rollout's pass runs apart, without gradients."""
+    calls: list[bool] = []
+    real = PPOTrainer.policy_outputs
+
+    def counted(self, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(PPOTrainer, "policy_outputs", counted)
+    keys = dict(reward_model=reward_dir, mini_batch_size=None, ppo_critic=critic)
+    shared, apart = tmp_path / "shared", tmp_path / "apart"
+    run_train(_config(tiny_model_dir, prompts_file, shared, **keys))
+    assert calls == [True, True] * 2  # 2 steps: the rollout's forward (trained on by pass 1), pass 2
+    calls.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(PPOTrainer, "first_pass_in_rollout", lambda self: False)
+        run_train(_config(tiny_model_dir, prompts_file, apart, **keys))
+    assert calls == [False, True, True] * 2
+    _assert_same_run(apart, shared, tolerance=1e-5)
+    if critic == "adapter":
+        _assert_same_files(apart / "critic", shared / "critic", "adapter_model.safetensors", 1e-5)
+    for changed in ({"lora_dropout": 0.1}, {"mini_batch_size": 2}):
+        calls.clear()
+        run_train(_config(tiny_model_dir, prompts_file, tmp_path / "other", **{**keys, **changed}))
+        assert calls == [False, True, True] * 2 if "lora_dropout" in changed else [False, True, True] * 4, changed
+
+
 def test_full_fine_tuning_policy(tiny_model_dir, prompts_file, tmp_path):
     """finetuning_type full: a frozen copy is the reference; the saved model has no value head inside it."""
     out = tmp_path / "out"

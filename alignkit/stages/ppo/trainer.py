@@ -181,6 +181,9 @@ class PPOTrainer(OnlineTrainer):
         # This process holds rows first_row .. first_row + rollout_size - 1 of each global rollout.
         self.first_row = self.process_index * self.rollout_size
         self.mini_batch_size = ppo_args.mini_batch_size or t.per_device_train_batch_size
+        # The rollout's policy and critic outputs with their graph, when they are also the first pass's
+        # (`first_pass_in_rollout`); taken by that pass.
+        self._first_pass: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     # ---- across processes ----
 
@@ -305,6 +308,25 @@ class PPOTrainer(OnlineTrainer):
                 values = self._critic_values(input_ids, attention_mask, grad, call)
         return logps.float(), values.float()
 
+    def first_pass_in_rollout(self) -> bool:
+        """Whether the rollout's policy and critic pass can be the first PPO pass's forward as well.
+
+        The first pass's first update batch trains at the weights that made the rollout. When it is the whole
+        rollout in one micro-batch (one update batch per pass, `mini_batch_size` covering this process's rows: the
+        defaults) and no dropout is active, its forward gives exactly the rollout's log-probs and values, so the
+        rollout runs that forward once, with its graph, and the pass backpropagates it instead of running the
+        model again: one forward of the rollout less per step, and the first pass's ratios are exactly 1, as PPO's
+        definition has them. Not under DeepSpeed or FSDP2 (their rollout runs on gathered weights outside the
+        engine, their training forwards through it), and not with several micro-batches (holding every
+        micro-batch's graph at once is the memory `mini_batch_size` is there to save).
+        """
+        if self.is_deepspeed_enabled or self.accelerator.is_fsdp2:
+            return False
+        if self.global_backward_batch_size < self.global_rollout_size or self.mini_batch_size < self.rollout_size:
+            return False
+        modules = [self.model] + ([self.value_head] if self.value_head is not None else [])
+        return not any(isinstance(m, nn.Dropout) and m.p > 0 for module in modules for m in module.modules())
+
     # ---- one PPO step ----
 
     def make_rollout(self, step: int) -> tuple[Rollout, dict[str, Any], list[dict[str, Any]]]:
@@ -367,11 +389,19 @@ class PPOTrainer(OnlineTrainer):
                 generation.prompt_ids.to(device), generation.prompt_mask.to(device),
                 generation.completion_ids.to(device), response_mask.to(device), padding_token_id(self.processing_class))
             mask = (labels[:, 1:] != IGNORE_INDEX).float()
+            self._first_pass = None
             was_training = self.model.training
-            self.model.eval()
             try:
-                with torch.no_grad():
-                    logps, values = self.policy_outputs(input_ids, attention_mask, labels, grad=False)
+                if self.first_pass_in_rollout():
+                    # The first pass's training forward (train mode: no dropout is active, so it is the eval one).
+                    self.model.train()
+                    self._first_pass = self.policy_outputs(input_ids, attention_mask, labels)
+                    logps, values = (tensor.detach() for tensor in self._first_pass)
+                else:
+                    self.model.eval()
+                    with torch.no_grad():
+                        logps, values = self.policy_outputs(input_ids, attention_mask, labels, grad=False)
+                self.model.eval()
                 with self.reference() as reference_model:
                     ref_logps = policy_forward(reference_model, input_ids, attention_mask, labels,
                                                padding_free=self.args.padding_free)[0]
@@ -430,6 +460,7 @@ class PPOTrainer(OnlineTrainer):
         grad_norm = None
         self.model.train()
         size = rollout.input_ids.shape[0]
+        first_pass, self._first_pass = self._first_pass, None
         for epoch in range(a.ppo_epochs):
             # One permutation of the global rollout; an update batch is a slice of it, and each process trains the
             # rows of that slice it holds (its rows are global rows first_row .. first_row + size - 1).
@@ -456,9 +487,14 @@ class PPOTrainer(OnlineTrainer):
                     if micro_start is None:
                         micro, share = rollout.rows(torch.zeros(1, dtype=torch.long)), batch_tokens.new_zeros(())
                     else:
-                        micro = rollout.rows(batch_index[micro_start:micro_start + self.mini_batch_size])
+                        micro_index = batch_index[micro_start:micro_start + self.mini_batch_size]
+                        micro = rollout.rows(micro_index)
                         share = micro.mask.sum() / batch_tokens
-                    logps, values = self.policy_outputs(micro.input_ids, micro.attention_mask, micro.labels)
+                    if first_pass is not None:  # the rollout's own forward (`first_pass_in_rollout`): its rows
+                        logps, values = (tensor[micro_index] for tensor in first_pass)
+                        first_pass = None
+                    else:
+                        logps, values = self.policy_outputs(micro.input_ids, micro.attention_mask, micro.labels)
                     policy_loss, policy_clipfrac, approxkl = clipped_policy_loss(
                         logps, micro.logps, micro.advantages, micro.mask, a.cliprange)
                     value_loss, value_clipfrac = clipped_value_loss(values, micro.values, micro.returns, micro.mask,

@@ -16,7 +16,9 @@ How the work is laid out, and why:
 - Off-policy corrections. The importance ratio `pi / pi_old` needs the log-probs of the policy that
   sampled. When every slice is trained within the optimizer step that generated it (TRL's rule:
   `gradient_accumulation_steps % (steps_per_generation x num_iterations) == 0`) that policy is the current
-  one and `pi_old = pi.detach()`; otherwise they are computed once, right after generation.
+  one and `pi_old = pi.detach()`. Otherwise, when each slice's first forward still runs at the sampling
+  weights (`old_logps_from_first_iteration`), that forward's are kept for the later iterations; else they are
+  computed once, right after generation.
 - The reference (only when `beta > 0`) is the policy with its LoRA adapter disabled, or a frozen in-memory
   copy under full fine-tuning: `StageTrainer.reference()`, never a second model read from disk.
 - Loss aggregation follows TRL 1.16 for each `loss_type`, including its division for gradient
@@ -509,6 +511,10 @@ class GRPOTrainer(OnlineTrainer):
         # its generation. With vLLM always: it samples from its own kernels' numbers, so the ratio is taken
         # against the trainer's log-probs of the sampled tokens (TRL also reweights by vLLM's; not done here).
         self.needs_old_logps = self.args.gradient_accumulation_steps % self.generate_every != 0 or grpo_args.use_vllm
+        # Whether the rollout itself reads the old log-probs (an estimator folding a KL into the reward): then they
+        # are computed right after generation whatever `old_logps_from_first_iteration` says.
+        self.rollout_reads_old_logps = False
+        self._generation_step: Optional[int] = None  # the optimizer steps done when the buffered batch was sampled
         self._vllm: Optional[VLLMColocateSampler] = None
         self.generation_kwargs = {
             "do_sample": True, "max_new_tokens": grpo_args.max_completion_length,
@@ -543,6 +549,39 @@ class GRPOTrainer(OnlineTrainer):
         return (g.loss_type in ("dapo", "grpo", "dr_grpo") and g.top_entropy_quantile >= 1.0
                 and not self._entropy_bonus_enabled)
 
+    def old_logps_from_first_iteration(self) -> bool:
+        """Whether the old log-probs come from the first iteration's own forwards instead of a pass after generation.
+
+        With `num_iterations` > 1 every slice is trained again after an optimizer step, so its ratio needs the
+        log-probs of the policy that sampled it. When the generation batch starts at an optimizer step and its
+        first iteration ends within that step (`steps_per_generation` <= `gradient_accumulation_steps`, and
+        `steps_per_generation x num_iterations` a multiple of it: the defaults with any `num_iterations`), every
+        slice's first forward runs at the sampling weights: its log-probs, detached, are the old ones (the first
+        iteration's ratio is exactly 1) and are kept in the buffer for the later iterations, so no no-grad pass of
+        the batch runs for them. Not with vLLM (its numbers are its kernels'), nor where the rollout reads them.
+        """
+        ga = self.args.gradient_accumulation_steps
+        return (self.needs_old_logps and not self.grpo_args.use_vllm and not self.rollout_reads_old_logps
+                and self.generate_every % ga == 0 and self.steps_per_generation <= ga)
+
+    def old_logps_of(self, inputs: dict[str, torch.Tensor], logps: torch.Tensor) -> torch.Tensor:
+        """The slice's old log-probs: computed after generation, kept from its first iteration, or (a slice trained
+        within the optimizer step that sampled it, once) its own forward's, detached (the ratio is 1).
+
+        Under `old_logps_from_first_iteration` the first forward's are written into `inputs`, the buffered slice
+        itself, where the later iterations and a checkpoint's copy of the buffer read them.
+        """
+        old_logps = inputs.get("old_logps")
+        if old_logps is not None:
+            return old_logps
+        old_logps = logps.detach()
+        if self.needs_old_logps:
+            if self._generation_step != self.state.global_step:
+                raise RuntimeError("GRPO: a slice without old log-probs after an optimizer step since its generation "
+                                   "(old_logps_from_first_iteration assumed otherwise); please report this.")
+            inputs["old_logps"] = old_logps
+        return old_logps
+
     def _init_loss_state(self) -> None:
         """GRPO's own state: its advantage estimator key, and the entropy bonus (TRL 1.16): on with a coefficient,
         or adaptive (which may bring it back from 0)."""
@@ -551,7 +590,7 @@ class GRPOTrainer(OnlineTrainer):
         if g.advantage_estimator == "reinforce_pp" and g.beta != 0:
             # The KL in the reward is taken at rollout time. With beta 0 that reward is 0 whatever the log-probs, so
             # no scoring pass runs for it (one no-grad forward of the batch a round, about a fifth of a step).
-            self.needs_old_logps = True
+            self.needs_old_logps = self.rollout_reads_old_logps = True
         self._entropy_bonus_enabled = g.entropy_coef != 0.0 or g.use_adaptive_entropy
         if g.use_adaptive_entropy:
             self._entropy_controller = AdaptiveEntropyController(g.entropy_coef, g.entropy_target,
@@ -678,8 +717,9 @@ class GRPOTrainer(OnlineTrainer):
             batch.update({IMAGE_KEY_PREFIX + key: value for key, value in image_inputs.items()})
         if tool_mask is not None:
             batch["completion_attention_mask"] = attention_mask
+        self._generation_step = self.state.global_step
         with torch.no_grad():
-            if self.needs_old_logps:
+            if self.needs_old_logps and not self.old_logps_from_first_iteration():
                 batch["old_logps"], _ = completion_logps(
                     self.model, prompt_ids, prompt_mask, completion_ids, attention_mask,
                     temperature=self.grpo_args.temperature, batch_size=self.args.per_device_train_batch_size,
@@ -845,7 +885,7 @@ class GRPOTrainer(OnlineTrainer):
                                           inputs["completion_ids"], inputs.get("completion_attention_mask", mask),
                                           temperature=g.temperature, with_entropy=True,
                                           image_inputs=slice_image_inputs(inputs))
-        old_logps = inputs.get("old_logps", logps.detach())
+        old_logps = self.old_logps_of(inputs, logps)
         advantages = inputs["advantages"]
         entropy_mask = None
         if g.top_entropy_quantile < 1.0:

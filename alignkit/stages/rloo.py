@@ -86,7 +86,8 @@ class RLOOTrainer(GRPOTrainer):
         # after generation (TRL's RLOO computes them always). Without it GRPO's rule holds: a slice trained before any
         # update since its generation takes its own forward's log-probs, detached, as the old ones (the ratio is 1),
         # and no no-grad pass of the batch runs for them.
-        self.needs_old_logps = self.needs_old_logps or self.grpo_args.beta != 0
+        if self.grpo_args.beta != 0:
+            self.needs_old_logps = self.rollout_reads_old_logps = True
 
     def _init_loss_state(self) -> None:
         """RLOO has one estimator (the class's) and no entropy bonus."""
@@ -122,7 +123,7 @@ class RLOOTrainer(GRPOTrainer):
                                           image_inputs=slice_image_inputs(inputs))
         mask_f = mask.to(logps.dtype)
         sequence_logps = (logps * mask_f).sum(1, keepdim=True)
-        old_sequence_logps = (inputs.get("old_logps", logps.detach()) * mask_f).sum(1, keepdim=True)
+        old_sequence_logps = (self.old_logps_of(inputs, logps) * mask_f).sum(1, keepdim=True)
         advantages = inputs["advantages"]
         per_sequence_loss, ratio = clipped_surrogate(sequence_logps, old_sequence_logps, advantages, g.epsilon,
                                                      g.epsilon_high)

@@ -266,7 +266,12 @@ def load_reward_adapter(
     if name in peft_model.peft_config:
         raise ConfigError(f"reward_model: an adapter named {name!r} is already loaded; choose another name.")
     check_adapter_base(peft_model, adapter_dir, adapter_cfg, head="reward")
-    extra = sorted(set(adapter_cfg.get("modules_to_save") or []) - set(REWARD_HEADS))
+    # peft lists its classification heads' names in every sequence-classification adapter's modules_to_save, whether
+    # the model has such a module or not (peft 0.22 added DistilBERT's `pre_classifier`): a name that matches no module
+    # of the model trained nothing.
+    module_names = [n for n, _ in peft_model.base_model.model.named_modules()]
+    extra = sorted(m for m in set(adapter_cfg.get("modules_to_save") or []) - set(REWARD_HEADS)
+                   if any(n == m or n.endswith("." + m) for n in module_names))
     if extra:
         raise ConfigError(f"reward_model: {adapter_dir} also trains {extra} in full (additional_target); only "
                           "a reward adapter whose sole full module is its score head can share the policy's base. "

@@ -255,3 +255,25 @@ def test_reward_adapter_for_another_base_is_rejected(tiny_model_dir, tmp_path, p
     with pytest.raises(ConfigError, match=r"does not match.*hidden_size: 32 vs 64"):
         load_reward_adapter(policy, tmp_path / "rm_other")
     assert set(policy.peft_config) == {"default"}
+
+
+def test_reward_adapter_with_other_full_modules(tmp_path, reward_dir, policy):
+    """modules_to_save beyond the score head: a name that matches no module of the model (peft >= 0.22 lists
+    DistilBERT's `pre_classifier` in every sequence-classification adapter) trained nothing and loads; one that
+    matches a module (an `additional_target` such as the embeddings) is refused, naming it."""
+    import json
+    import shutil
+
+    def with_full_modules(name, modules):
+        copy = tmp_path / name
+        shutil.copytree(reward_dir, copy)
+        config = json.loads((copy / "adapter_config.json").read_text())
+        config["modules_to_save"] = modules
+        (copy / "adapter_config.json").write_text(json.dumps(config))
+        return copy
+
+    load_reward_adapter(policy, with_full_modules("peft_names", ["classifier", "score", "pre_classifier"]))
+    assert "reward" in policy.peft_config
+    with pytest.raises(ConfigError, match=r"also trains \['embed_tokens'\] in full"):
+        load_reward_adapter(policy, with_full_modules("embeddings", ["score", "embed_tokens"]), name="reward_2")
+    assert "reward_2" not in policy.peft_config

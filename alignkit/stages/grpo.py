@@ -17,8 +17,9 @@ How the work is laid out, and why:
   sampled. When every slice is trained within the optimizer step that generated it (TRL's rule:
   `gradient_accumulation_steps % (steps_per_generation x num_iterations) == 0`) that policy is the current
   one and `pi_old = pi.detach()`. Otherwise, when each slice's first forward still runs at the sampling
-  weights (`old_logps_from_first_iteration`), that forward's are kept for the later iterations; else they are
-  computed once, right after generation.
+  weights (`old_logps_from_first_iteration`), that forward's are kept for the later iterations; where the rollout
+  itself reads them (a KL folded into the reward) and the one slice trains next, the rollout runs its training
+  forward (`training_forward_in_rollout`); else they are computed once, right after generation.
 - The reference (only when `beta > 0`) is the policy with its LoRA adapter disabled, or a frozen in-memory
   copy under full fine-tuning: `StageTrainer.reference()`, never a second model read from disk.
 - Loss aggregation follows TRL 1.16 for each `loss_type`, including its division for gradient
@@ -515,6 +516,9 @@ class GRPOTrainer(OnlineTrainer):
         # are computed right after generation whatever `old_logps_from_first_iteration` says.
         self.rollout_reads_old_logps = False
         self._generation_step: Optional[int] = None  # the optimizer steps done when the buffered batch was sampled
+        # The slice's training forward run in the rollout (`training_forward_in_rollout`): its log-probs and entropy
+        # with their graph, and the order that cut the slice from the batch; taken by `compute_loss`.
+        self._rollout_forward: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self._vllm: Optional[VLLMColocateSampler] = None
         self.generation_kwargs = {
             "do_sample": True, "max_new_tokens": grpo_args.max_completion_length,
@@ -563,6 +567,39 @@ class GRPOTrainer(OnlineTrainer):
         ga = self.args.gradient_accumulation_steps
         return (self.needs_old_logps and not self.grpo_args.use_vllm and not self.rollout_reads_old_logps
                 and self.generate_every % ga == 0 and self.steps_per_generation <= ga)
+
+    def training_forward_in_rollout(self) -> bool:
+        """Whether the rollout runs the slice's training forward itself, keeping its graph for `compute_loss`.
+
+        Where the rollout reads the old log-probs (RLOO's KL reward with `beta > 0`, TRL's default, or reinforce_pp's)
+        they come from a pass right after generation. With one slice per generation batch and one iteration (the
+        defaults) that slice is trained next, at the same weights, on the same rows: its training forward computes
+        exactly those log-probs. So the rollout runs that forward with gradients, reads its log-probs detached, and
+        the loss backpropagates it: one forward of the batch less per step. One process only, without DeepSpeed,
+        FSDP, tools or images, and without active dropout; elsewhere the no-grad pass runs.
+        """
+        from torch import nn
+
+        if not (self.rollout_reads_old_logps and self.steps_per_generation == 1 and self.num_iterations == 1):
+            return False
+        if self.grpo_args.use_vllm or self.tool_loop is not None or self.images is not None:
+            return False
+        if self.accelerator.num_processes != 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return False
+        return not any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.model.modules())
+
+    def slice_forward(self, model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slice's per-token log-probs and entropy with their graph: the rollout's training forward, in the
+        slice's row order, when it ran one (`training_forward_in_rollout`), else `model`'s forward now."""
+        if self._rollout_forward is not None:
+            logps, entropy, order = self._rollout_forward
+            self._rollout_forward = None
+            return logps[order], entropy[order]
+        mask = inputs["completion_mask"]
+        # With tools the forward attends to the tool turns too (`completion_attention_mask`); the loss mask does not.
+        return completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
+                                inputs.get("completion_attention_mask", mask), temperature=self.grpo_args.temperature,
+                                with_entropy=True, image_inputs=slice_image_inputs(inputs))
 
     def old_logps_of(self, inputs: dict[str, torch.Tensor], logps: torch.Tensor) -> torch.Tensor:
         """The slice's old log-probs: computed after generation, kept from its first iteration, or (a slice trained
@@ -718,8 +755,14 @@ class GRPOTrainer(OnlineTrainer):
         if tool_mask is not None:
             batch["completion_attention_mask"] = attention_mask
         self._generation_step = self.state.global_step
+        self._rollout_forward = None
+        if self.training_forward_in_rollout():
+            logps, entropy = completion_logps(self.model, prompt_ids, prompt_mask, completion_ids, attention_mask,
+                                              temperature=self.grpo_args.temperature, with_entropy=True)
+            batch["old_logps"] = logps.detach()
+            self._rollout_forward = (logps, entropy, None)
         with torch.no_grad():
-            if self.needs_old_logps and not self.old_logps_from_first_iteration():
+            if self.needs_old_logps and "old_logps" not in batch and not self.old_logps_from_first_iteration():
                 batch["old_logps"], _ = completion_logps(
                     self.model, prompt_ids, prompt_mask, completion_ids, attention_mask,
                     temperature=self.grpo_args.temperature, batch_size=self.args.per_device_train_batch_size,
@@ -751,6 +794,8 @@ class GRPOTrainer(OnlineTrainer):
         order = torch.randperm(len(rows), generator=generator).to(device)
         # dapo's count: the generation batch's tokens over all processes, each process's share of them.
         generation_tokens = token_counts[1].float() / self.accelerator.num_processes
+        if self._rollout_forward is not None:  # one slice: the whole batch in `order`
+            self._rollout_forward = (*self._rollout_forward[:2], order)
         slices = []
         for part in order.chunk(self.steps_per_generation):
             piece = {key: value[part] for key, value in batch.items()}
@@ -880,11 +925,7 @@ class GRPOTrainer(OnlineTrainer):
             raise ValueError("GRPOTrainer.compute_loss returns the loss only.")
         g = self.grpo_args
         mask = inputs["completion_mask"]
-        # With tools the forward attends to the tool turns too (`completion_attention_mask`); the loss mask does not.
-        logps, entropy = completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"],
-                                          inputs["completion_ids"], inputs.get("completion_attention_mask", mask),
-                                          temperature=g.temperature, with_entropy=True,
-                                          image_inputs=slice_image_inputs(inputs))
+        logps, entropy = self.slice_forward(model, inputs)
         old_logps = self.old_logps_of(inputs, logps)
         advantages = inputs["advantages"]
         entropy_mask = None

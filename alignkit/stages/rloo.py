@@ -29,10 +29,8 @@ import torch
 from ..errors import ConfigError
 from ..rl.kl import sequence_log_ratio
 from ..rl.losses import clipped_surrogate
-from ..rl.rollout import completion_logps
 from .base import run_stage_trainer
-from .grpo import (DATA_KIND, GroupRolloutArguments, GRPOTrainer, build_online_trainer, save_processor,
-                   slice_image_inputs)
+from .grpo import DATA_KIND, GroupRolloutArguments, GRPOTrainer, build_online_trainer, save_processor
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -117,10 +115,7 @@ class RLOOTrainer(GRPOTrainer):
             raise ValueError("RLOOTrainer.compute_loss returns the loss only.")
         g = self.grpo_args
         mask = inputs["completion_mask"]
-        logps, entropy = completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"],
-                                          inputs["completion_ids"], inputs.get("completion_attention_mask", mask),
-                                          temperature=g.temperature, with_entropy=True,
-                                          image_inputs=slice_image_inputs(inputs))
+        logps, entropy = self.slice_forward(model, inputs)
         mask_f = mask.to(logps.dtype)
         sequence_logps = (logps * mask_f).sum(1, keepdim=True)
         old_sequence_logps = (self.old_logps_of(inputs, logps) * mask_f).sum(1, keepdim=True)

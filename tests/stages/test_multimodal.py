@@ -456,9 +456,6 @@ def test_online_stages_with_images(any_vlm, stage, tmp_path, monkeypatch):
         return original_sample(model, tokenizer, prompt_ids, **kwargs)
 
     monkeypatch.setattr(online_module, "sample_completions", recording_sample)
-    if stage == "rloo":
-        from alignkit.stages import rloo as rloo_module
-        monkeypatch.setattr(rloo_module, "completion_logps", recording_logps)
     snapshot = Snapshot()
     config = grpo_config(vlm_dir, mllm_demo(tmp_path), stage=stage, beta=0.1 if stage == "grpo" else 0.05,
                          log_completions=True)

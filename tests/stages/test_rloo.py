@@ -8,7 +8,6 @@ import torch
 from transformers import AutoTokenizer
 
 import alignkit.stages.grpo as grpo
-import alignkit.stages.rloo as rloo
 from alignkit.stages.rloo import RLOOTrainer
 from tests.helpers import Injector
 from tests.parity.test_grpo_parity import _completions, _no_collect_per_train, _run_ours
@@ -16,11 +15,14 @@ from tests.parity.test_grpo_parity import _completions, _no_collect_per_train, _
 _no_collect_per_train = _no_collect_per_train  # skip Trainer's per-train gc.collect, as the harness does
 
 
-@pytest.mark.parametrize("beta, scoring_passes", [(0.0, 0), (0.05, 2)])
+@pytest.mark.parametrize("beta, scoring_passes", [(0.0, 0), (0.05, 1)])
 def test_scoring_passes_follow_the_kl(beta, scoring_passes, tiny_model_dir, tmp_path, monkeypatch):
-    """With the KL folded into the reward (beta 0.05, TRL's default) a round scores the batch twice without
-    gradients (the policy's old log-probs and the reference's); with beta 0 and one iteration neither runs, and
-    the slice's own forward stands in for the old log-probs (ratio 1, so no completion is clipped)."""
+    """With the KL folded into the reward (beta 0.05, TRL's default) the rollout reads the policy's log-probs: with
+    one slice and one iteration (the defaults) it runs the slice's training forward itself and the loss
+    backpropagates it, so a round runs one no-grad pass (the reference's) and one forward with gradients; run
+    apart (the no-grad old log-probs pass, then the training forward) the losses are the same. With beta 0 and one
+    iteration no scoring pass runs, and the slice's own forward stands in for the old log-probs (ratio 1, so no
+    completion is clipped)."""
     passes = []
     original = grpo.completion_logps
 
@@ -29,17 +31,28 @@ def test_scoring_passes_follow_the_kl(beta, scoring_passes, tiny_model_dir, tmp_
         return original(*args, **kwargs)
 
     monkeypatch.setattr(grpo, "completion_logps", counted)
-    monkeypatch.setattr(rloo, "completion_logps", counted)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    logs, trainer = _run_ours(tiny_model_dir, tokenizer, Injector(_completions(tokenizer)), tmp_path, monkeypatch,
-                              stage="rloo", trainer_class=RLOOTrainer, return_trainer=True, beta=beta,
-                              num_iterations=1)
+
+    def run(out):
+        return _run_ours(tiny_model_dir, tokenizer, Injector(_completions(tokenizer)), out, monkeypatch,
+                         stage="rloo", trainer_class=RLOOTrainer, return_trainer=True, beta=beta, num_iterations=1)
+
+    logs, trainer = run(tmp_path / "shared")
     rounds = len(logs)
     assert passes.count(False) == scoring_passes * rounds and passes.count(True) == rounds
     (batch,) = trainer._buffer
     assert ("old_logps" in batch) == (beta != 0)
     if beta == 0:
         assert all(logs[step]["clip_ratio/region_mean"] == 0 for step in logs)
+        return
+    passes.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(RLOOTrainer, "training_forward_in_rollout", lambda self: False)
+        apart, _ = run(tmp_path / "apart")
+    assert passes == [False, False, True] * rounds  # old log-probs, reference, training forward
+    for step in logs:
+        for key in ("loss", "kl", "reward", "clip_ratio/region_mean"):
+            assert logs[step][key] == pytest.approx(apart[step][key], abs=1e-6), (step, key)
 
 
 def test_accumulation_alone_does_not_change_the_update(tiny_model_dir, tmp_path, caplog):

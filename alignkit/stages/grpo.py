@@ -98,7 +98,7 @@ from ..rl.rollout import VLLMColocateSampler, completion_logps, rollout_seed
 from ..rl.stats import masked_mean, nan_std
 from ..rl.tools import ToolLoop, environment_reward, rollout_tensors, turn_seeds
 from .base import ReferenceSyncArguments, check_reference_sync, is_peft_model, run_stage_trainer
-from .online import PROMPT_COLUMNS, OnlineTrainer
+from .online import PROMPT_COLUMNS, OnlineTrainer, has_active_dropout
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -578,15 +578,13 @@ class GRPOTrainer(OnlineTrainer):
         the loss backpropagates it: one forward of the batch less per step. One process only, without DeepSpeed,
         FSDP, tools or images, and without active dropout; elsewhere the no-grad pass runs.
         """
-        from torch import nn
-
         if not (self.rollout_reads_old_logps and self.steps_per_generation == 1 and self.num_iterations == 1):
             return False
         if self.grpo_args.use_vllm or self.tool_loop is not None or self.images is not None:
             return False
         if self.accelerator.num_processes != 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return False
-        return not any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.model.modules())
+        return not has_active_dropout(self.model)
 
     def slice_forward(self, model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The slice's per-token log-probs and entropy with their graph: the rollout's training forward, in the

@@ -36,6 +36,12 @@ from .base import StageTrainer
 PROMPT_COLUMNS = ("input_ids", "attention_mask", "prompt_messages", "prompt_conversational")
 
 
+def has_active_dropout(*modules: torch.nn.Module) -> bool:
+    """Whether any dropout layer inside `modules` drops anything (p > 0): a training forward then differs from a
+    no-grad one, so it cannot stand in for it (PPO's and GRPO's rollout forwards that training reuses)."""
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for module in modules for m in module.modules())
+
+
 class OnlineTrainer(StageTrainer):
     """A `StageTrainer` with the online round's shared parts (see the module docstring).
 
@@ -139,4 +145,4 @@ class OnlineTrainer(StageTrainer):
             CompletionLog.append(self.args.output_dir, records, self.accelerator)
 
 
-__all__ = ["PROMPT_COLUMNS", "OnlineTrainer"]
+__all__ = ["PROMPT_COLUMNS", "OnlineTrainer", "has_active_dropout"]

@@ -112,7 +112,7 @@ from ...model.distributed import full_weights
 from ...rl.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
 from ...rl.losses import clipped_policy_loss, clipped_value_loss
 from ...rl.stats import RunningMoments, masked_mean, masked_whiten
-from ..online import OnlineTrainer
+from ..online import OnlineTrainer, has_active_dropout
 from .config import CRITIC_ADAPTER, FSDP_REFUSAL, PPO_STATE_FILE, PPOArguments, deepspeed_refusal
 from .layout import Rollout, pack_right, policy_forward, sample_response_lengths, truncate_to_lengths
 
@@ -324,8 +324,7 @@ class PPOTrainer(OnlineTrainer):
             return False
         if self.global_backward_batch_size < self.global_rollout_size or self.mini_batch_size < self.rollout_size:
             return False
-        modules = [self.model] + ([self.value_head] if self.value_head is not None else [])
-        return not any(isinstance(m, nn.Dropout) and m.p > 0 for module in modules for m in module.modules())
+        return not has_active_dropout(self.model, *([self.value_head] if self.value_head is not None else []))
 
     # ---- one PPO step ----
 

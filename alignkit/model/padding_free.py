@@ -479,6 +479,10 @@ _PACKED_STATE: contextvars.ContextVar[Optional[tuple[object, Union[list[tuple[in
 FP32_ATTENTION_BELOW = 384
 
 
+# Under `torch_compile: true` the compiled model calls this eagerly (a graph break per layer): its loop runs over
+# the batch's own sequence lengths, which dynamo would trace as symbols (and fail on, as an autocast's `enabled`
+# flag) or recompile for every new set of lengths.
+@torch.compiler.disable(reason="per-sequence attention loops over the batch's sequence lengths")
 def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Causal sdpa over each sequence of the one packed row on its own: the work of a variable-length kernel.
 

@@ -523,6 +523,30 @@ def test_per_sequence_attention_under_bf16_autocast_is_fp32_for_short_sequences(
         torch.testing.assert_close(out[:, a:b].float(), want, atol=atol, rtol=0)
 
 
+def test_per_sequence_attention_runs_eagerly_under_torch_compile(causal_lm, monkeypatch):
+    """`torch_compile: true` wraps the model in `torch.compile`. The per-sequence attention's loop over the batch's
+    own lengths is left to eager Python (a graph break), so a compiled padding-free forward under a bf16 autocast,
+    over batches of new lengths (dynamo's second compile traces the lengths as symbols), gives the eager forward's
+    log-probs. Traced by dynamo, the autocast flag the loop computes from a length failed the second batch."""
+    import torch._dynamo
+
+    import alignkit.model.padding_free as padding_free
+
+    monkeypatch.setattr(padding_free, "FP32_ATTENTION_BELOW", 6)  # both sides of the fp32 cut in each batch
+    compiled = torch.compile(causal_lm, backend="eager")
+    torch._dynamo.reset()
+    try:
+        for seed, lengths in ((0, LENGTHS), (1, (9, 6, 7, 12)), (2, (4, 13, 5, 8))):
+            batch = padded_batch("right", seed=seed, lengths=lengths)
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                want, counts = forward_sequence_logps(causal_lm, **batch, padding_free=True)
+                got, got_counts = forward_sequence_logps(compiled, **batch, padding_free=True)
+            assert got_counts.tolist() == counts.tolist()
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_reruns_each_sequence_alone(causal_lm, monkeypatch, reentrant):
     """Under transformers' gradient checkpointing a layer reruns its forward during backward, after `packed_attention`

@@ -380,6 +380,13 @@ def check_combinations(config: Config) -> None:
         raise ConfigError(f"packing=true applies to stage sft or pt, not {f.stage}; remove it.")
     if t.predict_with_generate and stage.data_kind not in ("text", "supervised"):
         raise ConfigError(f"predict_with_generate applies to stage sft, not {f.stage}; remove it.")
+    if t.label_smoothing_factor:
+        if not 0 <= t.label_smoothing_factor < 1:
+            raise ConfigError(f"label_smoothing_factor={t.label_smoothing_factor} must be in [0, 1).")
+        if stage.data_kind not in ("text", "supervised"):
+            hint = " (DPO's own smoothing of its preference labels is dpo_label_smoothing)" if f.stage == "dpo" else ""
+            raise ConfigError(f"label_smoothing_factor smooths the next-token targets of stage sft or pt; stage "
+                              f"{f.stage} has no such loss{hint}. Remove it.")
     if stage.check is not None:
         stage.check(config)
 

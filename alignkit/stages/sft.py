@@ -58,18 +58,22 @@ SFT_DATA_KIND = "supervised"  # prompt + reply with a label mask
 
 
 def sft_loss(
-    logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None
+    logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Next-token cross-entropy summed over target tokens, divided by the step's target-token count.
 
     Position t predicts label t + 1; labels equal to -100 (prompt, padding, the first token of a
-    packed example) are not targets.
+    packed example) are not targets. With `label_smoothing` eps (transformers' `label_smoothing_factor`) each
+    target's loss is `(1 - eps) * nll + eps * mean over the vocabulary of -log p`, as transformers'
+    `LabelSmoother` computes it (the target spread as eps / V over every token).
 
     Args:
         logits: (batch, seq, vocab) model outputs.
         labels: (batch, seq) target ids aligned with the inputs (not yet shifted), -100 where ignored.
         num_items_in_batch: target tokens in the whole optimisation step (all accumulated micro-batches,
             counted over `labels[:, 1:]`). None: this batch's own count, i.e. the per-batch mean.
+        label_smoothing: eps in [0, 1); 0 is the plain cross-entropy.
 
     Returns:
         Scalar loss. With `num_items_in_batch`, summing it over the step's micro-batches gives the
@@ -82,6 +86,7 @@ def sft_loss(
         shifted_labels.reshape(-1).to(logits.device),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
+        label_smoothing=label_smoothing,
     )
     if num_items_in_batch is None:
         num_items_in_batch = (shifted_labels != IGNORE_INDEX).sum()
@@ -122,7 +127,9 @@ class SFTTrainer(StageTrainer):
         flat = None
         # Padding-free layouts hold text only: a batch with images (pixel_values) runs padded, as the model takes it.
         padding_free = self.args.padding_free and "pixel_values" not in inputs
-        if padding_free and not return_outputs and "attention_mask" in inputs:
+        smoothing = float(self.args.label_smoothing_factor or 0.0)
+        # Label smoothing reads every logit of a target position; the lean path below computes only the target's.
+        if padding_free and not return_outputs and not smoothing and "attention_mask" in inputs:
             # Training: only the sum of the targets' log-probs is needed, so the output layer runs on the
             # labelled positions alone (a prompt token's logits carry no loss) and log-probs are gathered
             # chunk by chunk, never holding a (tokens x vocab) log-softmax (`alignkit.model.logprobs`).
@@ -148,7 +155,7 @@ class SFTTrainer(StageTrainer):
         # No KV cache in a training forward: it is useless there and disables the packed-sequence mask.
         with packed_attention(model, flat) if flat is not None else contextlib.nullcontext():
             outputs = model(**inputs, use_cache=False)
-        loss = sft_loss(outputs.logits, labels, num_items_in_batch)
+        loss = sft_loss(outputs.logits, labels, num_items_in_batch, label_smoothing=smoothing)
         if flat is not None and return_outputs:
             # Evaluation compares the logits with the padded labels: give them back in that layout.
             outputs.logits = unflatten_to_padded(flat.from_rows(outputs.logits), flat.real)

@@ -85,25 +85,42 @@ def test_same_tokens_and_label_mask_as_trl(tiny_model_dir, tiny_tokenizer, tmp_p
         assert targets[-2:] == [tiny_tokenizer.eos_token_id, tiny_tokenizer.convert_tokens_to_ids("\u010a")]
 
 
-@pytest.mark.parametrize("padding_free", [True, False])
-def test_first_step_loss_and_gradients_match_trl(tiny_model_dir, tiny_tokenizer, tmp_path, padding_free):
-    ours = _ours(tiny_model_dir, tiny_tokenizer, tmp_path, padding_free=padding_free)
-    theirs = _theirs(tiny_model_dir, tiny_tokenizer, tmp_path)
+def _first_step_matches(ours, theirs) -> float:
+    """One micro-batch of all rows: the same step count, loss (1e-5) and gradients; returns the loss."""
     rows = [ours.train_dataset[i] for i in range(len(ROWS))]
     trl_rows = [theirs.train_dataset[i] for i in range(len(ROWS))]
-
     our_loss, our_count = _step_loss(ours, rows)
     their_loss, their_count = _step_loss(theirs, trl_rows)
     assert int(our_count) == int(their_count) == sum(sum(t != -100 for t in r["labels"][1:]) for r in rows)
     assert our_loss.item() == pytest.approx(their_loss.item(), abs=1e-5)
-    # A random tiny model predicts about uniformly over its vocabulary: the loss is near log(vocab) and far from 0.
-    assert their_loss.item() == pytest.approx(torch.log(torch.tensor(float(len(tiny_tokenizer)))).item(), rel=0.1)
 
     our_loss.backward()
     their_loss.backward()
     their_grads = dict(theirs.model.named_parameters())
     for name, param in ours.model.named_parameters():
         torch.testing.assert_close(param.grad, their_grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    return their_loss.item()
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_first_step_loss_and_gradients_match_trl(tiny_model_dir, tiny_tokenizer, tmp_path, padding_free):
+    ours = _ours(tiny_model_dir, tiny_tokenizer, tmp_path, padding_free=padding_free)
+    theirs = _theirs(tiny_model_dir, tiny_tokenizer, tmp_path)
+    loss = _first_step_matches(ours, theirs)
+    # A random tiny model predicts about uniformly over its vocabulary: the loss is near log(vocab) and far from 0.
+    assert loss == pytest.approx(torch.log(torch.tensor(float(len(tiny_tokenizer)))).item(), rel=0.1)
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_label_smoothing_first_step_matches_trl(tiny_model_dir, tiny_tokenizer, tmp_path, padding_free):
+    """`label_smoothing_factor: 0.3`, which TRL applies through transformers' `LabelSmoother` over the step's
+    target count: the same loss and gradients, and a loss other than the plain one."""
+    ours = _ours(tiny_model_dir, tiny_tokenizer, tmp_path, padding_free=padding_free, label_smoothing_factor=0.3)
+    theirs = _theirs(tiny_model_dir, tiny_tokenizer, tmp_path, label_smoothing_factor=0.3)
+    smoothed = _first_step_matches(ours, theirs)
+    plain, _ = _step_loss(_theirs(tiny_model_dir, tiny_tokenizer, tmp_path),
+                          [theirs.train_dataset[i] for i in range(len(ROWS))])
+    assert abs(smoothed - plain.item()) > 1e-4
 
 
 @pytest.mark.parametrize("padding_free", [True, False])

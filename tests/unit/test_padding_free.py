@@ -338,9 +338,9 @@ def test_sequence_rewards_equal_the_padded_forward(tiny_model_dir, side):
         torch.testing.assert_close(param.grad, padded_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def _sft_trainer(model, tmp_path, padding_free: bool) -> SFTTrainer:
+def _sft_trainer(model, tmp_path, padding_free: bool, **keys) -> SFTTrainer:
     args = TrainingArguments(output_dir=str(tmp_path / "sft"), report_to="none", use_cpu=True,
-                             remove_unused_columns=False, padding_free=padding_free)
+                             remove_unused_columns=False, padding_free=padding_free, **keys)
     return SFTTrainer(model=model, args=args)
 
 
@@ -371,6 +371,32 @@ def test_sft_loss_and_gradients_equal_the_padded_loss(causal_lm, tmp_path, side)
     torch.testing.assert_close(logits_f[real], logits_p[real], atol=1e-4, rtol=0)
     for name, grad in grads_p.items():
         torch.testing.assert_close(grads_f[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_sft_label_smoothing_padding_free_equals_transformers_label_smoother(causal_lm, tmp_path):
+    """`label_smoothing_factor: 0.2`: the training loss of the padding-free step (which then keeps every logit of
+    the packed row) and of the padded one equals transformers' `LabelSmoother` over the padded logits with the
+    step's token count, with equal gradients; without the key the loss is the plain cross-entropy."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    batch = padded_batch("right")
+    num_items = torch.tensor(2 * int((batch["labels"][:, 1:] != X).sum()))
+    with torch.no_grad():
+        logits = causal_lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    want = LabelSmoother(epsilon=0.2)({"logits": logits}, batch["labels"], shift_labels=True,
+                                      num_items_in_batch=num_items)
+    grads = {}
+    for padding_free in (False, True):
+        trainer = _sft_trainer(causal_lm, tmp_path, padding_free, label_smoothing_factor=0.2)
+        causal_lm.zero_grad()
+        loss = trainer.compute_loss(causal_lm, dict(batch), num_items_in_batch=num_items)
+        loss.backward()
+        grads[padding_free] = {n: p.grad.clone() for n, p in causal_lm.named_parameters()}
+        torch.testing.assert_close(loss.detach(), want, atol=1e-5, rtol=0)
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    plain = _sft_trainer(causal_lm, tmp_path, True).compute_loss(causal_lm, dict(batch), num_items_in_batch=num_items)
+    assert abs(plain.item() - want.item()) > 1e-3
 
 
 def _dpo_trainer(model, tmp_path, padding_free: bool, **keys) -> DPOTrainer:

@@ -154,6 +154,51 @@ def key_owners(classes: list[tuple[Any, dict[str, Any]]], preferred: Any = None)
     return owners
 
 
+# LLaMA-Factory's config keys (its `hparams` model, data and finetuning arguments, read at ff6d4d1) that alignkit has no
+# field for. An unknown key among them is named as LLaMA-Factory's instead of matched to the closest alignkit key
+# (`use_galore` is not `use_rslora`); those with an alignkit way to the same end say it.
+LLAMAFACTORY_KEYS_NOT_HERE = frozenset("""
+adapter_folder add_special_tokens add_tokens apollo_layerwise apollo_proj apollo_proj_type apollo_rank apollo_scale
+apollo_scale_front apollo_scale_type apollo_target apollo_update_interval asft_alpha audio_sampling_rate badam_mask_mode
+badam_mode badam_start_block badam_switch_interval badam_switch_mode badam_update_ratio badam_verbose block_diag_attn
+buffer_size compute_accuracy compute_dtype create_new_adapter crop_to_patches data_shared_file_system default_system
+device_map disable_shuffling eaft_alpha early_stopping_steps eval_num_beams eval_on_each_dataset export_device
+export_dir export_hub_model_id export_legacy_format export_quantization_bit export_quantization_dataset
+export_quantization_maxlen export_quantization_nsamples export_size freeze_extra_modules freeze_trainable_modules
+galore_layerwise galore_proj_type galore_rank galore_scale galore_target galore_update_interval hf_hub_token
+hyper_parallel_args hyper_parallel_cp_size ignore_pad_token_for_loss image_do_pan_and_scan
+include_effective_tokens_per_second infer_backend init_special_tokens interleave_probs kt_cpu_activation
+kt_expert_checkpoint_path kt_lora_expert_intermediate_size kt_lora_expert_num kt_non_expert_weight_path
+kt_use_lora_experts kt_weight_path ld_alpha media_dir megatron_bridge_args mix_strategy mixture_of_depths module_dropout
+moe_aux_loss_coef ms_hub_token new_special_tokens_config offload_folder oft_block_size oft_rank oft_target om_hub_token
+pref_bco_weight preprocessing_batch_size preserve_thinking print_param_status ref_model ref_model_adapters
+ref_model_quantization_bit resize_vocab reward_model_adapters reward_model_quantization_bit sglang_config
+sglang_lora_backend sglang_maxlen sglang_mem_fraction sglang_tp_size split_special_tokens swanlab_api_key
+swanlab_lark_secret swanlab_lark_webhook_url swanlab_logdir swanlab_mode swanlab_project swanlab_run_name
+swanlab_workspace tool_format train_from_scratch upcast_lmhead_output use_adam_mini use_apollo use_asft_loss
+use_audio_in_video use_badam use_dft_loss use_eaft_loss use_fast_tokenizer use_galore use_hyper_parallel use_kt
+use_kv_cache use_llama_pro use_mca use_megatron_bridge use_muon use_reentrant_gc use_swanlab use_unsloth_gc video_fps
+video_max_pixels video_maxlen video_min_pixels vllm_config vllm_enforce_eager vllm_gpu_util vllm_max_lora_rank
+vllm_maxlen
+""".split())
+LLAMAFACTORY_EQUIVALENTS = {
+    "disable_shuffling": "train_sampling_strategy: sequential (transformers' key) trains in dataset order",
+    "compute_accuracy": "sft's evaluation reports a token accuracy without it",
+    "use_reentrant_gc": "gradient_checkpointing_kwargs: {use_reentrant: false} (transformers' key) sets it",
+    "export_dir": "`alignkit export` merges and exports a trained adapter (docs/commands.md)",
+}
+
+
+def _unknown_key_hint(key: str, known: list[str]) -> str:
+    """What an unknown key's error adds: LLaMA-Factory's key named as such, else the closest known key."""
+    if key in LLAMAFACTORY_KEYS_NOT_HERE:
+        instead = LLAMAFACTORY_EQUIVALENTS.get(key)
+        what = f"; alignkit's way: {instead}" if instead else ", for a feature alignkit does not have"
+        return f" It is LLaMA-Factory's{what}. Remove it (docs/compatibility.md lists the LLaMA-Factory keys alignkit takes)."
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f" Did you mean `{close[0]}`?" if close else " See `alignkit train --help-keys` for every key."
+
+
 def assign_keys(merged: dict[str, Any], owners: dict[str, Any], types_of: dict[Any, dict[str, Any]],
                 from_command_line: dict[str, str], where: str) -> dict[Any, dict[str, Any]]:
     """Each key's value converted to its owner's field type, grouped by owner.
@@ -171,8 +216,7 @@ def assign_keys(merged: dict[str, Any], owners: dict[str, Any], types_of: dict[A
     per_class: dict[Any, dict[str, Any]] = {cls: {} for cls in set(owners.values())}
     for key, value in merged.items():
         if key not in owners:
-            close = difflib.get_close_matches(key, list(owners), n=1, cutoff=0.6)
-            hint = f" Did you mean `{close[0]}`?" if close else " See `alignkit train --help-keys` for every key."
+            hint = _unknown_key_hint(key, list(owners))
             origin = f" on the command line ({from_command_line[key]})" if key in from_command_line else where
             raise ConfigError(f"unknown key `{key}`{origin}.{hint}")
         cls = owners[key]

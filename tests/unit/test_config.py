@@ -49,6 +49,8 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path):
         ("do_train=maybe", "do_train='maybe'.*bool"),
         ("pref_loss=kto", "pref_loss"),
         ("noequals", "key=value"),
+        ("use_galore=true", "unknown key `use_galore`.*LLaMA-Factory's, for a feature alignkit does not have"),
+        ("disable_shuffling=true", "LLaMA-Factory's; alignkit's way: train_sampling_strategy: sequential"),
     ],
 )
 def test_bad_values_are_errors(override, pattern):
@@ -323,3 +325,17 @@ def test_do_eval_false_turns_in_loop_evaluation_off(caplog):
     # Silent on do_eval (LLaMA-Factory's examples): eval_strategy decides, as in transformers.
     config = parse_config({"eval_strategy": "steps", "eval_steps": 5, "val_size": 0.1})
     assert (config.training.do_eval, config.training.eval_strategy) == (True, "steps")
+
+
+def test_llamafactory_keys_named_as_such_are_not_alignkit_keys():
+    """The LLaMA-Factory keys an error names as having no alignkit field have none (a key alignkit gains must leave
+    the list), and each alternative an error offers names an alignkit key."""
+    from alignkit.config.parse import all_keys
+    from alignkit.config.values import LLAMAFACTORY_EQUIVALENTS, LLAMAFACTORY_KEYS_NOT_HERE
+
+    keys = {key for group in all_keys().values() for key in group}
+    assert "learning_rate" in keys and "lora_rank" in keys
+    assert not LLAMAFACTORY_KEYS_NOT_HERE & keys
+    assert set(LLAMAFACTORY_EQUIVALENTS) <= LLAMAFACTORY_KEYS_NOT_HERE
+    assert {"train_sampling_strategy", "gradient_checkpointing_kwargs"} <= keys
+    assert parse_config({"train_sampling_strategy": "sequential"}).training.train_sampling_strategy == "sequential"

@@ -184,7 +184,7 @@ vllm_maxlen
 LLAMAFACTORY_EQUIVALENTS = {
     "disable_shuffling": "train_sampling_strategy: sequential (transformers' key) trains in dataset order",
     "compute_accuracy": "sft's evaluation reports a token accuracy without it",
-    "use_reentrant_gc": "gradient_checkpointing_kwargs: {use_reentrant: false} (transformers' key) sets it",
+    "use_reentrant_gc": "gradient_checkpointing_kwargs: {use_reentrant: true} or false (transformers' key)",
     "export_dir": "`alignkit export` merges and exports a trained adapter (docs/commands.md)",
 }
 
@@ -194,7 +194,8 @@ def _unknown_key_hint(key: str, known: list[str]) -> str:
     if key in LLAMAFACTORY_KEYS_NOT_HERE:
         instead = LLAMAFACTORY_EQUIVALENTS.get(key)
         what = f"; alignkit's way: {instead}" if instead else ", for a feature alignkit does not have"
-        return f" It is LLaMA-Factory's{what}. Remove it (docs/compatibility.md lists the LLaMA-Factory keys alignkit takes)."
+        return (f" It is LLaMA-Factory's{what}. Remove it (docs/compatibility.md lists the LLaMA-Factory keys "
+                "alignkit takes).")
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     return f" Did you mean `{close[0]}`?" if close else " See `alignkit train --help-keys` for every key."
 

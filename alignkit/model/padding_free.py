@@ -69,7 +69,7 @@ import contextvars
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -662,6 +662,28 @@ def _attending(config, bounds) -> Iterator[None]:
         _PACKED_STATE.reset(token)
 
 
+# The padded batch's width while its padding-free forward runs (`packed_attention`): NEFTune scales its noise by the
+# padded length (`neftune_noise`), where the embeddings of a packed row have the row's length instead.
+_PADDED_WIDTH: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("alignkit_padded_width", default=None)
+
+
+def padded_width() -> Optional[int]:
+    """The width of the padded batch whose padding-free forward is running (inside `packed_attention`), else None."""
+    return _PADDED_WIDTH.get()
+
+
+def neftune_noise(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    """NEFTune's forward hook on the input embeddings, as transformers' `neftune_post_forward_hook` computes it: while
+    training, uniform noise in +-alpha / sqrt(L * d) (`module.neftune_noise_alpha`, d the embedding width), with L the
+    padded batch's length also when the batch runs padding-free (`padded_width`), where the embeddings' own length
+    is the packed row's (all the batch's tokens: the noise would shrink by sqrt(rows))."""
+    if not module.training:
+        return output
+    dims = torch.tensor((padded_width() or output.size(1)) * output.size(2))
+    magnitude = module.neftune_noise_alpha / torch.sqrt(dims)
+    return output + torch.zeros_like(output).uniform_(-magnitude, magnitude)
+
+
 @contextlib.contextmanager
 def packed_attention(model: torch.nn.Module, flat: "FlatBatch") -> Iterator[None]:
     """Within the block, `model` attends each sequence of `flat` on its own when `uses_per_sequence_attention`.
@@ -669,8 +691,18 @@ def packed_attention(model: torch.nn.Module, flat: "FlatBatch") -> Iterator[None
     `flat` must then be one row (`row_token_bound` gives None for such a model). Otherwise nothing changes:
     transformers builds the block-diagonal mask from the position resets. Under transformers' gradient checkpointing
     the layers' checkpoint function is wrapped (`_replaying`, once) so that their reruns during backward attend the
-    same way.
+    same way. The padded batch's width is `padded_width()` within the block.
     """
+    token = _PADDED_WIDTH.set(int(flat.real.size(1)))
+    try:
+        with _packed_attention(model, flat):
+            yield
+    finally:
+        _PADDED_WIDTH.reset(token)
+
+
+@contextlib.contextmanager
+def _packed_attention(model: torch.nn.Module, flat: "FlatBatch") -> Iterator[None]:
     config = model_config(model)
     if not uses_per_sequence_attention(model) or flat.input_ids.size(0) != 1:
         if flat.shared is not None:
@@ -765,6 +797,8 @@ __all__ = [
     "FlatBatch",
     "PER_SEQUENCE_ATTENTION",
     "packed_attention",
+    "padded_width",
+    "neftune_noise",
     "per_sequence_sdpa",
     "uses_per_sequence_attention",
     "activation_checkpointing",

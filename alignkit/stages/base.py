@@ -225,6 +225,9 @@ class StageTrainer(Trainer):
 
             resolve_auto_bf16(kwargs["model"], training_args)
         super().__init__(*args, **kwargs)
+        # NEFTune runs through alignkit's hook (`padding_free.neftune_noise`: the padded length's noise scale also for a
+        # padding-free forward, whose embeddings hold the whole batch in one row); the Trainer's own stays off.
+        self._neftune_alpha, self.neftune_noise_alpha = self.neftune_noise_alpha, None
         # Per mode: per-batch means, and how many examples each mean covers.
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._metric_counts: dict[str, dict[str, list[float]]] = {"train": defaultdict(list),
@@ -397,10 +400,29 @@ class StageTrainer(Trainer):
     # ---- evaluation and prediction: one pass ----
 
     def train(self, *args, **kwargs):
-        result = super().train(*args, **kwargs)
+        with self._neftune():
+            result = super().train(*args, **kwargs)
         if self.args.load_best_model_at_end and self.state.best_global_step not in (None, self.state.global_step):
             self._last_evaluation = None  # an earlier checkpoint's weights are back: not those last evaluated
         return result
+
+    @contextlib.contextmanager
+    def _neftune(self) -> Iterator[None]:
+        """`neftune_noise_alpha`'s hook on the input embeddings while `train` runs, where the Trainer attaches its own."""
+        if self._neftune_alpha is None:
+            yield
+            return
+        from ..model.padding_free import neftune_noise
+
+        model = self.accelerator.unwrap_model(self.model)
+        embeddings = (model.base_model.model if is_peft_model(model) else model).get_input_embeddings()
+        embeddings.neftune_noise_alpha = self._neftune_alpha
+        handle = embeddings.register_forward_hook(neftune_noise)
+        try:
+            yield
+        finally:
+            handle.remove()
+            del embeddings.neftune_noise_alpha
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """`Trainer.evaluate`; with `predictions_from_evaluation`, the pass's predictions are kept for `predict`."""

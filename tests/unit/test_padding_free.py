@@ -573,6 +573,71 @@ def test_per_sequence_attention_runs_eagerly_under_torch_compile(causal_lm, monk
         torch._dynamo.reset()
 
 
+def _embedding_for_neftune(alpha: float) -> torch.nn.Embedding:
+    embedding = torch.nn.Embedding(500, 16).train()
+    embedding.neftune_noise_alpha = alpha
+    return embedding
+
+
+def test_neftune_noise_equals_transformers_hook_on_a_padded_batch():
+    """On a padded batch alignkit's NEFTune hook draws what transformers' (TRL's and LLaMA-Factory's) draws: the
+    same uniform noise in +-alpha / sqrt(L * d) from the same random state; none in eval mode."""
+    from transformers.integrations.neftune import neftune_post_forward_hook
+
+    from alignkit.model.padding_free import neftune_noise
+
+    embedding = _embedding_for_neftune(5.0)
+    output = embedding(torch.randint(0, 50, (3, 7)))
+    torch.manual_seed(3)
+    ours = neftune_noise(embedding, None, output)
+    torch.manual_seed(3)
+    theirs = neftune_post_forward_hook(embedding, None, output)
+    assert torch.equal(ours, theirs) and not torch.equal(ours, output)
+    bound = 5.0 / (7 * 16) ** 0.5
+    assert (ours - output).abs().max() <= bound and (ours - output).abs().max() > 0.9 * bound
+    assert torch.equal(neftune_noise(embedding.eval(), None, output), output)
+
+
+def test_neftune_noise_in_a_padding_free_forward_takes_the_padded_length(causal_lm):
+    """Inside `packed_attention` the embeddings are one row of the batch's T real tokens; the noise keeps the padded
+    batch's scale, alpha / sqrt(L * d) with L its width, not alpha / sqrt(T * d) (transformers' hook there)."""
+    from transformers.integrations.neftune import neftune_post_forward_hook
+
+    from alignkit.model.padding_free import flatten_for_model, neftune_noise, packed_attention, padded_width
+
+    batch = padded_batch("right")
+    flat = flatten_for_model(causal_lm, batch["input_ids"], batch["attention_mask"])
+    width, tokens = batch["input_ids"].size(1), flat.input_ids.size(1)
+    assert tokens > width and padded_width() is None
+    embedding = _embedding_for_neftune(5.0)
+    output = embedding(flat.input_ids)
+    with packed_attention(causal_lm, flat):
+        assert padded_width() == width
+        torch.manual_seed(3)
+        ours = neftune_noise(embedding, None, output)
+    assert padded_width() is None
+    torch.manual_seed(3)
+    want = output + torch.zeros_like(output).uniform_(-5.0 / (width * 16) ** 0.5, 5.0 / (width * 16) ** 0.5)
+    torch.testing.assert_close(ours, want, atol=1e-7, rtol=0)
+    torch.manual_seed(3)
+    assert not torch.allclose(neftune_post_forward_hook(embedding, None, output), ours, atol=1e-4)
+
+
+def test_trainer_attaches_alignkits_neftune_hook_for_training_only(causal_lm, tmp_path):
+    """`neftune_noise_alpha`: the Trainer's own hook stays off; alignkit's is on the input embeddings while training
+    runs, with the alpha, and gone after."""
+    from alignkit.model.padding_free import neftune_noise
+
+    trainer = _sft_trainer(causal_lm, tmp_path, True, neftune_noise_alpha=5.0)
+    assert trainer.neftune_noise_alpha is None and trainer._neftune_alpha == 5.0
+    embeddings = causal_lm.get_input_embeddings()
+    with trainer._neftune():
+        assert [hook.__name__ for hook in embeddings._forward_hooks.values()] == ["neftune_noise"]
+        assert embeddings.neftune_noise_alpha == 5.0
+    assert not embeddings._forward_hooks and not hasattr(embeddings, "neftune_noise_alpha")
+    assert neftune_noise.__module__ == "alignkit.model.padding_free"
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_reruns_each_sequence_alone(causal_lm, monkeypatch, reentrant):
     """Under transformers' gradient checkpointing a layer reruns its forward during backward, after `packed_attention`

@@ -380,6 +380,11 @@ def check_combinations(config: Config) -> None:
         raise ConfigError(f"packing=true applies to stage sft or pt, not {f.stage}; remove it.")
     if t.predict_with_generate and stage.data_kind not in ("text", "supervised"):
         raise ConfigError(f"predict_with_generate applies to stage sft, not {f.stage}; remove it.")
+    for key, ours in (("generation_num_beams", "num_beams (the same beam width)"),
+                      ("generation_max_length", "max_new_tokens (new tokens per prompt, not the whole length)")):
+        if getattr(t, key) is not None:  # Seq2SeqTrainingArguments' keys, which alignkit's generation never reads
+            raise ConfigError(f"{key}={getattr(t, key)}: alignkit's generation (predict_with_generate, eval, chat) "
+                              f"takes the generation keys; set {ours} instead.")
     if t.label_smoothing_factor:
         if not 0 <= t.label_smoothing_factor < 1:
             raise ConfigError(f"label_smoothing_factor={t.label_smoothing_factor} must be in [0, 1).")

@@ -70,6 +70,8 @@ def test_bad_values_are_errors(override, pattern):
         ({"stage": "dpo", "pref_loss": "ipo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing only applies"),
         ({"stage": "dpo", "label_smoothing_factor": 0.1}, "stage dpo has no such loss.*dpo_label_smoothing"),
         ({"stage": "kto", "label_smoothing_factor": 0.1}, "stage kto has no such loss. Remove it"),
+        ({"generation_num_beams": 4}, r"generation_num_beams=4: .*set num_beams \(the same beam width\) instead"),
+        ({"generation_max_length": 64}, r"generation_max_length=64: .*set max_new_tokens \(new tokens per prompt"),
         ({"stage": "sft", "label_smoothing_factor": 1.0}, r"label_smoothing_factor=1.0 must be in \[0, 1\)"),
         ({"val_size": -0.1}, "val_size"),
         ({"max_new_tokens": 0}, "max_new_tokens=0"),

@@ -115,6 +115,8 @@ def test_config_checks():
                       "per_device_train_batch_size": 4})
     with pytest.raises(ConfigError, match="response_length_range"):
         parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format", "response_length_range": "9,3"})
+    with pytest.raises(ConfigError, match="neftune_noise_alpha: stage ppo runs its own rollout loop"):
+        parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format", "neftune_noise_alpha": 5})
     config = parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format", "response_length_range": "2,5"})
     assert config.method.response_length_range == [2, 5]
     assert (config.method.init_kl_coef, config.method.ppo_target, config.method.horizon, config.method.gamma,

@@ -161,6 +161,10 @@ def check_config(config: "Config") -> None:
     if t.do_eval or t.do_predict:
         raise ConfigError("stage ppo trains only: set do_eval and do_predict to false (score the trained policy "
                           "with `alignkit score`).")
+    if t.neftune_noise_alpha is not None:
+        # The Trainer attaches NEFTune in its `train`, which PPO's own loop replaces.
+        raise ConfigError("neftune_noise_alpha: stage ppo runs its own rollout loop, which adds no embedding noise; "
+                          "remove the key (NEFTune applies to the stages that train through transformers' loop).")
     batch = t.per_device_train_batch_size * t.gradient_accumulation_steps
     if m.mini_batch_size is not None and batch % m.mini_batch_size:
         raise ConfigError(f"mini_batch_size={m.mini_batch_size} must divide per_device_train_batch_size x "

@@ -721,7 +721,8 @@ def test_deepspeed_configs_are_refused_only_for_a_scheduler_block():
     def config(finetuning="lora", adapters=None, **training):  # check_config reads these keys only (parse_config
         # refuses DeepSpeed and FSDP earlier on a CPU)
         keys = {"do_train": True, "do_eval": False, "do_predict": False, "deepspeed": None, "fsdp": None,
-                "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, **training}
+                "neftune_noise_alpha": None, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
+                **training}
         return SimpleNamespace(method=SimpleNamespace(reward_model=None, reward_funcs=["format"], ppo_critic="head",
                                                       mini_batch_size=None),
                                training=SimpleNamespace(**keys), finetuning=SimpleNamespace(finetuning_type=finetuning),

@@ -243,7 +243,8 @@ class DataArguments:
         metadata={"help": "Save the tokenised dataset here, or load it from here when it already exists."},
     )
     preprocessing_num_workers: Optional[int] = field(
-        default=None, metadata={"help": "Processes used for tokenisation."}
+        default=None, metadata={"help": "Tokenise in this many forked processes (the same rows as one; a first "
+                                          "run's cost, the cache serves later runs)."}
     )
     skip_invalid_rows: bool = field(
         default=False, metadata={"help": "Skip malformed rows (and report them) instead of stopping."}

@@ -780,7 +780,8 @@ def _build(config, formatter: ChatFormatter, kind: str, train_attrs: list[Datase
             continue
         columns, dropped = processors.tokenize_examples(
             examples, kind, formatter, d.cutoff_len, train_on_prompt=d.train_on_prompt, mask_history=d.mask_history,
-            for_generation=for_generation and split == "eval", images=images)
+            for_generation=for_generation and split == "eval", images=images,
+            num_workers=d.preprocessing_num_workers)
         if dropped:
             reasons = sorted({reason for _, reason in dropped})
             logger.warning("Dropped %d of %d %s example(s): %s. Rows: %s%s. Raise cutoff_len or fix those rows.",

@@ -8,7 +8,10 @@ tokens at all is dropped (and reported by the caller), never trained on.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import multiprocessing
+import os
 from typing import Any, Optional, Sequence
 
 from ..constants import IGNORE_INDEX
@@ -215,9 +218,18 @@ def encode_pretrain(tokenizer, texts: list[str], cutoff_len: int) -> dict[str, l
     return {"input_ids": blocks, "attention_mask": [[1] * len(b) for b in blocks], "labels": [list(b) for b in blocks]}
 
 
+# Examples per task handed to a tokenisation worker process (`tokenize_examples(num_workers=...)`), and the fewest
+# examples per worker worth forking for: below that a process costs more than it saves.
+WORKER_CHUNK = 512
+MIN_EXAMPLES_PER_WORKER = 256
+# What forked workers read (set in the parent just before the pool forks, so nothing is pickled to them).
+_FORK_STATE: Optional[tuple] = None
+
+
 def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: ChatFormatter, cutoff_len: int,
                       train_on_prompt: bool = False, for_generation: bool = False, mask_history: bool = False,
-                      images: Optional[ImageProcessing] = None) -> tuple[dict[str, list], list[tuple[str, str]]]:
+                      images: Optional[ImageProcessing] = None, num_workers: Optional[int] = None,
+                      ) -> tuple[dict[str, list], list[tuple[str, str]]]:
     """Tokenise canonical examples of one kind.
 
     Args:
@@ -231,12 +243,68 @@ def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: Ch
         images: a vision-language model's processor: each example's `images` become its image tokens (never
             labelled), the paths are kept in an `images` column, and an example whose image tokens `cutoff_len`
             would cut is dropped.
+        num_workers: `preprocessing_num_workers`: tokenise in this many forked processes, in order, with the
+            same result as one (`text` examples are one batched call to the fast tokenizer, which uses its own
+            threads). Fewer where the examples are few (`MIN_EXAMPLES_PER_WORKER` each); one where the
+            platform cannot fork.
 
     Returns:
         (columns as a dict of lists, [(reference, reason)] of the dropped examples).
     """
     if kind == "text":
         return encode_pretrain(formatter.tokenizer, [ex["text"] for _, ex in examples], cutoff_len), []
+    options = (kind, formatter, cutoff_len, train_on_prompt, for_generation, mask_history, images)
+    workers = min(num_workers or 1, len(examples) // MIN_EXAMPLES_PER_WORKER)
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        rows, dropped, cut = _encode_in_workers(examples, options, workers)
+    else:
+        if workers > 1:
+            logger.warning("preprocessing_num_workers=%d: this platform cannot fork worker processes; "
+                           "tokenising in one.", num_workers)
+        rows, dropped, cut = _encode_examples(examples, *options)
+    warn_cut_prompts(cut, len(examples), cutoff_len)
+    return _to_columns(rows, fill={"margin": 0.0}), dropped
+
+
+def _encode_in_workers(examples: list[tuple[str, dict]], options: tuple, workers: int
+                       ) -> tuple[list[dict[str, Any]], list[tuple[str, str]], list[tuple[str, int]]]:
+    """`_encode_examples` over slices of `examples` in `workers` forked processes, joined in order."""
+    global _FORK_STATE
+    bounds = [(i, min(i + WORKER_CHUNK, len(examples))) for i in range(0, len(examples), WORKER_CHUNK)]
+    rows: list[dict[str, Any]] = []
+    dropped: list[tuple[str, str]] = []
+    cut: list[tuple[str, int]] = []
+    _FORK_STATE = (examples, options)
+    # A fast tokenizer that used its threads before the fork warns in each child and turns them off there;
+    # the children inherit this setting instead (each works serially, as a worker should).
+    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            for part in pool.map(_encode_slice, bounds):
+                rows += part[0]
+                dropped += part[1]
+                cut += part[2]
+    finally:
+        _FORK_STATE = None
+        if parallelism is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = parallelism
+    return rows, dropped, cut
+
+
+def _encode_slice(bounds: tuple[int, int]):
+    """A worker's task: the examples `bounds` delimits, from the state its parent forked with."""
+    examples, options = _FORK_STATE
+    return _encode_examples(examples[bounds[0]: bounds[1]], *options)
+
+
+def _encode_examples(examples: list[tuple[str, dict]], kind: str, formatter: ChatFormatter, cutoff_len: int,
+                     train_on_prompt: bool, for_generation: bool, mask_history: bool,
+                     images: Optional[ImageProcessing],
+                     ) -> tuple[list[dict[str, Any]], list[tuple[str, str]], list[tuple[str, int]]]:
+    """The rows of the examples kept, the (reference, reason) of those dropped, and the prompts cut."""
     rows: list[dict[str, Any]] = []
     dropped: list[tuple[str, str]] = []
     cut: list[tuple[str, int]] = []
@@ -262,8 +330,7 @@ def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: Ch
             dropped.append((ref, reason))
         else:
             rows.append(feats)
-    warn_cut_prompts(cut, len(examples), cutoff_len)
-    return _to_columns(rows, fill={"margin": 0.0}), dropped
+    return rows, dropped, cut
 
 
 def _with_images(feats: dict[str, Any], paths: list[str], expansions: list, images: ImageProcessing,

@@ -6,6 +6,7 @@ import copy
 import csv
 import json
 import logging
+import os
 import time
 
 import pytest
@@ -427,3 +428,77 @@ def test_rl_prompts_cut_to_cutoff_len_are_counted_and_named(tmp_path, tiny_token
     assert len(out[0]["input_ids"]) == 64 and len(out[1]["input_ids"]) < 64
     assert "Cut the start off 1 of 2 prompts longer than cutoff_len=64 tokens" in caplog.text
     assert "d.json, row 1." in caplog.text and "row 2" not in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------- workers
+@pytest.mark.parametrize("stage", ["sft", "dpo", "kto", "grpo"])
+def test_preprocessing_num_workers_tokenises_in_forked_processes_with_the_same_result(
+        tmp_path, tiny_tokenizer, monkeypatch, caplog, stage):
+    """LLaMA-Factory's `preprocessing_num_workers`: the examples are tokenised in slices by forked processes and
+    joined in order; columns, dropped rows and the cut prompts' warning equal one process's."""
+    from alignkit.data.template import ChatFormatter
+
+    long = "word " * 200
+    if stage == "sft":
+        # cutoff_len 8: a 200-word prompt leaves the reply no token (as in the cutoff test above)
+        rows = [{"instruction": long if i % 7 == 3 else f"{i}?", "output": "Hello!"} for i in range(23)]
+    elif stage == "dpo":
+        rows = [{"instruction": f"Say {i}.", "chosen": f"{i}", "rejected": f"{i} or {i + 1}" if i % 5 else f"{i}"}
+                for i in range(23)]
+    elif stage == "kto":
+        rows = [{"instruction": f"Say {i}.", "output": f"{i}", "label": bool(i % 2)} for i in range(23)]
+    else:
+        rows = [{"prompt": [{"role": "user", "content": (long if i % 6 == 1 else "") + f"What is {i} + 2?"}],
+                 "answer": str(i + 2)} for i in range(23)]
+    path = write(tmp_path, "d.json", rows)
+    cfg = config(tmp_path, str(path), stage, cutoff_len=8 if stage == "sft" else 24,
+                 **({"reward_funcs": "accuracy"} if stage == "grpo" else {}))
+    kind = STAGES[stage].data_kind
+    from alignkit.data.loader import convert_dataset, resolve_datasets
+
+    examples = convert_dataset(resolve_datasets(str(path), str(tmp_path))[0], kind, stage, None, False, None)
+    formatter = ChatFormatter(tiny_tokenizer, None)
+    pids = tmp_path / "pids"
+    encoder = {"supervised": "encode_supervised", "preference": "encode_pairwise", "unpaired": "encode_unpaired",
+               "prompt": "encode_prompt"}[kind]
+    real = getattr(processors, encoder)
+
+    def recording(*args, **kwargs):
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(processors, encoder, recording)
+    caplog.set_level(logging.WARNING, logger="alignkit.data.processors")
+    one = processors.tokenize_examples(examples, kind, formatter, cfg.data.cutoff_len)
+    one_log, pids_one = caplog.text, set(pids.read_text().split())
+    caplog.clear()
+    pids.unlink()
+    monkeypatch.setattr(processors, "MIN_EXAMPLES_PER_WORKER", 4)
+    monkeypatch.setattr(processors, "WORKER_CHUNK", 5)
+    several = processors.tokenize_examples(examples, kind, formatter, cfg.data.cutoff_len, num_workers=3)
+    pids_several = set(pids.read_text().split())
+    assert several == one
+    assert caplog.text.replace("alignkit.data.processors", "") == one_log.replace("alignkit.data.processors", "")
+    assert pids_one == {str(os.getpid())}
+    assert len(pids_several) == 3 and str(os.getpid()) not in pids_several
+    assert len(next(iter(one[0].values()))) > 0
+    if stage in ("sft", "dpo"):
+        assert one[1], "some rows are dropped"
+    if stage == "grpo":
+        assert "Cut the start off 4 of 23 prompts" in one_log
+
+
+def test_preprocessing_num_workers_reaches_the_tokeniser_and_few_examples_stay_in_one_process(
+        tmp_path, tiny_tokenizer, monkeypatch):
+    seen = []
+    real = processors.tokenize_examples
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("num_workers"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(processors, "tokenize_examples", spy)
+    monkeypatch.setattr(processors, "_encode_in_workers", lambda *a: pytest.fail("forked for 10 examples"))
+    out = load(tmp_path, tiny_tokenizer, SFT_ROWS, preprocessing_num_workers=4)["train_dataset"]
+    assert seen == [4] and len(out) == len(SFT_ROWS)

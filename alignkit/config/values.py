@@ -182,7 +182,8 @@ video_max_pixels video_maxlen video_min_pixels vllm_config vllm_enforce_eager vl
 vllm_maxlen
 """.split())
 LLAMAFACTORY_EQUIVALENTS = {
-    "disable_shuffling": "train_sampling_strategy: sequential (transformers' key) trains in dataset order",
+    "disable_shuffling": "train_sampling_strategy: sequential (transformers' key) trains in dataset order; "
+                         "grpo, rloo and distill take shuffle_dataset: false",
     "compute_accuracy": "sft's evaluation reports a token accuracy without it",
     "use_reentrant_gc": "gradient_checkpointing_kwargs: {use_reentrant: true} or false (transformers' key)",
     "export_dir": "`alignkit export` merges and exports a trained adapter (docs/commands.md)",

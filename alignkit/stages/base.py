@@ -629,13 +629,14 @@ class StageTrainer(Trainer):
                     rows, keep, rows)
 
     def _add_pair_lengths_for_grouping(self) -> None:
-        """`group_by_length` for pairwise data: the Trainer's sampler reads `input_ids`, which pairs lack.
+        """`group_by_length` and `batch_rebalance` for pairwise data: the Trainer's samplers read `input_ids`,
+        which pairs lack.
 
         A `length` column (the longer of chosen and rejected, what a pair costs once padded) lets the
         sampler group pairs as it groups single sequences.
         """
         dataset = self.train_dataset
-        if (self.args.train_sampling_strategy != "group_by_length" or dataset is None
+        if (self.args.train_sampling_strategy not in ("group_by_length", "batch_rebalance") or dataset is None
                 or not hasattr(dataset, "column_names") or "chosen_input_ids" not in dataset.column_names
                 or self.args.length_column_name in dataset.column_names):
             return

@@ -98,7 +98,7 @@ from ..rl.rollout import VLLMColocateSampler, completion_logps, rollout_seed
 from ..rl.stats import masked_mean, nan_std
 from ..rl.tools import ToolLoop, environment_reward, rollout_tensors, turn_seeds
 from .base import ReferenceSyncArguments, check_reference_sync, is_peft_model, run_stage_trainer
-from .online import PROMPT_COLUMNS, OnlineTrainer, has_active_dropout
+from .online import PROMPT_COLUMNS, OnlineTrainer, data_order_seed, has_active_dropout
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -389,6 +389,12 @@ def check_generation_loop(g: Any, t: Any) -> None:
     # Checked only (the Trainer derives them again from its process count): a check leaves the config as given.
     resolve_generation_batch(t.per_device_train_batch_size, launched_processes(), g.num_generations,
                              g.steps_per_generation, g.generation_batch_size, t.gradient_accumulation_steps)
+    if t.train_sampling_strategy != "random":
+        # transformers' samplers never run here: the prompts come in generation groups (`GenerationBatchSampler`).
+        fix = ("shuffle_dataset: false takes the prompts in dataset order" if t.train_sampling_strategy == "sequential"
+               else "remove it (and group_by_length)")
+        raise ConfigError(f"train_sampling_strategy={t.train_sampling_strategy}: this stage draws its prompts in "
+                          f"generation groups of num_generations, shuffled or not by shuffle_dataset; {fix}.")
     if g.use_vllm and importlib.util.find_spec("vllm") is None:
         raise ConfigError("use_vllm: true needs vLLM, which is not installed: pip install 'alignkit[vllm]' (on a "
                           "machine with a GPU), or set use_vllm: false to generate with transformers.")
@@ -639,7 +645,7 @@ class GRPOTrainer(OnlineTrainer):
         return GenerationBatchSampler(len(dataset), self.num_generations,
                                       self.generation_batch_size // self.num_generations,
                                       repeat_count=self.generate_every, shuffle=self.grpo_args.shuffle_dataset,
-                                      seed=self.args.seed)
+                                      seed=data_order_seed(self.args))
 
     def get_train_dataloader(self):
         """Each process's share of one generation batch (`per_device_train_batch_size x steps_per_generation` rows).

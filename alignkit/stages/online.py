@@ -36,6 +36,12 @@ from .base import StageTrainer
 PROMPT_COLUMNS = ("input_ids", "attention_mask", "prompt_messages", "prompt_conversational")
 
 
+def data_order_seed(args: Any) -> int:
+    """The seed of the prompts' order: `data_seed`, else `seed`, as transformers' own samplers take it (TRL's GRPO
+    takes `seed` alone; the two agree unless `data_seed` is set)."""
+    return args.data_seed if args.data_seed is not None else args.seed
+
+
 def has_active_dropout(*modules: torch.nn.Module) -> bool:
     """Whether any dropout layer inside `modules` drops anything (p > 0): a training forward then differs from a
     no-grad one, so it cannot stand in for it (PPO's and GRPO's rollout forwards that training reuses)."""

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from alignkit.callbacks import read_log
+from alignkit.errors import ConfigError
 from alignkit.stages import grpo as grpo_module
 from alignkit.stages import online as online_module
 from alignkit.train import run_train
@@ -285,3 +286,24 @@ def test_zero3_full_finetuning_reference_is_a_second_load_gathered_per_pass(tiny
     for step, (loss, kl) in logged[0].items():
         assert logged[1][step] == pytest.approx((loss, kl), abs=1e-5)
     assert any(kl != 0 for _, kl in logged[0].values())  # the reference pass mattered
+
+
+def test_data_seed_orders_the_prompts_and_transformers_samplers_are_refused(tiny_model_dir, tmp_path):
+    """`data_seed` seeds the prompts' order (else `seed`), as transformers' samplers and PPO take it; a
+    `train_sampling_strategy` other than `random` is refused, naming `shuffle_dataset` (GRPO's own sampler never
+    read it)."""
+    from alignkit.stages.grpo import GRPOTrainer, build_online_trainer
+
+    seeds = {}
+    for data_seed in (None, 7):
+        keys = {} if data_seed is None else {"data_seed": data_seed}
+        config = _config(tiny_model_dir, tmp_path, tmp_path / "o", seed=3, **keys)
+        trainer = build_online_trainer(GRPOTrainer, config, [])
+        sampler = trainer._get_train_sampler()
+        seeds[data_seed] = (sampler.seed, list(sampler))
+    assert seeds[None][0] == 3 and seeds[7][0] == 7 and seeds[None][1] != seeds[7][1]
+    for stage in ("grpo", "rloo"):
+        with pytest.raises(ConfigError, match="train_sampling_strategy=sequential: .*shuffle_dataset: false takes"):
+            _config(tiny_model_dir, tmp_path, tmp_path / "o", stage=stage, train_sampling_strategy="sequential")
+        with pytest.raises(ConfigError, match="train_sampling_strategy=group_by_length: .*remove it"):
+            _config(tiny_model_dir, tmp_path, tmp_path / "o", stage=stage, group_by_length=True)

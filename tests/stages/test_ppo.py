@@ -117,6 +117,9 @@ def test_config_checks():
         parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format", "response_length_range": "9,3"})
     with pytest.raises(ConfigError, match="neftune_noise_alpha: stage ppo runs its own rollout loop"):
         parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format", "neftune_noise_alpha": 5})
+    with pytest.raises(ConfigError, match="train_sampling_strategy=sequential: stage ppo draws each step's prompts"):
+        parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format",
+                      "train_sampling_strategy": "sequential"})
     config = parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format", "response_length_range": "2,5"})
     assert config.method.response_length_range == [2, 5]
     assert (config.method.init_kl_coef, config.method.ppo_target, config.method.horizon, config.method.gamma,
@@ -721,7 +724,8 @@ def test_deepspeed_configs_are_refused_only_for_a_scheduler_block():
     def config(finetuning="lora", adapters=None, **training):  # check_config reads these keys only (parse_config
         # refuses DeepSpeed and FSDP earlier on a CPU)
         keys = {"do_train": True, "do_eval": False, "do_predict": False, "deepspeed": None, "fsdp": None,
-                "neftune_noise_alpha": None, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
+                "neftune_noise_alpha": None, "train_sampling_strategy": "random", "per_device_train_batch_size": 2,
+                "gradient_accumulation_steps": 1,
                 **training}
         return SimpleNamespace(method=SimpleNamespace(reward_model=None, reward_funcs=["format"], ppo_critic="head",
                                                       mini_batch_size=None),

@@ -77,13 +77,18 @@ def test_gather_real_rows_of_one_process_is_the_batch(tiny_model_dir, tmp_path):
     assert trainer.gather_real_rows(values, flags) == (values, flags)
 
 
-def test_group_by_length_for_pairs_adds_the_longer_side_as_length(tiny_model_dir, tmp_path):
+def test_length_grouping_for_pairs_adds_the_longer_side_as_length(tiny_model_dir, tmp_path):
     pairs = Dataset.from_dict({"chosen_input_ids": [[1, 2, 3], [1]], "rejected_input_ids": [[1], [1, 2, 3, 4]]})
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     training = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True,
                                  remove_unused_columns=False, train_sampling_strategy="group_by_length")
     trainer = StageTrainer(model=model, args=training, train_dataset=pairs)
     assert trainer.train_dataset["length"] == [3, 4]
+    rebalanced = StageTrainer(model=model, train_dataset=pairs, args=TrainingArguments(
+        output_dir=str(tmp_path / "o3"), report_to="none", use_cpu=True, remove_unused_columns=False,
+        train_sampling_strategy="batch_rebalance"))
+    assert rebalanced.train_dataset["length"] == [3, 4]
+    assert sorted(i for batch in rebalanced._get_train_sampler() for i in batch) == [0, 1]  # it reads the column
     plain = StageTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "o2"), report_to="none",
                                                              use_cpu=True), train_dataset=pairs)
     assert "length" not in plain.train_dataset.column_names

@@ -161,6 +161,9 @@ def check_config(config: "Config") -> None:
     if t.do_eval or t.do_predict:
         raise ConfigError("stage ppo trains only: set do_eval and do_predict to false (score the trained policy "
                           "with `alignkit score`).")
+    if t.train_sampling_strategy != "random":
+        raise ConfigError(f"train_sampling_strategy={t.train_sampling_strategy}: stage ppo draws each step's prompts "
+                          "from a seeded shuffle of the dataset (data_seed, else seed), as TRL's PPO does; remove it.")
     if t.neftune_noise_alpha is not None:
         # The Trainer attaches NEFTune in its `train`, which PPO's own loop replaces.
         raise ConfigError("neftune_noise_alpha: stage ppo runs its own rollout loop, which adds no embedding noise; "

@@ -112,7 +112,7 @@ from ...model.distributed import full_weights
 from ...rl.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
 from ...rl.losses import clipped_policy_loss, clipped_value_loss
 from ...rl.stats import RunningMoments, masked_mean, masked_whiten
-from ..online import OnlineTrainer, has_active_dropout
+from ..online import OnlineTrainer, data_order_seed, has_active_dropout
 from .config import CRITIC_ADAPTER, FSDP_REFUSAL, PPO_STATE_FILE, PPOArguments, deepspeed_refusal
 from .layout import Rollout, pack_right, policy_forward, sample_response_lengths, truncate_to_lengths
 
@@ -248,8 +248,7 @@ class PPOTrainer(OnlineTrainer):
         """This process's prompt rows of PPO step `step`: its share of slice `step` of the epoch's permutation,
         seeded by (seed, epoch)."""
         epoch, index = divmod(step, self.steps_per_epoch)
-        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        order = np.random.default_rng([seed, epoch]).permutation(len(self.train_dataset))
+        order = np.random.default_rng([data_order_seed(self.args), epoch]).permutation(len(self.train_dataset))
         chosen = order[index * self.global_rollout_size:(index + 1) * self.global_rollout_size]
         chosen = chosen[self.first_row:self.first_row + self.rollout_size]
         return self.train_dataset.select(chosen.tolist()).to_dict()

@@ -385,6 +385,10 @@ def check_combinations(config: Config) -> None:
         if getattr(t, key) is not None:  # Seq2SeqTrainingArguments' keys, which alignkit's generation never reads
             raise ConfigError(f"{key}={getattr(t, key)}: alignkit's generation (predict_with_generate, eval, chat) "
                               f"takes the generation keys; set {ours} instead.")
+    if not t.eval_do_concat_batches:
+        raise ConfigError("eval_do_concat_batches=false hands a custom compute_metrics its batches as lists; "
+                          "alignkit's metrics and prediction files take them joined. Remove it (batch_eval_metrics: "
+                          "true computes the metrics batch by batch, without keeping the predictions).")
     if t.label_smoothing_factor:
         if not 0 <= t.label_smoothing_factor < 1:
             raise ConfigError(f"label_smoothing_factor={t.label_smoothing_factor} must be in [0, 1).")

@@ -427,8 +427,10 @@ class StageTrainer(Trainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """`Trainer.evaluate`; with `predictions_from_evaluation`, the pass's predictions are kept for `predict`."""
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        # Several named evaluation sets: Trainer calls this again for each set, by name.
-        keep = self.predictions_from_evaluation and not isinstance(dataset, (dict, str))
+        # Several named evaluation sets: Trainer calls this again for each set, by name. Under
+        # `batch_eval_metrics` an evaluation keeps no predictions (transformers' point of it): `predict` runs its own.
+        keep = (self.predictions_from_evaluation and not isinstance(dataset, (dict, str))
+                and not self.args.batch_eval_metrics)
         self._gather_predictions, self._evaluation_output = keep, None
         try:
             metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers import EvalPrediction
 
+from ..metrics import EvalMetric
 from ..rewards.scoring import sequence_rewards
 from .base import StageTrainer, run_stage_trainer, save_pair_predictions
 
@@ -145,7 +146,7 @@ class RewardTrainer(StageTrainer):
     accumulation_is_one_batch = True  # a mean over equal micro-batches (StageTrainer)
 
     def __init__(self, *args, center_rewards_coefficient: Optional[float] = None, **kwargs) -> None:
-        kwargs.setdefault("compute_metrics", compute_reward_eval_metrics)
+        kwargs.setdefault("compute_metrics", reward_eval_metrics())
         super().__init__(*args, **kwargs)
         self.center_rewards_coefficient = center_rewards_coefficient
 
@@ -175,6 +176,19 @@ class RewardTrainer(StageTrainer):
         logits = torch.stack([outputs["chosen_rewards"], outputs["rejected_rewards"]], dim=-1).detach()
         labels = torch.zeros(logits.shape[0], device=logits.device)
         return loss, logits, labels
+
+
+def reward_eval_metrics() -> EvalMetric:
+    """`compute_metrics` of a reward model: `compute_reward_eval_metrics` over every pair, whether the Trainer
+    hands the pairs at once or batch by batch (`batch_eval_metrics`)."""
+
+    def update(state: dict, rewards: np.ndarray, labels: np.ndarray) -> None:
+        state.setdefault("rewards", []).append(np.asarray(rewards))
+
+    def finish(state: dict) -> dict[str, float]:
+        return compute_reward_eval_metrics(EvalPrediction(predictions=np.concatenate(state["rewards"]), label_ids=None))
+
+    return EvalMetric(update, finish)
 
 
 def compute_reward_eval_metrics(eval_pred: EvalPrediction) -> dict[str, float]:
@@ -226,5 +240,6 @@ __all__ = [
     "reward_metrics",
     "RewardTrainer",
     "compute_reward_eval_metrics",
+    "reward_eval_metrics",
     "run_rm",
 ]

@@ -37,7 +37,7 @@ from ..config import Config, GeneratingArguments
 from ..data.packing import PackedCollator, pack_dataset, unpack_rows
 from ..errors import ConfigError
 from ..jsonl import write_jsonl
-from ..metrics import argmax_logits, compute_token_accuracy, decode_token_ids, similarity_metrics
+from ..metrics import argmax_logits, decode_token_ids, similarity_metrics, token_accuracy_metric
 from ..model.generation import generate, stop_token_ids
 from ..model.logprobs import forward_sequence_logps
 from ..model.padding_free import (
@@ -253,7 +253,7 @@ def _run_causal_lm(config: Config, callbacks: list, data_kind: str) -> None:
     if t.predict_with_generate:
         compute_metrics, preprocess_logits = similarity_metrics(tokenizer), None
     else:
-        compute_metrics, preprocess_logits = compute_token_accuracy, argmax_logits
+        compute_metrics, preprocess_logits = token_accuracy_metric(), argmax_logits
 
     trainer = SFTTrainer(
         model=model,

@@ -423,10 +423,12 @@ def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tiny_tokenizer, tm
     assert state["global_step"] == 3
 
 
-def test_run_train_dpo_end_to_end(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("batch_eval_metrics", [False, True])
+def test_run_train_dpo_end_to_end(tiny_model_dir, tmp_path, batch_eval_metrics):
     """`stage: dpo` from a preference file: trainer_log.jsonl carries the reward metrics, outputs are written,
     eval metrics are exact means over the set (batches of 4 and 2 pairs), and prediction writes each pair's
-    implicit rewards, whose means are those eval metrics."""
+    implicit rewards, whose means are those eval metrics (under `batch_eval_metrics` the evaluation keeps no
+    predictions and prediction runs its own pass)."""
     rows = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS]
     data_file = tmp_path / "pairs.jsonl"
     data_file.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -435,7 +437,7 @@ def test_run_train_dpo_end_to_end(tiny_model_dir, tmp_path):
         "eval_dataset": str(data_file), "output_dir": str(tmp_path / "out"), "do_train": True, "do_eval": True,
         "do_predict": True, "max_steps": 3, "per_device_train_batch_size": 2, "per_device_eval_batch_size": 4,
         "learning_rate": 5e-3, "lora_rank": 4, "cutoff_len": 64, "save_strategy": "no", "seed": 0,
-        "precompute_ref_log_probs": True,
+        "precompute_ref_log_probs": True, "batch_eval_metrics": batch_eval_metrics,
     })
     run_train(config)
     out = tmp_path / "out"

@@ -157,6 +157,24 @@ def test_prediction_takes_the_scores_of_the_end_of_run_evaluation(tmp_path, tiny
     assert printed.count("***** eval metrics *****") == 1 and "predict metrics" not in printed
 
 
+def test_batch_eval_metrics_gives_the_same_metrics_and_predictions(tmp_path, tiny_model_dir):
+    """`batch_eval_metrics: true` (transformers' key; LLaMA-Factory's metrics take it): the metrics are summed batch
+    by batch (eval batches of 3 over 4 pairs) and equal the whole set's; the evaluation keeps no predictions, so
+    prediction scores the pairs itself, to the same file."""
+    results = {}
+    for batched in (False, True):
+        batches = PredictionBatches()
+        config = _config(tmp_path, tiny_model_dir, f"out_{batched}", do_predict=True, batch_eval_metrics=batched)
+        run_train(config, callbacks=[batches])
+        out = Path(config.training.output_dir)
+        results[batched] = (json.loads((out / "eval_results.json").read_text()),
+                            (out / "generated_predictions.jsonl").read_text(), batches.count)
+    (whole, file, count), (batched, batched_file, batched_count) = results[False], results[True]
+    assert {k: v for k, v in batched.items() if "runtime" not in k and "per_second" not in k} == pytest.approx(
+        {k: v for k, v in whole.items() if "runtime" not in k and "per_second" not in k}, abs=1e-6)
+    assert batched_file == file and count == 2 and batched_count == 4
+
+
 def test_margin_column_changes_the_loss(tmp_path, tiny_model_dir):
     """Same model, same pairs, lr 0: a margin of 1 on every pair must raise the loss (the chosen reward
     has to beat the rejected by one more unit)."""

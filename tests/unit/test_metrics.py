@@ -12,9 +12,9 @@ import torch
 from alignkit.metrics import (
     IGNORE_INDEX,
     argmax_logits,
-    compute_token_accuracy,
     decode_token_ids,
     similarity_metrics,
+    token_accuracy_metric,
     similarity_scores,
     token_accuracy,
 )
@@ -87,7 +87,7 @@ def test_token_accuracy_shifts_and_skips_ignored():
     predicted = np.array([[5, 6, 9, 1], [0, 4, 3, 3]])
     labels = np.array([[IGNORE_INDEX, 5, 6, 7], [IGNORE_INDEX, IGNORE_INDEX, 4, IGNORE_INDEX]])
     assert token_accuracy(predicted, labels) == pytest.approx(0.75)
-    assert compute_token_accuracy(SimpleNamespace(predictions=predicted, label_ids=labels)) == {"accuracy": 0.75}
+    assert token_accuracy_metric()(SimpleNamespace(predictions=predicted, label_ids=labels)) == {"accuracy": 0.75}
     assert token_accuracy(predicted, np.full_like(labels, IGNORE_INDEX)) == 0.0
 
 
@@ -104,3 +104,33 @@ def test_similarity_metrics_decodes_padded_ids(tiny_tokenizer):
     metrics = similarity_metrics(tiny_tokenizer)(SimpleNamespace(predictions=padded, label_ids=padded))
     assert set(metrics) == {"bleu-4", "rouge-1", "rouge-2", "rouge-l"}
     assert metrics["bleu-4"] == pytest.approx(100.0, abs=1e-3)
+
+
+def test_metrics_batch_by_batch_equal_the_whole_set(tiny_tokenizer):
+    """`batch_eval_metrics: true`: the Trainer calls compute_metrics per batch (tensors), `compute_result` true at the
+    last; the result equals one call over the whole set, and the next evaluation starts afresh."""
+    predicted = np.array([[5, 6, 9, 1], [0, 4, 3, 3], [2, 2, 2, 2]])
+    labels = np.array([[IGNORE_INDEX, 5, 6, 7], [IGNORE_INDEX, IGNORE_INDEX, 4, IGNORE_INDEX], [IGNORE_INDEX, 2, 1, 2]])
+    metric = token_accuracy_metric()
+    # (2 + 1 + 2) / (3 + 1 + 3)
+    assert metric(SimpleNamespace(predictions=predicted, label_ids=labels)) == {"accuracy": pytest.approx(5 / 7)}
+    for _ in range(2):
+        assert metric(SimpleNamespace(predictions=torch.tensor(predicted[:2]), label_ids=torch.tensor(labels[:2])),
+                      compute_result=False) is None
+        assert metric(SimpleNamespace(predictions=torch.tensor(predicted[2:]), label_ids=torch.tensor(labels[2:])),
+                      compute_result=True) == {"accuracy": pytest.approx(5 / 7)}
+
+    texts = ["The capital of France is Paris.", "Two plus two is four.", "Water boils at 100 degrees."]
+    references = ["Paris is the capital of France.", "Two plus two is four.", "Ice melts at 0 degrees."]
+
+    def padded(rows):
+        ids = [tiny_tokenizer(t)["input_ids"] for t in rows]
+        width = max(map(len, ids))
+        return np.array([row + [IGNORE_INDEX] * (width - len(row)) for row in ids])
+
+    similarity = similarity_metrics(tiny_tokenizer)
+    whole = similarity(SimpleNamespace(predictions=padded(texts), label_ids=padded(references)))
+    assert 0 < whole["rouge-1"] < 100
+    similarity(SimpleNamespace(predictions=padded(texts[:1]), label_ids=padded(references[:1])), compute_result=False)
+    batched = similarity(SimpleNamespace(predictions=padded(texts[1:]), label_ids=padded(references[1:])))
+    assert batched == whole

@@ -9,6 +9,7 @@ from transformers import EvalPrediction
 
 from alignkit.stages.rm import (
     compute_reward_eval_metrics,
+    reward_eval_metrics,
     pairwise_reward_loss,
     reward_metrics,
 )
@@ -83,3 +84,14 @@ def test_eval_metrics_from_predictions():
     assert m == pytest.approx(
         {"accuracy": 0.5, "rewards/chosen": 0.5, "rewards/rejected": 1.0, "rewards/margins": -0.5}
     )
+
+
+def test_eval_metrics_batch_by_batch_equal_the_whole_set():
+    rewards = np.array([[1.0, 0.0], [0.0, 2.0], [3.0, 1.0]])
+    whole = compute_reward_eval_metrics(EvalPrediction(predictions=rewards, label_ids=None))
+    metric = reward_eval_metrics()
+    assert metric(EvalPrediction(predictions=rewards, label_ids=None)) == whole
+    assert metric(EvalPrediction(predictions=torch.tensor(rewards[:2]), label_ids=torch.zeros(2)),
+                  compute_result=False) is None
+    assert metric(EvalPrediction(predictions=torch.tensor(rewards[2:]), label_ids=torch.zeros(1))) == whole
+    assert whole["accuracy"] == pytest.approx(2 / 3)

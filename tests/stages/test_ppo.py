@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from accelerate.utils.deepspeed import DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from alignkit.callbacks import read_log
 from alignkit.config.parse import parse_config
@@ -117,6 +117,12 @@ def test_config_checks():
         parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format", "response_length_range": "9,3"})
     with pytest.raises(ConfigError, match="neftune_noise_alpha: stage ppo runs its own rollout loop"):
         parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format", "neftune_noise_alpha": 5})
+    with pytest.raises(ConfigError, match="torch_compile: stage ppo's loop calls the model uncompiled"):
+        parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format",
+                      "torch_compile": True})
+    with pytest.raises(ConfigError, match="auto_find_batch_size: stage ppo sizes its rollouts"):
+        parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format",
+                      "auto_find_batch_size": True})
     with pytest.raises(ConfigError, match="train_sampling_strategy=sequential: stage ppo draws each step's prompts"):
         parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format",
                       "train_sampling_strategy": "sequential"})
@@ -267,6 +273,33 @@ def _assert_same_files(a: Path, b: Path, name: str, tolerance: float = 1e-6) -> 
     assert wa.keys() == wb.keys()
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], rtol=0, atol=tolerance, msg=key)
+
+
+class CheckpointingSeen(TrainerCallback):
+    """Whether the decoder layers were checkpointing when each step ended."""
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.seen.append({bool(m.gradient_checkpointing) for m in model.modules()
+                          if hasattr(m, "gradient_checkpointing")})
+
+
+def test_gradient_checkpointing_is_applied_and_changes_nothing(tiny_model_dir, prompts_file, reward_dir, tmp_path):
+    """`gradient_checkpointing: true` reaches PPO's loop (`Trainer.train` sets it up, then runs the loop): the layers
+    checkpoint, and the run logs and saves what the plain run does. Memory metrics (`skip_memory_metrics: false`),
+    which `Trainer.train` starts, are reported at the end."""
+    seen = {}
+    for checkpointing in (False, True):
+        spy = CheckpointingSeen()
+        run_train(_config(tiny_model_dir, prompts_file, tmp_path / f"gc_{checkpointing}", reward_model=reward_dir,
+                          gradient_checkpointing=checkpointing, skip_memory_metrics=False), callbacks=[spy])
+        seen[checkpointing] = spy.seen
+    assert seen == {False: [{False}, {False}], True: [{True}, {True}]}
+    _assert_same_run(tmp_path / "gc_False", tmp_path / "gc_True")
+    results = json.loads((tmp_path / "gc_True" / "train_results.json").read_text())
+    assert results["train_mem_cpu_peaked_delta"] >= 0 and "train_mem_cpu_alloc_delta" in results
 
 
 def test_resume_equals_uninterrupted_run(tiny_model_dir, prompts_file, reward_dir, tmp_path, crash_before_step):
@@ -724,7 +757,8 @@ def test_deepspeed_configs_are_refused_only_for_a_scheduler_block():
     def config(finetuning="lora", adapters=None, **training):  # check_config reads these keys only (parse_config
         # refuses DeepSpeed and FSDP earlier on a CPU)
         keys = {"do_train": True, "do_eval": False, "do_predict": False, "deepspeed": None, "fsdp": None,
-                "neftune_noise_alpha": None, "train_sampling_strategy": "random", "per_device_train_batch_size": 2,
+                "neftune_noise_alpha": None, "train_sampling_strategy": "random", "torch_compile": False,
+                "auto_find_batch_size": False, "per_device_train_batch_size": 2,
                 "gradient_accumulation_steps": 1,
                 **training}
         return SimpleNamespace(method=SimpleNamespace(reward_model=None, reward_funcs=["format"], ppo_critic="head",

@@ -164,8 +164,15 @@ def check_config(config: "Config") -> None:
     if t.train_sampling_strategy != "random":
         raise ConfigError(f"train_sampling_strategy={t.train_sampling_strategy}: stage ppo draws each step's prompts "
                           "from a seeded shuffle of the dataset (data_seed, else seed), as TRL's PPO does; remove it.")
+    if t.torch_compile:
+        raise ConfigError("torch_compile: stage ppo's loop calls the model uncompiled (transformers compiles it in "
+                          "its own loop, which PPO's replaces); remove the key.")
+    if t.auto_find_batch_size:
+        raise ConfigError("auto_find_batch_size: stage ppo sizes its rollouts from per_device_train_batch_size x "
+                          "gradient_accumulation_steps x ppo_buffer_size and cannot shrink them on an out-of-memory "
+                          "error; remove the key and lower per_device_train_batch_size if memory runs out.")
     if t.neftune_noise_alpha is not None:
-        # The Trainer attaches NEFTune in its `train`, which PPO's own loop replaces.
+        # PPO's loop never applies it.
         raise ConfigError("neftune_noise_alpha: stage ppo runs its own rollout loop, which adds no embedding noise; "
                           "remove the key (NEFTune applies to the stages that train through transformers' loop).")
     batch = t.per_device_train_batch_size * t.gradient_accumulation_steps

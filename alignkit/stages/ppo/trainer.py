@@ -1,12 +1,13 @@
 """PPO's loop (`PPOTrainer`), built from the Trainer's parts. What it simplifies, and why:
 - A Trainer "step" (`global_step`, `max_steps`, `save_steps`, `logging_steps`, the scheduler) is one PPO step
   (one rollout and its `ppo_epochs` passes), as in LLaMA-Factory's PPO; the optimizer steps several times in
-  it. The loop is our own, but built from the Trainer's parts (optimizer, scheduler, `TrainerState`,
+  it. The loop is our own (`_inner_training_loop`, which `Trainer.train` runs after its set-up: activation
+  checkpointing, Liger, memory metrics), built from the Trainer's parts (optimizer, scheduler, `TrainerState`,
   callbacks, `_save_checkpoint`, `log`), so the files every stage writes are written here too.
-- Prompts are drawn by a permutation seeded from `seed` and the epoch, responses are sampled under a seed of
-  their own per step (`rollout.rollout_seed`, shared with GRPO), response lengths and update batches are drawn
-  from `(seed, step)`: step k depends on k and the weights alone, so a resumed run needs no data skipping and
-  equals the uninterrupted one. Checkpoints add the KL coefficient and score statistics (`ppo_state.json`).
+- Prompts are drawn by a permutation seeded from `data_seed` (else `seed`) and the epoch, responses are sampled
+  under a seed of their own per step (`rollout.rollout_seed`, shared with GRPO), response lengths and update
+  batches are drawn from `(seed, step)`: step k depends on k and the weights alone, so a resumed run needs no
+  data skipping and equals the uninterrupted one. Checkpoints add the KL coefficient and score statistics (`ppo_state.json`).
 - The policy's log-probs and the critic's values come from one call of the model (`policy_forward`); the
   sequences are laid out contiguously (`pack_right`) so each token has its true position in the padded and the
   padding-free forward alike.
@@ -124,7 +125,10 @@ TRAINER_INTERNALS: dict[str, str] = {
     "_save": "overridden: writes the policy adapter, the critic adapter and the value head",
     "_save_checkpoint": "overridden, then called: the Trainer's checkpoint files after ppo_state.json",
     "_get_output_dir": "the run folder a checkpoint goes to (as `_save_checkpoint` computes it)",
-    "_load_from_checkpoint": "a full/freeze policy's weights, or accelerate's FSDP2 model state, on resume",
+    "_inner_training_loop": "overridden: PPO's loop, which `Trainer.train` runs after its set-up",
+    "_load_from_checkpoint": "overridden to do nothing before the loop; the Trainer's, called by `_resume`: a "
+                             "full/freeze policy's weights, or accelerate's FSDP2 model state",
+    "_memory_tracker": "the memory metrics `skip_memory_metrics: false` asks for, which `Trainer.train` started",
     "_load_optimizer_and_scheduler": "optimizer and scheduler state on resume",
     "_load_rng_state": "the RNG states on resume",
     "_load_callback_state": "the stateful callbacks' state on resume",
@@ -538,17 +542,20 @@ class PPOTrainer(OnlineTrainer):
 
     # ---- the loop ----
 
-    def train(self, resume_from_checkpoint: Optional[str | bool] = None, trial=None, **kwargs):
-        """Run PPO steps until `max_steps` (or `num_train_epochs` passes over the prompts); see the module doc."""
+    def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint: Optional[str] = None,
+                             trial=None, ignore_keys_for_eval=None):
+        """Run PPO steps until `max_steps` (or `num_train_epochs` passes over the prompts); see the module doc.
+
+        `Trainer.train` calls it after its set-up (activation checkpointing, Liger, memory metrics, the last
+        checkpoint's path for `resume_from_checkpoint: true`), in place of the Trainer's own loop; `_resume` loads
+        the checkpoint here (`_load_from_checkpoint`, which the Trainer calls first, leaves it to this loop).
+        """
         from transformers.trainer_callback import ExportableState, TrainerState
-        from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_metrics
+        from transformers.trainer_utils import TrainOutput, speed_metrics
 
         from ...errors import ConfigError
 
         args = self.args
-        self.is_in_train = True
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(args.output_dir)
         if self.steps_per_epoch < 1:
             raise ConfigError(f"the training set has {len(self.train_dataset)} prompts, fewer than one rollout of "
                               f"{self.global_rollout_size} (per_device_train_batch_size x gradient_accumulation_steps "
@@ -611,11 +618,16 @@ class PPOTrainer(OnlineTrainer):
         metrics["train_loss"] = total_loss / max(done, 1)
         metrics["total_flos"] = self.state.total_flos
         self.is_in_train = False
+        self._memory_tracker.stop_and_update_metrics(metrics)
         self.log(metrics)
         # After the summary, as `Trainer.train` orders them: trackers (MLflow, TensorBoard) close their run at
         # train end, and a log after it would open a second run holding only the summary.
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Nothing before the loop: `_resume` loads every part of a PPO checkpoint (adapters, value head, critic,
+        optimizer, PPO state) inside `_inner_training_loop`, after the optimizer exists."""
 
     def _prepare_deepspeed(self, max_steps: int) -> None:
         """The Trainer's DeepSpeed set-up, for this loop: `deepspeed_init` fills the config's "auto" values from the
@@ -736,7 +748,7 @@ class PPOTrainer(OnlineTrainer):
             # `_save_optimizer_and_scheduler`) holds the whole module: adapters, value head, and under full/freeze the
             # policy; the Trainer loads it into the shards. The files `_save` writes are whole tensors, which the
             # sharded DTensors cannot take by copying.
-            self._load_from_checkpoint(checkpoint, self.model_wrapped)
+            super()._load_from_checkpoint(checkpoint, self.model_wrapped)
         else:
             if is_peft_model(self.model):
                 set_peft_model_state_dict(self.model, load_peft_weights(checkpoint), adapter_name=POLICY_ADAPTER)
@@ -744,7 +756,7 @@ class PPOTrainer(OnlineTrainer):
                     set_peft_model_state_dict(self.model, load_peft_weights(os.path.join(checkpoint, CRITIC_ADAPTER)),
                                               adapter_name=CRITIC_ADAPTER)
             else:
-                self._load_from_checkpoint(checkpoint)
+                super()._load_from_checkpoint(checkpoint)
             with torch.no_grad():
                 loaded = load_value_head(checkpoint, self.value_head.hidden_size)
                 self.value_head.weight.copy_(loaded.weight)

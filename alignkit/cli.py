@@ -180,7 +180,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     config = _model_args(args.model, args.adapter, args.overrides)
     tools = [t.strip() for t in args.tools.split(",") if t.strip()] if args.tools else None
-    chat(config.model, config.generating, prompt=args.prompt, system=args.system, template=config.data.template,
+    # `default_system` (with `template`) is the system prompt when `--system` gives none.
+    system = args.system if args.system is not None else config.data.default_system
+    chat(config.model, config.generating, prompt=args.prompt, system=system, template=config.data.template,
          images=args.image, tools=tools, environment_factory=args.environment_factory)
     return 0
 
@@ -207,7 +209,8 @@ def _cmd_api(args: argparse.Namespace) -> int:
     config = _model_args(args.model, None, args.overrides)
     base_id = args.model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                   else "SmolLM2-135M-Instruct")
-    serve(config.model, adapters, template=config.data.template, base_id=base_id, host=args.host, port=args.port,
+    serve(config.model, adapters, template=config.data.template, default_system=config.data.default_system,
+          base_id=base_id, host=args.host, port=args.port,
           api_key=args.api_key or os.environ.get("ALIGNKIT_API_KEY") or None,
           max_tokens=config.generating.max_new_tokens, max_batch_rows=args.max_batch_rows, max_queue=args.max_queue)
     return 0

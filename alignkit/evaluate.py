@@ -299,7 +299,7 @@ def evaluate_rewards(
             environment_factory = load_environment_factory(tool_args.environment_factory, config_dir, tool_functions,
                                                            key="--environment-factory")
     tokenizer = load_tokenizer(config.model)
-    formatter = ChatFormatter(tokenizer, d.template)
+    formatter = ChatFormatter(tokenizer, d.template, d.default_system)
     tool_loop = None
     if tool_functions is not None:  # the template must write tool calls: checked here, before the model loads
         from .rl.tools import ToolLoop

@@ -209,6 +209,11 @@ class DataArguments:
             "`qwen3_nothink` and `smollm` (ChatML). A template whose special tokens the tokenizer lacks is refused."
         },
     )
+    default_system: Optional[str] = field(
+        default=None,
+        metadata={"help": "System prompt of conversations without one, in place of the built-in `template`'s own "
+                  "(also in the chat template saved with the model); needs `template`."},
+    )
     cutoff_len: int = field(default=2048, metadata={"help": "Maximum tokens per example after tokenisation."})
     train_on_prompt: bool = field(default=False, metadata={"help": "Also compute the loss on prompt tokens."})
     enable_thinking: bool = field(
@@ -258,6 +263,10 @@ class DataArguments:
             raise ConfigError(f"cutoff_len={self.cutoff_len} leaves no room for a prompt and a response.")
         if self.streaming:
             raise ConfigError("streaming=true is not supported; remove the key (datasets are loaded in full).")
+        if self.default_system is not None and self.template is None:
+            from ..data.template import _DEFAULT_SYSTEM_NEEDS_A_TEMPLATE
+
+            raise ConfigError(_DEFAULT_SYSTEM_NEEDS_A_TEMPLATE)
         if self.neat_packing:
             self.packing = True  # LLaMA-Factory's meaning; alignkit's packing is always without cross-attention
         if not self.enable_thinking:

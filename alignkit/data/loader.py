@@ -693,7 +693,7 @@ def get_dataset(config, tokenizer, kind: str, images: Optional[ImageProcessing] 
         raise DataError(f"{kind!r} is not a data kind ({', '.join(DATA_KINDS)}); a stage's is "
                         "`alignkit.stages.STAGES[stage].data_kind`.")
     d = config.data
-    formatter = ChatFormatter(tokenizer, d.template)
+    formatter = ChatFormatter(tokenizer, d.template, d.default_system)
     if formatter.jinja_template() is not None:
         # The tokenizer is saved with the trained model (the Trainer's processing_class): it must carry the
         # format trained with, so that chat and export after training use it.
@@ -719,7 +719,8 @@ def get_dataset(config, tokenizer, kind: str, images: Optional[ImageProcessing] 
     key_parts = {
         "version": CACHE_VERSION, "kind": kind, "train": [_attr_fingerprint(a) for a in train_attrs],
         "eval": [_attr_fingerprint(a) for a in eval_attrs], "tokenizer": tokenizer_fingerprint(tokenizer),
-        "template": d.template, "cutoff_len": d.cutoff_len, "train_on_prompt": d.train_on_prompt,
+        "template": d.template, "default_system": d.default_system, "cutoff_len": d.cutoff_len,
+        "train_on_prompt": d.train_on_prompt,
         "mask_history": d.mask_history, "max_samples": d.max_samples, "val_size": d.val_size, "seed": seed, "for_generation": for_generation,
         "skip_invalid_rows": d.skip_invalid_rows,
     }

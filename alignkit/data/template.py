@@ -43,7 +43,7 @@ with `template` unset uses that format.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from ..errors import DataError
@@ -269,6 +269,12 @@ _NOT_BUILT_IN = {
 }
 
 
+_DEFAULT_SYSTEM_NEEDS_A_TEMPLATE = (
+    "default_system replaces a built-in template's default system prompt, and the tokenizer's own template (used "
+    "while `template` is unset) writes its own: set `template` too (smollm2 for the bundled model, chatml, qwen, "
+    "llama3, ...), or give the rows a system message instead.")
+
+
 def resolve_template(name: str) -> tuple[str, BuiltinTemplate]:
     """The built-in template a `template` value names (a built-in or a LLaMA-Factory alias).
 
@@ -322,24 +328,31 @@ class ChatFormatter:
     Args:
         tokenizer: the model's tokenizer (its chat template is used when `template` is None).
         template: None, a built-in name (`BUILTIN_TEMPLATES`) or a LLaMA-Factory alias of one.
+        default_system: the `default_system` key (LLaMA-Factory's): the system text of conversations without
+            one, in place of the built-in template's own; None keeps the template's.
 
     Raises:
-        DataError: an unknown template, or a built-in whose special tokens the tokenizer lacks.
+        DataError: an unknown template, or a built-in whose special tokens the tokenizer lacks; `default_system`
+            with the tokenizer's own template.
     """
 
-    def __init__(self, tokenizer, template: Optional[str] = None) -> None:
+    def __init__(self, tokenizer, template: Optional[str] = None, default_system: Optional[str] = None) -> None:
         self.tokenizer = tokenizer
         self.name = template or "tokenizer"
         self.builtin: Optional[BuiltinTemplate] = None
         self._renders_tools: Optional[bool] = None  # whether the tokenizer's template writes tools and calls
         eos = tokenizer.eos_token or ""
         if template is None:
+            if default_system is not None:
+                raise DataError(_DEFAULT_SYSTEM_NEEDS_A_TEMPLATE)
             if not getattr(tokenizer, "chat_template", None):
                 raise DataError("the tokenizer has no chat template: set `template: plain` for a base model "
                                 "(or `chatml` / `llama3`).")
             self._render: Callable[..., str] = self._render_tokenizer
             return
         resolved, builtin = resolve_template(template)
+        if default_system is not None:
+            builtin = replace(builtin, default_system=default_system)
         missing = missing_special_tokens(tokenizer, builtin.special_tokens)
         if missing:
             own = "this tokenizer's own template (leave `template` unset)"

@@ -63,7 +63,8 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(model_args, adapters: dict[str, str], *, template: Optional[str], base_id: str, host: str, port: int,
-          api_key: Optional[str], max_tokens: int, max_batch_rows: int = 16, max_queue: int = 64) -> None:
+          api_key: Optional[str], max_tokens: int, max_batch_rows: int = 16, max_queue: int = 64,
+          default_system: Optional[str] = None) -> None:
     """Load the models and serve them until interrupted (see `alignkit api --help`)."""
     check_installed()
     import uvicorn
@@ -75,7 +76,7 @@ def serve(model_args, adapters: dict[str, str], *, template: Optional[str], base
         logger.warning("alignkit api on %s: anyone who can reach this address can use the models%s. Keep it on "
                        "127.0.0.1 (an SSH tunnel reaches it from elsewhere).", host,
                        "" if api_key else " (no --api-key is set)")
-    models = ServedModels(model_args, adapters, template, base_id)
+    models = ServedModels(model_args, adapters, template, base_id, default_system)
     engine = BatchEngine(models, max_batch_rows=max_batch_rows, max_queue=max_queue)
     app = create_app(engine, api_key=api_key, max_tokens_default=max_tokens)
     logger.info("Serving %s on http://%s:%d/v1", ", ".join(models.models), host, port)

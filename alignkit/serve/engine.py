@@ -59,6 +59,7 @@ class ServedModels:
         adapters: {model id: adapter directory}.
         template: the chat template for every id (None: each one's tokenizer's own, as saved with the adapter).
         base_id: the base's model id.
+        default_system: the system prompt of requests without one, in place of `template`'s (which it needs).
 
     Raises:
         ConfigError: an adapter directory that is missing, a reward model's adapter, an adapter trained over
@@ -66,7 +67,7 @@ class ServedModels:
     """
 
     def __init__(self, model_args: ModelArguments, adapters: dict[str, str], template: Optional[str],
-                 base_id: str) -> None:
+                 base_id: str, default_system: Optional[str] = None) -> None:
         from ..model.loader import is_reward_adapter, read_base_adapters
 
         if base_id in adapters:
@@ -85,9 +86,9 @@ class ServedModels:
                                   "--adapter ...` and serve the export as --model with this adapter's own run "
                                   "exported too, or serve each chain's export separately.")
         self.models: dict[str, ServedModel] = {}
-        self.models[base_id] = self._served(base_id, None, model_args, template)
+        self.models[base_id] = self._served(base_id, None, model_args, template, default_system)
         for name, folder in adapters.items():
-            self.models[name] = self._served(name, folder, model_args, template)
+            self.models[name] = self._served(name, folder, model_args, template, default_system)
         self.model = load_model(model_args, FinetuningArguments(), is_trainable=False)
         if adapters:
             from peft import PeftModel
@@ -104,11 +105,11 @@ class ServedModels:
 
     @staticmethod
     def _served(model_id: str, adapter: Optional[str], model_args: ModelArguments,
-                template: Optional[str]) -> ServedModel:
+                template: Optional[str], default_system: Optional[str] = None) -> ServedModel:
         from dataclasses import replace
 
         tokenizer = load_tokenizer(replace(model_args, adapter_name_or_path=adapter))
-        formatter = ChatFormatter(tokenizer, template)
+        formatter = ChatFormatter(tokenizer, template, default_system)
         return ServedModel(model_id, adapter, formatter, formatter.stop_token_ids(),
                            load_image_processing(model_args, tokenizer))
 

@@ -422,7 +422,7 @@ def run_distill(config: "Config", callbacks: list["TrainerCallback"]) -> None:
     check_splits(config, datasets)
     model = load_model(config.model, config.finetuning, is_trainable=config.training.do_train)
     teacher = load_model(teacher_args, FinetuningArguments(), is_trainable=False)
-    formatter = ChatFormatter(tokenizer, config.data.template)
+    formatter = ChatFormatter(tokenizer, config.data.template, config.data.default_system)
     trainer = DistillTrainer(
         model=model,
         args=config.training,

@@ -1125,7 +1125,7 @@ def build_online_trainer(trainer_class: type["OnlineTrainer"], config: "Config",
     check_reward_functions(config.method, config_dir=config_dir,  # before anything loads
                            max_completion_length=max_completion_length)
     tokenizer = load_tokenizer(config.model)
-    formatter = ChatFormatter(tokenizer, config.data.template)
+    formatter = ChatFormatter(tokenizer, config.data.template, config.data.default_system)
     tool_kwargs: dict[str, Any] = {}
     if getattr(config.method, "uses_tools", False):  # checked before the data and the model load
         from ..rl.tools import ToolCallFormat, load_environment_factory, load_tools

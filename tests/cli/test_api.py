@@ -330,3 +330,15 @@ def test_cli_refuses_bad_adapters_before_loading(tmp_path, capsys):
 
     assert main(["api", "--adapter", f"x={tmp_path}"]) == 2
     assert "no adapter_config.json" in capsys.readouterr().err
+
+
+def test_default_system_is_the_system_prompt_of_requests_without_one(tiny_model_dir):
+    """`alignkit api ... template=chatml default_system=...`: each served id's formatter writes it where a request's
+    messages bring no system message."""
+    from alignkit.config.parse import parse_config
+    from alignkit.serve.engine import ServedModels
+
+    config = parse_config({"model_name_or_path": tiny_model_dir, "template": "chatml", "default_system": "Be terse."})
+    models = ServedModels(config.model, {}, config.data.template, "tiny", config.data.default_system)
+    text = models.models["tiny"].formatter.render([{"role": "user", "content": "Hi"}], True)
+    assert text.startswith("<|im_start|>system\nBe terse.<|im_end|>\n")

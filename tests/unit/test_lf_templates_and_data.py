@@ -153,6 +153,35 @@ def test_training_installs_the_builtin_template_into_the_saved_tokenizer(tmp_pat
     assert tiny_tokenizer.chat_template != tokenizer.chat_template
 
 
+def test_default_system_replaces_the_templates_own_in_training_and_in_the_saved_template(tmp_path, tiny_tokenizer):
+    """LLaMA-Factory's `default_system`: conversations without a system message get it (one with its own keeps
+    it), the tokenised rows and the chat template saved with the model carry it, and the cache tells the two
+    apart. It needs a built-in template: the tokenizer's own writes its own default."""
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    formatter = ChatFormatter(tiny_tokenizer, "smollm2", default_system="Answer in French.")
+    assert formatter.render(conversation[:1], True) == (
+        "<|im_start|>system\nAnswer in French.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    own = [{"role": "system", "content": "Be brief."}] + conversation[:1]
+    assert "Be brief." in formatter.render(own, True) and "French" not in formatter.render(own, True)
+    assert "SmolLM" in ChatFormatter(tiny_tokenizer, "smollm2").render(conversation[:1], True)
+
+    (tmp_path / "d.json").write_text(json.dumps([{"instruction": "Hi", "output": "Hello"}]))
+    rows = {}
+    for default_system in (None, "Answer in French."):
+        tokenizer = copy.deepcopy(tiny_tokenizer)
+        keys = {"default_system": default_system} if default_system else {}
+        rows[default_system] = load(tmp_path, tokenizer, str(tmp_path / "d.json"), template="smollm2",
+                                    **keys)["train_dataset"][0]["input_ids"]
+        saved = tokenizer.apply_chat_template(conversation, tokenize=False)
+        assert tokenizer(saved, add_special_tokens=False)["input_ids"] == rows[default_system]
+    assert "Answer in French." in tiny_tokenizer.decode(rows["Answer in French."])
+    assert "Answer in French." not in tiny_tokenizer.decode(rows[None])
+    with pytest.raises(Exception, match="default_system replaces a built-in template's default system prompt"):
+        parse_config({"stage": "sft", "default_system": "Answer in French."})
+    with pytest.raises(DataError, match="default_system replaces"):
+        ChatFormatter(tiny_tokenizer, None, default_system="x")
+
+
 def test_load_tokenizer_takes_the_chat_template_saved_with_the_adapter(tmp_path, tiny_model_dir):
     """`alignkit chat/export --adapter OUT` must use the format OUT was trained with, not the base's."""
     adapter = tmp_path / "adapter"

@@ -74,7 +74,7 @@ def build_ppo_trainer(config: "Config", callbacks: list["TrainerCallback"]) -> P
     model = load_model(config.model, config.finetuning, is_trainable=True)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    formatter = ChatFormatter(tokenizer, config.data.template)
+    formatter = ChatFormatter(tokenizer, config.data.template, config.data.default_system)
     ppo_args = config.method
     # The critic before the reward model: its adapter is a second load of the same rm output.
     value_head = build_critic(model, ppo_args, config_dir)

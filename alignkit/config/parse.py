@@ -378,6 +378,12 @@ def check_combinations(config: Config) -> None:
                           "again); remove one of them.")
     if d.packing and stage.data_kind not in ("text", "supervised"):
         raise ConfigError(f"packing=true applies to stage sft or pt, not {f.stage}; remove it.")
+    for key in ("train_on_prompt", "mask_history"):
+        if getattr(d, key) and stage.data_kind != "supervised":
+            raise ConfigError(f"{key}=true chooses which tokens of an sft conversation train; stage {f.stage} "
+                              + ("trains on every token of its text" if stage.data_kind == "text" else
+                                 "trains on replies only, never on prompts") + ", so it would have no effect. "
+                              "Remove it.")
     if t.predict_with_generate and stage.data_kind not in ("text", "supervised"):
         raise ConfigError(f"predict_with_generate applies to stage sft, not {f.stage}; remove it.")
     for key, ours in (("generation_num_beams", "num_beams (the same beam width)"),

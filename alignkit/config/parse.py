@@ -402,8 +402,48 @@ def check_combinations(config: Config) -> None:
             hint = " (DPO's own smoothing of its preference labels is dpo_label_smoothing)" if f.stage == "dpo" else ""
             raise ConfigError(f"label_smoothing_factor smooths the next-token targets of stage sft or pt; stage "
                               f"{f.stage} has no such loss{hint}. Remove it.")
+    _check_generation_keys(config, stage)
     if stage.check is not None:
         stage.check(config)
+
+
+# The generation keys (`GeneratingArguments`) each stage reads; a stage's own key of the same name (GRPO's
+# `temperature`, online DPO's `max_new_tokens`) takes the value instead and is not counted here.
+_GENERATION_KEYS_READ = {"sft": "all", "pt": "all", "ppo": {"max_new_tokens"}}
+# What the online stages' sampling is, whatever the keys say: a key given with this value states it and passes
+# (LLaMA-Factory's PPO example sets `top_k: 0`); any other value is refused.
+_ONLINE_SAMPLING = {"do_sample": True, "num_beams": 1}
+_PPO_SAMPLING = {**_ONLINE_SAMPLING, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+
+
+def _check_generation_keys(config: Config, stage: Any) -> None:
+    """Refuse a generation key given explicitly that the stage would never read (`_GENERATION_KEYS_READ`), unless
+    it states what the stage does anyway."""
+    name = config.finetuning.stage
+    read = _GENERATION_KEYS_READ.get(name, set())
+    if read == "all":
+        return
+    own = {f.name for f in dataclasses.fields(stage.arguments)} if stage.arguments is not None else set()
+    generation_keys = {f.name for f in dataclasses.fields(GeneratingArguments)}
+    fixed = (_PPO_SAMPLING if name == "ppo" else _ONLINE_SAMPLING) if stage.data_kind == "prompt" else {}
+    for key in config.values:
+        if key in read or key in own or key not in generation_keys:
+            continue
+        if key in fixed and getattr(config.generating, key) == fixed[key]:
+            continue
+        if stage.data_kind != "prompt":
+            why = "it generates nothing"
+        elif key == "max_new_tokens":
+            why = "max_completion_length sets the completions' length"
+        elif name == "ppo":
+            why = ("it samples at temperature 1 without top-k, top-p or a penalty, so that its log-probs and KL are "
+                   "those of the distribution it samples")
+        else:
+            knobs = own & {"temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens",
+                           "max_completion_length"}
+            why = f"it always samples, shaped by its own {', '.join(sorted(knobs))}"
+        raise ConfigError(f"{key}={getattr(config.generating, key)}: stage {name} does not read this generation key "
+                          f"({why}). Remove it.")
 
 
 # `--help-keys` groups, named as README.md and docs/config.md name them; the stages' groups follow, then the Trainer's.

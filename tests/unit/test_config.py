@@ -68,6 +68,10 @@ def test_bad_values_are_errors(override, pattern):
         ({"stage": "dpo", "train_on_prompt": True}, "train_on_prompt=true chooses .* stage dpo trains on replies only"),
         ({"stage": "grpo", "mask_history": True}, "mask_history=true chooses .* stage grpo trains on replies only"),
         ({"stage": "pt", "train_on_prompt": True}, "stage pt trains on every token of its text"),
+        ({"stage": "grpo", "max_new_tokens": 8}, "max_new_tokens=8: stage grpo does not read .*max_completion_length"),
+        ({"stage": "online_dpo", "num_beams": 2}, "num_beams=2: stage online_dpo does not read .*always samples"),
+        ({"stage": "ppo", "top_p": 0.9}, "top_p=0.9: stage ppo does not read .*temperature 1 without top-k"),
+        ({"stage": "dpo", "temperature": 0.7}, "temperature=0.7: stage dpo does not read .*generates nothing"),
         ({"stage": "sft", "precompute_ref_log_probs": True}, "precompute_ref_log_probs applies to stage dpo"),
         ({"stage": "dpo", "pref_loss": "simpo", "precompute_ref_log_probs": True}, "no reference model"),
         ({"stage": "dpo", "pref_loss": "ipo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing only applies"),
@@ -344,3 +348,11 @@ def test_llamafactory_keys_named_as_such_are_not_alignkit_keys():
     assert set(LLAMAFACTORY_EQUIVALENTS) <= LLAMAFACTORY_KEYS_NOT_HERE
     assert {"train_sampling_strategy", "gradient_checkpointing_kwargs"} <= keys
     assert parse_config({"train_sampling_strategy": "sequential"}).training.train_sampling_strategy == "sequential"
+
+
+def test_generation_keys_a_stage_reads_or_that_state_its_sampling_pass():
+    """GRPO's own `temperature` takes the key; PPO reads `max_new_tokens`; LLaMA-Factory's PPO example's `top_k: 0`
+    states PPO's sampling; sft reads every generation key."""
+    assert parse_config({"stage": "grpo", "temperature": 0.7, "reward_funcs": "accuracy"}).method.temperature == 0.7
+    assert parse_config({"stage": "ppo", "max_new_tokens": 8, "top_k": 0, "do_sample": True}).generating.top_k == 0
+    assert parse_config({"stage": "sft", "num_beams": 2, "top_p": 0.5}).generating.num_beams == 2

@@ -264,9 +264,9 @@ class DataArguments:
         if self.streaming:
             raise ConfigError("streaming=true is not supported; remove the key (datasets are loaded in full).")
         if self.default_system is not None and self.template is None:
-            from ..data.template import _DEFAULT_SYSTEM_NEEDS_A_TEMPLATE
+            from ..data.template import DEFAULT_SYSTEM_NEEDS_A_TEMPLATE
 
-            raise ConfigError(_DEFAULT_SYSTEM_NEEDS_A_TEMPLATE)
+            raise ConfigError(DEFAULT_SYSTEM_NEEDS_A_TEMPLATE)
         if self.neat_packing:
             self.packing = True  # LLaMA-Factory's meaning; alignkit's packing is always without cross-attention
         if not self.enable_thinking:

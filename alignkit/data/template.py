@@ -269,7 +269,7 @@ _NOT_BUILT_IN = {
 }
 
 
-_DEFAULT_SYSTEM_NEEDS_A_TEMPLATE = (
+DEFAULT_SYSTEM_NEEDS_A_TEMPLATE = (
     "default_system replaces a built-in template's default system prompt, and the tokenizer's own template (used "
     "while `template` is unset) writes its own: set `template` too (smollm2 for the bundled model, chatml, qwen, "
     "llama3, ...), or give the rows a system message instead.")
@@ -344,7 +344,7 @@ class ChatFormatter:
         eos = tokenizer.eos_token or ""
         if template is None:
             if default_system is not None:
-                raise DataError(_DEFAULT_SYSTEM_NEEDS_A_TEMPLATE)
+                raise DataError(DEFAULT_SYSTEM_NEEDS_A_TEMPLATE)
             if not getattr(tokenizer, "chat_template", None):
                 raise DataError("the tokenizer has no chat template: set `template: plain` for a base model "
                                 "(or `chatml` / `llama3`).")

@@ -163,7 +163,7 @@ def check_config(config: "Config") -> None:
                           "with `alignkit score`).")
     if t.train_sampling_strategy != "random":
         raise ConfigError(f"train_sampling_strategy={t.train_sampling_strategy}: stage ppo draws each step's prompts "
-                          "from a seeded shuffle of the dataset (data_seed, else seed), as TRL's PPO does; remove it.")
+                          "from a seeded shuffle of the dataset (data_seed, else seed); remove it.")
     if t.torch_compile:
         raise ConfigError("torch_compile: stage ppo's loop calls the model uncompiled (transformers compiles it in "
                           "its own loop, which PPO's replaces); remove the key.")

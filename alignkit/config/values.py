@@ -190,6 +190,23 @@ LLAMAFACTORY_EQUIVALENTS = {
 }
 
 
+# TRL's names for settings the offline stages take under LLaMA-Factory's names (stage -> TRL key -> alignkit's key):
+# such a key is answered with the key to use, where it would otherwise be unknown or another stage's (`beta` is
+# GRPO's key; TRL's DPOTrainer reads it as DPO's beta).
+_TRL_DATA_KEYS = {"max_length": "`cutoff_len` (prompt and reply together)",
+                  "dataset_num_proc": "`preprocessing_num_workers`"}
+TRL_EQUIVALENTS: dict[str, dict[str, str]] = {
+    "sft": {**_TRL_DATA_KEYS,
+            "completion_only_loss": "`train_on_prompt`, its opposite (replies alone train by default)"},
+    "pt": dict(_TRL_DATA_KEYS),
+    "rm": dict(_TRL_DATA_KEYS),
+    "dpo": {**_TRL_DATA_KEYS, "beta": "`pref_beta`", "loss_type": "`pref_loss` (sigmoid, ipo, hinge, orpo or simpo)",
+            "label_smoothing": "`dpo_label_smoothing`"},
+    "kto": {**_TRL_DATA_KEYS, "beta": "`pref_beta`", "desirable_weight": "`kto_chosen_weight`",
+            "undesirable_weight": "`kto_rejected_weight`"},
+}
+
+
 def _unknown_key_hint(key: str, known: list[str]) -> str:
     """What an unknown key's error adds: LLaMA-Factory's key named as such, else the closest known key."""
     if key in LLAMAFACTORY_KEYS_NOT_HERE:
@@ -216,7 +233,12 @@ def assign_keys(merged: dict[str, Any], owners: dict[str, Any], types_of: dict[A
         ConfigError: an unknown key (with the closest known one) or a value that does not fit its field.
     """
     per_class: dict[Any, dict[str, Any]] = {cls: {} for cls in set(owners.values())}
+    trl_names = TRL_EQUIVALENTS.get(str(merged.get("stage", "sft")), {})
     for key, value in merged.items():
+        if key in trl_names:
+            origin = f" on the command line ({from_command_line[key]})" if key in from_command_line else where
+            raise ConfigError(f"`{key}`{origin} is TRL's name; stage {merged.get('stage', 'sft')} takes this setting "
+                              f"as {trl_names[key]}. Rename it.")
         if key not in owners:
             hint = _unknown_key_hint(key, list(owners))
             origin = f" on the command line ({from_command_line[key]})" if key in from_command_line else where

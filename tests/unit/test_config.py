@@ -1,5 +1,7 @@
 """Config parsing: YAML + overrides, type conversion, errors that name the key and the fix."""
 
+import re
+
 import pytest
 
 from alignkit.config.parse import load_yaml, parse_config, parse_override, read_config
@@ -356,3 +358,32 @@ def test_generation_keys_a_stage_reads_or_that_state_its_sampling_pass():
     assert parse_config({"stage": "grpo", "temperature": 0.7, "reward_funcs": "accuracy"}).method.temperature == 0.7
     assert parse_config({"stage": "ppo", "max_new_tokens": 8, "top_k": 0, "do_sample": True}).generating.top_k == 0
     assert parse_config({"stage": "sft", "num_beams": 2, "top_p": 0.5}).generating.num_beams == 2
+
+
+@pytest.mark.parametrize("stage, key, value, ours", [
+    ("dpo", "beta", 0.2, "`pref_beta`"), ("dpo", "loss_type", "sigmoid", "`pref_loss`"),
+    ("dpo", "label_smoothing", 0.1, "`dpo_label_smoothing`"), ("kto", "beta", 0.2, "`pref_beta`"),
+    ("kto", "desirable_weight", 2.0, "`kto_chosen_weight`"),
+    ("kto", "undesirable_weight", 2.0, "`kto_rejected_weight`"),
+    ("sft", "max_length", 512, "`cutoff_len`"), ("rm", "dataset_num_proc", 4, "`preprocessing_num_workers`"),
+    ("sft", "completion_only_loss", False, "`train_on_prompt`, its opposite"),
+])
+def test_trl_names_of_the_offline_stages_keys_name_alignkits(stage, key, value, ours, tmp_path):
+    """A TRL config's `beta` for dpo was refused as GRPO's key ("set stage: grpo") and its `loss_type` checked
+    against KTO's values; each TRL name with an alignkit key for the stage now says which key to use."""
+    expected = f"`{key}` is TRL's name; stage {stage} takes this setting as {re.escape(ours)}"
+    with pytest.raises(ConfigError, match=expected):
+        parse_config({"stage": stage, key: value})
+    # The fast path of `alignkit train` (the key table, before torch is imported) answers the same.
+    from alignkit.config.keytable import check_config_early, load_key_table
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"stage: {stage}\n")
+    with pytest.raises(ConfigError, match=f"`{key}` on the command line .* is TRL's name"):
+        check_config_early(str(path), [f"{key}={value}"], load_key_table())
+
+
+def test_trl_names_a_stage_has_itself_pass():
+    grpo = parse_config({"stage": "grpo", "beta": 0.1, "loss_type": "grpo", "reward_funcs": "accuracy"})
+    assert grpo.method.beta == 0.1
+    assert parse_config({"stage": "kto", "loss_type": "apo_zero_unpaired"}).method.loss_type == "apo_zero_unpaired"

@@ -532,12 +532,15 @@ def _check_deepspeed(deepspeed: Any) -> None:
 
 
 def check_sampling_knobs(args: Any) -> None:
-    """Raise a ConfigError for a `top_p`, `top_k` or `repetition_penalty` out of range (generation and the
+    """Raise a ConfigError for a `top_p`, `top_k`, `min_p` or `repetition_penalty` out of range (generation and the
     online stages' sampling keys)."""
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"top_p={args.top_p} must be in (0, 1] (1 turns nucleus sampling off).")
     if args.top_k < 0:
         raise ConfigError(f"top_k={args.top_k} must be >= 0 (0 turns top-k sampling off).")
+    min_p = getattr(args, "min_p", None)
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise ConfigError(f"min_p={min_p} must be in [0, 1] (unset turns min-p sampling off).")
     if not args.repetition_penalty > 0:
         raise ConfigError(f"repetition_penalty={args.repetition_penalty} must be > 0 (1 means none).")
 

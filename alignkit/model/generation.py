@@ -525,16 +525,17 @@ def generate_with_decode(
 
 
 # The knobs `decode` implements; other `model.generate` keys (beams, streamers, extra processors) go through `generate`.
-DECODE_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "suppress_tokens")
+DECODE_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+               "suppress_tokens")
 
 
 def sampling_processors(prompt_mask: torch.Tensor, *, do_sample: bool, temperature: float = 1.0, top_p: float = 1.0,
-                        top_k: int = 0, repetition_penalty: float = 1.0):
+                        top_k: int = 0, repetition_penalty: float = 1.0, min_p: Optional[float] = None):
     """The logits processors `model.generate` builds for these knobs, in its order: the repetition penalty
     (over the prompt and the new tokens, left padding excluded), then, when sampling, temperature, top-k,
-    top-p. A knob at its neutral value adds nothing, as in `generate`. transformers' own processor classes
-    are used, so the distribution sampled from is `generate`'s by construction; top-p runs through
-    `NucleusFilter`, which keeps the tokens the warper keeps without sorting the vocabulary where it can.
+    top-p, min-p. A knob at its neutral value (min-p: None) adds nothing, as in `generate`. transformers' own
+    processor classes are used, so the distribution sampled from is `generate`'s by construction; top-p runs
+    through `NucleusFilter`, which keeps the tokens the warper keeps without sorting the vocabulary where it can.
 
     Args:
         prompt_mask: (batch, prompt_len) 1 on real prompt tokens of the left-padded prompts.
@@ -543,8 +544,8 @@ def sampling_processors(prompt_mask: torch.Tensor, *, do_sample: bool, temperatu
     Returns:
         A `transformers.LogitsProcessorList` called as `processors(input_ids, scores)`.
     """
-    from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                              TopKLogitsWarper, TopPLogitsWarper)
+    from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                              TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
     processors = LogitsProcessorList()
     if repetition_penalty is not None and repetition_penalty != 1.0:
@@ -557,6 +558,8 @@ def sampling_processors(prompt_mask: torch.Tensor, *, do_sample: bool, temperatu
             processors.append(TopKLogitsWarper(top_k=int(top_k), min_tokens_to_keep=1))
         if top_p is not None and top_p < 1.0:
             processors.append(NucleusFilter(TopPLogitsWarper(top_p=float(top_p), min_tokens_to_keep=1)))
+        if min_p is not None:
+            processors.append(MinPLogitsWarper(min_p=float(min_p), min_tokens_to_keep=1))
     return processors
 
 
@@ -766,6 +769,7 @@ def decode(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: Optional[float] = None,
     repetition_penalty: float = 1.0,
     suppress_tokens: Sequence[int] = (),
     generator: Generators = None,
@@ -796,7 +800,7 @@ def decode(
         max_new_tokens: most new tokens per row.
         stop_token_ids: ids that end a row; empty: every row runs to `max_new_tokens`.
         pad_token_id: written after a row's stop token.
-        do_sample, temperature, top_p, top_k, repetition_penalty: as in `model.generate`.
+        do_sample, temperature, top_p, top_k, min_p, repetition_penalty: as in `model.generate`.
         suppress_tokens: ids never generated (`model.generate`'s key: their logits set to -inf first); a
             vision-language rollout suppresses its image tokens, which a completion must not hold.
         generator: random stream for sampling (None: torch's global one), or one per row (`sample_from_probs`).
@@ -815,7 +819,7 @@ def decode(
     device = prompt_ids.device
     batch, prompt_len = prompt_ids.shape
     processors = sampling_processors(prompt_mask, do_sample=do_sample, temperature=temperature, top_p=top_p,
-                                     top_k=top_k, repetition_penalty=repetition_penalty)
+                                     top_k=top_k, repetition_penalty=repetition_penalty, min_p=min_p)
     stops = torch.as_tensor(list(stop_token_ids), dtype=torch.long, device=device)
     suppressed = torch.as_tensor(list(suppress_tokens), dtype=torch.long, device=device)
     # `generate` drops an all-ones mask (no padding), so the attention kernels see what they see there.

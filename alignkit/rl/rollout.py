@@ -78,8 +78,9 @@ def sample_completions(
         tokenizer: gives the pad id and decodes the completions.
         prompt_ids: token ids per row (a prompt repeated k times gives k rows, each sampled on its own).
         stop_token_ids: ids that end a row (the template's end of turn, `ChatFormatter.stop_token_ids()`).
-        generation_kwargs: `max_new_tokens`, `do_sample`, `temperature`, `top_p`, `top_k`, `repetition_penalty`,
-            `suppress_tokens` (`alignkit.model.generation.DECODE_KEYS`), with `model.generate`'s meaning.
+        generation_kwargs: `max_new_tokens`, `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
+            `repetition_penalty`, `suppress_tokens` (`alignkit.model.generation.DECODE_KEYS`), with
+            `model.generate`'s meaning.
         seed: the round's sampling seed (`rollout_seed`).
         first_row: the index of `prompt_ids[0]` in the round's whole batch (over all processes).
         merge_lora: decode with the LoRA adapter merged into the base weights (restored exactly after).
@@ -189,6 +190,7 @@ class VLLMColocateSampler:
         params = [SamplingParams(
             n=1, temperature=generation_kwargs.get("temperature", 1.0), top_p=generation_kwargs.get("top_p", 1.0),
             top_k=generation_kwargs.get("top_k") or -1,
+            min_p=generation_kwargs.get("min_p") or 0.0,
             repetition_penalty=generation_kwargs.get("repetition_penalty", 1.0),
             max_tokens=generation_kwargs["max_new_tokens"], stop_token_ids=list(stop_token_ids), seed=row_seed,
         ) for row_seed in row_seeds(seed, first_row, len(prompt_ids))]

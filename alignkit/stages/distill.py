@@ -103,6 +103,10 @@ class DistillArguments:
                           "1.0."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1 = off. TRL default 1.0."})
     top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens; 0 = off. TRL default 0."})
+    min_p: Optional[float] = field(
+        default=None,
+        metadata={"help": "Min-p sampling: drop tokens below min_p x the most likely token's probability, after "
+                          "temperature, top-k and top-p; unset = off. TRL default none."})
     repetition_penalty: float = field(
         default=1.0, metadata={"help": "Penalty > 1 discourages repeated tokens; 1 = none. TRL default 1.0."})
     shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts each epoch (seeded)."})

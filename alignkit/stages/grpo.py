@@ -140,6 +140,10 @@ class GroupRolloutArguments(ReferenceSyncArguments, RewardFunctionArguments):
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0). TRL default 1.0."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1 = off. TRL default 1.0."})
     top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens; 0 = off. TRL default 0."})
+    min_p: Optional[float] = field(
+        default=None,
+        metadata={"help": "Min-p sampling: drop tokens below min_p x the most likely token's probability, after "
+                          "temperature, top-k and top-p; unset = off. TRL default none."})
     repetition_penalty: float = field(
         default=1.0, metadata={"help": "Penalty > 1 discourages repeated tokens; 1 = none. TRL default 1.0."})
     beta: float = field(
@@ -529,7 +533,7 @@ class GRPOTrainer(OnlineTrainer):
         self.generation_kwargs = {
             "do_sample": True, "max_new_tokens": grpo_args.max_completion_length,
             "temperature": grpo_args.temperature, "top_p": grpo_args.top_p, "top_k": grpo_args.top_k,
-            "repetition_penalty": grpo_args.repetition_penalty,
+            "min_p": grpo_args.min_p, "repetition_penalty": grpo_args.repetition_penalty,
         }
         if images is not None:  # a completion holding an image token would not match the prompt's pixel inputs
             self.generation_kwargs["suppress_tokens"] = images.image_token_ids

@@ -66,6 +66,10 @@ class OnlineDPOArguments(RewardFunctionArguments):
     temperature: float = field(default=0.9, metadata={"help": "Sampling temperature (> 0). TRL default 0.9."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1 = off. TRL default 1.0."})
     top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens; 0 = off. TRL default 0."})
+    min_p: Optional[float] = field(
+        default=None,
+        metadata={"help": "Min-p sampling: drop tokens below min_p x the most likely token's probability, after "
+                          "temperature, top-k and top-p; unset = off. TRL default none."})
     repetition_penalty: float = field(
         default=1.0, metadata={"help": "Penalty > 1 discourages repeated tokens; 1 = none. TRL default 1.0."})
     missing_eos_penalty: Optional[float] = field(
@@ -151,7 +155,8 @@ class OnlineDPOTrainer(OnlineTrainer):
         self.generation_kwargs = {
             "do_sample": True, "max_new_tokens": online_dpo_args.max_new_tokens,
             "temperature": online_dpo_args.temperature, "top_p": online_dpo_args.top_p,
-            "top_k": online_dpo_args.top_k, "repetition_penalty": online_dpo_args.repetition_penalty,
+            "top_k": online_dpo_args.top_k, "min_p": online_dpo_args.min_p,
+            "repetition_penalty": online_dpo_args.repetition_penalty,
         }
         self._micro_in_step = 0
         if online_dpo_args.disable_dropout:

@@ -149,7 +149,7 @@ def test_defaults_are_trls():
 
     theirs = OnlineDPOConfig(output_dir="unused", report_to="none", use_cpu=True)
     ours = OnlineDPOArguments()
-    shared = ["beta", "loss_type", "max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
+    shared = ["beta", "loss_type", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
               "missing_eos_penalty", "disable_dropout", "reward_weights"]
     for key in shared:
         assert getattr(ours, key) == getattr(theirs, key), key

@@ -632,6 +632,8 @@ def test_decode_prefills_a_shared_prefix_once(varied_model, record_forward_shape
     {"top_p": 0.6},
     {"temperature": 1.5, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.2},
     {"repetition_penalty": 0.8},
+    {"min_p": 0.1},
+    {"temperature": 0.7, "top_k": 20, "top_p": 0.95, "min_p": 0.05},
 ])
 def test_sampling_processors_equal_hf_generate_processors(tiny_model, knobs):
     """On fixed logits, the scores `decode` samples from equal those `model.generate` builds for the same knobs
@@ -643,7 +645,8 @@ def test_sampling_processors_equal_hf_generate_processors(tiny_model, knobs):
     input_ids = torch.tensor([[IM_END, IM_END, 4, 9, 4], [IM_END, 7, 8, 9, 10], [11, 12, 13, 9, 14]])
     prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
     config = GenerationConfig(do_sample=True, temperature=knobs.get("temperature", 1.0), top_k=knobs.get("top_k", 0),
-                              top_p=knobs.get("top_p", 1.0), repetition_penalty=knobs.get("repetition_penalty", 1.0))
+                              top_p=knobs.get("top_p", 1.0), repetition_penalty=knobs.get("repetition_penalty", 1.0),
+                              min_p=knobs.get("min_p"))
     theirs = tiny_model._get_logits_processor(generation_config=config, input_ids_seq_length=input_ids.shape[1],
                                               encoder_input_ids=input_ids, prefix_allowed_tokens_fn=None,
                                               logits_processor=None, device="cpu",
@@ -745,6 +748,8 @@ def test_decode_sampling_is_seeded_and_follows_the_processors(varied_model):
     with torch.no_grad():
         greedy = decode(model, ids, mask, max_new_tokens=6, stop_token_ids=[], pad_token_id=IM_END)
     assert torch.equal(run(0, top_k=1), greedy)
+    assert torch.equal(run(0, min_p=1.0), greedy)  # min-p at 1 keeps only the most likely token
+    assert not torch.equal(run(0, min_p=0.0), greedy)
 
 
 def test_generate_with_decode_matches_generate_and_restores_the_model(lora_model, tiny_tokenizer):

@@ -97,6 +97,18 @@ def example_digests(inputs: dict[str, Any], examples: Sequence[Sequence[tuple[st
     return digests
 
 
+def zero_dropout(model: nn.Module) -> None:
+    """Set every `nn.Dropout` in `model` to p = 0 (TRL's `disable_dropout`), saying so when one was on (a
+    `lora_dropout`, a model's attention dropout)."""
+    active = sorted({m.p for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0})
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    if active:
+        logger.info("disable_dropout: dropout p=%s set to 0 (set disable_dropout: false to keep it).",
+                    ", ".join(f"{p:g}" for p in active))
+
+
 def is_peft_model(model: nn.Module) -> bool:
     """True for a PEFT-wrapped model (one whose adapters can be disabled to get the base back)."""
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
@@ -195,6 +207,7 @@ class StageTrainer(Trainer):
         ref_model: an explicit frozen reference model (moved to the training device, eval mode).
         reference_sync: the stage's `sync_ref_model` keys; when it is on, `callbacks.ReferenceSync` mixes the
             policy into the reference as they say.
+        disable_dropout: set every dropout of the model to 0 first (`zero_dropout`; TRL's key of that name).
         keep_reference_copy: with no `ref_model` and a policy that is not a PEFT model, keep a frozen
             in-memory copy of the policy as it is now to serve as the reference (under ZeRO-3: the policy loaded
             again from its source, partitioned). False when the stage needs no reference, or needs it only
@@ -217,7 +230,8 @@ class StageTrainer(Trainer):
     accumulation_is_one_batch = False
 
     def __init__(self, *args, ref_model: Optional[nn.Module] = None, keep_reference_copy: bool = False,
-                 reference_sync: Optional[ReferenceSyncArguments] = None, **kwargs) -> None:
+                 reference_sync: Optional[ReferenceSyncArguments] = None, disable_dropout: bool = False,
+                 **kwargs) -> None:
         training_args = kwargs.get("args")
         if getattr(training_args, "bf16_auto", False):
             # Before `Trainer.__init__`, which builds the accelerator (and its autocast) from `args.bf16`.
@@ -232,6 +246,8 @@ class StageTrainer(Trainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._metric_counts: dict[str, dict[str, list[float]]] = {"train": defaultdict(list),
                                                                    "eval": defaultdict(list)}
+        if disable_dropout:  # before the reference copy below is taken, so both are the same network
+            zero_dropout(self.model)
         self.ref_model: Optional[nn.Module] = None
         if ref_model is not None:
             if sharding_of(ref_model) != "zero3":  # `zero.Init` already put the partitions on this process's device

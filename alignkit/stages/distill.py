@@ -307,13 +307,6 @@ def check_same_tokenizer(student_tokenizer, teacher_tokenizer, teacher_name: str
                               "the two tokenizers differ; use a teacher of the same tokenizer family.")
 
 
-def disable_dropout(model: nn.Module) -> None:
-    """Set every `nn.Dropout` in `model` to p = 0 (TRL's `disable_dropout`)."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-
-
 def check_config(config: "Config") -> None:
     """What `stage: distill` refuses beyond its own keys (called after the config is parsed)."""
     d, t = config.method, config.training
@@ -361,8 +354,6 @@ class DistillTrainer(GRPOTrainer):
             for frozen in (self.teacher, self.model):
                 if sharding_of(frozen) == "none":
                     bf16_frozen_linears(frozen)
-        if distill_args.disable_dropout:
-            disable_dropout(self.model)
 
     # ---- advantages ----
 

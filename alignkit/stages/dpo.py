@@ -67,6 +67,10 @@ class DPOArguments(ReferenceSyncArguments):
     """The keys of `stage: dpo` (LLaMA-Factory's names; TRL's for the reference sync)."""
 
     pref_beta: float = field(default=0.1, metadata={"help": "DPO-family beta: how far the policy may move."})
+    disable_dropout: bool = field(
+        default=True,
+        metadata={"help": "Set every dropout of the model (LoRA's included) to 0 while training, so that a step "
+                          "sees the network its reference sees. TRL default true."})
     pref_loss: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = field(
         default="sigmoid", metadata={"help": "Preference loss: sigmoid (DPO), ipo, hinge, orpo or simpo."}
     )
@@ -341,6 +345,7 @@ class DPOTrainer(StageTrainer):
         self.precompute_ref_logps = dpo_args.precompute_ref_log_probs and self.needs_reference
         if self.precompute_ref_logps and kwargs.get("data_collator") is not None:
             kwargs["data_collator"] = CollateWithReference(kwargs["data_collator"], REF_COLUMNS)
+        kwargs.setdefault("disable_dropout", dpo_args.disable_dropout)
         super().__init__(*args, ref_model=ref_model if self.needs_reference else None,
                          keep_reference_copy=self.needs_reference and not self.precompute_ref_logps,
                          reference_sync=dpo_args, **kwargs)

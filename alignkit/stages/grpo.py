@@ -156,6 +156,8 @@ class GroupRolloutArguments(ReferenceSyncArguments, RewardFunctionArguments):
     mask_truncated_completions: bool = field(
         default=False, metadata={"help": "Leave completions that hit max_completion_length out of the loss (DAPO)."})
     shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts each epoch (seeded)."})
+    disable_dropout: bool = field(
+        default=False, metadata={"help": "Set every dropout of the policy to 0 while training. TRL default false."})
     use_vllm: bool = field(
         default=False,
         metadata={"help": "Generate with vLLM in the training process (colocate mode; needs a GPU and the `vllm` "
@@ -508,7 +510,7 @@ class GRPOTrainer(OnlineTrainer):
                 reward_functions.weights.tolist() + [1.0])
         super().__init__(*args, reward_functions=reward_functions, stop_token_ids=stop_token_ids,
                          log_completions=grpo_args.log_completions, keep_reference_copy=grpo_args.beta != 0,
-                         reference_sync=grpo_args, **kwargs)
+                         reference_sync=grpo_args, disable_dropout=grpo_args.disable_dropout, **kwargs)
         self.grpo_args = grpo_args
         self.images = images
         self.num_generations = grpo_args.num_generations

@@ -91,6 +91,10 @@ class KTOArguments:
     pref_beta: float = field(
         default=0.1, metadata={"help": "KTO beta: scales the implicit reward (how far the policy may move)."}
     )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={"help": "Set every dropout of the model (LoRA's included) to 0 while training, so that a step "
+                          "sees the network its reference sees. TRL default true."})
     kto_chosen_weight: float = field(
         default=1.0, metadata={"help": "Weight of the losses of desirable replies (TRL: desirable_weight)."}
     )
@@ -287,6 +291,7 @@ class KTOTrainer(StageTrainer):
         self.reference_columns = REF_COLUMNS if self.uses_kl else REF_COLUMNS[:1]
         if self.precompute_ref_logps and kwargs.get("data_collator") is not None:
             kwargs["data_collator"] = CollateWithReference(kwargs["data_collator"], self.reference_columns)
+        kwargs.setdefault("disable_dropout", kto_args.disable_dropout)
         super().__init__(*args, ref_model=ref_model, keep_reference_copy=not self.precompute_ref_logps, **kwargs)
         if self.uses_kl:
             # A step's rows over all processes (what one process with the whole batch would group).

@@ -150,7 +150,8 @@ class OnlineDPOTrainer(OnlineTrainer):
                  **kwargs) -> None:
         kwargs.setdefault("data_collator", collate_prompt_rows)
         super().__init__(*args, reward_functions=reward_functions, stop_token_ids=stop_token_ids,
-                         log_completions=online_dpo_args.log_completions, keep_reference_copy=True, **kwargs)
+                         log_completions=online_dpo_args.log_completions, keep_reference_copy=True,
+                         disable_dropout=online_dpo_args.disable_dropout, **kwargs)
         self.online_dpo_args = online_dpo_args
         self.generation_kwargs = {
             "do_sample": True, "max_new_tokens": online_dpo_args.max_new_tokens,
@@ -159,10 +160,6 @@ class OnlineDPOTrainer(OnlineTrainer):
             "repetition_penalty": online_dpo_args.repetition_penalty,
         }
         self._micro_in_step = 0
-        if online_dpo_args.disable_dropout:
-            from .distill import disable_dropout
-
-            disable_dropout(self.model)
 
     def _track_num_input_tokens(self, inputs) -> None:
         """Tokens are counted when they are generated (prompts + completions), not from the prompt rows."""

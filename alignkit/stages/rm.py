@@ -58,6 +58,10 @@ class RewardArguments:
         default=None,
         metadata={"help": "Weight of the penalty pushing mean rewards towards zero (TRL's key; unset: off)."},
     )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={"help": "Set every dropout of the model (LoRA's included) to 0 while training, so that the "
+                          "chosen and rejected replies of a pair are scored by the same network. TRL default true."})
 
     def __post_init__(self) -> None:
         from ..errors import ConfigError
@@ -228,6 +232,7 @@ def run_rm(config: "Config", callbacks: list["TrainerCallback"]) -> None:
         processing_class=tokenizer,
         callbacks=callbacks,
         center_rewards_coefficient=config.method.center_rewards_coefficient,
+        disable_dropout=config.method.disable_dropout,
         **datasets,
     )
     run_stage_trainer(trainer, config, save_predictions=lambda output: save_pair_predictions(

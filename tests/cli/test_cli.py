@@ -59,7 +59,7 @@ def test_help_keys_lists_every_key_under_its_section(capsys):
     assert {"max_new_tokens"} <= set(keys["generation"])
     assert {"overwrite_output_dir", "padding_free", "plot_loss"} <= set(keys["training"])
     assert "pref_beta" in keys["stage dpo"]
-    assert keys["stage rm"] == ["center_rewards_coefficient"]
+    assert keys["stage rm"] == ["center_rewards_coefficient", "disable_dropout"]
     folded = sections["training (transformers)"]
     assert folded[0].split()[0].isdigit() and int(folded[0].split()[0]) > 100
     assert TRANSFORMERS_TRAINING_DOCS in folded[1]

@@ -131,9 +131,43 @@ def test_help_keys_are_grouped_with_a_group_per_stage():
     groups = all_keys()
     assert "lora_rank" in groups["finetuning"]
     assert "padding_free" in groups["training"] and "learning_rate" in groups["training (transformers)"]
+    assert set(groups["stage rm"]) == {"center_rewards_coefficient", "disable_dropout"}
+    # Keys shared with an earlier stage's group (rm's `disable_dropout`) are listed there only.
     assert set(groups["stage dpo"]) == {"pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing",
                                         "simpo_gamma", "precompute_ref_log_probs",
                                         "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"}
-    assert set(groups["stage rm"]) == {"center_rewards_coefficient"}
     every_key = [key for keys in groups.values() for key in keys]
     assert len(every_key) == len(set(every_key))  # each key listed once
+
+
+@pytest.mark.parametrize("stage, trl_config", [("dpo", "DPOConfig"), ("kto", "KTOConfig"), ("rm", "RewardConfig")])
+def test_disable_dropout_has_trls_default_and_zeroes_lora_dropout(stage, trl_config, tiny_model_dir, tmp_path):
+    """TRL's `disable_dropout` (true for DPO, KTO and reward models): every dropout of the policy, LoRA's included,
+    is 0 once the trainer is built, and the full fine-tuning reference copy is taken after; false keeps it."""
+    import trl
+    from peft import LoraConfig, get_peft_model
+
+    from alignkit.stages.base import zero_dropout
+
+    theirs = getattr(trl, trl_config)(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True)
+    ours = parse_config({"stage": stage}).method
+    assert ours.disable_dropout is theirs.disable_dropout is True
+    assert parse_config({"stage": stage, "disable_dropout": False}).method.disable_dropout is False
+
+    def lora_model():
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj"]))
+
+    def dropouts(model):
+        return {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True)
+    assert dropouts(StageTrainer(model=lora_model(), args=args, disable_dropout=True).model) == {0.0}
+    assert 0.1 in dropouts(StageTrainer(model=lora_model(), args=args).model)
+    full = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    full.add_module("extra_dropout", torch.nn.Dropout(0.2))  # the tiny Llama applies its dropout functionally
+    assert dropouts(full) == {0.2}
+    kept = StageTrainer(model=full, args=args, disable_dropout=True, keep_reference_copy=True)
+    assert dropouts(kept.model) == dropouts(kept.ref_model) == {0.0}
+    zero_dropout(full)  # idempotent
+    assert dropouts(full) == {0.0}

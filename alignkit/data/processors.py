@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
+import sys
 from typing import Any, Optional, Sequence
 
 from ..constants import IGNORE_INDEX
@@ -245,8 +246,7 @@ def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: Ch
             would cut is dropped.
         num_workers: `preprocessing_num_workers`: tokenise in this many forked processes, in order, with the
             same result as one (`text` examples are one batched call to the fast tokenizer, which uses its own
-            threads). Fewer where the examples are few (`MIN_EXAMPLES_PER_WORKER` each); one where the
-            platform cannot fork.
+            threads). Fewer where the examples are few (`MIN_EXAMPLES_PER_WORKER` each); one off Linux.
 
     Returns:
         (columns as a dict of lists, [(reference, reason)] of the dropped examples).
@@ -255,12 +255,14 @@ def tokenize_examples(examples: list[tuple[str, dict]], kind: str, formatter: Ch
         return encode_pretrain(formatter.tokenizer, [ex["text"] for _, ex in examples], cutoff_len), []
     options = (kind, formatter, cutoff_len, train_on_prompt, for_generation, mask_history, images)
     workers = min(num_workers or 1, len(examples) // MIN_EXAMPLES_PER_WORKER)
-    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+    # Forked workers on Linux only: macOS's system libraries are not safe to use in a child forked from a process
+    # that has loaded them (why Python starts its processes there by spawning), and Windows cannot fork.
+    if workers > 1 and sys.platform.startswith("linux"):
         rows, dropped, cut = _encode_in_workers(examples, options, workers)
     else:
         if workers > 1:
-            logger.warning("preprocessing_num_workers=%d: this platform cannot fork worker processes; "
-                           "tokenising in one.", num_workers)
+            logger.warning("preprocessing_num_workers=%d: tokenising in one process (workers are forked on Linux "
+                           "only).", num_workers)
         rows, dropped, cut = _encode_examples(examples, *options)
     warn_cut_prompts(cut, len(examples), cutoff_len)
     return _to_columns(rows, fill={"margin": 0.0}), dropped

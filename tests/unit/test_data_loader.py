@@ -511,3 +511,19 @@ def test_preprocessing_num_workers_reaches_the_tokeniser_and_few_examples_stay_i
     monkeypatch.setattr(processors, "_encode_in_workers", lambda *a: pytest.fail("forked for 10 examples"))
     out = load(tmp_path, tiny_tokenizer, SFT_ROWS, preprocessing_num_workers=4)["train_dataset"]
     assert seen == [4] and len(out) == len(SFT_ROWS)
+
+
+def test_preprocessing_num_workers_off_linux_tokenises_in_one_process(tmp_path, tiny_tokenizer, monkeypatch, caplog):
+    from alignkit.data.template import ChatFormatter
+
+    examples = [(f"row {i}", {"messages": [{"role": "user", "content": f"{i}?"},
+                                           {"role": "assistant", "content": f"{i}."}]}) for i in range(8)]
+    formatter = ChatFormatter(tiny_tokenizer, None)
+    one = processors.tokenize_examples(examples, "supervised", formatter, 64)
+    assert len(one[0]["input_ids"]) == 8
+    monkeypatch.setattr(processors, "MIN_EXAMPLES_PER_WORKER", 2)
+    monkeypatch.setattr(processors.sys, "platform", "darwin")
+    monkeypatch.setattr(processors, "_encode_in_workers", lambda *a: pytest.fail("forked off Linux"))
+    with caplog.at_level(logging.WARNING, logger="alignkit.data.processors"):
+        assert processors.tokenize_examples(examples, "supervised", formatter, 64, num_workers=4) == one
+    assert "tokenising in one process (workers are forked on Linux only)" in caplog.text

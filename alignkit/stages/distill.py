@@ -64,7 +64,7 @@ from ..model.precision import bf16_frozen_linears
 from ..rewards import RewardFunctions
 from ..rl.losses import aggregate_loss
 from ..rl.rollout import completion_token_logits
-from .grpo import GRPOArguments, GRPOTrainer, check_generation_loop, resolve_generation_batch
+from .grpo import GRPOArguments, GRPOTrainer, check_generation_loop, check_vllm_mode, resolve_generation_batch
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -118,6 +118,10 @@ class DistillArguments:
         default=False,
         metadata={"help": "Generate with vLLM in the training process (colocate mode; GPU and the `vllm` extra). "
                           "Written against vLLM's API, not run here."})
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={"help": "How vLLM runs: `colocate` (in the training process), TRL's default and the only mode "
+                          "here; `server` (a `trl vllm-serve` process) is refused."})
     vllm_gpu_memory_utilization: float = field(
         default=0.3, metadata={"help": "Share of GPU memory vLLM may take in colocate mode. TRL default 0.3."})
 
@@ -131,6 +135,7 @@ class DistillArguments:
         check_sampling_knobs(self)
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
+        check_vllm_mode(self.vllm_mode)
 
     def generation_loop(self) -> SimpleNamespace:
         """The settings `GRPOTrainer`'s round reads, for distillation: GRPO's defaults, the sampling keys of this

@@ -162,6 +162,10 @@ class GroupRolloutArguments(ReferenceSyncArguments, RewardFunctionArguments):
         default=False,
         metadata={"help": "Generate with vLLM in the training process (colocate mode; needs a GPU and the `vllm` "
                           "extra: pip install 'alignkit[vllm]'). Written against vLLM 0.33's API, not run here."})
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={"help": "How vLLM runs: `colocate` (in the training process), TRL's default and the only mode "
+                          "here; `server` (a `trl vllm-serve` process) is refused."})
     vllm_gpu_memory_utilization: float = field(
         default=0.3, metadata={"help": "Share of GPU memory vLLM may take in colocate mode. TRL default 0.3."})
     tools: Optional[list[str]] = field(
@@ -213,6 +217,7 @@ class GroupRolloutArguments(ReferenceSyncArguments, RewardFunctionArguments):
             raise ConfigError(f"epsilon_high={self.epsilon_high} must be >= 0 (default: epsilon).")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
+        check_vllm_mode(self.vllm_mode)
         if isinstance(self.tools, str):
             self.tools = [t.strip() for t in self.tools.split(",") if t.strip()]
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
@@ -383,6 +388,13 @@ def check_config(config: "Config") -> None:
         require_reward_funcs(g, config.finetuning.stage)
     check_generation_loop(g, t)
     check_reference_sync(config, g.beta != 0, "beta=0 (no KL term)")
+
+
+def check_vllm_mode(mode: str) -> None:
+    """`vllm_mode`: colocate is the only mode alignkit runs (GRPO, RLOO, distill)."""
+    if mode != "colocate":
+        raise ConfigError(f"vllm_mode={mode}: alignkit runs vLLM inside the training process (TRL's colocate mode) "
+                          "and talks to no `trl vllm-serve` server; set vllm_mode: colocate (or leave it out).")
 
 
 def check_generation_loop(g: Any, t: Any) -> None:
@@ -1195,6 +1207,7 @@ __all__ = [
     "build_online_trainer",
     "check_config",
     "check_generation_loop",
+    "check_vllm_mode",
     "resolve_generation_batch",
     "GenerationBatchSampler",
     "GRPOTrainer",

@@ -74,6 +74,8 @@ def test_bad_values_are_errors(override, pattern):
         ({"stage": "online_dpo", "num_beams": 2}, "num_beams=2: stage online_dpo does not read .*always samples"),
         ({"stage": "ppo", "top_p": 0.9}, "top_p=0.9: stage ppo does not read .*temperature 1 without top-k"),
         ({"stage": "dpo", "temperature": 0.7}, "temperature=0.7: stage dpo does not read .*generates nothing"),
+        ({"stage": "grpo", "vllm_mode": "server"}, "vllm_mode=server: alignkit runs vLLM inside the training process"),
+        ({"stage": "distill", "vllm_mode": "server"}, "vllm_mode=server: alignkit runs vLLM"),
         ({"stage": "sft", "precompute_ref_log_probs": True}, "precompute_ref_log_probs applies to stage dpo"),
         ({"stage": "dpo", "pref_loss": "simpo", "precompute_ref_log_probs": True}, "no reference model"),
         ({"stage": "dpo", "pref_loss": "ipo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing only applies"),

@@ -202,6 +202,7 @@ def test_config_defaults_are_trl_116():
     trl = GRPOConfig(output_dir="/tmp/unused", per_device_train_batch_size=8, use_cpu=True, bf16=False)
     for key in ("num_generations", "num_iterations", "max_completion_length", "temperature", "top_p", "top_k",
                 "min_p", "repetition_penalty", "beta", "epsilon", "loss_type", "scale_rewards", "disable_dropout",
+                "vllm_mode",
                 "mask_truncated_completions",
                 "use_bias_correction_kl", "shuffle_dataset", "use_vllm", "vllm_gpu_memory_utilization",
                 "log_completions", "delta", "importance_sampling_level", "sapo_temperature_neg",

@@ -204,6 +204,7 @@ def test_rloo_config_defaults_are_trl_116():
     trl = RLOOConfig(output_dir="/tmp/unused", per_device_train_batch_size=8, use_cpu=True, bf16=False)
     for key in ("num_generations", "num_iterations", "max_completion_length", "temperature", "top_p", "top_k",
                 "min_p", "repetition_penalty", "beta", "epsilon", "normalize_advantages", "disable_dropout",
+                "vllm_mode",
                 "reward_clip_range",
                 "mask_truncated_completions", "shuffle_dataset", "use_vllm", "vllm_gpu_memory_utilization",
                 "log_completions"):

@@ -115,7 +115,7 @@ def test_config_checks():
                       "per_device_train_batch_size": 4})
     with pytest.raises(ConfigError, match="response_length_range"):
         parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format", "response_length_range": "9,3"})
-    with pytest.raises(ConfigError, match="neftune_noise_alpha: stage ppo runs its own rollout loop"):
+    with pytest.raises(ConfigError, match="neftune_noise_alpha: stage ppo does not apply NEFTune"):
         parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format", "neftune_noise_alpha": 5})
     with pytest.raises(ConfigError, match="torch_compile: stage ppo's loop calls the model uncompiled"):
         parse_config({"stage": "ppo", "do_train": True, "dataset": "x", "reward_funcs": "format",

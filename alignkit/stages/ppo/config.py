@@ -172,9 +172,10 @@ def check_config(config: "Config") -> None:
                           "gradient_accumulation_steps x ppo_buffer_size and cannot shrink them on an out-of-memory "
                           "error; remove the key and lower per_device_train_batch_size if memory runs out.")
     if t.neftune_noise_alpha is not None:
-        # PPO's loop never applies it.
-        raise ConfigError("neftune_noise_alpha: stage ppo runs its own rollout loop, which adds no embedding noise; "
-                          "remove the key (NEFTune applies to the stages that train through transformers' loop).")
+        # Its hook would noise whichever of PPO's passes run in train mode (the rollout's first pass among them),
+        # not a defined algorithm.
+        raise ConfigError("neftune_noise_alpha: stage ppo does not apply NEFTune's embedding noise; remove the key "
+                          "(NEFTune applies to sft, pt, rm, dpo, kto and the GRPO-family stages).")
     batch = t.per_device_train_batch_size * t.gradient_accumulation_steps
     if m.mini_batch_size is not None and batch % m.mini_batch_size:
         raise ConfigError(f"mini_batch_size={m.mini_batch_size} must divide per_device_train_batch_size x "

@@ -118,7 +118,7 @@ def check_config_early(path: str, overrides: list[str], table: dict[str, Any]) -
                for entry in table["classes"]]
     preferred = next((entry["name"] for entry in table["classes"] if stage in entry["stages"]), None)
     owners = key_owners(classes, preferred)
-    per_class = assign_keys(merged, owners, dict(classes), from_command_line, f" in {path}")
+    per_class = assign_keys(merged, owners, dict(classes), from_command_line, f" in {path}", stage)
     try:
         check_stage_name(stage, table["stages"])
     except ConfigError as err:

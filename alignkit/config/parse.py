@@ -223,10 +223,11 @@ def parse_config(
         ConfigError: unknown key (with the closest valid one), bad type, or an invalid combination.
     """
     merged, from_command_line = merge_overrides(values, overrides)
-    owners = _owners(str(merged.get("stage", FinetuningArguments.stage)))
+    stage = str(merged.get("stage", FinetuningArguments.stage))
+    owners = _owners(stage)
     where = f" in {source}" if source else ""
     per_class = assign_keys(merged, owners, {cls: field_types(cls) for cls in set(owners.values())},
-                            from_command_line, where)
+                            from_command_line, where, stage)
 
     for key, value in TRAINING_DEFAULTS.items():
         per_class[TrainingArguments].setdefault(key, value)

@@ -219,7 +219,7 @@ def _unknown_key_hint(key: str, known: list[str]) -> str:
 
 
 def assign_keys(merged: dict[str, Any], owners: dict[str, Any], types_of: dict[Any, dict[str, Any]],
-                from_command_line: dict[str, str], where: str) -> dict[Any, dict[str, Any]]:
+                from_command_line: dict[str, str], where: str, stage: str) -> dict[Any, dict[str, Any]]:
     """Each key's value converted to its owner's field type, grouped by owner.
 
     Args:
@@ -228,16 +228,17 @@ def assign_keys(merged: dict[str, Any], owners: dict[str, Any], types_of: dict[A
         types_of: owner -> {key: field type}.
         from_command_line: key -> the override that set it, to name it in an error.
         where: `" in FILE"` or "".
+        stage: the run's stage (its TRL names are answered with alignkit's keys, `TRL_EQUIVALENTS`).
 
     Raises:
         ConfigError: an unknown key (with the closest known one) or a value that does not fit its field.
     """
     per_class: dict[Any, dict[str, Any]] = {cls: {} for cls in set(owners.values())}
-    trl_names = TRL_EQUIVALENTS.get(str(merged.get("stage", "sft")), {})
+    trl_names = TRL_EQUIVALENTS.get(stage, {})
     for key, value in merged.items():
         if key in trl_names:
             origin = f" on the command line ({from_command_line[key]})" if key in from_command_line else where
-            raise ConfigError(f"`{key}`{origin} is TRL's name; stage {merged.get('stage', 'sft')} takes this setting "
+            raise ConfigError(f"`{key}`{origin} is TRL's name; stage {stage} takes this setting "
                               f"as {trl_names[key]}. Rename it.")
         if key not in owners:
             hint = _unknown_key_hint(key, list(owners))

@@ -34,7 +34,8 @@ _SCALARS = {"bool": bool, "int": int, "float": float, "str": str, "list": list, 
 
 
 def type_spec(tp: Any) -> Any:
-    """A field's type as JSON: a scalar's name, `list`, `dict`, `{"literal": [...]}` or `{"union": [...]}`.
+    """A field's type as JSON: a scalar's name, `list`, `dict`, `{"literal": [...]}`, `{"list": {"literal": [...]}}`
+    (a list of choices) or `{"union": [...]}`.
 
     Anything else (an enum, a class) is `any`: the early check lets every value through and the parse checks it.
     """
@@ -51,7 +52,8 @@ def type_spec(tp: Any) -> Any:
             return {"literal": list(choices)}
         return "any"
     if origin in (list, tuple) or tp in (list, tuple):
-        return "list"
+        element = type_spec(typing.get_args(tp)[0]) if typing.get_args(tp) else "any"
+        return {"list": element} if isinstance(element, dict) and "literal" in element else "list"
     if origin is dict or tp is dict:
         return "dict"
     return "any"
@@ -63,6 +65,8 @@ def type_from_spec(spec: Any) -> Any:
         return _SCALARS[spec]
     if "literal" in spec:
         return Literal[tuple(spec["literal"])]
+    if "list" in spec:
+        return list[type_from_spec(spec["list"])]
     members = tuple(type_from_spec(member) for member in spec["union"])
     return typing.Union[members] if len(members) > 1 else members[0]
 

@@ -108,10 +108,18 @@ def _convert_one(value: Any, tp: Any) -> Any:
         return str(value)
     if origin in (list, tuple) or tp in (list, tuple):
         if isinstance(value, str):
-            return [v.strip() for v in value.split(",") if v.strip()]
-        if isinstance(value, (list, tuple)):
-            return list(value)
-        raise ValueError("expected a list")
+            items = [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:
+            raise ValueError("expected a list")
+        element = (typing.get_args(tp) or (Any,))[0]
+        if typing.get_origin(element) is Literal:  # a list of choices: each item must be one of them
+            choices = typing.get_args(element)
+            for item in items:
+                if item not in choices:
+                    raise ValueError(f"{item!r}: choose each of {', '.join(map(str, choices))}")
+        return items
     if origin is dict or tp is dict:
         if isinstance(value, dict):
             return value
@@ -130,6 +138,8 @@ def _type_name(tp: Any) -> str:
             continue
         if typing.get_origin(t) is Literal:
             names.append("one of " + ", ".join(map(str, typing.get_args(t))))
+        elif typing.get_origin(t) is list and typing.get_origin((typing.get_args(t) or (Any,))[0]) is Literal:
+            names.append("a list of them")
         else:
             names.append(getattr(t, "__name__", str(t)))
     return " or ".join(names)
@@ -200,7 +210,8 @@ TRL_EQUIVALENTS: dict[str, dict[str, str]] = {
             "completion_only_loss": "`train_on_prompt`, its opposite (replies alone train by default)"},
     "pt": dict(_TRL_DATA_KEYS),
     "rm": dict(_TRL_DATA_KEYS),
-    "dpo": {**_TRL_DATA_KEYS, "beta": "`pref_beta`", "loss_type": "`pref_loss` (sigmoid, ipo, hinge, orpo or simpo)",
+    "dpo": {**_TRL_DATA_KEYS, "beta": "`pref_beta`",
+            "loss_type": "`pref_loss` (TRL's loss types under their names, one or a list weighted by `loss_weights`)",
             "label_smoothing": "`dpo_label_smoothing`"},
     "kto": {**_TRL_DATA_KEYS, "beta": "`pref_beta`", "desirable_weight": "`kto_chosen_weight`",
             "undesirable_weight": "`kto_rejected_weight`"},

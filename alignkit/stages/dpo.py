@@ -19,7 +19,9 @@ What this file simplifies, and why:
   the trainer is built. With
   `precompute_ref_log_probs` it is evaluated once for the whole dataset before training and cached on
   disk, keyed by the token ids and the reference weights, so a second run (or a resumed one) reads it.
-- Loss definitions follow TRL 1.16 for sigmoid, ipo and hinge (IPO on per-token average log-ratios),
+- Loss definitions follow TRL 1.16 for its 15 loss types (`pair_loss`, `preference_loss`: sigmoid, ipo on
+  per-token average log-ratios, hinge, robust, exo_pair, ..., several weighted together as its `loss_type` list
+  with `loss_weights`, and its f-divergences),
   and the papers for ORPO (Hong et al. 2024, eq. 6-7: per-sequence mean NLL of chosen plus beta times
   the odds-ratio loss on average log-probs) and SimPO (Meng et al. 2024, eq. 6:
   `-log sigmoid(beta * (avg_c - avg_r) - gamma)`; LLaMA-Factory writes `beta * (delta - gamma / beta)`,
@@ -33,8 +35,9 @@ What this file simplifies, and why:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +59,18 @@ logger = logging.getLogger(__name__)
 # The examples `data.get_dataset` builds for this stage (`formats.DATA_KINDS`); the registry records it too.
 DATA_KIND = "preference"
 
-REFERENCE_FREE_LOSSES = ("orpo", "simpo")
+# TRL 1.16's DPO loss types (`DPOConfig.loss_type`), then LLaMA-Factory's two reference-free ones.
+TRL_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+PREFERENCE_LOSSES = TRL_LOSSES + ("orpo", "simpo")
+PreferenceLoss = Literal[PREFERENCE_LOSSES]  # type: ignore[valid-type]
+# Losses that read no reference log-probs: a run whose losses are all among them runs no reference pass.
+REFERENCE_FREE_LOSSES = ("orpo", "simpo", "sft")
+# Losses built on the chosen-minus-rejected score, where an f-divergence other than reverse KL is defined (TRL's set).
+F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+# Losses that read `dpo_label_smoothing` (cDPO's, robust DPO's and EXO's epsilon; AOT's smoothing).
+SMOOTHED_LOSSES = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 # What the cached reference log-probs depend on besides the reference's weights (`reference_cache`).
 TOKEN_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", IMAGE_COLUMN)
@@ -71,9 +85,15 @@ class DPOArguments(ReferenceSyncArguments):
         default=True,
         metadata={"help": "Set every dropout of the model (LoRA's included) to 0 while training, so that a step "
                           "sees the network its reference sees. TRL default true."})
-    pref_loss: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = field(
-        default="sigmoid", metadata={"help": "Preference loss: sigmoid (DPO), ipo, hinge, orpo or simpo."}
-    )
+    pref_loss: Union[PreferenceLoss, list[PreferenceLoss]] = field(
+        default="sigmoid",
+        metadata={"help": "Preference loss: sigmoid (DPO), ipo, hinge, orpo, simpo (LLaMA-Factory's), or TRL's "
+                          "exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, "
+                          "discopop, sft, sigmoid_norm; several (a list or comma-separated) add up, weighted by "
+                          "loss_weights (MPO: sigmoid,bco_pair,sft)."})
+    loss_weights: Optional[list[float]] = field(
+        default=None,
+        metadata={"help": "One weight per pref_loss entry for their weighted sum (TRL's key); unset: all 1."})
     pref_ftx: float = field(default=0.0, metadata={"help": "Weight of the SFT loss on chosen added to DPO (each "
                                                    "chosen reply's mean NLL per token, per pair, as LLaMA-Factory)."})
     dpo_label_smoothing: float = field(
@@ -84,6 +104,18 @@ class DPOArguments(ReferenceSyncArguments):
         },
     )
     simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO target reward margin."})
+    discopop_tau: float = field(
+        default=0.05,
+        metadata={"help": "DiscoPOP's temperature of the log-ratio modulation (pref_loss=discopop; > 0). TRL default "
+                          "0.05."})
+    f_divergence_type: Literal[F_DIVERGENCES] = field(  # type: ignore[valid-type]
+        default="reverse_kl",
+        metadata={"help": "f-DPO's divergence from the reference: reverse_kl (plain DPO), forward_kl, js_divergence "
+                          "or alpha_divergence; other than reverse_kl only for sigmoid, sigmoid_norm, hinge, ipo, "
+                          "exo_pair, robust, discopop and sft. TRL default reverse_kl."})
+    f_alpha_divergence_coef: float = field(
+        default=0.5,
+        metadata={"help": "The alpha of f_divergence_type=alpha_divergence. TRL default 0.5."})
     precompute_ref_log_probs: bool = field(
         default=False,
         metadata={"help": "Compute reference log-probs once for the whole dataset before training (cached)."},
@@ -93,14 +125,53 @@ class DPOArguments(ReferenceSyncArguments):
         super().__post_init__()
         if not self.pref_beta > 0:  # also refuses NaN
             raise ConfigError(f"pref_beta={self.pref_beta} must be > 0: at 0 the preference loss has no gradient.")
+        losses = self.loss_types
+        if not losses:
+            raise ConfigError("pref_loss is empty: name at least one loss (sigmoid is DPO's).")
+        if len(set(losses)) < len(losses):
+            raise ConfigError(f"pref_loss={','.join(losses)} names a loss twice; give each once (weight it with "
+                              "loss_weights).")
+        if self.loss_weights is not None:
+            try:
+                self.loss_weights = [float(w) for w in self.loss_weights]
+            except (TypeError, ValueError):
+                raise ConfigError(f"loss_weights={self.loss_weights} must be numbers, one per pref_loss entry.") \
+                    from None
+            if len(self.loss_weights) != len(losses):
+                raise ConfigError(f"loss_weights has {len(self.loss_weights)} entries for {len(losses)} losses "
+                                  f"(pref_loss={','.join(losses)}); give one weight per loss.")
+            if not all(math.isfinite(w) and w >= 0 for w in self.loss_weights):
+                raise ConfigError(f"loss_weights={self.loss_weights} must be finite and >= 0.")
         if not 0 <= self.dpo_label_smoothing < 0.5:
             raise ConfigError(f"dpo_label_smoothing={self.dpo_label_smoothing} must be in [0, 0.5).")
-        if self.dpo_label_smoothing and self.pref_loss != "sigmoid":
-            raise ConfigError("dpo_label_smoothing only applies to pref_loss=sigmoid; set one or the other.")
+        if self.dpo_label_smoothing and not set(losses) & set(SMOOTHED_LOSSES):
+            raise ConfigError(f"dpo_label_smoothing only applies to pref_loss {', '.join(SMOOTHED_LOSSES)}, not "
+                              f"{','.join(losses)}; set one or the other.")
+        if "exo_pair" in losses and not self.dpo_label_smoothing > 0:
+            raise ConfigError("pref_loss=exo_pair needs dpo_label_smoothing > 0 (its epsilon; the EXO paper "
+                              "advises 1e-3).")
+        if not self.discopop_tau > 0:
+            raise ConfigError(f"discopop_tau={self.discopop_tau} must be > 0.")
+        if self.f_divergence_type != "reverse_kl" and not set(losses) <= set(F_DIVERGENCE_LOSSES):
+            raise ConfigError(
+                f"f_divergence_type={self.f_divergence_type} is defined for pref_loss {', '.join(F_DIVERGENCE_LOSSES)}"
+                f" only, not {','.join(sorted(set(losses) - set(F_DIVERGENCE_LOSSES)))}; use reverse_kl with them.")
+        if self.f_divergence_type == "alpha_divergence" and not math.isfinite(self.f_alpha_divergence_coef):
+            raise ConfigError(f"f_alpha_divergence_coef={self.f_alpha_divergence_coef} must be a finite number.")
         if self.pref_ftx < 0:
             raise ConfigError(f"pref_ftx={self.pref_ftx} must be >= 0 (the weight of an added SFT loss).")
-        if self.precompute_ref_log_probs and self.pref_loss in REFERENCE_FREE_LOSSES:
-            raise ConfigError(f"pref_loss={self.pref_loss} uses no reference model; drop precompute_ref_log_probs.")
+        if self.precompute_ref_log_probs and not self.needs_reference:
+            raise ConfigError(f"pref_loss={','.join(losses)} uses no reference model; drop precompute_ref_log_probs.")
+
+    @property
+    def loss_types(self) -> tuple[str, ...]:
+        """`pref_loss` as a tuple of loss names (one name, or a list)."""
+        return (self.pref_loss,) if isinstance(self.pref_loss, str) else tuple(self.pref_loss)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether some loss of `pref_loss` reads reference log-probs."""
+        return any(loss not in REFERENCE_FREE_LOSSES for loss in self.loss_types)
 
 
 def check_config(config: "Config") -> None:
@@ -111,7 +182,7 @@ def check_config(config: "Config") -> None:
     if d.sync_ref_model and d.precompute_ref_log_probs:
         raise ConfigError("sync_ref_model moves the reference during training, so reference log-probs computed "
                           "before it (precompute_ref_log_probs) would be stale; set one of them to false.")
-    check_reference_sync(config, d.pref_loss not in REFERENCE_FREE_LOSSES, f"pref_loss={d.pref_loss}")
+    check_reference_sync(config, d.needs_reference, f"pref_loss={','.join(d.loss_types)}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -142,10 +213,7 @@ def sigmoid_loss(
         [B] per-pair losses.
     """
     logits = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
-    loss = -F.logsigmoid(beta * logits)
-    if label_smoothing:
-        loss = (1 - label_smoothing) * loss - label_smoothing * F.logsigmoid(-beta * logits)
-    return loss
+    return _smoothed_sigmoid(beta * logits, label_smoothing)
 
 
 def hinge_loss(
@@ -257,8 +325,136 @@ def chosen_nll_loss(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) ->
     return -chosen_logps / chosen_lengths.clamp(min=1)
 
 
-def preference_loss(
+def f_divergence_scores(log_ratios: torch.Tensor, divergence: str = "reverse_kl", alpha: float = 0.5
+                        ) -> torch.Tensor:
+    """f-DPO's scores of policy/reference log-ratios (Wang et al. 2023): `f'(t)` at `t = exp(log_ratio)`.
+
+    reverse_kl (plain DPO): `log t`; forward_kl: `1 - 1/t`; js_divergence: `log 2 + log sigmoid(log t)`
+    (`log(2t / (1 + t))`); alpha_divergence: `(t^(alpha - 1) - 1) / (alpha - 1)`, which tends to `log t` as
+    alpha -> 1 (taken as reverse_kl within 1e-6 of it); its exponent is capped at 80 so that exp stays finite in
+    fp32, as TRL caps it.
+
+    Example: log-ratio 0 (policy equals reference) scores 0 under every divergence; log-ratio log 2 scores
+    log 2 = 0.6931, 1 - 1/2 = 0.5, log(4/3) = 0.2877 and, alpha 0.5, (2^-0.5 - 1) / -0.5 = 0.5858.
+
+    Args:
+        log_ratios: [N] summed policy minus reference log-probs.
+        divergence: one of `F_DIVERGENCES`.
+        alpha: alpha_divergence's coefficient.
+
+    Returns:
+        [N] scores, in the dtype of `log_ratios`.
+    """
+    if divergence == "reverse_kl" or (divergence == "alpha_divergence" and abs(alpha - 1.0) < 1e-6):
+        return log_ratios
+    if divergence == "forward_kl":
+        return 1 - torch.exp(-log_ratios)
+    if divergence == "js_divergence":
+        return math.log(2) + F.logsigmoid(log_ratios)
+    if divergence == "alpha_divergence":
+        exponent = ((alpha - 1.0) * log_ratios).float().clamp(max=80.0)
+        return (torch.expm1(exponent) / (alpha - 1.0)).to(log_ratios.dtype)
+    raise ValueError(f"f_divergence_type={divergence!r}: choose one of {', '.join(F_DIVERGENCES)}.")
+
+
+def _smoothed_sigmoid(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """`-(1 - eps) log sigmoid(z) - eps log sigmoid(-z)`: the logistic loss with a share eps of flipped labels."""
+    loss = -F.logsigmoid(logits)
+    if label_smoothing:
+        loss = (1 - label_smoothing) * loss - label_smoothing * F.logsigmoid(-logits)
+    return loss
+
+
+def pair_loss(
     loss_type: str,
+    chosen_logratios: torch.Tensor,
+    rejected_logratios: torch.Tensor,
+    chosen_scores: torch.Tensor,
+    rejected_scores: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+    discopop_tau: float = 0.05,
+) -> torch.Tensor:
+    """Per-pair losses of one reference-based loss type of TRL 1.16's `DPOTrainer` (its formulas and names).
+
+    With `c`, `r` the summed log-ratios (policy minus reference) of chosen and rejected, `sc`, `sr` their
+    f-divergence scores (`f_divergence_scores`; equal to `c`, `r` under reverse KL), `h = sc - sr`, `eps` the
+    label smoothing and `n_c`, `n_r` the reply token counts:
+
+    - sigmoid (DPO, Rafailov et al. 2023): `-(1 - eps) log s(beta h) - eps log s(-beta h)` (conservative DPO's
+      smoothing, what LLaMA-Factory's `dpo_label_smoothing` means; TRL's sigmoid has none, i.e. eps 0);
+    - hinge (SLiC): `relu(1 - beta h)`;
+    - ipo (Azar et al. 2023, on per-token averages as TRL): `(sc / n_c - sr / n_r - 1 / (2 beta))^2`;
+    - sigmoid_norm: `-log s(beta (sc / n_c - sr / n_r))`;
+    - robust (Chowdhury et al. 2024): `(-(1 - eps) log s(beta h) + eps log s(-beta h)) / (1 - 2 eps)`;
+    - exo_pair (Ji et al. 2024, K = 2): `q log(q / (1 - eps)) + (1 - q) log((1 - q) / eps)`, `q = s(beta h)`;
+    - discopop (Lu et al. 2024): `(1 - m) (-log s(z)) + m exp(-z)` with `z = beta h`, `m = s(z / tau)`;
+    - nca_pair (Chen et al. 2024): `-log s(beta c) - log s(-beta c) / 2 - log s(-beta r) / 2`;
+    - bco_pair: `-log s(beta c) - log s(-beta r)`;
+    - sppo_hard (Wu et al. 2024, hard labels): `(c - 1 / (2 beta))^2 + (r + 1 / (2 beta))^2`;
+    - apo_zero (D'Oosterlinck et al. 2024, eq. 7): `1 - s(beta c) + s(beta r)`;
+    - apo_down (eq. 8): `s(beta c) + 1 - s(beta (c - r))`;
+    - aot_unpaired (Melnyk et al. 2024): `sort(c) - sort(r)` over the batch, then the smoothed sigmoid of beta
+      times it; aot takes the sorted policy margins minus the sorted reference margins instead, which needs the
+      log-probs themselves: `preference_loss` computes it.
+
+    `s` is the sigmoid. Examples (hand-computed in tests/unit/test_dpo_losses.py): bco_pair at c = 1, r = -1,
+    beta 1: `2 log(1 + e^-1) = 0.6265`; apo_zero there: `1 - s(1) + s(-1) = 0.5379`.
+
+    Args:
+        loss_type: one of `TRL_LOSSES` except sft and aot (`preference_loss` computes those).
+        chosen_logratios, rejected_logratios: [B] `c`, `r`.
+        chosen_scores, rejected_scores: [B] `sc`, `sr`.
+        chosen_lengths, rejected_lengths: [B] reply token counts (clamped to at least 1).
+        beta: the loss's beta (IPO's tau).
+        label_smoothing: eps (sigmoid, robust, exo_pair, aot_unpaired).
+        discopop_tau: DiscoPOP's temperature.
+
+    Returns:
+        [B] per-pair losses (aot_unpaired: per sorted position).
+    """
+    h = chosen_scores - rejected_scores
+    if loss_type == "sigmoid":
+        return _smoothed_sigmoid(beta * h, label_smoothing)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * h)
+    if loss_type in ("ipo", "sigmoid_norm"):
+        avg = chosen_scores / chosen_lengths.clamp(min=1) - rejected_scores / rejected_lengths.clamp(min=1)
+        return (avg - 1 / (2 * beta)) ** 2 if loss_type == "ipo" else -F.logsigmoid(beta * avg)
+    if loss_type == "robust":
+        eps = label_smoothing
+        return (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
+    if loss_type == "exo_pair":
+        eps = label_smoothing
+        return (torch.sigmoid(beta * h) * (F.logsigmoid(beta * h) - math.log1p(-eps))
+                + torch.sigmoid(-beta * h) * (F.logsigmoid(-beta * h) - math.log(eps)))
+    if loss_type == "discopop":
+        z = beta * h
+        modulation = torch.sigmoid(z / discopop_tau)
+        return (1 - modulation) * -F.logsigmoid(z) + modulation * torch.exp(-z)
+    c, r = beta * chosen_logratios, beta * rejected_logratios
+    if loss_type == "nca_pair":
+        return -F.logsigmoid(c) - 0.5 * F.logsigmoid(-c) - 0.5 * F.logsigmoid(-r)
+    if loss_type == "bco_pair":
+        return -F.logsigmoid(c) - F.logsigmoid(-r)
+    if loss_type == "sppo_hard":
+        return (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
+    if loss_type == "apo_zero":
+        return 1 - torch.sigmoid(c) + torch.sigmoid(r)
+    if loss_type == "apo_down":
+        return torch.sigmoid(c) + 1 - torch.sigmoid(c - r)
+    if loss_type == "aot_unpaired":
+        margin = torch.sort(chosen_logratios, dim=0).values - torch.sort(rejected_logratios, dim=0).values
+        return _smoothed_sigmoid(beta * margin, label_smoothing)
+    raise ValueError(f"pref_loss={loss_type!r} is not a reference-based pair loss; choose one of "
+                     f"{', '.join(t for t in TRL_LOSSES if t not in ('sft', 'aot'))}.")
+
+
+def preference_loss(
+    loss_type: Union[str, Sequence[str]],
     chosen_logps: torch.Tensor,
     rejected_logps: torch.Tensor,
     chosen_lengths: torch.Tensor,
@@ -269,42 +465,75 @@ def preference_loss(
     beta: float,
     label_smoothing: float = 0.0,
     simpo_gamma: float = 0.5,
+    loss_weights: Optional[Sequence[float]] = None,
+    discopop_tau: float = 0.05,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 0.5,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair losses of `loss_type` and the implicit rewards logged as `rewards/*`.
+    """Per-pair losses of `loss_type` (one loss or a weighted sum of several) and the rewards logged as `rewards/*`.
+
+    Several losses add up as TRL adds them: `sum_i w_i * loss_i` per pair, whose batch mean is TRL's
+    `sum_i w_i * mean(loss_i)` (MPO: sigmoid, bco_pair and sft weighted 0.8, 0.2, 1). The reference-based
+    losses are `pair_loss`'s; besides them:
+
+    - aot (Melnyk et al. 2024): `sort(chosen - rejected) - sort(ref_chosen - ref_rejected)` over the batch, its
+      smoothed sigmoid of beta times that;
+    - sft: the chosen replies' negative log-likelihood per token over the whole batch (`-sum chosen_logps /
+      sum chosen_lengths`), the same value for every pair, as TRL's;
+    - orpo, simpo (LLaMA-Factory's reference-free losses): `orpo_loss`, `simpo_loss` on average log-probs.
 
     Args:
-        loss_type: sigmoid, ipo, hinge, orpo or simpo.
+        loss_type: a name in `PREFERENCE_LOSSES`, or several.
         chosen_logps, rejected_logps: [B] summed policy log-probs.
         chosen_lengths, rejected_lengths: [B] response token counts.
-        ref_chosen_logps, ref_rejected_logps: [B] summed reference log-probs (None for orpo / simpo).
-        beta, label_smoothing, simpo_gamma: the loss's parameters.
+        ref_chosen_logps, ref_rejected_logps: [B] summed reference log-probs (None when every loss is
+            reference-free: orpo, simpo, sft).
+        beta, label_smoothing, simpo_gamma, discopop_tau: the losses' parameters.
+        loss_weights: one weight per loss (None: all 1).
+        f_divergence_type, f_alpha_divergence_coef: f-DPO's divergence (`f_divergence_scores`).
 
     Returns:
-        `(losses [B], chosen_rewards [B], rejected_rewards [B])`; rewards are detached.
+        `(losses [B], chosen_rewards [B], rejected_rewards [B])`, rewards detached: `beta * (policy - reference)`
+        summed log-probs where the losses read a reference (TRL's), else `beta * average log-prob`.
     """
-    if loss_type in REFERENCE_FREE_LOSSES:
-        avg_chosen = chosen_logps / chosen_lengths.clamp(min=1)
-        avg_rejected = rejected_logps / rejected_lengths.clamp(min=1)
-        if loss_type == "orpo":
-            losses = orpo_loss(avg_chosen, avg_rejected, beta)
-        else:
-            losses = simpo_loss(avg_chosen, avg_rejected, beta, simpo_gamma)
-        return losses, beta * avg_chosen.detach(), beta * avg_rejected.detach()
+    loss_types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+    weights = [1.0] * len(loss_types) if loss_weights is None else list(loss_weights)
+    if len(weights) != len(loss_types):
+        raise ValueError(f"{len(weights)} loss weights for {len(loss_types)} losses ({', '.join(loss_types)}).")
+    unknown = [t for t in loss_types if t not in PREFERENCE_LOSSES]
+    if unknown:
+        raise ValueError(f"pref_loss={unknown[0]!r}: choose from {', '.join(PREFERENCE_LOSSES)}.")
+    with_reference = any(t not in REFERENCE_FREE_LOSSES for t in loss_types)
+    if with_reference and (ref_chosen_logps is None or ref_rejected_logps is None):
+        raise ValueError(f"pref_loss={','.join(loss_types)} needs reference log-probs.")
 
-    if ref_chosen_logps is None or ref_rejected_logps is None:
-        raise ValueError(f"pref_loss={loss_type} needs reference log-probs.")
-    pair = (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
-    if loss_type == "sigmoid":
-        losses = sigmoid_loss(*pair, beta, label_smoothing)
-    elif loss_type == "hinge":
-        losses = hinge_loss(*pair, beta)
-    elif loss_type == "ipo":
-        losses = ipo_loss(*pair, chosen_lengths, rejected_lengths, beta)
-    else:
-        raise ValueError(f"pref_loss={loss_type!r}: choose sigmoid, ipo, hinge, orpo or simpo.")
-    chosen_rewards = beta * (chosen_logps - ref_chosen_logps).detach()
-    rejected_rewards = beta * (rejected_logps - ref_rejected_logps).detach()
-    return losses, chosen_rewards, rejected_rewards
+    avg_chosen = chosen_logps / chosen_lengths.clamp(min=1)
+    avg_rejected = rejected_logps / rejected_lengths.clamp(min=1)
+    if with_reference:
+        chosen_logratios = chosen_logps - ref_chosen_logps
+        rejected_logratios = rejected_logps - ref_rejected_logps
+        chosen_scores = f_divergence_scores(chosen_logratios, f_divergence_type, f_alpha_divergence_coef)
+        rejected_scores = f_divergence_scores(rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
+    losses = torch.zeros_like(chosen_logps)
+    for name, weight in zip(loss_types, weights):
+        if name == "orpo":
+            term = orpo_loss(avg_chosen, avg_rejected, beta)
+        elif name == "simpo":
+            term = simpo_loss(avg_chosen, avg_rejected, beta, simpo_gamma)
+        elif name == "sft":
+            term = (-chosen_logps.sum() / chosen_lengths.sum().clamp(min=1)).expand_as(chosen_logps)
+        elif name == "aot":
+            policy = torch.sort(chosen_logps - rejected_logps, dim=0).values
+            reference = torch.sort(ref_chosen_logps - ref_rejected_logps, dim=0).values
+            term = _smoothed_sigmoid(beta * (policy - reference), label_smoothing)
+        else:
+            term = pair_loss(name, chosen_logratios, rejected_logratios, chosen_scores, rejected_scores,
+                             chosen_lengths, rejected_lengths, beta=beta, label_smoothing=label_smoothing,
+                             discopop_tau=discopop_tau)
+        losses = losses + weight * term
+    if with_reference:
+        return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+    return losses, beta * avg_chosen.detach(), beta * avg_rejected.detach()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -316,8 +545,8 @@ class DPOTrainer(StageTrainer):
     """`Trainer` whose loss is a preference loss over a batch of 2B rows (chosen first, then rejected).
 
     Args:
-        dpo_args: `pref_loss`, `pref_beta`, `pref_ftx`, `dpo_label_smoothing`, `simpo_gamma`,
-            `precompute_ref_log_probs`.
+        dpo_args: `pref_loss` (with `loss_weights`), `pref_beta`, `pref_ftx`, `dpo_label_smoothing`,
+            `simpo_gamma`, `discopop_tau`, `f_divergence_type`, `f_alpha_divergence_coef`, `precompute_ref_log_probs`.
         ref_model: an explicit frozen reference model. Default: the policy with its LoRA adapter disabled,
             or a frozen in-memory deep copy of the policy as it is now (full / freeze fine-tuning; under ZeRO-3
             the policy's source loaded again, partitioned: `StageTrainer`).
@@ -336,12 +565,15 @@ class DPOTrainer(StageTrainer):
     )
 
     def __init__(self, *args, dpo_args: DPOArguments, ref_model: Optional[nn.Module] = None, **kwargs) -> None:
-        self.loss_type = dpo_args.pref_loss
+        self.loss_type = dpo_args.loss_types
         self.beta = dpo_args.pref_beta
         self.pref_ftx = dpo_args.pref_ftx
-        self.label_smoothing = dpo_args.dpo_label_smoothing
-        self.simpo_gamma = dpo_args.simpo_gamma
-        self.needs_reference = self.loss_type not in REFERENCE_FREE_LOSSES
+        self.loss_parameters = {
+            "label_smoothing": dpo_args.dpo_label_smoothing, "simpo_gamma": dpo_args.simpo_gamma,
+            "loss_weights": dpo_args.loss_weights, "discopop_tau": dpo_args.discopop_tau,
+            "f_divergence_type": dpo_args.f_divergence_type,
+            "f_alpha_divergence_coef": dpo_args.f_alpha_divergence_coef}
+        self.needs_reference = dpo_args.needs_reference
         self.precompute_ref_logps = dpo_args.precompute_ref_log_probs and self.needs_reference
         if self.precompute_ref_logps and kwargs.get("data_collator") is not None:
             kwargs["data_collator"] = CollateWithReference(kwargs["data_collator"], REF_COLUMNS)
@@ -388,8 +620,7 @@ class DPOTrainer(StageTrainer):
         losses, chosen_rewards, rejected_rewards = preference_loss(
             self.loss_type, chosen_logps, rejected_logps, chosen_lengths, rejected_lengths,
             ref_chosen_logps, ref_rejected_logps,
-            beta=self.beta, label_smoothing=self.label_smoothing, simpo_gamma=self.simpo_gamma,
-        )
+            beta=self.beta, **self.loss_parameters)
         if self.pref_ftx:
             losses = losses + self.pref_ftx * chosen_nll_loss(chosen_logps, chosen_lengths)
         loss = losses[:self.real_rows(losses.shape[0])].mean()  # evaluation: without repeated pairs (several processes)
@@ -462,7 +693,11 @@ __all__ = [
     "orpo_loss",
     "simpo_loss",
     "chosen_nll_loss",
+    "f_divergence_scores",
+    "pair_loss",
     "preference_loss",
+    "PREFERENCE_LOSSES",
+    "TRL_LOSSES",
     "DPOArguments",
     "check_config",
     "DPOTrainer",

@@ -40,7 +40,7 @@ def reference_dir(tiny_model_dir, tmp_path_factory):
     return str(path)
 
 
-def _trl_trainer(tiny_model_dir, reference_dir, tiny_tokenizer, loss_type, beta, tmp_path):
+def _trl_trainer(tiny_model_dir, reference_dir, tiny_tokenizer, loss_type, beta, tmp_path, **options):
     from trl import DPOConfig, DPOTrainer as TRLDPOTrainer
 
     conversations = Dataset.from_list([
@@ -48,7 +48,8 @@ def _trl_trainer(tiny_model_dir, reference_dir, tiny_tokenizer, loss_type, beta,
          "rejected": [{"role": "assistant", "content": r}]} for p, c, r in PAIRS
     ])
     args = DPOConfig(
-        output_dir=str(tmp_path / "trl"), loss_type=[loss_type], beta=beta, bf16=False, fp16=False,
+        output_dir=str(tmp_path / "trl"), loss_type=[loss_type] if isinstance(loss_type, str) else list(loss_type),
+        beta=beta, bf16=False, fp16=False, **options,
         gradient_checkpointing=False, padding_free=False, precompute_ref_log_probs=False, use_cpu=True,
         report_to="none", per_device_train_batch_size=len(PAIRS), max_length=None, dataset_num_proc=None,
     )
@@ -59,10 +60,32 @@ def _trl_trainer(tiny_model_dir, reference_dir, tiny_tokenizer, loss_type, beta,
     )
 
 
-@pytest.mark.parametrize(("loss_type", "beta"), [("sigmoid", 0.1), ("ipo", 0.1), ("hinge", 0.5)])
+# (pref_loss, beta, TRL's other DPOConfig keys): every loss type of TRL 1.16's DPOTrainer, a weighted sum (MPO's),
+# and the f-divergences. TRL's `label_smoothing` is our `dpo_label_smoothing`; the rest keep TRL's names.
+CASES = [
+    ("sigmoid", 0.1, {}), ("ipo", 0.1, {}), ("hinge", 0.5, {}),
+    ("exo_pair", 0.5, {"label_smoothing": 0.1}), ("nca_pair", 0.5, {}), ("robust", 0.5, {"label_smoothing": 0.2}),
+    ("bco_pair", 0.5, {}), ("sppo_hard", 0.5, {}), ("aot", 0.5, {"label_smoothing": 0.1}),
+    ("aot_unpaired", 0.5, {"label_smoothing": 0.1}), ("apo_zero", 0.5, {}), ("apo_down", 0.5, {}),
+    ("discopop", 0.5, {}), ("discopop", 0.5, {"discopop_tau": 2.0}), ("sft", 0.1, {}), ("sigmoid_norm", 0.5, {}),
+    (["sigmoid", "bco_pair", "sft"], 0.1, {"loss_weights": [0.8, 0.2, 1.0]}),
+    (["robust", "apo_zero"], 0.5, {"label_smoothing": 0.1}),
+    ("sigmoid", 0.5, {"f_divergence_type": "forward_kl"}), ("sigmoid", 0.5, {"f_divergence_type": "js_divergence"}),
+    ("hinge", 0.5, {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3}),
+    ("ipo", 0.1, {"f_divergence_type": "js_divergence"}),
+    ("discopop", 0.5, {"f_divergence_type": "forward_kl"}),
+]
+
+
+def _name(case):
+    loss, beta, options = case
+    return "+".join([loss] if isinstance(loss, str) else loss) + "".join(f"-{v}" for v in options.values())
+
+
+@pytest.mark.parametrize(("loss_type", "beta", "options"), CASES, ids=[_name(case) for case in CASES])
 def test_first_step_loss_and_metrics_match_trl(tiny_model_dir, reference_dir, tiny_tokenizer, tmp_path,
-                                               loss_type, beta):
-    theirs = _trl_trainer(tiny_model_dir, reference_dir, tiny_tokenizer, loss_type, beta, tmp_path)
+                                               loss_type, beta, options):
+    theirs = _trl_trainer(tiny_model_dir, reference_dir, tiny_tokenizer, loss_type, beta, tmp_path, **options)
     rows = [theirs.train_dataset[i] for i in range(len(PAIRS))]
     theirs.model.train()
     their_loss = theirs.compute_loss(theirs.model, theirs._prepare_inputs(theirs.data_collator(rows))).item()
@@ -78,8 +101,10 @@ def test_first_step_loss_and_metrics_match_trl(tiny_model_dir, reference_dir, ti
             feature[f"{side}_attention_mask"] = [1] * len(ids)
             feature[f"{side}_labels"] = [-100] * len(row["prompt_ids"]) + row[f"{side}_ids"]
         features.append(feature)
+    ours_options = {("dpo_label_smoothing" if key == "label_smoothing" else key): value
+                    for key, value in options.items()}
     config = parse_config({"stage": "dpo", "pref_loss": loss_type, "pref_beta": beta, "finetuning_type": "full",
-                           "output_dir": str(tmp_path / "ours"), "use_cpu": True})
+                           "output_dir": str(tmp_path / "ours"), "use_cpu": True, **ours_options})
     ours = DPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
         ref_model=AutoModelForCausalLM.from_pretrained(reference_dir),
@@ -92,5 +117,8 @@ def test_first_step_loss_and_metrics_match_trl(tiny_model_dir, reference_dir, ti
 
     assert our_loss == pytest.approx(their_loss, rel=1e-5, abs=1e-5)
     assert their_metrics["rewards/margins"] != pytest.approx(0.0, abs=1e-3)  # a non-trivial comparison
-    for key in METRICS:
+    # `sft` alone reads no reference, so alignkit runs none and logs the reference-free losses' rewards (beta times
+    # the average log-prob) where TRL logs beta times the log-ratio to a reference it computes anyway.
+    reference_free = loss_type == "sft"
+    for key in METRICS if not reference_free else ("logps/chosen", "logps/rejected"):
         assert our_metrics[key] == pytest.approx(their_metrics[key], rel=1e-5, abs=1e-5), key

@@ -276,7 +276,7 @@ def test_full_finetuning_with_precomputed_reference_refuses_new_data_after_train
         trainer.evaluate(eval_dataset=dataset)
 
 
-@pytest.mark.parametrize("loss_type", ["orpo", "simpo"])
+@pytest.mark.parametrize("loss_type", ["orpo", "simpo", "sft", ["orpo", "sft"]])
 def test_reference_free_losses_run_no_reference_pass(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch,
                                                      loss_type):
     """Step 1 takes all 6 pairs in one batch, so its loss and rewards are those of `preference_loss` on the
@@ -304,6 +304,25 @@ def test_reference_free_losses_run_no_reference_pass(tiny_model_dir, tiny_tokeni
     assert first["loss"] == pytest.approx(losses.mean().item(), abs=1e-5)
     assert first["rewards/chosen"] == pytest.approx(chosen_rewards.mean().item(), abs=1e-6)
     assert first["rewards/rejected"] == pytest.approx(rejected_rewards.mean().item(), abs=1e-6)
+
+
+def test_weighted_losses_add_up_with_the_adapter_disabled_as_reference(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """MPO's sum (TRL's loss_type list with loss_weights) under LoRA. At step 0 (fresh adapter) policy equals
+    reference: sigmoid is log 2, bco_pair -log s(0) - log s(-0) = 2 log 2, and sft the chosen replies' NLL per token
+    over the batch, so the loss is 0.8 log 2 + 0.2 * 2 log 2 + NLL."""
+    dataset = pair_dataset(tiny_tokenizer)
+    config = make_config(tmp_path, pref_loss="sigmoid,bco_pair,sft", loss_weights="0.8,0.2,1")
+    trainer = make_trainer(lora_model(tiny_model_dir), config, dataset)
+    batch = pairwise_collate([dataset[i] for i in range(4)])
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch).item()
+        logps, mask = forward_token_logps(trainer.model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+    nll = -logps[:4].sum() / mask[:4].sum()
+    assert loss == pytest.approx(0.8 * 0.6931472 + 0.2 * 2 * 0.6931472 + nll.item(), abs=1e-5)
+    trainer.train()
+    with torch.no_grad():
+        after = trainer.compute_loss(trainer.model, batch).item()
+    assert len(losses_of(trainer)) == 3 and after < loss - 0.05  # the three steps trained the sum (7.09 -> 6.94)
 
 
 def test_pref_ftx_adds_the_chosen_nll(tiny_model_dir, tiny_tokenizer, tmp_path):

@@ -79,6 +79,15 @@ def test_bad_values_are_errors(override, pattern):
         ({"stage": "sft", "precompute_ref_log_probs": True}, "precompute_ref_log_probs applies to stage dpo"),
         ({"stage": "dpo", "pref_loss": "simpo", "precompute_ref_log_probs": True}, "no reference model"),
         ({"stage": "dpo", "pref_loss": "ipo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing only applies"),
+        ({"stage": "dpo", "pref_loss": "sft", "precompute_ref_log_probs": True}, "no reference model"),
+        ({"stage": "dpo", "pref_loss": "sigmoid,sft", "loss_weights": [1.0]},
+         r"loss_weights has 1 entries for 2 losses \(pref_loss=sigmoid,sft\)"),
+        ({"stage": "dpo", "pref_loss": ["sigmoid", "sigmoid"]}, "names a loss twice"),
+        ({"stage": "dpo", "loss_weights": [-1.0]}, "must be finite and >= 0"),
+        ({"stage": "dpo", "pref_loss": "exo_pair"}, "exo_pair needs dpo_label_smoothing > 0"),
+        ({"stage": "dpo", "pref_loss": "apo_zero", "f_divergence_type": "js_divergence"},
+         "f_divergence_type=js_divergence is defined for .* not apo_zero"),
+        ({"stage": "dpo", "pref_loss": "discopop", "discopop_tau": 0}, "discopop_tau=0.* must be > 0"),
         ({"stage": "dpo", "label_smoothing_factor": 0.1}, "stage dpo has no such loss.*dpo_label_smoothing"),
         ({"stage": "kto", "label_smoothing_factor": 0.1}, "stage kto has no such loss. Remove it"),
         ({"generation_num_beams": 4}, r"generation_num_beams=4: .*set num_beams \(the same beam width\) instead"),
@@ -389,3 +398,17 @@ def test_trl_names_a_stage_has_itself_pass():
     grpo = parse_config({"stage": "grpo", "beta": 0.1, "loss_type": "grpo", "reward_funcs": "accuracy"})
     assert grpo.method.beta == 0.1
     assert parse_config({"stage": "kto", "loss_type": "apo_zero_unpaired"}).method.loss_type == "apo_zero_unpaired"
+
+
+def test_pref_loss_takes_one_loss_or_several():
+    """TRL's `loss_type` list (MPO) as a YAML list or comma-separated, each name checked, with `loss_weights`."""
+    one = parse_config({"stage": "dpo", "pref_loss": "bco_pair"}).method
+    assert (one.pref_loss, one.loss_types, one.needs_reference) == ("bco_pair", ("bco_pair",), True)
+    listed = parse_config({"stage": "dpo", "pref_loss": ["sigmoid", "bco_pair", "sft"],
+                           "loss_weights": [0.8, 0.2, 1]}).method
+    assert listed.loss_types == ("sigmoid", "bco_pair", "sft") and listed.loss_weights == [0.8, 0.2, 1.0]
+    assert parse_config({"stage": "dpo"}, ["pref_loss=orpo,sft"]).method.loss_types == ("orpo", "sft")
+    assert parse_config({"stage": "dpo", "pref_loss": "orpo,sft"}).method.needs_reference is False
+    with pytest.raises(ConfigError, match=r"pref_loss='sigmoid,nope' is not a valid one of sigmoid.* or a list of "
+                                          r"them \('nope': choose each of sigmoid"):
+        parse_config({"stage": "dpo", "pref_loss": "sigmoid,nope"})

@@ -117,6 +117,9 @@ def test_early_check_finds_unknown_keys_bad_values_stages_and_datasets(tmp_path,
         check_config_early(path, ["lora_rank=x"], table)
     with pytest.raises(ConfigError, match=r"pref_loss='nope' is not a valid one of sigmoid"):  # a stage's own key
         check_config_early(path, ["pref_loss=nope"], table)
+    with pytest.raises(ConfigError, match=r"pref_loss='sigmoid,nope' .*'nope': choose each of sigmoid"):  # a list
+        check_config_early(path, ["pref_loss=sigmoid,nope"], table)
+    check_config_early(path, ["pref_loss=sigmoid,bco_pair,sft", "loss_weights=0.8,0.2,1"], table)
     with pytest.raises(ConfigError, match=r"stage='dop' is not a stage.*Did you mean `dpo`\? \(.*c.yaml\)"):
         check_config_early(path, ["stage=dop"], table)
     with pytest.raises(DataError, match=r"dataset 'demo_prf' is not a file, not a name in"):
@@ -133,7 +136,8 @@ def test_the_full_parse_gives_the_same_messages(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     table = load_key_table()
     path = _config(tmp_path, "stage: dpo\n")
-    for overrides in (["learnig_rate=1e-4"], ["lora_rank=x"], ["pref_loss=nope"], ["stage=dop"]):
+    for overrides in (["learnig_rate=1e-4"], ["lora_rank=x"], ["pref_loss=nope"], ["pref_loss=ipo,nope"],
+                      ["stage=dop"]):
         with pytest.raises(ConfigError) as early:
             check_config_early(path, overrides, table)
         with pytest.raises(ConfigError) as full:

@@ -133,8 +133,9 @@ def test_help_keys_are_grouped_with_a_group_per_stage():
     assert "padding_free" in groups["training"] and "learning_rate" in groups["training (transformers)"]
     assert set(groups["stage rm"]) == {"center_rewards_coefficient", "disable_dropout"}
     # Keys shared with an earlier stage's group (rm's `disable_dropout`) are listed there only.
-    assert set(groups["stage dpo"]) == {"pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing",
-                                        "simpo_gamma", "precompute_ref_log_probs",
+    assert set(groups["stage dpo"]) == {"pref_beta", "pref_loss", "loss_weights", "pref_ftx", "dpo_label_smoothing",
+                                        "simpo_gamma", "discopop_tau", "f_divergence_type",
+                                        "f_alpha_divergence_coef", "precompute_ref_log_probs",
                                         "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"}
     every_key = [key for keys in groups.values() for key in keys]
     assert len(every_key) == len(set(every_key))  # each key listed once

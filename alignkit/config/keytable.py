@@ -1,9 +1,11 @@
 """Every config key and its type as a table read without importing torch, for the checks `alignkit train` makes first.
 
-The config's dataclasses cannot be imported cheaply: the training section subclasses transformers'
+The config's dataclasses cannot all be imported cheaply: the training section subclasses transformers'
 `Seq2SeqTrainingArguments` (which imports torch) and each stage's keys live in its stage module. Importing them
 takes several seconds, so a misspelt key or a value of the wrong type would keep a user waiting that long for a
-one-line error. `keys.json`, next to this module, records what the parser needs to find those errors: each
+one-line error. The model, data, fine-tuning and generation sections (`alignkit.config.sections`) import neither,
+so the early check builds them, and runs alignkit's checks of the training keys over transformers' defaults
+(recorded here), for the same errors as the parse's. `keys.json`, next to this module, records what the parser needs to find those errors: each
 section's keys with their types, the stage names, and the `--help-keys` text. It is generated from the live
 dataclasses (`python -m alignkit.config.keytable`), and `tests/unit/test_key_table.py` fails when it no longer
 matches them.
@@ -17,16 +19,18 @@ type it cannot write down (an enum, a class) accepts any value here and is check
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import types
 import typing
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal, Optional
 
 from ..errors import ConfigError
 from ..files import load_yaml
-from .values import assign_keys, check_stage_name, key_owners, merge_overrides
+from .values import assign_keys, check_stage_name, key_owners, merge_overrides, other_stage_keys_error
 
 TABLE_FILE = Path(__file__).with_name("keys.json")
 _SCALARS = {"bool": bool, "int": int, "float": float, "str": str, "list": list, "dict": dict,
@@ -75,7 +79,7 @@ def build_key_table() -> dict[str, Any]:
     """The table from the live dataclasses (imports torch, transformers and every stage module)."""
     from ..stages import STAGES
     from .parse import TRANSFORMERS_TRAINING_GROUP, _stage_argument_classes, all_keys
-    from .schema import ARG_CLASSES, DataArguments, FinetuningArguments
+    from .schema import ARG_CLASSES, DataArguments, FinetuningArguments, TrainingArguments
     from .values import field_types
 
     stage_classes = _stage_argument_classes()
@@ -90,7 +94,24 @@ def build_key_table() -> dict[str, Any]:
     return {"transformers": [importlib.metadata.version("transformers")], "stages": list(STAGES),
             "default_stage": FinetuningArguments.stage, "default_dataset_dir": DataArguments.dataset_dir,
             "data_class": f"{DataArguments.__module__}.{DataArguments.__qualname__}",
+            "training_class": f"{TrainingArguments.__module__}.{TrainingArguments.__qualname__}",
+            "training_defaults": _scalar_defaults(TrainingArguments),
             "classes": classes, "help": help_groups}
+
+
+def _scalar_defaults(cls: type) -> dict[str, Any]:
+    """A dataclass's fields whose default is a JSON scalar (a string, number, bool or None), name -> default: what
+    the early check overlays the given training keys on (`check_training_values` reads some of them)."""
+    import enum
+
+    defaults = {}
+    for f in dataclasses.fields(cls):
+        value = f.default
+        if isinstance(value, enum.Enum):
+            value = value.value
+        if f.init and (value is None or isinstance(value, (bool, int, float, str))):
+            defaults[f.name] = value
+    return defaults
 
 
 def load_key_table() -> Optional[dict[str, Any]]:
@@ -110,10 +131,12 @@ def same_keys(table: dict[str, Any], other: dict[str, Any]) -> bool:
 
 def check_config_early(path: str, overrides: list[str], table: dict[str, Any]) -> None:
     """Raise what `read_config(path, overrides)` would raise for an unknown key, a value of the wrong type, an
-    unknown stage, or a dataset that does not exist, without importing torch.
+    unknown stage, another stage's key, a bad value of the model, data, fine-tuning, generation or training keys
+    (`_check_values_early`), or a dataset that does not exist, without importing torch.
 
     Raises:
-        ConfigError: an unknown key, a value that does not fit, or an unknown stage (the parse's messages).
+        ConfigError: an unknown key, a value that does not fit, an unknown stage, another stage's key, or a value
+            a section refuses (the parse's messages).
         DataError: a `dataset` / `eval_dataset` that is not a file, a registry name or a hub id (the loader's).
     """
     merged, from_command_line = merge_overrides(load_yaml(path), overrides)
@@ -127,6 +150,10 @@ def check_config_early(path: str, overrides: list[str], table: dict[str, Any]) -
         check_stage_name(stage, table["stages"])
     except ConfigError as err:
         raise ConfigError(f"{err} ({path})") from None
+    for entry in table["classes"]:  # another stage's keys (`num_generations` with stage sft), in the parse's order
+        if entry["stages"] and stage not in entry["stages"] and per_class.get(entry["name"]):
+            raise other_stage_keys_error(sorted(per_class[entry["name"]]), entry["stages"][0], stage, f" in {path}")
+    _check_values_early(per_class, table, path)
     data = per_class.get(table["data_class"], {})
     tokenized = data.get("tokenized_path")
     if tokenized and Path(tokenized).is_dir():
@@ -136,6 +163,36 @@ def check_config_early(path: str, overrides: list[str], table: dict[str, Any]) -
     for key in ("dataset", "eval_dataset"):
         if data.get(key):
             resolve_datasets(data[key], data.get("dataset_dir", table["default_dataset_dir"]))
+
+
+def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, Any], path: str) -> None:
+    """Raise what the parse's dataclasses raise for a bad value where they can run without torch: the sections of
+    `alignkit.config.sections` built from their keys, and `check_training_values` on the training keys given over
+    transformers' defaults (as `TrainingArguments` runs it, after the parse's own defaults and its `do_eval` rule).
+    Checks that span sections, the stages' own keys and transformers' checks stay with the parse."""
+    from . import sections
+
+    for entry in table["classes"]:
+        module, _, name = entry["name"].rpartition(".")
+        given = per_class.get(entry["name"], {})
+        if module == sections.__name__:
+            try:
+                getattr(sections, name)(**given)
+            except ConfigError as err:
+                raise ConfigError(f"{err} ({path})") from None
+            except (ValueError, TypeError) as err:
+                raise ConfigError(f"invalid {name} settings in {path}: {err}") from None
+        elif entry["name"] == table.get("training_class") and "training_defaults" in table:
+            values = {**table["training_defaults"], **sections.TRAINING_DEFAULTS, **given}
+            if given.get("do_eval") is False:
+                values["eval_strategy"] = "no"  # as the parse sets it (transformers' default do_eval is false too)
+            sections.check_warmup_keys(given, f" in {path}")
+            try:
+                sections.check_training_values(SimpleNamespace(**values))
+            except ConfigError as err:
+                raise ConfigError(f"{err} ({path})") from None
+            except (AttributeError, TypeError):  # a default the table lacks, or an odd value: the parse decides
+                pass
 
 
 def _release_order(release: str) -> list[tuple[int, int, str]]:

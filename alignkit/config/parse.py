@@ -28,7 +28,6 @@ from ..stages import STAGES
 from ..trackers import check_report_to
 from .schema import (
     ARG_CLASSES,
-    BOTH_WARMUP_KEYS,
     STAGE_NAMES,
     TRAINING_DEFAULTS,
     Config,
@@ -38,6 +37,7 @@ from .schema import (
     ModelArguments,
     TrainingArguments,
 )
+from .sections import check_warmup_keys
 from .values import (
     TRANSFORMERS_TRAINING_DOCS,
     TRANSFORMERS_TRAINING_GROUP,
@@ -46,6 +46,7 @@ from .values import (
     field_types,
     key_owners,
     merge_overrides,
+    other_stage_keys_error,
     parse_override,
 )
 
@@ -263,8 +264,7 @@ def parse_config(
     if train_kwargs.get("fp16") and train_kwargs.get("bf16"):
         raise ConfigError(f"fp16 and bf16 are both true{where}; choose one.")
     choose_precision(train_kwargs)
-    if train_kwargs.get("warmup_ratio") is not None and "warmup_steps" in train_kwargs:
-        raise ConfigError(f"{BOTH_WARMUP_KEYS[:-1]}{where}.")
+    check_warmup_keys(train_kwargs, where)
     if train_kwargs.get("do_eval") is False and train_kwargs.get("eval_strategy", "no") != "no":
         # transformers switches do_eval back on for any eval_strategy but `no`, so `do_eval: false` alone would
         # still evaluate every eval_steps.
@@ -301,10 +301,7 @@ def parse_config(
     method_cls = stage_classes.get(stage)
     for other_stage, cls in stage_classes.items():
         if cls is not method_cls and per_class.get(cls):
-            keys = sorted(per_class[cls])
-            verb, pronoun = ("applies", "it") if len(keys) == 1 else ("apply", "them")
-            raise ConfigError(f"{', '.join(keys)} {verb} to stage {other_stage}, not {stage}{where}; remove "
-                              f"{pronoun} (or set stage: {other_stage}).")
+            raise other_stage_keys_error(sorted(per_class[cls]), other_stage, stage, where)
     config = Config(
         model=built[ModelArguments],
         data=built[DataArguments],

@@ -271,6 +271,14 @@ def check_stage_name(stage: str, names: list[str]) -> None:
         raise ConfigError(f"stage={stage!r} is not a stage; choose one of {', '.join(names)}.{hint}")
 
 
+def other_stage_keys_error(keys: list[str], other_stage: str, stage: str, where: str) -> ConfigError:
+    """The error for keys of another stage's dataclass (`num_generations` in an sft config), the parse's and the
+    early check's alike."""
+    verb, pronoun = ("applies", "it") if len(keys) == 1 else ("apply", "them")
+    return ConfigError(f"{', '.join(keys)} {verb} to stage {other_stage}, not {stage}{where}; remove {pronoun} (or set "
+                       f"stage: {other_stage}).")
+
+
 def merge_overrides(values: dict[str, Any] | None, overrides: list[str] | None) -> tuple[dict[str, Any], dict[str, str]]:
     """A config mapping with `key=value` overrides applied (overrides win), and key -> the override that set it."""
     merged: dict[str, Any] = dict(values or {})
@@ -299,4 +307,5 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-__all__ = ["TRANSFORMERS_TRAINING_DOCS", "TRANSFORMERS_TRAINING_GROUP", "assign_keys", "check_stage_name", "convert_value", "field_types", "key_owners", "merge_overrides", "parse_override"]
+__all__ = ["TRANSFORMERS_TRAINING_DOCS", "TRANSFORMERS_TRAINING_GROUP", "assign_keys", "check_stage_name", "convert_value",
+           "field_types", "key_owners", "merge_overrides", "other_stage_keys_error", "parse_override"]

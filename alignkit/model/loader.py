@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from ..config import BUNDLED_MODEL_NAME, FinetuningArguments, ModelArguments
-from ..config.schema import attention_from_flash_attn
+from ..config.sections import attention_from_flash_attn
 from ..errors import ConfigError
 from ..env import alignkit_home
 from .bundled import build_folder_once, ensure_bundled_model

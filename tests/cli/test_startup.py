@@ -1,5 +1,6 @@
 """Issue 30: `alignkit --help`, each command's help, `alignkit train --help-keys` and the config errors a user makes
-most (an unknown key, a value of the wrong type, an unknown stage, a dataset that does not exist) come back without
+most (an unknown key, a value of the wrong type, an unknown stage, another stage's key, a value the model, data,
+fine-tuning, generation or training keys refuse, a dataset that does not exist) come back without
 importing torch, transformers, peft or datasets (seconds of imports before anything is said): the key table
 (`alignkit.config.keytable`) stands in for the dataclasses.
 
@@ -52,6 +53,12 @@ def test_help_and_early_errors_do_not_import_torch(tmp_path):
         (["train", str(good_yaml), "learnig_rate=1e-4"], 2, "unknown key `learnig_rate` on the command line"),
         (["train", str(good_yaml), "lora_rank=eight"], 2, "lora_rank='eight' is not a valid int"),
         (["train", str(good_yaml), "stage=sfft"], 2, "stage='sfft' is not a stage"),
+        (["train", str(good_yaml), "num_generations=4"], 2, "num_generations applies to stage grpo, not sft"),
+        (["train", str(good_yaml), "lora_rank=0"], 2, "lora_rank=0 must be >= 1"),
+        (["train", str(good_yaml), "cutoff_len=0"], 2, "cutoff_len=0 leaves no room"),
+        (["train", str(good_yaml), "learning_rate=-1"], 2, "learning_rate=-1.0 must be a finite number"),
+        (["train", str(good_yaml), "per_device_train_batch_size=0"], 2, "must be at least 1"),
+        (["train", str(good_yaml), "warmup_ratio=0.1", "warmup_steps=3"], 2, "warmup_ratio and warmup_steps are both"),
         (["train", str(good_yaml), "dataset=nowhere.jsonl"], 2, "dataset 'nowhere.jsonl': no such file"),
         (["train", str(good_yaml), "dataset=no_such_name"], 2, "dataset 'no_such_name' is not a file"),
         (["eval", "--dataset", "demo_math_eval"], 2, "needs --dataset and --reward"),

@@ -137,7 +137,13 @@ def test_the_full_parse_gives_the_same_messages(tmp_path, monkeypatch):
     table = load_key_table()
     path = _config(tmp_path, "stage: dpo\n")
     for overrides in (["learnig_rate=1e-4"], ["lora_rank=x"], ["pref_loss=nope"], ["pref_loss=ipo,nope"],
-                      ["stage=dop"]):
+                      ["stage=dop"], ["num_generations=4"], ["num_generations=4", "lora_target=q_proj"],
+                      # values the sections refuse (built without torch), and alignkit's checks of training keys
+                      ["lora_rank=0"], ["cutoff_len=0"], ["val_size=-1"], ["max_new_tokens=0"], ["top_p=2"],
+                      ["quantization_bit=3"], ["finetuning_type=freeze", "freeze_trainable_layers=0"],
+                      ["learning_rate=-1"], ["per_device_eval_batch_size=0"], ["eval_strategy=steps", "eval_steps=-1"],
+                      ["save_strategy=steps", "save_steps=0"], ["num_train_epochs=0"], ["seed=-1"],
+                      ["warmup_ratio=1"], ["warmup_ratio=0.1", "warmup_steps=3"], ["adam_beta2=1"]):
         with pytest.raises(ConfigError) as early:
             check_config_early(path, overrides, table)
         with pytest.raises(ConfigError) as full:
@@ -149,4 +155,20 @@ def test_the_full_parse_gives_the_same_messages(tmp_path, monkeypatch):
 def test_every_example_passes_the_early_check(example, monkeypatch):
     monkeypatch.chdir(ROOT)
     check_config_early(f"examples/{example}", [], load_key_table())
+
+
+def test_values_the_parse_accepts_pass_the_early_check(tmp_path, monkeypatch):
+    """The early value checks add no error of their own: settings the full parse takes pass them too (a training
+    key's check reads transformers' defaults from the table; do_eval=false turns eval_strategy off first)."""
+    from alignkit.config.parse import read_config
+
+    monkeypatch.chdir(tmp_path)
+    table = load_key_table()
+    (tmp_path / "rows.jsonl").write_text('{"instruction": "hi", "output": "hello"}\n', encoding="utf-8")
+    path = _config(tmp_path, "stage: sft\ndataset: rows.jsonl\n")
+    for overrides in ([], ["eval_strategy=steps", "eval_steps=-1", "do_eval=false", "do_train=true"], ["eval_strategy=steps", "eval_steps=0"],
+                      ["max_steps=5", "num_train_epochs=0"], ["warmup_ratio=0.5"], ["save_strategy=no", "save_steps=0"],
+                      ["learning_rate=0"], ["finetuning_type=full"], ["stage=dpo", "pref_beta=0.5"]):
+        read_config(path, overrides)
+        check_config_early(path, overrides, table)
 

@@ -19,20 +19,25 @@ type it cannot write down (an enum, a class) accepts any value here and is check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
+import logging
 import types
+import warnings
 import typing
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Literal, Optional
+from typing import Any, Iterator, Literal, Optional
 
 from ..errors import ConfigError
 from ..files import load_yaml
 from .values import assign_keys, check_stage_name, key_owners, merge_overrides, other_stage_keys_error
 
 TABLE_FILE = Path(__file__).with_name("keys.json")
+# The modules whose config classes the early check builds: they import neither torch nor transformers (a test checks).
+TORCH_FREE_MODULES = ("alignkit.config.sections", "alignkit.stages.arguments")
 _SCALARS = {"bool": bool, "int": int, "float": float, "str": str, "list": list, "dict": dict,
             "none": type(None), "any": Any}
 
@@ -153,7 +158,7 @@ def check_config_early(path: str, overrides: list[str], table: dict[str, Any]) -
     for entry in table["classes"]:  # another stage's keys (`num_generations` with stage sft), in the parse's order
         if entry["stages"] and stage not in entry["stages"] and per_class.get(entry["name"]):
             raise other_stage_keys_error(sorted(per_class[entry["name"]]), entry["stages"][0], stage, f" in {path}")
-    _check_values_early(per_class, table, path)
+    _check_values_early(per_class, table, stage, path)
     data = per_class.get(table["data_class"], {})
     tokenized = data.get("tokenized_path")
     if tokenized and Path(tokenized).is_dir():
@@ -165,19 +170,23 @@ def check_config_early(path: str, overrides: list[str], table: dict[str, Any]) -
             resolve_datasets(data[key], data.get("dataset_dir", table["default_dataset_dir"]))
 
 
-def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, Any], path: str) -> None:
+def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, Any], stage: str, path: str) -> None:
     """Raise what the parse's dataclasses raise for a bad value where they can run without torch: the sections of
-    `alignkit.config.sections` built from their keys, and `check_training_values` on the training keys given over
-    transformers' defaults (as `TrainingArguments` runs it, after the parse's own defaults and its `do_eval` rule).
-    Checks that span sections, the stages' own keys and transformers' checks stay with the parse."""
+    `alignkit.config.sections` and the run's stage keys (`alignkit.stages.arguments`) built from their keys, and
+    `check_training_values` on the training keys given over transformers' defaults (as `TrainingArguments` runs it,
+    after the parse's own defaults and its `do_eval` rule). Checks that span sections (`check_combinations`, a
+    stage's `check_config`) and transformers' own checks stay with the parse."""
+    import importlib
+
     from . import sections
 
     for entry in table["classes"]:
         module, _, name = entry["name"].rpartition(".")
         given = per_class.get(entry["name"], {})
-        if module == sections.__name__:
+        if module in TORCH_FREE_MODULES and (not entry["stages"] or stage in entry["stages"]):
             try:
-                getattr(sections, name)(**given)
+                with _quiet():  # the parse logs what the classes log; here only their errors count
+                    getattr(importlib.import_module(module), name)(**given)
             except ConfigError as err:
                 raise ConfigError(f"{err} ({path})") from None
             except (ValueError, TypeError) as err:
@@ -193,6 +202,19 @@ def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, A
                 raise ConfigError(f"{err} ({path})") from None
             except (AttributeError, TypeError):  # a default the table lacks, or an odd value: the parse decides
                 pass
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Logging and warnings off for the duration (the early check builds classes the parse builds again)."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
 
 
 def _release_order(release: str) -> list[tuple[int, int, str]]:

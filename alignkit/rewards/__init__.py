@@ -12,18 +12,26 @@ reads its scores (`RewardScorer`, `sequence_rewards`, `encode_scored`), and `mod
 function.
 """
 
+from typing import Any
+
+from .arguments import RewardFunctionArguments
 from .builtin import BUILTIN_NAMES, accuracy_reward, extract_final_answer, format_reward, length_reward
-from .functions import (
-    RewardFunction,
-    RewardFunctionArguments,
-    RewardFunctionError,
-    RewardFunctions,
-    build_reward_functions,
-    check_reward_functions,
-    combine_rewards,
-    load_user_function,
-    require_reward_funcs,
-)
+
+# `functions` imports torch; its names load on first use, so that the reward keys (`arguments`) are checked
+# without it (`alignkit.config.keytable.check_config_early`).
+_FUNCTION_NAMES = ("RewardFunction", "RewardFunctionError", "RewardFunctions", "build_reward_functions",
+                   "check_reward_functions", "combine_rewards", "load_user_function", "require_reward_funcs")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _FUNCTION_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import functions
+
+    value = getattr(functions, name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
 
 __all__ = [
     "BUILTIN_NAMES",

@@ -5,15 +5,14 @@ Each stage is one module (`sft.py`, `rm.py`, `dpo.py`, `grpo.py`, `ppo.py`, `dis
 what the rest of alignkit reads: the config parser (`alignkit.config.parse`: which stages and keys exist, what to check)
 and `alignkit train` (what to run). The data layer is below the stages and never reads it: a stage hands
 `get_dataset` its data kind. Adding a stage means writing its module and one line here; the imports are
-explicit, so an error inside a stage module surfaces as itself.
+explicit, so an error inside a stage module surfaces as itself. The table is built on first use of `STAGES`; a
+stage's own keys live in `arguments.py`, which imports neither torch nor transformers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
-
-from . import distill, dpo, grpo, kto, online_dpo, ppo, rloo, rm, sft
 
 
 @dataclass(frozen=True)
@@ -39,19 +38,34 @@ class Stage:
     check: Optional[Callable[[Any], None]] = None
 
 
-STAGES: dict[str, Stage] = {
-    "pt": Stage("pt", sft.PT_DATA_KIND, sft.run_pt, check=sft.check_config),
-    "sft": Stage("sft", sft.SFT_DATA_KIND, sft.run_sft, check=sft.check_config),
-    "rm": Stage("rm", rm.DATA_KIND, rm.run_rm, arguments=rm.RewardArguments),
-    "dpo": Stage("dpo", dpo.DATA_KIND, dpo.run_dpo, arguments=dpo.DPOArguments, check=dpo.check_config),
-    "kto": Stage("kto", kto.DATA_KIND, kto.run_kto, arguments=kto.KTOArguments, check=kto.check_config),
-    "grpo": Stage("grpo", grpo.DATA_KIND, grpo.run_grpo, arguments=grpo.GRPOArguments, check=grpo.check_config),
-    "rloo": Stage("rloo", rloo.DATA_KIND, rloo.run_rloo, arguments=rloo.RLOOArguments, check=grpo.check_config),
-    "ppo": Stage("ppo", ppo.DATA_KIND, ppo.run_ppo, arguments=ppo.PPOArguments, check=ppo.check_config),
-    "distill": Stage("distill", distill.DATA_KIND, distill.run_distill, arguments=distill.DistillArguments,
-                     check=distill.check_config),
-    "online_dpo": Stage("online_dpo", online_dpo.DATA_KIND, online_dpo.run_online_dpo,
-                        arguments=online_dpo.OnlineDPOArguments, check=online_dpo.check_config),
-}
+def _registry() -> dict[str, Stage]:
+    """The table, its stage modules imported (torch, transformers: see `__getattr__`)."""
+    from . import distill, dpo, grpo, kto, online_dpo, ppo, rloo, rm, sft
+
+    return {
+        "pt": Stage("pt", sft.PT_DATA_KIND, sft.run_pt, check=sft.check_config),
+        "sft": Stage("sft", sft.SFT_DATA_KIND, sft.run_sft, check=sft.check_config),
+        "rm": Stage("rm", rm.DATA_KIND, rm.run_rm, arguments=rm.RewardArguments),
+        "dpo": Stage("dpo", dpo.DATA_KIND, dpo.run_dpo, arguments=dpo.DPOArguments, check=dpo.check_config),
+        "kto": Stage("kto", kto.DATA_KIND, kto.run_kto, arguments=kto.KTOArguments, check=kto.check_config),
+        "grpo": Stage("grpo", grpo.DATA_KIND, grpo.run_grpo, arguments=grpo.GRPOArguments, check=grpo.check_config),
+        "rloo": Stage("rloo", rloo.DATA_KIND, rloo.run_rloo, arguments=rloo.RLOOArguments, check=grpo.check_config),
+        "ppo": Stage("ppo", ppo.DATA_KIND, ppo.run_ppo, arguments=ppo.PPOArguments, check=ppo.check_config),
+        "distill": Stage("distill", distill.DATA_KIND, distill.run_distill, arguments=distill.DistillArguments,
+                         check=distill.check_config),
+        "online_dpo": Stage("online_dpo", online_dpo.DATA_KIND, online_dpo.run_online_dpo,
+                            arguments=online_dpo.OnlineDPOArguments, check=online_dpo.check_config),
+    }
+
+
+def __getattr__(name: str) -> Any:
+    # `STAGES` is built on first use: the stage modules import torch and transformers, and the stages' own keys
+    # (`arguments`, below this package) are checked without them (`alignkit.config.keytable.check_config_early`).
+    if name != "STAGES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    stages = _registry()
+    globals()["STAGES"] = stages  # the next lookup is a plain attribute
+    return stages
+
 
 __all__ = ["Stage", "STAGES"]

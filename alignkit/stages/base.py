@@ -35,7 +35,6 @@ import copy
 import logging
 import os
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
@@ -51,6 +50,7 @@ from ..jsonl import write_jsonl
 from ..lifecycle import json_safe
 from ..model.adapters import adapters_disabled
 from ..model.distributed import full_weights, sharding_of, unwrap_without_importing_deepspeed, zero3_enabled
+from .arguments import ReferenceSyncArguments
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -130,39 +130,6 @@ class _Evaluation(NamedTuple):
     step: int
     output: EvalLoopOutput
     metrics: dict[str, Any]
-
-
-@dataclass
-class ReferenceSyncArguments:
-    """TRL 1.16's reference-sync keys (TR-DPO, Gorbatovski et al. 2024), names and defaults as in its `DPOConfig`,
-    `GRPOConfig` and `RLOOConfig`."""
-
-    sync_ref_model: bool = field(
-        default=False,
-        metadata={"help": "Mix the policy into the reference model every ref_model_sync_steps steps (TR-DPO). Needs "
-                          "a separate reference: finetuning_type full or freeze (a LoRA policy's reference is its "
-                          "base with the adapter disabled, nothing to sync). TRL default false."})
-    ref_model_mixup_alpha: float = field(
-        default=0.6,
-        metadata={"help": "sync_ref_model: alpha in ref = alpha x policy + (1 - alpha) x ref, in [0, 1]. TRL default "
-                          "0.6."})
-    ref_model_sync_steps: int = field(
-        default=512,
-        metadata={"help": "sync_ref_model: optimizer steps between two reference updates (TR-DPO's tau). TRL "
-                          "default 512."})
-
-    def __post_init__(self) -> None:
-        parent = getattr(super(), "__post_init__", None)
-        if parent is not None:  # the next keys class of a stage's own (GRPO: the reward keys)
-            parent()
-        from ..errors import ConfigError
-
-        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
-            raise ConfigError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1] (TR-DPO's alpha; "
-                              "TRL's default is 0.6).")
-        if self.ref_model_sync_steps < 1:
-            raise ConfigError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be at least 1 (TRL's default "
-                              "is 512).")
 
 
 def check_reference_sync(config: "Config", uses_reference: bool, no_reference_reason: str = "") -> None:

@@ -47,15 +47,13 @@ Defaults: TRL 1.16's (`beta: 1.0`, `max_completion_length: 512`, `temperature: 1
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import FinetuningArguments, check_sampling_knobs
+from ..config import FinetuningArguments
 from ..env import launched_processes
 from ..errors import ConfigError
 from ..model.distributed import full_weights, sharding_of
@@ -64,7 +62,8 @@ from ..model.precision import bf16_frozen_linears
 from ..rewards import RewardFunctions
 from ..rl.losses import aggregate_loss
 from ..rl.rollout import completion_token_logits
-from .grpo import GRPOArguments, GRPOTrainer, check_generation_loop, check_vllm_mode, resolve_generation_batch
+from .arguments import DistillArguments
+from .grpo import GRPOTrainer, check_generation_loop, resolve_generation_batch
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -73,79 +72,6 @@ if TYPE_CHECKING:
 
 # The examples `data.get_dataset` builds for this stage (`formats.DATA_KINDS`): prompts, as for GRPO.
 DATA_KIND = "prompt"
-
-
-@dataclass
-class DistillArguments:
-    """The keys of `stage: distill` (TRL 1.16 `DistillationConfig`'s names and defaults)."""
-
-    teacher_model_name_or_path: Optional[str] = field(
-        default=None,
-        metadata={"help": "Teacher model: a local directory, hub id, or `smollm2-135m-instruct` (bundled). Unset: "
-                          "the student's base (model_name_or_path), which then needs teacher_adapter_name_or_path. "
-                          "Its tokenizer must equal the student's."})
-    teacher_adapter_name_or_path: Optional[str] = field(
-        default=None,
-        metadata={"help": "PEFT adapter(s) merged into the teacher, comma-separated (e.g. an SFT adapter, to "
-                          "distil it into a fresh adapter on the bare base)."})
-    teacher_model_revision: Optional[str] = field(
-        default=None, metadata={"help": "Hub revision of the teacher (default: main)."})
-    beta: float = field(
-        default=1.0,
-        metadata={"help": "Generalized JSD interpolation in [0, 1]: 0 = forward KL(teacher || student), 0.5 = JSD, "
-                          "1 = reverse KL(student || teacher). Selects the divergence (no reference model). "
-                          "TRL default 1.0."})
-    max_completion_length: int = field(
-        default=512, metadata={"help": "Most tokens the student generates per completion. TRL default 512."})
-    temperature: float = field(
-        default=1.0,
-        metadata={"help": "Sampling temperature (> 0), also dividing both models' logits in the loss. TRL default "
-                          "1.0."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1 = off. TRL default 1.0."})
-    top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens; 0 = off. TRL default 0."})
-    min_p: Optional[float] = field(
-        default=None,
-        metadata={"help": "Min-p sampling: drop tokens below min_p x the most likely token's probability, after "
-                          "temperature, top-k and top-p; unset = off. TRL default none."})
-    repetition_penalty: float = field(
-        default=1.0, metadata={"help": "Penalty > 1 discourages repeated tokens; 1 = none. TRL default 1.0."})
-    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts each epoch (seeded)."})
-    disable_dropout: bool = field(
-        default=False, metadata={"help": "Set every dropout of the student to 0 while training. TRL default false."})
-    log_completions: bool = field(
-        default=False, metadata={"help": "Append each prompt and completion to `completions.jsonl` in output_dir."})
-    use_vllm: bool = field(
-        default=False,
-        metadata={"help": "Generate with vLLM in the training process (colocate mode; GPU and the `vllm` extra). "
-                          "Written against vLLM's API, not run here."})
-    vllm_mode: str = field(
-        default="colocate",
-        metadata={"help": "How vLLM runs: `colocate` (in the training process), TRL's default and the only mode "
-                          "here; `server` (a `trl vllm-serve` process) is refused."})
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "Share of GPU memory vLLM may take in colocate mode. TRL default 0.3."})
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.beta <= 1.0:
-            raise ConfigError(f"beta={self.beta} must be in [0, 1] (0 = forward KL, 0.5 = JSD, 1 = reverse KL).")
-        if self.max_completion_length < 1:
-            raise ConfigError(f"max_completion_length={self.max_completion_length} must be at least 1.")
-        if not self.temperature > 0:
-            raise ConfigError(f"temperature={self.temperature} must be > 0: the student samples its completions.")
-        check_sampling_knobs(self)
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
-        check_vllm_mode(self.vllm_mode)
-
-    def generation_loop(self) -> SimpleNamespace:
-        """The settings `GRPOTrainer`'s round reads, for distillation: GRPO's defaults, the sampling keys of this
-        stage, and one completion per prompt, one generation batch per optimizer step, trained once, no KL term to a
-        reference, no reward function."""
-        grpo_defaults = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
-                         for f in fields(GRPOArguments)}
-        return SimpleNamespace(**{**grpo_defaults, **asdict(self), "num_generations": 1, "steps_per_generation": None,
-                                  "generation_batch_size": None, "num_iterations": 1, "beta": 0.0,
-                                  "mask_truncated_completions": False, "reward_funcs": []})
 
 
 # ---------------------------------------------------------------------------------------------------

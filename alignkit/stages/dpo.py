@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +45,8 @@ from torch import nn
 from ..data.multimodal import IMAGE_COLUMN
 from ..errors import ConfigError
 from ..model.logprobs import forward_sequence_logps
-from .base import ReferenceSyncArguments, StageTrainer, check_reference_sync, run_stage_trainer, save_pair_predictions
+from .arguments import F_DIVERGENCES, PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, TRL_LOSSES, DPOArguments
+from .base import StageTrainer, check_reference_sync, run_stage_trainer, save_pair_predictions
 from .reference_cache import CollateWithReference, precompute_reference_logps
 
 if TYPE_CHECKING:
@@ -59,119 +59,9 @@ logger = logging.getLogger(__name__)
 # The examples `data.get_dataset` builds for this stage (`formats.DATA_KINDS`); the registry records it too.
 DATA_KIND = "preference"
 
-# TRL 1.16's DPO loss types (`DPOConfig.loss_type`), then LLaMA-Factory's two reference-free ones.
-TRL_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
-PREFERENCE_LOSSES = TRL_LOSSES + ("orpo", "simpo")
-PreferenceLoss = Literal[PREFERENCE_LOSSES]  # type: ignore[valid-type]
-# Losses that read no reference log-probs: a run whose losses are all among them runs no reference pass.
-REFERENCE_FREE_LOSSES = ("orpo", "simpo", "sft")
-# Losses built on the chosen-minus-rejected score, where an f-divergence other than reverse KL is defined (TRL's set).
-F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
-F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
-# Losses that read `dpo_label_smoothing` (cDPO's, robust DPO's and EXO's epsilon; AOT's smoothing).
-SMOOTHED_LOSSES = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 # What the cached reference log-probs depend on besides the reference's weights (`reference_cache`).
 TOKEN_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", IMAGE_COLUMN)
-
-
-@dataclass
-class DPOArguments(ReferenceSyncArguments):
-    """The keys of `stage: dpo` (LLaMA-Factory's names; TRL's for the reference sync)."""
-
-    pref_beta: float = field(default=0.1, metadata={"help": "DPO-family beta: how far the policy may move."})
-    disable_dropout: bool = field(
-        default=True,
-        metadata={"help": "Set every dropout of the model (LoRA's included) to 0 while training, so that a step "
-                          "sees the network its reference sees. TRL default true."})
-    pref_loss: Union[PreferenceLoss, list[PreferenceLoss]] = field(
-        default="sigmoid",
-        metadata={"help": "Preference loss: sigmoid (DPO), ipo, hinge, orpo, simpo (LLaMA-Factory's), or TRL's "
-                          "exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, "
-                          "discopop, sft, sigmoid_norm; several (a list or comma-separated) add up, weighted by "
-                          "loss_weights (MPO: sigmoid,bco_pair,sft)."})
-    loss_weights: Optional[list[float]] = field(
-        default=None,
-        metadata={"help": "One weight per pref_loss entry for their weighted sum (TRL's key); unset: all 1."})
-    pref_ftx: float = field(default=0.0, metadata={"help": "Weight of the SFT loss on chosen added to DPO (each "
-                                                   "chosen reply's mean NLL per token, per pair, as LLaMA-Factory)."})
-    dpo_label_smoothing: float = field(
-        default=0.0,
-        metadata={
-            "help": "Conservative-DPO label smoothing in [0, 0.5) for the sigmoid loss: the assumed share of "
-            "flipped preference labels (0 = plain DPO)."
-        },
-    )
-    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO target reward margin."})
-    discopop_tau: float = field(
-        default=0.05,
-        metadata={"help": "DiscoPOP's temperature of the log-ratio modulation (pref_loss=discopop; > 0). TRL default "
-                          "0.05."})
-    f_divergence_type: Literal[F_DIVERGENCES] = field(  # type: ignore[valid-type]
-        default="reverse_kl",
-        metadata={"help": "f-DPO's divergence from the reference: reverse_kl (plain DPO), forward_kl, js_divergence "
-                          "or alpha_divergence; other than reverse_kl only for sigmoid, sigmoid_norm, hinge, ipo, "
-                          "exo_pair, robust, discopop and sft. TRL default reverse_kl."})
-    f_alpha_divergence_coef: float = field(
-        default=0.5,
-        metadata={"help": "The alpha of f_divergence_type=alpha_divergence. TRL default 0.5."})
-    precompute_ref_log_probs: bool = field(
-        default=False,
-        metadata={"help": "Compute reference log-probs once for the whole dataset before training (cached)."},
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.pref_beta > 0:  # also refuses NaN
-            raise ConfigError(f"pref_beta={self.pref_beta} must be > 0: at 0 the preference loss has no gradient.")
-        losses = self.loss_types
-        if not losses:
-            raise ConfigError("pref_loss is empty: name at least one loss (sigmoid is DPO's).")
-        if len(set(losses)) < len(losses):
-            raise ConfigError(f"pref_loss={','.join(losses)} names a loss twice; give each once (weight it with "
-                              "loss_weights).")
-        if self.loss_weights is not None:
-            try:
-                self.loss_weights = [float(w) for w in self.loss_weights]
-            except (TypeError, ValueError):
-                raise ConfigError(f"loss_weights={self.loss_weights} must be numbers, one per pref_loss entry.") \
-                    from None
-            if len(self.loss_weights) != len(losses):
-                raise ConfigError(f"loss_weights has {len(self.loss_weights)} entries for {len(losses)} losses "
-                                  f"(pref_loss={','.join(losses)}); give one weight per loss.")
-            if not all(math.isfinite(w) and w >= 0 for w in self.loss_weights):
-                raise ConfigError(f"loss_weights={self.loss_weights} must be finite and >= 0.")
-        if not 0 <= self.dpo_label_smoothing < 0.5:
-            raise ConfigError(f"dpo_label_smoothing={self.dpo_label_smoothing} must be in [0, 0.5).")
-        if self.dpo_label_smoothing and not set(losses) & set(SMOOTHED_LOSSES):
-            raise ConfigError(f"dpo_label_smoothing only applies to pref_loss {', '.join(SMOOTHED_LOSSES)}, not "
-                              f"{','.join(losses)}; set one or the other.")
-        if "exo_pair" in losses and not self.dpo_label_smoothing > 0:
-            raise ConfigError("pref_loss=exo_pair needs dpo_label_smoothing > 0 (its epsilon; the EXO paper "
-                              "advises 1e-3).")
-        if not self.discopop_tau > 0:
-            raise ConfigError(f"discopop_tau={self.discopop_tau} must be > 0.")
-        if self.f_divergence_type != "reverse_kl" and not set(losses) <= set(F_DIVERGENCE_LOSSES):
-            raise ConfigError(
-                f"f_divergence_type={self.f_divergence_type} is defined for pref_loss {', '.join(F_DIVERGENCE_LOSSES)}"
-                f" only, not {','.join(sorted(set(losses) - set(F_DIVERGENCE_LOSSES)))}; use reverse_kl with them.")
-        if self.f_divergence_type == "alpha_divergence" and not math.isfinite(self.f_alpha_divergence_coef):
-            raise ConfigError(f"f_alpha_divergence_coef={self.f_alpha_divergence_coef} must be a finite number.")
-        if self.pref_ftx < 0:
-            raise ConfigError(f"pref_ftx={self.pref_ftx} must be >= 0 (the weight of an added SFT loss).")
-        if self.precompute_ref_log_probs and not self.needs_reference:
-            raise ConfigError(f"pref_loss={','.join(losses)} uses no reference model; drop precompute_ref_log_probs.")
-
-    @property
-    def loss_types(self) -> tuple[str, ...]:
-        """`pref_loss` as a tuple of loss names (one name, or a list)."""
-        return (self.pref_loss,) if isinstance(self.pref_loss, str) else tuple(self.pref_loss)
-
-    @property
-    def needs_reference(self) -> bool:
-        """Whether some loss of `pref_loss` reads reference log-probs."""
-        return any(loss not in REFERENCE_FREE_LOSSES for loss in self.loss_types)
 
 
 def check_config(config: "Config") -> None:

@@ -75,19 +75,17 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
 from torch.utils.data import Sampler
 
-from ..config import check_sampling_knobs
 from ..data.collator import padding_token_id
 from ..data.multimodal import IMAGE_COLUMN
 from ..env import launched_processes
 from ..errors import ConfigError
-from ..rewards import RewardFunctionArguments, require_reward_funcs
+from ..rewards import require_reward_funcs
 from ..rl.advantages import decoupled_group_advantages, group_advantages
 from ..rl.kl import k3_kl, sequence_log_ratio
 from ..rl.losses import (CLIPPED_LOSS_TYPES, AdaptiveEntropyController, aggregate_loss, cispo_loss,
@@ -97,7 +95,8 @@ from ..rl.record import COMPLETIONS_FILE
 from ..rl.rollout import VLLMColocateSampler, completion_logps, rollout_seed
 from ..rl.stats import masked_mean, nan_std
 from ..rl.tools import ToolLoop, environment_reward, rollout_tensors, turn_seeds
-from .base import ReferenceSyncArguments, check_reference_sync, is_peft_model, run_stage_trainer
+from .arguments import GroupRolloutArguments, GRPOArguments, check_vllm_mode
+from .base import check_reference_sync, is_peft_model, run_stage_trainer
 from .online import PROMPT_COLUMNS, OnlineTrainer, data_order_seed, has_active_dropout
 
 if TYPE_CHECKING:
@@ -115,233 +114,6 @@ ROLLOUT_BUFFER_FILE = "grpo_rollout_buffer.pt"
 IMAGE_KEY_PREFIX = "images/"
 # The adaptive entropy coefficient and the entropy it last measured (`use_adaptive_entropy`), per checkpoint.
 ENTROPY_CONTROLLER_FILE = "grpo_entropy_controller.json"
-
-
-@dataclass
-class GroupRolloutArguments(ReferenceSyncArguments, RewardFunctionArguments):
-    """The keys GRPO and RLOO share (TRL 1.16's names): sampling groups of completions, the generation batch, the
-    KL weight and the clip range, plus the reward keys. Each stage's own dataclass adds its keys and defaults."""
-
-    num_generations: int = field(
-        default=8,
-        metadata={"help": "Completions sampled per prompt (the group); at least 2. TRL default 8 (GRPO), 2 (RLOO)."})
-    steps_per_generation: Optional[int] = field(
-        default=None,
-        metadata={"help": "Micro-batches trained per generation batch (default: gradient_accumulation_steps). "
-                          "Set this or generation_batch_size, not both."})
-    generation_batch_size: Optional[int] = field(
-        default=None,
-        metadata={"help": "Completions generated at once (default: per_device_train_batch_size x "
-                          "steps_per_generation); a multiple of per_device_train_batch_size and num_generations."})
-    num_iterations: int = field(
-        default=1, metadata={"help": "Passes over each generation batch (mu in the GRPO paper). TRL default 1."})
-    max_completion_length: int = field(
-        default=512, metadata={"help": "Most tokens generated per completion. TRL default 512."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0). TRL default 1.0."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1 = off. TRL default 1.0."})
-    top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens; 0 = off. TRL default 0."})
-    min_p: Optional[float] = field(
-        default=None,
-        metadata={"help": "Min-p sampling: drop tokens below min_p x the most likely token's probability, after "
-                          "temperature, top-k and top-p; unset = off. TRL default none."})
-    repetition_penalty: float = field(
-        default=1.0, metadata={"help": "Penalty > 1 discourages repeated tokens; 1 = none. TRL default 1.0."})
-    beta: float = field(
-        default=0.0,
-        metadata={"help": "Weight of the k3 KL penalty towards the reference (the step-0 policy); 0 = no reference "
-                          "pass at all. TRL default 0.0 (DeepSeek-R1 used 0.001)."})
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the ratio: 1 - epsilon."})
-    epsilon_high: Optional[float] = field(
-        default=None, metadata={"help": "Upper clipping range: 1 + epsilon_high (default: epsilon; DAPO uses 0.28)."})
-    mask_truncated_completions: bool = field(
-        default=False, metadata={"help": "Leave completions that hit max_completion_length out of the loss (DAPO)."})
-    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts each epoch (seeded)."})
-    disable_dropout: bool = field(
-        default=False, metadata={"help": "Set every dropout of the policy to 0 while training. TRL default false."})
-    use_vllm: bool = field(
-        default=False,
-        metadata={"help": "Generate with vLLM in the training process (colocate mode; needs a GPU and the `vllm` "
-                          "extra: pip install 'alignkit[vllm]'). Written against vLLM 0.33's API, not run here."})
-    vllm_mode: str = field(
-        default="colocate",
-        metadata={"help": "How vLLM runs: `colocate` (in the training process), TRL's default and the only mode "
-                          "here; `server` (a `trl vllm-serve` process) is refused."})
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "Share of GPU memory vLLM may take in colocate mode. TRL default 0.3."})
-    tools: Optional[list[str]] = field(
-        default=None,
-        metadata={"help": "Python functions the policy may call during a rollout: `path/to/file.py:function` or "
-                          "`package.module:function`, a list or comma-separated. Each needs type hints and a Google-style "
-                          "docstring (its JSON schema, shown in the prompt, is derived from them as TRL does). The "
-                          "template must write tool calls (chatml/qwen). See docs/stages/tools.md."})
-    environment_factory: Optional[str] = field(
-        default=None,
-        metadata={"help": "`path/to/file.py:Class`: one instance per rollout row (TRL 1.16's contract): reset(**row) "
-                          "before each rollout (a returned string is appended to the prompt's last message), its "
-                          "public methods are tools; reward functions get the instances as `environments`."})
-    max_tool_calling_iterations: Optional[int] = field(
-        default=None,
-        metadata={"help": "Most tool turns per completion; null (TRL default) = until a turn has no call or the "
-                          "completion reaches max_completion_length."})
-    tool_timeout: float = field(
-        default=5.0,
-        metadata={"help": "Seconds one tool call may take; a call that takes longer gets an error message as its "
-                          "result (it is left running in a daemon thread). 0 = untimed, in the training thread."})
-    max_tool_output_chars: int = field(
-        default=10_000,
-        metadata={"help": "Longest tool result (characters) put back into the conversation; longer ones are cut with "
-                          "a note saying so."})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.num_generations < 2:
-            raise ConfigError(f"num_generations={self.num_generations}: the stage compares completions of the same "
-                              "prompt, so it needs at least 2 (TRL's default is 8 for GRPO, 2 for RLOO).")
-        for key in ("num_iterations", "max_completion_length", "steps_per_generation", "generation_batch_size"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ConfigError(f"{key}={value} must be at least 1.")
-        if self.steps_per_generation is not None and self.generation_batch_size is not None:
-            raise ConfigError("steps_per_generation and generation_batch_size are both set; set one (the other "
-                              "follows from per_device_train_batch_size).")
-        if not self.temperature > 0:
-            raise ConfigError(f"temperature={self.temperature} must be > 0: the stage samples its completions.")
-        check_sampling_knobs(self)
-        if not self.beta >= 0:
-            raise ConfigError(f"beta={self.beta} must be >= 0 (0 = no KL penalty).")
-        if not self.epsilon >= 0:
-            raise ConfigError(f"epsilon={self.epsilon} must be >= 0.")
-        if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
-        elif not self.epsilon_high >= 0:
-            raise ConfigError(f"epsilon_high={self.epsilon_high} must be >= 0 (default: epsilon).")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
-        check_vllm_mode(self.vllm_mode)
-        if isinstance(self.tools, str):
-            self.tools = [t.strip() for t in self.tools.split(",") if t.strip()]
-        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
-            raise ConfigError(f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 (null: no "
-                              "cap).")
-        if not self.tool_timeout >= 0:
-            raise ConfigError(f"tool_timeout={self.tool_timeout} must be >= 0 seconds (0 = untimed).")
-        if self.max_tool_output_chars < 1:
-            raise ConfigError(f"max_tool_output_chars={self.max_tool_output_chars} must be at least 1.")
-        if self.uses_tools and self.use_vllm:
-            raise ConfigError("tools / environment_factory with use_vllm: true is not supported: the tool loop "
-                              "generates with transformers; set use_vllm: false.")
-
-    @property
-    def uses_tools(self) -> bool:
-        """Whether rollouts call tools (`tools` or `environment_factory` set)."""
-        return bool(self.tools) or bool(self.environment_factory)
-
-
-@dataclass
-class GRPOArguments(GroupRolloutArguments):
-    """The keys of `stage: grpo` (TRL 1.16's names and defaults): the shared ones and GRPO's loss keys."""
-
-    delta: Optional[float] = field(
-        default=None,
-        metadata={"help": "Two-sided clipping (INTELLECT-2): also cap the unclipped ratio at delta (> 1 + epsilon). "
-                          "None (default) = off."})
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = field(
-        default="dapo",
-        metadata={"help": "Policy term and token-loss aggregation: dapo (default: clipped, over the generation "
-                          "batch's tokens), grpo (per sequence, then mean), dr_grpo (over batch x "
-                          "max_completion_length), bnpo (over the micro-batch's tokens), cispo (clipped weight x "
-                          "log-prob, MiniMax-M1; epsilon_high is the cap, e.g. 5.0), sapo (soft gate, SAPO), luspo "
-                          "(sequence sums, LUSPO; use importance_sampling_level: sequence), vespo (Gamma-weighted "
-                          "sequence ratio, VESPO). TRL 1.16's eight."})
-    importance_sampling_level: Literal["token", "sequence"] = field(
-        default="token",
-        metadata={"help": "Importance ratio per token, or one per sequence (the mean log-ratio: GSPO). TRL default "
-                          "token."})
-    sapo_temperature_neg: float = field(
-        default=1.05, metadata={"help": "loss_type sapo: gate temperature for non-positive advantages. TRL 1.05."})
-    sapo_temperature_pos: float = field(
-        default=1.0, metadata={"help": "loss_type sapo: gate temperature for positive advantages. TRL 1.0."})
-    vespo_k_pos: float = field(
-        default=2.0, metadata={"help": "loss_type vespo: power k for non-negative advantages. TRL 2.0."})
-    vespo_lambda_pos: float = field(
-        default=3.0, metadata={"help": "loss_type vespo: decay lambda for non-negative advantages. TRL 3.0."})
-    vespo_k_neg: float = field(
-        default=3.0, metadata={"help": "loss_type vespo: power k for negative advantages. TRL 3.0."})
-    vespo_lambda_neg: float = field(
-        default=2.0, metadata={"help": "loss_type vespo: decay lambda for negative advantages. TRL 2.0."})
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = field(
-        default="sum_then_normalize",
-        metadata={"help": "Several reward functions: sum the weighted rewards, then normalise (default), or "
-                          "normalise each function within its group, sum, and normalise over the batch (GDPO)."})
-    top_entropy_quantile: float = field(
-        default=1.0,
-        metadata={"help": "Keep in the policy loss only the top share of tokens by entropy (rho of 'Beyond the "
-                          "80/20 rule', which recommends 0.2); 1.0 (default) keeps all, 0.0 only the highest."})
-    entropy_coef: float = field(
-        default=0.0,
-        metadata={"help": "Weight of an entropy bonus (the mean token entropy, subtracted from the loss); 0 = off. "
-                          "With use_adaptive_entropy, the starting coefficient."})
-    use_adaptive_entropy: bool = field(
-        default=False,
-        metadata={"help": "Steer entropy_coef each step (Skywork-OR1): up by entropy_coef_delta while the entropy "
-                          "is at most entropy_target, down otherwise; applied only while at most the target."})
-    entropy_coef_min: float = field(default=0.0, metadata={"help": "use_adaptive_entropy: lowest coefficient."})
-    entropy_coef_max: float = field(default=1.0, metadata={"help": "use_adaptive_entropy: highest coefficient."})
-    entropy_coef_delta: float = field(
-        default=0.005, metadata={"help": "use_adaptive_entropy: change of the coefficient per step. TRL 0.005."})
-    entropy_target: float = field(
-        default=0.2, metadata={"help": "use_adaptive_entropy: target mean token entropy (nats). TRL 0.2."})
-    off_policy_mask_threshold: Optional[float] = field(
-        default=None,
-        metadata={"help": "Leave out of the loss completions with a negative advantage whose mean KL(sampler || "
-                          "policy) exceeds this (DeepSeek-V3.2's delta, e.g. 0.5). None (default) = off."})
-    advantage_estimator: Literal["group", "reinforce_pp"] = field(
-        default="group",
-        metadata={"help": "group (default): GRPO's group-normalised advantage. reinforce_pp: REINFORCE++ (OpenRLHF's "
-                          "semantics): the KL (beta, k1 at rollout) folded into a token-level reward with the score at "
-                          "the last token, returns whitened over the whole batch; the loss then has no KL term."})
-    scale_rewards: Literal["group", "batch", "none"] = field(
-        default="group",
-        metadata={"help": "Divide advantages by the reward std of the group, of the whole batch, or not at all "
-                          "(Dr. GRPO). TRL default group."})
-    use_bias_correction_kl: bool = field(
-        default=True,
-        metadata={"help": "Multiply the per-token KL by the importance ratio (unbiased reverse-KL gradient, "
-                          "DeepSeek-V3.2). TRL 1.16 default true; only matters with beta > 0."})
-    vllm_importance_sampling_correction: bool = field(
-        default=True,
-        metadata={"help": "vLLM only (use_vllm: true); accepted for TRL configs. TRL reweights by vLLM's own "
-                          "sampling log-probs; alignkit's vLLM path does not (it takes the ratio against the "
-                          "trainer's log-probs), so this has no effect."})
-    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
-        field(default="sequence_mask",
-              metadata={"help": "vLLM only; accepted, no effect (see vllm_importance_sampling_correction)."})
-    vllm_importance_sampling_clip_max: Optional[float] = field(
-        default=3.0, metadata={"help": "vLLM only; accepted, no effect (see vllm_importance_sampling_correction)."})
-    vllm_importance_sampling_clip_min: Optional[float] = field(
-        default=None, metadata={"help": "vLLM only; accepted, no effect (see vllm_importance_sampling_correction)."})
-
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.delta is not None and not self.delta > 1 + self.epsilon_high:
-            logger.warning(f"delta={self.delta} is not above 1 + epsilon_high = {1 + self.epsilon_high}: it is meant "
-                           "to cap the unclipped ratio above the clip range (INTELLECT-2 uses 4).")
-        if not 0 <= self.top_entropy_quantile <= 1:
-            raise ConfigError(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1 = every token).")
-        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
-            raise ConfigError(f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be > 0 (e.g. 0.5), "
-                              "or unset it.")
-        if self.entropy_coef_min > self.entropy_coef_max:
-            raise ConfigError(f"entropy_coef_min={self.entropy_coef_min} is above entropy_coef_max="
-                              f"{self.entropy_coef_max}.")
-        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
-            logger.warning("loss_type luspo: the LUSPO paper uses importance_sampling_level: sequence.")
-        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
-            logger.warning("loss_type vespo computes its own sequence weight: set importance_sampling_level: token.")
-        if self.importance_sampling_level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-            logger.warning(f"importance_sampling_level sequence with loss_type {self.loss_type} weights each sequence "
-                           "by its length; GSPO's own setup is loss_type: grpo.")
 
 
 def resolve_generation_batch(per_device_train_batch_size: int, num_processes: int, num_generations: int,
@@ -388,13 +160,6 @@ def check_config(config: "Config") -> None:
         require_reward_funcs(g, config.finetuning.stage)
     check_generation_loop(g, t)
     check_reference_sync(config, g.beta != 0, "beta=0 (no KL term)")
-
-
-def check_vllm_mode(mode: str) -> None:
-    """`vllm_mode`: colocate is the only mode alignkit runs (GRPO, RLOO, distill)."""
-    if mode != "colocate":
-        raise ConfigError(f"vllm_mode={mode}: alignkit runs vLLM inside the training process (TRL's colocate mode) "
-                          "and talks to no `trl vllm-serve` server; set vllm_mode: colocate (or leave it out).")
 
 
 def check_generation_loop(g: Any, t: Any) -> None:

@@ -48,9 +48,8 @@ What this file simplifies, and why:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -62,6 +61,7 @@ from ..data.multimodal import IMAGE_COLUMN
 from ..errors import ConfigError
 from ..jsonl import write_jsonl
 from ..model.logprobs import forward_sequence_logps
+from .arguments import KTOArguments
 from .base import PREDICTIONS_FILE, StageTrainer, run_stage_trainer
 from .reference_cache import CollateWithReference, precompute_reference_logps
 from .dpo import chosen_nll_loss
@@ -82,49 +82,6 @@ KL_LOSSES = ("kto",)  # the loss types whose reference point is the KL estimate
 # and what they depend on besides the reference's weights (`reference_cache`).
 REF_COLUMNS = ("ref_logps", "ref_kl_logps")
 TOKEN_COLUMNS = ("input_ids", "labels", "kl_input_ids", "kl_labels", IMAGE_COLUMN)
-
-
-@dataclass
-class KTOArguments:
-    """The keys of `stage: kto` (LLaMA-Factory's names; `loss_type` is TRL's, LLaMA-Factory has no such key)."""
-
-    pref_beta: float = field(
-        default=0.1, metadata={"help": "KTO beta: scales the implicit reward (how far the policy may move)."}
-    )
-    disable_dropout: bool = field(
-        default=True,
-        metadata={"help": "Set every dropout of the model (LoRA's included) to 0 while training, so that a step "
-                          "sees the network its reference sees. TRL default true."})
-    kto_chosen_weight: float = field(
-        default=1.0, metadata={"help": "Weight of the losses of desirable replies (TRL: desirable_weight)."}
-    )
-    kto_rejected_weight: float = field(
-        default=1.0, metadata={"help": "Weight of the losses of undesirable replies (TRL: undesirable_weight)."}
-    )
-    pref_ftx: float = field(
-        default=0.0, metadata={"help": "Weight of the SFT loss on desirable replies added to the KTO loss."}
-    )
-    loss_type: Literal["kto", "apo_zero_unpaired"] = field(
-        default="kto",
-        metadata={
-            "help": "kto (the paper's loss, reference point = KL estimate) or apo_zero_unpaired (the unpaired "
-            "APO-zero loss of D'Oosterlinck et al. 2024: no reference point, no KL pass)."
-        },
-    )
-    precompute_ref_log_probs: bool = field(
-        default=False,
-        metadata={"help": "Compute reference log-probs (of the replies and of the KL rows) once for each dataset "
-                  "before training (cached): training and every evaluation then run no reference pass."},
-    )
-
-    def __post_init__(self) -> None:
-        if not self.pref_beta > 0:  # also refuses NaN
-            raise ConfigError(f"pref_beta={self.pref_beta} must be > 0: at 0 the KTO loss has no gradient.")
-        for key in ("kto_chosen_weight", "kto_rejected_weight"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"{key}={getattr(self, key)} must be > 0 (1.0 weighs both kinds of reply alike).")
-        if self.pref_ftx < 0:
-            raise ConfigError(f"pref_ftx={self.pref_ftx} must be >= 0 (the weight of an added SFT loss).")
 
 
 def check_config(config: "Config") -> None:

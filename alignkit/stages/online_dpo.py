@@ -29,16 +29,14 @@ position, padding after the end of turn included; here over the completion's own
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from ..config import check_sampling_knobs
 from ..errors import ConfigError
-from ..rewards import RewardFunctionArguments
 from ..rl.rollout import completion_logps, rollout_seed
 from .dpo import preference_loss
+from .arguments import OnlineDPOArguments
 from .grpo import build_online_trainer, collate_prompt_rows
 from .online import PROMPT_COLUMNS, OnlineTrainer
 
@@ -49,58 +47,6 @@ if TYPE_CHECKING:
 
 # The examples `data.get_dataset` builds for this stage (`formats.DATA_KINDS`): prompts, as for GRPO.
 DATA_KIND = "prompt"
-
-
-@dataclass
-class OnlineDPOArguments(RewardFunctionArguments):
-    """The keys of `stage: online_dpo` (TRL 1.16 `OnlineDPOConfig`'s names and defaults), plus the reward keys."""
-
-    beta: Union[float, list[float]] = field(
-        default_factory=lambda: [0.1],
-        metadata={"help": "DPO beta (IPO's tau): how far the policy may move from the reference. A list gives one "
-                          "beta per epoch, the last one for the epochs after. TRL default [0.1]."})
-    loss_type: Literal["sigmoid", "ipo"] = field(
-        default="sigmoid", metadata={"help": "sigmoid (DPO) or ipo (on summed log-probs). TRL default sigmoid."})
-    max_new_tokens: int = field(
-        default=64, metadata={"help": "Most tokens sampled per completion. TRL default 64."})
-    temperature: float = field(default=0.9, metadata={"help": "Sampling temperature (> 0). TRL default 0.9."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1 = off. TRL default 1.0."})
-    top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens; 0 = off. TRL default 0."})
-    min_p: Optional[float] = field(
-        default=None,
-        metadata={"help": "Min-p sampling: drop tokens below min_p x the most likely token's probability, after "
-                          "temperature, top-k and top-p; unset = off. TRL default none."})
-    repetition_penalty: float = field(
-        default=1.0, metadata={"help": "Penalty > 1 discourages repeated tokens; 1 = none. TRL default 1.0."})
-    missing_eos_penalty: Optional[float] = field(
-        default=None,
-        metadata={"help": "Subtracted from the reward of a completion cut off at max_new_tokens without an end of "
-                          "turn (> 0). TRL default none."})
-    disable_dropout: bool = field(
-        default=True, metadata={"help": "Set every dropout of the policy to 0 while training. TRL default true."})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        try:
-            betas = [float(b) for b in (self.beta if isinstance(self.beta, list) else [self.beta])]
-        except (TypeError, ValueError):
-            raise ConfigError(f"beta={self.beta!r} must be a number, or a list of numbers (one per epoch).") from None
-        if not betas or not all(b > 0 for b in betas):
-            raise ConfigError(f"beta={self.beta} must be > 0 (one value, or one per epoch).")
-        self.beta = betas[0] if len(betas) == 1 else betas  # TRL keeps a one-item list as its value
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1.")
-        if not self.temperature > 0:
-            raise ConfigError(f"temperature={self.temperature} must be > 0: online DPO samples its pairs.")
-        check_sampling_knobs(self)
-        if self.missing_eos_penalty is not None and not self.missing_eos_penalty > 0:
-            raise ConfigError(f"missing_eos_penalty={self.missing_eos_penalty} must be > 0 (or unset).")
-
-    def beta_at(self, epoch: float) -> float:
-        """The beta of epoch `epoch` (0-based, fractional within an epoch): `beta[int(epoch)]`, the last after."""
-        if not isinstance(self.beta, list):
-            return float(self.beta)
-        return float(self.beta[min(int(epoch), len(self.beta) - 1)])
 
 
 def choose_pairs(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

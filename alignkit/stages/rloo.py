@@ -21,16 +21,15 @@ Defaults: every key has TRL 1.16 `RLOOConfig`'s default (`num_generations: 2`, `
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import ConfigError
 from ..rl.kl import sequence_log_ratio
 from ..rl.losses import clipped_surrogate
+from .arguments import RLOOArguments
 from .base import run_stage_trainer
-from .grpo import DATA_KIND, GroupRolloutArguments, GRPOTrainer, build_online_trainer, save_processor
+from .grpo import DATA_KIND, GRPOTrainer, build_online_trainer, save_processor
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -38,36 +37,6 @@ if TYPE_CHECKING:
     from ..config import Config
 
 __all__ = ["DATA_KIND", "RLOOArguments", "RLOOTrainer", "run_rloo"]
-
-
-@dataclass
-class RLOOArguments(GroupRolloutArguments):
-    """The keys of `stage: rloo` (TRL 1.16 `RLOOConfig`'s names and defaults): GRPO's shared keys, two defaults
-    changed, and RLOO's own."""
-
-    num_generations: int = field(
-        default=2, metadata={"help": "Completions sampled per prompt (the group); at least 2. TRL RLOO default 2."})
-    beta: float = field(
-        default=0.05,
-        metadata={"help": "Weight of the KL penalty folded into each reward: r - beta x sum_t (log pi_old - log "
-                          "pi_ref). 0 = no reference pass. TRL RLOO default 0.05."})
-    normalize_advantages: bool = field(
-        default=False,
-        metadata={"help": "Whiten the leave-one-out advantages over the generation batch (mean 0, std 1). TRL "
-                          "default false."})
-    reward_clip_range: Optional[list[float]] = field(
-        default=None,
-        metadata={"help": "Clip each reward to [min, max] before the KL penalty, e.g. [-1, 1]; null (default) = no "
-                          "clipping."})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.reward_clip_range is not None:
-            low_high = list(self.reward_clip_range)
-            if len(low_high) != 2 or not low_high[0] < low_high[1]:
-                raise ConfigError(f"reward_clip_range={self.reward_clip_range}: give two numbers [min, max] with "
-                                  "min < max, e.g. [-1, 1], or leave it unset.")
-            self.reward_clip_range = [float(v) for v in low_high]
 
 
 class RLOOTrainer(GRPOTrainer):

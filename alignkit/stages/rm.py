@@ -27,7 +27,6 @@ What this file simplifies, and why:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -37,6 +36,7 @@ from transformers import EvalPrediction
 
 from ..metrics import EvalMetric
 from ..rewards.scoring import sequence_rewards
+from .arguments import RewardArguments
 from .base import StageTrainer, run_stage_trainer, save_pair_predictions
 
 if TYPE_CHECKING:
@@ -48,27 +48,6 @@ logger = logging.getLogger(__name__)
 
 # The examples `data.get_dataset` builds for this stage (`formats.DATA_KINDS`); the registry records it too.
 DATA_KIND = "preference"
-
-
-@dataclass
-class RewardArguments:
-    """The keys of `stage: rm`."""
-
-    center_rewards_coefficient: Optional[float] = field(
-        default=None,
-        metadata={"help": "Weight of the penalty pushing mean rewards towards zero (TRL's key; unset: off)."},
-    )
-    disable_dropout: bool = field(
-        default=True,
-        metadata={"help": "Set every dropout of the model (LoRA's included) to 0 while training, so that the "
-                          "chosen and rejected replies of a pair are scored by the same network. TRL default true."})
-
-    def __post_init__(self) -> None:
-        from ..errors import ConfigError
-
-        if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
-            raise ConfigError(f"center_rewards_coefficient={self.center_rewards_coefficient} must be >= 0 "
-                              "(a penalty weight).")
 
 
 # ---------------------------------------------------------------------------------------------------

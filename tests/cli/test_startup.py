@@ -1,6 +1,6 @@
 """Issue 30: `alignkit --help`, each command's help, `alignkit train --help-keys` and the config errors a user makes
 most (an unknown key, a value of the wrong type, an unknown stage, another stage's key, a value the model, data,
-fine-tuning, generation or training keys refuse, a dataset that does not exist) come back without
+fine-tuning, generation, training or stage keys refuse, a dataset that does not exist) come back without
 importing torch, transformers, peft or datasets (seconds of imports before anything is said): the key table
 (`alignkit.config.keytable`) stands in for the dataclasses.
 
@@ -59,6 +59,10 @@ def test_help_and_early_errors_do_not_import_torch(tmp_path):
         (["train", str(good_yaml), "learning_rate=-1"], 2, "learning_rate=-1.0 must be a finite number"),
         (["train", str(good_yaml), "per_device_train_batch_size=0"], 2, "must be at least 1"),
         (["train", str(good_yaml), "warmup_ratio=0.1", "warmup_steps=3"], 2, "warmup_ratio and warmup_steps are both"),
+        (["train", str(good_yaml), "stage=dpo", "pref_beta=0"], 2, "pref_beta=0.0 must be > 0"),  # a stage's keys
+        (["train", str(good_yaml), "stage=grpo", "num_generations=1"], 2, "num_generations=1: the stage compares"),
+        (["train", str(good_yaml), "stage=grpo", "reward_funcs=acuracy"], 2, "Did you mean `accuracy`"),
+        (["train", str(good_yaml), "stage=ppo", "ppo_epochs=0"], 2, "ppo_epochs=0 must be at least 1"),
         (["train", str(good_yaml), "dataset=nowhere.jsonl"], 2, "dataset 'nowhere.jsonl': no such file"),
         (["train", str(good_yaml), "dataset=no_such_name"], 2, "dataset 'no_such_name' is not a file"),
         (["eval", "--dataset", "demo_math_eval"], 2, "needs --dataset and --reward"),

@@ -143,7 +143,13 @@ def test_the_full_parse_gives_the_same_messages(tmp_path, monkeypatch):
                       ["quantization_bit=3"], ["finetuning_type=freeze", "freeze_trainable_layers=0"],
                       ["learning_rate=-1"], ["per_device_eval_batch_size=0"], ["eval_strategy=steps", "eval_steps=-1"],
                       ["save_strategy=steps", "save_steps=0"], ["num_train_epochs=0"], ["seed=-1"],
-                      ["warmup_ratio=1"], ["warmup_ratio=0.1", "warmup_steps=3"], ["adam_beta2=1"]):
+                      ["warmup_ratio=1"], ["warmup_ratio=0.1", "warmup_steps=3"], ["adam_beta2=1"],
+                      # the stages' own keys (alignkit.stages.arguments, built without torch)
+                      ["pref_beta=0"], ["pref_loss=exo_pair"], ["pref_loss=sigmoid,sft", "loss_weights=1"],
+                      ["sync_ref_model=true", "ref_model_mixup_alpha=2"], ["stage=kto", "pref_beta=0"],
+                      ["stage=grpo", "num_generations=1"], ["stage=grpo", "reward_funcs=acuracy"],
+                      ["stage=rloo", "temperature=0"], ["stage=ppo", "ppo_epochs=0"],
+                      ["stage=online_dpo", "beta=0"], ["stage=distill", "reward_funcs=accuracy"]):
         with pytest.raises(ConfigError) as early:
             check_config_early(path, overrides, table)
         with pytest.raises(ConfigError) as full:

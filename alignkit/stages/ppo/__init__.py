@@ -25,9 +25,9 @@ One PPO step, top to bottom (`PPOTrainer.train`):
    clipped value loss, gradient clipping at `max_grad_norm`, one optimizer step per batch.
 6. The KL coefficient adapts to the rollout's KL (`AdaptiveKLController`), the scheduler steps once.
 
-The stage is split by job: `config` (arguments and refusals), `layout` (response lengths, `pack_right`,
-`policy_forward`, `Rollout`), `trainer` (the loop, `PPOTrainer`, and the private `Trainer` members it relies on,
-`TRAINER_INTERNALS`), `build` (the entry point). The pure maths (whitening, GAE, KL penalty and controllers,
+The stage is split by job: `config` (refusals; its arguments are in `stages/arguments.py`), `layout` (response
+lengths, `pack_right`, `policy_forward`, `Rollout`), `trainer` (the loop, `PPOTrainer`, and the private `Trainer`
+members it relies on, `TRAINER_INTERNALS`), `build` (the entry point). The pure maths (whitening, GAE, KL penalty and controllers,
 clipped losses) is in `alignkit.rl`. Design notes: `trainer`'s docstring and docs/stages/ppo.md.
 """
 

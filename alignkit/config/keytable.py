@@ -99,6 +99,7 @@ def build_key_table() -> dict[str, Any]:
     return {"transformers": [importlib.metadata.version("transformers")], "stages": list(STAGES),
             "default_stage": FinetuningArguments.stage, "default_dataset_dir": DataArguments.dataset_dir,
             "data_class": f"{DataArguments.__module__}.{DataArguments.__qualname__}",
+            "data_kinds": {name: stage.data_kind for name, stage in STAGES.items()},
             "training_class": f"{TrainingArguments.__module__}.{TrainingArguments.__qualname__}",
             "training_defaults": _scalar_defaults(TrainingArguments),
             "classes": classes, "help": help_groups}
@@ -158,7 +159,7 @@ def check_config_early(path: str, overrides: list[str], table: dict[str, Any]) -
     for entry in table["classes"]:  # another stage's keys (`num_generations` with stage sft), in the parse's order
         if entry["stages"] and stage not in entry["stages"] and per_class.get(entry["name"]):
             raise other_stage_keys_error(sorted(per_class[entry["name"]]), entry["stages"][0], stage, f" in {path}")
-    _check_values_early(per_class, table, stage, path)
+    _check_values_early(per_class, table, stage, path, merged)
     data = per_class.get(table["data_class"], {})
     tokenized = data.get("tokenized_path")
     if tokenized and Path(tokenized).is_dir():
@@ -170,38 +171,52 @@ def check_config_early(path: str, overrides: list[str], table: dict[str, Any]) -
             resolve_datasets(data[key], data.get("dataset_dir", table["default_dataset_dir"]))
 
 
-def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, Any], stage: str, path: str) -> None:
+def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, Any], stage: str, path: str,
+                        given: dict[str, Any]) -> None:
     """Raise what the parse's dataclasses raise for a bad value where they can run without torch: the sections of
     `alignkit.config.sections` and the run's stage keys (`alignkit.stages.arguments`) built from their keys, and
     `check_training_values` on the training keys given over transformers' defaults (as `TrainingArguments` runs it,
-    after the parse's own defaults and its `do_eval` rule). Checks that span sections (`check_combinations`, a
-    stage's `check_config`) and transformers' own checks stay with the parse."""
+    after the parse's own defaults and its `do_eval` rule); then the checks of `check_combinations` that read only
+    those sections and the stage (`check_section_combinations`, `check_generation_keys`). The rest of
+    `check_combinations`, a stage's `check_config` and transformers' own checks stay with the parse."""
     import importlib
 
     from . import sections
 
+    built: dict[str, Any] = {}
+    own_keys: set[str] = set()
     for entry in table["classes"]:
         module, _, name = entry["name"].rpartition(".")
-        given = per_class.get(entry["name"], {})
+        keys = per_class.get(entry["name"], {})
+        if stage in entry["stages"]:
+            own_keys = set(entry["fields"])
         if module in TORCH_FREE_MODULES and (not entry["stages"] or stage in entry["stages"]):
             try:
                 with _quiet():  # the parse logs what the classes log; here only their errors count
-                    getattr(importlib.import_module(module), name)(**given)
+                    built[name] = getattr(importlib.import_module(module), name)(**keys)
             except ConfigError as err:
                 raise ConfigError(f"{err} ({path})") from None
             except (ValueError, TypeError) as err:
                 raise ConfigError(f"invalid {name} settings in {path}: {err}") from None
         elif entry["name"] == table.get("training_class") and "training_defaults" in table:
-            values = {**table["training_defaults"], **sections.TRAINING_DEFAULTS, **given}
-            if given.get("do_eval") is False:
+            values = {**table["training_defaults"], **sections.TRAINING_DEFAULTS, **keys}
+            if keys.get("do_eval") is False:
                 values["eval_strategy"] = "no"  # as the parse sets it (transformers' default do_eval is false too)
-            sections.check_warmup_keys(given, f" in {path}")
+            sections.check_warmup_keys(keys, f" in {path}")
             try:
                 sections.check_training_values(SimpleNamespace(**values))
             except ConfigError as err:
                 raise ConfigError(f"{err} ({path})") from None
             except (AttributeError, TypeError):  # a default the table lacks, or an odd value: the parse decides
                 pass
+    data_kind = table.get("data_kinds", {}).get(stage)
+    parts = ("ModelArguments", "DataArguments", "FinetuningArguments", "GeneratingArguments")
+    if data_kind is None or not all(part in built for part in parts):
+        return
+    # As `check_combinations` raises them: without the file's name.
+    sections.check_section_combinations(built["ModelArguments"], built["DataArguments"], built["FinetuningArguments"],
+                                        data_kind)
+    sections.check_generation_keys(stage, data_kind, own_keys, given, built["GeneratingArguments"])
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from .schema import (
     ModelArguments,
     TrainingArguments,
 )
-from .sections import check_warmup_keys
+from .sections import check_generation_keys, check_section_combinations, check_warmup_keys
 from .values import (
     TRANSFORMERS_TRAINING_DOCS,
     TRANSFORMERS_TRAINING_GROUP,
@@ -344,6 +344,11 @@ def _fsdp_activation_checkpointing(t: TrainingArguments) -> bool:
     return asked or (_env_flag("ACCELERATE_USE_FSDP") and _env_flag("FSDP_ACTIVATION_CHECKPOINTING"))
 
 
+def _own_keys(arguments: Optional[type]) -> set[str]:
+    """The field names of a stage's own keys (none for a stage without a dataclass)."""
+    return {f.name for f in dataclasses.fields(arguments)} if arguments is not None else set()
+
+
 def check_combinations(config: Config) -> None:
     """Reject settings that are valid alone but not together, saying how to fix them.
 
@@ -366,22 +371,7 @@ def check_combinations(config: Config) -> None:
                           "checkpoint wrapper renames every decoder layer, and peft then finds none of the adapter's "
                           "weights when it saves them (the saved adapter would be empty). Use gradient_checkpointing: "
                           "true instead, which checkpoints the same decoder layers.")
-    if f.pissa_init and f.stage not in ("pt", "sft", "rm"):
-        raise ConfigError(f"pissa_init=true with stage {f.stage}: PiSSA moves the adapter's principal part out of the "
-                          "base weights, so the base with the adapter disabled (this stage's reference) is no longer "
-                          "the model it starts from. Use PiSSA in pt, sft or rm, then train this stage from that "
-                          "run's pissa_converted adapter.")
-    if f.pissa_init and config.model.quantization_bit:
-        raise ConfigError("pissa_init with quantization_bit is not supported here (the residual would be quantized "
-                          "again); remove one of them.")
-    if d.packing and stage.data_kind not in ("text", "supervised"):
-        raise ConfigError(f"packing=true applies to stage sft or pt, not {f.stage}; remove it.")
-    for key in ("train_on_prompt", "mask_history"):
-        if getattr(d, key) and stage.data_kind != "supervised":
-            raise ConfigError(f"{key}=true chooses which tokens of an sft conversation train; stage {f.stage} "
-                              + ("trains on every token of its text" if stage.data_kind == "text" else
-                                 "trains on replies only, never on prompts") + ", so it would have no effect. "
-                              "Remove it.")
+    check_section_combinations(config.model, d, f, stage.data_kind)
     if t.predict_with_generate and stage.data_kind not in ("text", "supervised"):
         raise ConfigError(f"predict_with_generate applies to stage sft, not {f.stage}; remove it.")
     for key, ours in (("generation_num_beams", "num_beams (the same beam width)"),
@@ -400,48 +390,9 @@ def check_combinations(config: Config) -> None:
             hint = " (DPO's own smoothing of its preference labels is dpo_label_smoothing)" if f.stage == "dpo" else ""
             raise ConfigError(f"label_smoothing_factor smooths the next-token targets of stage sft or pt; stage "
                               f"{f.stage} has no such loss{hint}. Remove it.")
-    _check_generation_keys(config, stage)
+    check_generation_keys(f.stage, stage.data_kind, _own_keys(stage.arguments), config.values, config.generating)
     if stage.check is not None:
         stage.check(config)
-
-
-# The generation keys (`GeneratingArguments`) each stage reads; a stage's own key of the same name (GRPO's
-# `temperature`, online DPO's `max_new_tokens`) takes the value instead and is not counted here.
-_GENERATION_KEYS_READ = {"sft": "all", "pt": "all", "ppo": {"max_new_tokens"}}
-# What the online stages' sampling is, whatever the keys say: a key given with this value states it and passes
-# (LLaMA-Factory's PPO example sets `top_k: 0`); any other value is refused.
-_ONLINE_SAMPLING = {"do_sample": True, "num_beams": 1}
-_PPO_SAMPLING = {**_ONLINE_SAMPLING, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
-
-
-def _check_generation_keys(config: Config, stage: Any) -> None:
-    """Refuse a generation key given explicitly that the stage would never read (`_GENERATION_KEYS_READ`), unless
-    it states what the stage does anyway."""
-    name = config.finetuning.stage
-    read = _GENERATION_KEYS_READ.get(name, set())
-    if read == "all":
-        return
-    own = {f.name for f in dataclasses.fields(stage.arguments)} if stage.arguments is not None else set()
-    generation_keys = {f.name for f in dataclasses.fields(GeneratingArguments)}
-    fixed = (_PPO_SAMPLING if name == "ppo" else _ONLINE_SAMPLING) if stage.data_kind == "prompt" else {}
-    for key in config.values:
-        if key in read or key in own or key not in generation_keys:
-            continue
-        if key in fixed and getattr(config.generating, key) == fixed[key]:
-            continue
-        if stage.data_kind != "prompt":
-            why = "it generates nothing"
-        elif key == "max_new_tokens":
-            why = "max_completion_length sets the completions' length"
-        elif name == "ppo":
-            why = ("it samples at temperature 1 without top-k, top-p or a penalty, so that its log-probs and KL are "
-                   "those of the distribution it samples")
-        else:
-            knobs = own & {"temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens",
-                           "max_completion_length"}
-            why = f"it always samples, shaped by its own {', '.join(sorted(knobs))}"
-        raise ConfigError(f"{key}={getattr(config.generating, key)}: stage {name} does not read this generation key "
-                          f"({why}). Remove it.")
 
 
 # `--help-keys` groups, named as README.md and docs/config.md name them; the stages' groups follow, then the Trainer's.

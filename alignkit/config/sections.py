@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable, Literal, Optional
 
 from ..errors import ConfigError
 
@@ -406,6 +406,75 @@ BOTH_WARMUP_KEYS = ("warmup_ratio and warmup_steps are both given; keep one (tra
                      "below 1 as a share of the training steps, so warmup_ratio: 0.1 is warmup_steps: 0.1).")
 
 
+def check_section_combinations(model: ModelArguments, data: DataArguments, finetuning: FinetuningArguments,
+                               data_kind: str) -> None:
+    """What the model, data and fine-tuning keys refuse together or for the run's stage (`data_kind`: the examples
+    it trains on, `alignkit.stages.Stage.data_kind`). Part of the parse's `check_combinations`; the early check runs
+    it too (the stages' data kinds are in the key table)."""
+    f, d = finetuning, data
+    if f.pissa_init and f.stage not in ("pt", "sft", "rm"):
+        raise ConfigError(f"pissa_init=true with stage {f.stage}: PiSSA moves the adapter's principal part out of the "
+                          "base weights, so the base with the adapter disabled (this stage's reference) is no longer "
+                          "the model it starts from. Use PiSSA in pt, sft or rm, then train this stage from that "
+                          "run's pissa_converted adapter.")
+    if f.pissa_init and model.quantization_bit:
+        raise ConfigError("pissa_init with quantization_bit is not supported here (the residual would be quantized "
+                          "again); remove one of them.")
+    if d.packing and data_kind not in ("text", "supervised"):
+        raise ConfigError(f"packing=true applies to stage sft or pt, not {f.stage}; remove it.")
+    for key in ("train_on_prompt", "mask_history"):
+        if getattr(d, key) and data_kind != "supervised":
+            raise ConfigError(f"{key}=true chooses which tokens of an sft conversation train; stage {f.stage} "
+                              + ("trains on every token of its text" if data_kind == "text" else
+                                 "trains on replies only, never on prompts") + ", so it would have no effect. "
+                              "Remove it.")
+
+
+# The generation keys (`GeneratingArguments`) each stage reads; a stage's own key of the same name (GRPO's
+# `temperature`, online DPO's `max_new_tokens`) takes the value instead and is not counted here.
+_GENERATION_KEYS_READ = {"sft": "all", "pt": "all", "ppo": {"max_new_tokens"}}
+# What the online stages' sampling is, whatever the keys say: a key given with this value states it and passes
+# (LLaMA-Factory's PPO example sets `top_k: 0`); any other value is refused.
+_ONLINE_SAMPLING = {"do_sample": True, "num_beams": 1}
+_PPO_SAMPLING = {**_ONLINE_SAMPLING, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+
+
+def check_generation_keys(stage: str, data_kind: str, own_keys: set[str], given: Iterable[str],
+                          generating: GeneratingArguments) -> None:
+    """Refuse a generation key given explicitly that the stage would never read (`_GENERATION_KEYS_READ`), unless
+    it states what the stage does anyway.
+
+    Args:
+        stage, data_kind: the run's stage and the examples it trains on (`prompt`: an online stage).
+        own_keys: the stage's own keys (a key of the same name is the stage's, not a generation key).
+        given: the keys the config gives (YAML and overrides).
+        generating: the built generation section (the values given).
+    """
+    read = _GENERATION_KEYS_READ.get(stage, set())
+    if read == "all":
+        return
+    generation_keys = {f.name for f in fields(GeneratingArguments)}
+    fixed = (_PPO_SAMPLING if stage == "ppo" else _ONLINE_SAMPLING) if data_kind == "prompt" else {}
+    for key in given:
+        if key in read or key in own_keys or key not in generation_keys:
+            continue
+        if key in fixed and getattr(generating, key) == fixed[key]:
+            continue
+        if data_kind != "prompt":
+            why = "it generates nothing"
+        elif key == "max_new_tokens":
+            why = "max_completion_length sets the completions' length"
+        elif stage == "ppo":
+            why = ("it samples at temperature 1 without top-k, top-p or a penalty, so that its log-probs and KL are "
+                   "those of the distribution it samples")
+        else:
+            knobs = own_keys & {"temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens",
+                                "max_completion_length"}
+            why = f"it always samples, shaped by its own {', '.join(sorted(knobs))}"
+        raise ConfigError(f"{key}={getattr(generating, key)}: stage {stage} does not read this generation key "
+                          f"({why}). Remove it.")
+
+
 def check_warmup_keys(train_kwargs: dict[str, Any], where: str) -> None:
     """Refuse `warmup_ratio` given with `warmup_steps` (`where`: " in FILE" or ""), before either is read."""
     if train_kwargs.get("warmup_ratio") is not None and "warmup_steps" in train_kwargs:
@@ -504,4 +573,4 @@ def _cuda_available() -> bool:
 
 __all__ = ["BOTH_WARMUP_KEYS", "BUNDLED_MODEL_NAME", "DataArguments", "FinetuningArguments", "GeneratingArguments",
            "ModelArguments", "STAGE_NAMES", "TRAINING_DEFAULTS", "attention_from_flash_attn", "check_sampling_knobs",
-           "check_training_values", "check_warmup_keys"]
+           "check_generation_keys", "check_section_combinations", "check_training_values", "check_warmup_keys"]

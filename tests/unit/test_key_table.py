@@ -135,7 +135,8 @@ def test_the_full_parse_gives_the_same_messages(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     table = load_key_table()
-    path = _config(tmp_path, "stage: dpo\n")
+    (tmp_path / "rows.jsonl").write_text('{"instruction": "hi", "output": "hello"}\n', encoding="utf-8")
+    path = _config(tmp_path, "stage: dpo\ndataset: rows.jsonl\n")  # the parse then fails on the key first
     for overrides in (["learnig_rate=1e-4"], ["lora_rank=x"], ["pref_loss=nope"], ["pref_loss=ipo,nope"],
                       ["stage=dop"], ["num_generations=4"], ["num_generations=4", "lora_target=q_proj"],
                       # values the sections refuse (built without torch), and alignkit's checks of training keys
@@ -149,7 +150,13 @@ def test_the_full_parse_gives_the_same_messages(tmp_path, monkeypatch):
                       ["sync_ref_model=true", "ref_model_mixup_alpha=2"], ["stage=kto", "pref_beta=0"],
                       ["stage=grpo", "num_generations=1"], ["stage=grpo", "reward_funcs=acuracy"],
                       ["stage=rloo", "temperature=0"], ["stage=ppo", "ppo_epochs=0"],
-                      ["stage=online_dpo", "beta=0"], ["stage=distill", "reward_funcs=accuracy"]):
+                      ["stage=online_dpo", "beta=0"], ["stage=distill", "reward_funcs=accuracy"],
+                      # check_combinations' checks of the sections and the stage (check_section_combinations,
+                      # check_generation_keys)
+                      ["packing=true"], ["train_on_prompt=true"], ["stage=pt", "mask_history=true"],
+                      ["pissa_init=true"], ["stage=sft", "pissa_init=true", "quantization_bit=4"],
+                      ["temperature=0.7"], ["stage=grpo", "max_new_tokens=8"], ["stage=ppo", "top_p=0.9"],
+                      ["stage=online_dpo", "num_beams=2"]):
         with pytest.raises(ConfigError) as early:
             check_config_early(path, overrides, table)
         with pytest.raises(ConfigError) as full:
@@ -174,7 +181,8 @@ def test_values_the_parse_accepts_pass_the_early_check(tmp_path, monkeypatch):
     path = _config(tmp_path, "stage: sft\ndataset: rows.jsonl\n")
     for overrides in ([], ["eval_strategy=steps", "eval_steps=-1", "do_eval=false", "do_train=true"], ["eval_strategy=steps", "eval_steps=0"],
                       ["max_steps=5", "num_train_epochs=0"], ["warmup_ratio=0.5"], ["save_strategy=no", "save_steps=0"],
-                      ["learning_rate=0"], ["finetuning_type=full"], ["stage=dpo", "pref_beta=0.5"]):
+                      ["learning_rate=0"], ["finetuning_type=full"], ["stage=dpo", "pref_beta=0.5"],
+                      ["temperature=0.7"], ["packing=true", "mask_history=true"], ["pissa_init=true"]):
         read_config(path, overrides)
         check_config_early(path, overrides, table)
 

@@ -1,11 +1,12 @@
 """Every config key and its type as a table read without importing torch, for the checks `alignkit train` makes first.
 
 The config's dataclasses cannot all be imported cheaply: the training section subclasses transformers'
-`Seq2SeqTrainingArguments` (which imports torch) and each stage's keys live in its stage module. Importing them
-takes several seconds, so a misspelt key or a value of the wrong type would keep a user waiting that long for a
-one-line error. The model, data, fine-tuning and generation sections (`alignkit.config.sections`) import neither,
-so the early check builds them, and runs alignkit's checks of the training keys over transformers' defaults
-(recorded here), for the same errors as the parse's. `keys.json`, next to this module, records what the parser needs to find those errors: each
+`Seq2SeqTrainingArguments` (which imports torch), and the full parse imports every stage module. That takes
+seconds, so a misspelt key or a bad value would keep a user waiting that long for a one-line error. The model,
+data, fine-tuning and generation sections (`alignkit.config.sections`) and every stage's own keys
+(`alignkit.stages.arguments`) import neither, so the early check builds them, runs alignkit's checks of the
+training keys over transformers' defaults (recorded here) and the checks of those sections with the stage, for the
+same errors as the parse's. `keys.json`, next to this module, records what the parser needs to find those errors: each
 section's keys with their types, the stage names, and the `--help-keys` text. It is generated from the live
 dataclasses (`python -m alignkit.config.keytable`), and `tests/unit/test_key_table.py` fails when it no longer
 matches them.
@@ -25,8 +26,8 @@ import importlib.metadata
 import json
 import logging
 import types
-import warnings
 import typing
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator, Literal, Optional
@@ -137,12 +138,13 @@ def same_keys(table: dict[str, Any], other: dict[str, Any]) -> bool:
 
 def check_config_early(path: str, overrides: list[str], table: dict[str, Any]) -> None:
     """Raise what `read_config(path, overrides)` would raise for an unknown key, a value of the wrong type, an
-    unknown stage, another stage's key, a bad value of the model, data, fine-tuning, generation or training keys
-    (`_check_values_early`), or a dataset that does not exist, without importing torch.
+    unknown stage, another stage's key, a bad value of the model, data, fine-tuning, generation, training or stage
+    keys or a key the stage has no use for (`_check_values_early`), or a dataset that does not exist, without
+    importing torch.
 
     Raises:
-        ConfigError: an unknown key, a value that does not fit, an unknown stage, another stage's key, or a value
-            a section refuses (the parse's messages).
+        ConfigError: an unknown key, a value that does not fit, an unknown stage, another stage's key, a value a
+            section or the stage refuses, or a key the stage has no use for (the parse's messages).
         DataError: a `dataset` / `eval_dataset` that is not a file, a registry name or a hub id (the loader's).
     """
     merged, from_command_line = merge_overrides(load_yaml(path), overrides)

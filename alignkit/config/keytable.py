@@ -179,19 +179,21 @@ def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, A
     `alignkit.config.sections` and the run's stage keys (`alignkit.stages.arguments`) built from their keys, and
     `check_training_values` on the training keys given over transformers' defaults (as `TrainingArguments` runs it,
     after the parse's own defaults and its `do_eval` rule); then the checks of `check_combinations` that read only
-    those sections and the stage (`check_section_combinations`, `check_generation_keys`). The rest of
-    `check_combinations`, a stage's `check_config` and transformers' own checks stay with the parse."""
+    those sections and the stage (`check_section_combinations`, `check_generation_keys`), and the stage keys' own
+    part of the stage's `check_config` (a reward to train on: `check_reward_source`). The rest of
+    `check_combinations` and of a stage's `check_config`, and transformers' own checks, stay with the parse."""
     import importlib
 
     from . import sections
 
     built: dict[str, Any] = {}
     own_keys: set[str] = set()
+    method_name = None
     for entry in table["classes"]:
         module, _, name = entry["name"].rpartition(".")
         keys = per_class.get(entry["name"], {})
         if stage in entry["stages"]:
-            own_keys = set(entry["fields"])
+            own_keys, method_name = set(entry["fields"]), name
         if module in TORCH_FREE_MODULES and (not entry["stages"] or stage in entry["stages"]):
             try:
                 with _quiet():  # the parse logs what the classes log; here only their errors count
@@ -219,6 +221,12 @@ def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, A
     sections.check_section_combinations(built["ModelArguments"], built["DataArguments"], built["FinetuningArguments"],
                                         data_kind)
     sections.check_generation_keys(stage, data_kind, own_keys, given, built["GeneratingArguments"])
+    method = built.get(method_name) if method_name else None
+    if method is not None and hasattr(method, "check_reward_source"):  # what its check_config refuses from it alone
+        training = per_class.get(table.get("training_class", ""), {})
+        # `read_config`'s rule: a config silent on all three trains.
+        do_train = training.get("do_train", False) if {"do_train", "do_eval", "do_predict"} & set(given) else True
+        method.check_reward_source(stage, bool(do_train))
 
 
 @contextlib.contextmanager

@@ -14,13 +14,13 @@ function.
 
 from typing import Any
 
-from .arguments import RewardFunctionArguments
+from .arguments import RewardFunctionArguments, require_reward_funcs
 from .builtin import BUILTIN_NAMES, accuracy_reward, extract_final_answer, format_reward, length_reward
 
 # `functions` imports torch; its names load on first use, so that the reward keys (`arguments`) are checked
 # without it (`alignkit.config.keytable.check_config_early`).
 _FUNCTION_NAMES = ("RewardFunction", "RewardFunctionError", "RewardFunctions", "build_reward_functions",
-                   "check_reward_functions", "combine_rewards", "load_user_function", "require_reward_funcs")
+                   "check_reward_functions", "combine_rewards", "load_user_function")
 
 
 def __getattr__(name: str) -> Any:

@@ -140,4 +140,17 @@ def _check_spec_syntax(spec: str) -> None:
                           f"`{close[0]}`?")
 
 
-__all__ = ["RewardFunctionArguments"]
+def require_reward_funcs(args: RewardFunctionArguments, stage: Optional[str] = None) -> None:
+    """Raise a ConfigError when `reward_funcs` is empty (a stage's `check_config` calls it, before the model loads).
+
+    Args:
+        args: the stage's arguments (a `RewardFunctionArguments` subclass).
+        stage: the stage that needs the rewards, named in the message when given.
+    """
+    if not args.reward_funcs:
+        needs = f"stage {stage} needs reward_funcs" if stage else "reward_funcs is empty"
+        raise ConfigError(f"{needs}: give at least one reward function or reward model folder, e.g. "
+                          "`reward_funcs: accuracy,format` (built-ins: " + ", ".join(BUILTIN_NAMES) + ").")
+
+
+__all__ = ["RewardFunctionArguments", "require_reward_funcs"]

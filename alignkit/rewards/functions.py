@@ -49,7 +49,7 @@ import torch
 
 from ..errors import ConfigError, RewardFunctionError
 from ..files import resolve_config_path
-from .arguments import RewardFunctionArguments
+from .arguments import RewardFunctionArguments, require_reward_funcs
 from .builtin import BUILTIN_NAMES, accuracy_reward, format_reward, length_reward
 
 
@@ -433,19 +433,6 @@ def _unique_names(names: list[str]) -> list[str]:
         seen[name] = seen.get(name, 0) + 1
         out.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
     return out
-
-
-def require_reward_funcs(args: RewardFunctionArguments, stage: Optional[str] = None) -> None:
-    """Raise a ConfigError when `reward_funcs` is empty (a stage's `check_config` calls it, before the model loads).
-
-    Args:
-        args: the stage's arguments (a `RewardFunctionArguments` subclass).
-        stage: the stage that needs the rewards, named in the message when given.
-    """
-    if not args.reward_funcs:
-        needs = f"stage {stage} needs reward_funcs" if stage else "reward_funcs is empty"
-        raise ConfigError(f"{needs}: give at least one reward function or reward model folder, e.g. "
-                          "`reward_funcs: accuracy,format` (built-ins: " + ", ".join(BUILTIN_NAMES) + ").")
 
 
 def check_reward_functions(args: RewardFunctionArguments, *, config_dir: Optional[str] = None,

@@ -16,7 +16,7 @@ from typing import Literal, Optional, Union
 
 from ..config.sections import check_sampling_knobs
 from ..errors import ConfigError
-from ..rewards.arguments import RewardFunctionArguments
+from ..rewards.arguments import RewardFunctionArguments, require_reward_funcs
 
 logger = logging.getLogger(__name__)
 
@@ -355,6 +355,12 @@ class GroupRolloutArguments(ReferenceSyncArguments, RewardFunctionArguments):
         """Whether rollouts call tools (`tools` or `environment_factory` set)."""
         return bool(self.tools) or bool(self.environment_factory)
 
+    def check_reward_source(self, stage: str, do_train: bool) -> None:
+        """Refuse a run with nothing to reward it, from these keys alone. A tool environment may bring a reward of
+        its own, which only loading it tells (`grpo.check_config`), so runs with tools pass here."""
+        if not self.uses_tools:
+            require_reward_funcs(self, stage)
+
 
 @dataclass
 class GRPOArguments(GroupRolloutArguments):
@@ -538,6 +544,12 @@ class OnlineDPOArguments(RewardFunctionArguments):
         if self.missing_eos_penalty is not None and not self.missing_eos_penalty > 0:
             raise ConfigError(f"missing_eos_penalty={self.missing_eos_penalty} must be > 0 (or unset).")
 
+    def check_reward_source(self, stage: str, do_train: bool) -> None:
+        """Refuse a run without `reward_funcs`: they choose which completion of each pair is chosen."""
+        if not self.reward_funcs:
+            raise ConfigError(f"stage {stage} needs reward_funcs (functions and/or reward model directories) to judge "
+                              "which of each prompt's two completions is chosen.")
+
     def beta_at(self, epoch: float) -> float:
         """The beta of epoch `epoch` (0-based, fractional within an epoch): `beta[int(epoch)]`, the last after."""
         if not isinstance(self.beta, list):
@@ -637,6 +649,12 @@ class PPOArguments(RewardFunctionArguments):
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 0.")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ConfigError(f"gamma={self.gamma} and lam={self.lam} must lie in [0, 1].")
+
+    def check_reward_source(self, stage: str, do_train: bool) -> None:
+        """Refuse training without a reward (`reward_model` and/or `reward_funcs`)."""
+        if do_train and not self.reward_model and not self.reward_funcs:
+            raise ConfigError(f"stage {stage} needs a reward: set `reward_model` (an rm run's output_dir) and/or "
+                              "`reward_funcs`.")
 
 
 @dataclass

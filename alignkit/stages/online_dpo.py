@@ -74,9 +74,7 @@ def check_config(config: "Config") -> None:
     if config.training.do_eval or config.training.do_predict:
         raise ConfigError("stage online_dpo trains only: remove do_eval/do_predict, and measure a reward on held-out "
                           "prompts with `alignkit eval` before and after training.")
-    if not config.method.reward_funcs:
-        raise ConfigError("stage online_dpo needs reward_funcs (functions and/or reward model directories) to judge "
-                          "which of each prompt's two completions is chosen.")
+    config.method.check_reward_source("online_dpo", config.training.do_train)
 
 
 class OnlineDPOTrainer(OnlineTrainer):

@@ -761,8 +761,9 @@ def test_deepspeed_configs_are_refused_only_for_a_scheduler_block():
                 "auto_find_batch_size": False, "per_device_train_batch_size": 2,
                 "gradient_accumulation_steps": 1,
                 **training}
-        return SimpleNamespace(method=SimpleNamespace(reward_model=None, reward_funcs=["format"], ppo_critic="head",
-                                                      mini_batch_size=None),
+        from alignkit.stages.ppo import PPOArguments
+
+        return SimpleNamespace(method=PPOArguments(reward_funcs=["format"]),
                                training=SimpleNamespace(**keys), finetuning=SimpleNamespace(finetuning_type=finetuning),
                                model=SimpleNamespace(adapter_name_or_path=adapters))
 

@@ -48,9 +48,7 @@ def check_config(config: "Config") -> None:
     from ...errors import ConfigError
 
     m, t = config.method, config.training
-    if t.do_train and not m.reward_model and not m.reward_funcs:
-        raise ConfigError("stage ppo needs a reward: set `reward_model` (an rm run's output_dir) and/or "
-                          "`reward_funcs`.")
+    m.check_reward_source("ppo", t.do_train)
     if m.ppo_critic == "adapter":
         if config.finetuning.finetuning_type != "lora" or not m.reward_model or m.reward_model_type == "full":
             raise ConfigError("ppo_critic=adapter initialises the critic from a LoRA reward model: it needs "

@@ -180,7 +180,7 @@ def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, A
     `check_training_values` on the training keys given over transformers' defaults (as `TrainingArguments` runs it,
     after the parse's own defaults and its `do_eval` rule); then the checks of `check_combinations` that read only
     those sections and the stage (`check_section_combinations`, `check_generation_keys`), and the stage keys' own
-    part of the stage's `check_config` (a reward to train on: `check_reward_source`). The rest of
+    part of the stage's `check_config` (the online stages: training only, with a reward: `check_run`). The rest of
     `check_combinations` and of a stage's `check_config`, and transformers' own checks, stay with the parse."""
     import importlib
 
@@ -222,11 +222,14 @@ def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, A
                                         data_kind)
     sections.check_generation_keys(stage, data_kind, own_keys, given, built["GeneratingArguments"])
     method = built.get(method_name) if method_name else None
-    if method is not None and hasattr(method, "check_reward_source"):  # what its check_config refuses from it alone
+    if method is not None and hasattr(method, "check_run"):  # what its check_config refuses from it and the mode
         training = per_class.get(table.get("training_class", ""), {})
         # `read_config`'s rule: a config silent on all three trains.
         do_train = training.get("do_train", False) if {"do_train", "do_eval", "do_predict"} & set(given) else True
-        method.check_reward_source(stage, bool(do_train))
+        # transformers turns do_eval on for an eval_strategy but `no`; the parse sets it to `no` for do_eval=false.
+        strategy = "no" if training.get("do_eval") is False else str(training.get("eval_strategy", "no"))
+        evaluates = bool(training.get("do_eval", False)) or strategy != "no" or bool(training.get("do_predict"))
+        method.check_run(stage, do_train=bool(do_train), evaluates=evaluates)
 
 
 @contextlib.contextmanager

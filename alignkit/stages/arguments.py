@@ -355,9 +355,14 @@ class GroupRolloutArguments(ReferenceSyncArguments, RewardFunctionArguments):
         """Whether rollouts call tools (`tools` or `environment_factory` set)."""
         return bool(self.tools) or bool(self.environment_factory)
 
-    def check_reward_source(self, stage: str, do_train: bool) -> None:
-        """Refuse a run with nothing to reward it, from these keys alone. A tool environment may bring a reward of
-        its own, which only loading it tells (`grpo.check_config`), so runs with tools pass here."""
+    def check_run(self, stage: str, *, do_train: bool, evaluates: bool) -> None:
+        """What `grpo.check_config` refuses from these keys and the run's mode alone (`check_run` of the argument
+        classes: called by the stage's `check_config` and by the early check): evaluation, and a run with nothing to
+        reward it. A tool environment may bring a reward of its own, which only loading it tells, so runs with
+        tools pass the reward check here and `check_config` makes it after loading their environment."""
+        if evaluates:
+            raise ConfigError(f"stage {stage} trains only: remove do_eval/do_predict, and measure a reward on held-out "
+                              "prompts with `alignkit eval` (greedy) before and after training.")
         if not self.uses_tools:
             require_reward_funcs(self, stage)
 
@@ -544,8 +549,12 @@ class OnlineDPOArguments(RewardFunctionArguments):
         if self.missing_eos_penalty is not None and not self.missing_eos_penalty > 0:
             raise ConfigError(f"missing_eos_penalty={self.missing_eos_penalty} must be > 0 (or unset).")
 
-    def check_reward_source(self, stage: str, do_train: bool) -> None:
-        """Refuse a run without `reward_funcs`: they choose which completion of each pair is chosen."""
+    def check_run(self, stage: str, *, do_train: bool, evaluates: bool) -> None:
+        """Refuse evaluation, and a run without `reward_funcs` (they choose which completion of each pair is
+        chosen)."""
+        if evaluates:
+            raise ConfigError(f"stage {stage} trains only: remove do_eval/do_predict, and measure a reward on held-out "
+                              "prompts with `alignkit eval` before and after training.")
         if not self.reward_funcs:
             raise ConfigError(f"stage {stage} needs reward_funcs (functions and/or reward model directories) to judge "
                               "which of each prompt's two completions is chosen.")
@@ -650,11 +659,14 @@ class PPOArguments(RewardFunctionArguments):
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ConfigError(f"gamma={self.gamma} and lam={self.lam} must lie in [0, 1].")
 
-    def check_reward_source(self, stage: str, do_train: bool) -> None:
-        """Refuse training without a reward (`reward_model` and/or `reward_funcs`)."""
+    def check_run(self, stage: str, *, do_train: bool, evaluates: bool) -> None:
+        """Refuse training without a reward (`reward_model` and/or `reward_funcs`), and evaluation."""
         if do_train and not self.reward_model and not self.reward_funcs:
             raise ConfigError(f"stage {stage} needs a reward: set `reward_model` (an rm run's output_dir) and/or "
                               "`reward_funcs`.")
+        if evaluates:
+            raise ConfigError(f"stage {stage} trains only: set do_eval and do_predict to false (score the trained "
+                              "policy with `alignkit score`).")
 
 
 @dataclass
@@ -718,6 +730,12 @@ class DistillArguments:
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
         check_vllm_mode(self.vllm_mode)
+
+    def check_run(self, stage: str, *, do_train: bool, evaluates: bool) -> None:
+        """Refuse evaluation (the stage trains only)."""
+        if evaluates:
+            raise ConfigError("stage distill trains only: remove do_eval/do_predict, and measure the KL to the teacher "
+                              "on held-out prompts with `alignkit eval --kl-reference` before and after training.")
 
     def generation_loop(self) -> SimpleNamespace:
         """The settings `GRPOTrainer`'s round reads, for distillation: GRPO's defaults, the sampling keys of this

@@ -241,9 +241,7 @@ def check_same_tokenizer(student_tokenizer, teacher_tokenizer, teacher_name: str
 def check_config(config: "Config") -> None:
     """What `stage: distill` refuses beyond its own keys (called after the config is parsed)."""
     d, t = config.method, config.training
-    if t.do_eval or t.do_predict:
-        raise ConfigError("stage distill trains only: remove do_eval/do_predict, and measure the KL to the teacher "
-                          "on held-out prompts with `alignkit eval --kl-reference` before and after training.")
+    d.check_run("distill", do_train=t.do_train, evaluates=t.do_eval or t.do_predict)
     teacher_model_arguments(config.model, d)
     resolve_generation_batch(t.per_device_train_batch_size, launched_processes(), 1, None, None,
                              t.gradient_accumulation_steps)

@@ -148,16 +148,13 @@ def resolve_generation_batch(per_device_train_batch_size: int, num_processes: in
 def check_config(config: "Config") -> None:
     """What `stage: grpo` (and `rloo`) refuses beyond its own keys (called after the config is parsed)."""
     g, t = config.method, config.training
-    if t.do_eval or t.do_predict:
-        raise ConfigError(f"stage {config.finetuning.stage} trains only: remove do_eval/do_predict, and measure a "
-                          "reward on held-out prompts with `alignkit eval` (greedy) before and after training.")
-    factory = None
+    g.check_run(config.finetuning.stage, do_train=t.do_train, evaluates=t.do_eval or t.do_predict)
     if g.uses_tools:
         from ..rl.tools import check_tool_keys
 
-        factory = check_tool_keys(g, config.dir)
-    if environment_reward(factory) is None:  # an environment with `get_reward` is a reward source of its own
-        require_reward_funcs(g, config.finetuning.stage)
+        # An environment with `get_reward` is a reward source of its own.
+        if environment_reward(check_tool_keys(g, config.dir)) is None:
+            require_reward_funcs(g, config.finetuning.stage)
     check_generation_loop(g, t)
     check_reference_sync(config, g.beta != 0, "beta=0 (no KL term)")
 

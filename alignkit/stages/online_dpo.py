@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from ..errors import ConfigError
 from ..rl.rollout import completion_logps, rollout_seed
 from .dpo import preference_loss
 from .arguments import OnlineDPOArguments
@@ -71,10 +70,8 @@ def choose_pairs(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_config(config: "Config") -> None:
     """What `stage: online_dpo` refuses beyond its own keys (called after the config is parsed)."""
-    if config.training.do_eval or config.training.do_predict:
-        raise ConfigError("stage online_dpo trains only: remove do_eval/do_predict, and measure a reward on held-out "
-                          "prompts with `alignkit eval` before and after training.")
-    config.method.check_reward_source("online_dpo", config.training.do_train)
+    t = config.training
+    config.method.check_run("online_dpo", do_train=t.do_train, evaluates=t.do_eval or t.do_predict)
 
 
 class OnlineDPOTrainer(OnlineTrainer):

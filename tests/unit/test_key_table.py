@@ -157,8 +157,12 @@ def test_the_full_parse_gives_the_same_messages(tmp_path, monkeypatch):
                       ["pissa_init=true"], ["stage=sft", "pissa_init=true", "quantization_bit=4"],
                       ["temperature=0.7"], ["stage=grpo", "max_new_tokens=8"], ["stage=ppo", "top_p=0.9"],
                       ["stage=online_dpo", "num_beams=2"],
-                      # the part of a stage's check_config its own keys decide (check_reward_source)
-                      ["stage=grpo"], ["stage=rloo"], ["stage=ppo"], ["stage=online_dpo"]):
+                      # the part of a stage's check_config its own keys and the run's mode decide (check_run)
+                      ["stage=grpo"], ["stage=rloo"], ["stage=ppo"], ["stage=online_dpo"],
+                      ["stage=grpo", "reward_funcs=accuracy", "do_eval=true"],
+                      ["stage=grpo", "reward_funcs=accuracy", "eval_strategy=steps"],
+                      ["stage=ppo", "reward_funcs=accuracy", "do_predict=true"], ["stage=ppo", "do_eval=true"],
+                      ["stage=online_dpo", "reward_funcs=accuracy", "do_eval=true"], ["stage=distill", "do_eval=true"]):
         with pytest.raises(ConfigError) as early:
             check_config_early(path, overrides, table)
         with pytest.raises(ConfigError) as full:
@@ -185,7 +189,9 @@ def test_values_the_parse_accepts_pass_the_early_check(tmp_path, monkeypatch):
                       ["max_steps=5", "num_train_epochs=0"], ["warmup_ratio=0.5"], ["save_strategy=no", "save_steps=0"],
                       ["learning_rate=0"], ["finetuning_type=full"], ["stage=dpo", "pref_beta=0.5"],
                       ["temperature=0.7"], ["packing=true", "mask_history=true"], ["pissa_init=true"],
-                      ["stage=grpo", "reward_funcs=accuracy"], ["stage=ppo", "reward_funcs=accuracy"]):
+                      ["stage=grpo", "reward_funcs=accuracy"], ["stage=ppo", "reward_funcs=accuracy"],
+                      ["stage=grpo", "reward_funcs=accuracy", "eval_strategy=steps", "do_eval=false", "do_train=true"],
+                      ["stage=ppo", "do_train=true", "do_eval=false", "reward_funcs=format"]):
         read_config(path, overrides)
         check_config_early(path, overrides, table)
 

@@ -48,7 +48,7 @@ def check_config(config: "Config") -> None:
     from ...errors import ConfigError
 
     m, t = config.method, config.training
-    m.check_reward_source("ppo", t.do_train)
+    m.check_run("ppo", do_train=t.do_train, evaluates=t.do_eval or t.do_predict)
     if m.ppo_critic == "adapter":
         if config.finetuning.finetuning_type != "lora" or not m.reward_model or m.reward_model_type == "full":
             raise ConfigError("ppo_critic=adapter initialises the critic from a LoRA reward model: it needs "
@@ -61,9 +61,6 @@ def check_config(config: "Config") -> None:
         reason = deepspeed_refusal(t.hf_deepspeed_config.config)
         if reason:
             raise ConfigError(reason)
-    if t.do_eval or t.do_predict:
-        raise ConfigError("stage ppo trains only: set do_eval and do_predict to false (score the trained policy "
-                          "with `alignkit score`).")
     if t.train_sampling_strategy != "random":
         raise ConfigError(f"train_sampling_strategy={t.train_sampling_strategy}: stage ppo draws each step's prompts "
                           "from a seeded shuffle of the dataset (data_seed, else seed); remove it.")

@@ -224,12 +224,17 @@ def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, A
     method = built.get(method_name) if method_name else None
     if method is not None and hasattr(method, "check_run"):  # what its check_config refuses from it and the mode
         training = per_class.get(table.get("training_class", ""), {})
+        values = {**table.get("training_defaults", {}), **sections.TRAINING_DEFAULTS, **training}
         # `read_config`'s rule: a config silent on all three trains.
-        do_train = training.get("do_train", False) if {"do_train", "do_eval", "do_predict"} & set(given) else True
+        if not {"do_train", "do_eval", "do_predict"} & set(given):
+            values["do_train"] = True
         # transformers turns do_eval on for an eval_strategy but `no`; the parse sets it to `no` for do_eval=false.
-        strategy = "no" if training.get("do_eval") is False else str(training.get("eval_strategy", "no"))
-        evaluates = bool(training.get("do_eval", False)) or strategy != "no" or bool(training.get("do_predict"))
-        method.check_run(stage, do_train=bool(do_train), evaluates=evaluates)
+        strategy = "no" if training.get("do_eval") is False else str(values.get("eval_strategy", "no"))
+        values["do_eval"] = bool(values.get("do_eval")) or strategy != "no"
+        try:
+            method.check_run(stage, SimpleNamespace(**values))
+        except (AttributeError, TypeError):  # a default the table lacks, or an odd value: the parse decides
+            pass
 
 
 @contextlib.contextmanager

@@ -12,9 +12,10 @@ import logging
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from types import SimpleNamespace
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from ..config.sections import check_sampling_knobs
+from ..env import launched_processes
 from ..errors import ConfigError
 from ..rewards.arguments import RewardFunctionArguments, require_reward_funcs
 
@@ -236,6 +237,35 @@ def check_vllm_mode(mode: str) -> None:
                           "and talks to no `trl vllm-serve` server; set vllm_mode: colocate (or leave it out).")
 
 
+def resolve_generation_batch(per_device_train_batch_size: int, num_processes: int, num_generations: int,
+                             steps_per_generation: Optional[int], generation_batch_size: Optional[int],
+                             gradient_accumulation_steps: int) -> tuple[int, int]:
+    """`(steps_per_generation, generation_batch_size)` from whichever is given, as TRL 1.16 derives them.
+
+    Neither given: `steps_per_generation = gradient_accumulation_steps`. Example: batch 4, 1 process, GA 2,
+    nothing set → (2, 8).
+
+    Raises:
+        ConfigError: the generation batch is not a whole number of micro-batches or of groups.
+    """
+    global_batch = per_device_train_batch_size * num_processes
+    if steps_per_generation is None and generation_batch_size is None:
+        steps_per_generation = gradient_accumulation_steps
+    if steps_per_generation is None:
+        if generation_batch_size % global_batch:
+            raise ConfigError(f"generation_batch_size={generation_batch_size} must be a multiple of "
+                              f"per_device_train_batch_size x processes = {global_batch}.")
+        steps_per_generation = generation_batch_size // global_batch
+    generation_batch_size = global_batch * steps_per_generation
+    if generation_batch_size % num_generations:
+        raise ConfigError(
+            f"the generation batch ({generation_batch_size} = per_device_train_batch_size "
+            f"{per_device_train_batch_size} x steps_per_generation {steps_per_generation}) must hold whole groups of "
+            f"num_generations={num_generations} completions: make per_device_train_batch_size x steps_per_generation "
+            f"a multiple of {num_generations} (e.g. per_device_train_batch_size: {num_generations}).")
+    return steps_per_generation, generation_batch_size
+
+
 @dataclass
 class GroupRolloutArguments(ReferenceSyncArguments, RewardFunctionArguments):
     """The keys GRPO and RLOO share (TRL 1.16's names): sampling groups of completions, the generation batch, the
@@ -355,16 +385,26 @@ class GroupRolloutArguments(ReferenceSyncArguments, RewardFunctionArguments):
         """Whether rollouts call tools (`tools` or `environment_factory` set)."""
         return bool(self.tools) or bool(self.environment_factory)
 
-    def check_run(self, stage: str, *, do_train: bool, evaluates: bool) -> None:
-        """What `grpo.check_config` refuses from these keys and the run's mode alone (`check_run` of the argument
-        classes: called by the stage's `check_config` and by the early check): evaluation, and a run with nothing to
-        reward it. A tool environment may bring a reward of its own, which only loading it tells, so runs with
-        tools pass the reward check here and `check_config` makes it after loading their environment."""
-        if evaluates:
+    def check_run(self, stage: str, training: Any) -> None:
+        """What `grpo.check_config` refuses from these keys and the run's training keys alone (`check_run` of the
+        argument classes: called by the stage's `check_config` and by the early check): evaluation, a run with
+        nothing to reward it, and a generation batch that does not hold whole groups. A tool environment may bring
+        a reward of its own, which only loading it tells, so runs with tools pass the reward check here and
+        `check_config` makes it after loading their environment.
+
+        Args:
+            stage: the run's stage, named in the messages.
+            training: `do_train`, `do_eval`, `do_predict`, `per_device_train_batch_size` and
+                `gradient_accumulation_steps` (the run's `TrainingArguments`, or the early check's view of them).
+        """
+        if training.do_eval or training.do_predict:
             raise ConfigError(f"stage {stage} trains only: remove do_eval/do_predict, and measure a reward on held-out "
                               "prompts with `alignkit eval` (greedy) before and after training.")
         if not self.uses_tools:
             require_reward_funcs(self, stage)
+        resolve_generation_batch(training.per_device_train_batch_size, launched_processes(), self.num_generations,
+                                 self.steps_per_generation, self.generation_batch_size,
+                                 training.gradient_accumulation_steps)
 
 
 @dataclass
@@ -549,10 +589,10 @@ class OnlineDPOArguments(RewardFunctionArguments):
         if self.missing_eos_penalty is not None and not self.missing_eos_penalty > 0:
             raise ConfigError(f"missing_eos_penalty={self.missing_eos_penalty} must be > 0 (or unset).")
 
-    def check_run(self, stage: str, *, do_train: bool, evaluates: bool) -> None:
+    def check_run(self, stage: str, training: Any) -> None:
         """Refuse evaluation, and a run without `reward_funcs` (they choose which completion of each pair is
-        chosen)."""
-        if evaluates:
+        chosen); `training` as for `GroupRolloutArguments.check_run`."""
+        if training.do_eval or training.do_predict:
             raise ConfigError(f"stage {stage} trains only: remove do_eval/do_predict, and measure a reward on held-out "
                               "prompts with `alignkit eval` before and after training.")
         if not self.reward_funcs:
@@ -659,12 +699,13 @@ class PPOArguments(RewardFunctionArguments):
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ConfigError(f"gamma={self.gamma} and lam={self.lam} must lie in [0, 1].")
 
-    def check_run(self, stage: str, *, do_train: bool, evaluates: bool) -> None:
-        """Refuse training without a reward (`reward_model` and/or `reward_funcs`), and evaluation."""
-        if do_train and not self.reward_model and not self.reward_funcs:
+    def check_run(self, stage: str, training: Any) -> None:
+        """Refuse training without a reward (`reward_model` and/or `reward_funcs`), and evaluation; `training` as
+        for `GroupRolloutArguments.check_run`."""
+        if training.do_train and not self.reward_model and not self.reward_funcs:
             raise ConfigError(f"stage {stage} needs a reward: set `reward_model` (an rm run's output_dir) and/or "
                               "`reward_funcs`.")
-        if evaluates:
+        if training.do_eval or training.do_predict:
             raise ConfigError(f"stage {stage} trains only: set do_eval and do_predict to false (score the trained "
                               "policy with `alignkit score`).")
 
@@ -731,9 +772,9 @@ class DistillArguments:
             raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
         check_vllm_mode(self.vllm_mode)
 
-    def check_run(self, stage: str, *, do_train: bool, evaluates: bool) -> None:
-        """Refuse evaluation (the stage trains only)."""
-        if evaluates:
+    def check_run(self, stage: str, training: Any) -> None:
+        """Refuse evaluation (the stage trains only); `training` as for `GroupRolloutArguments.check_run`."""
+        if training.do_eval or training.do_predict:
             raise ConfigError("stage distill trains only: remove do_eval/do_predict, and measure the KL to the teacher "
                               "on held-out prompts with `alignkit eval --kl-reference` before and after training.")
 

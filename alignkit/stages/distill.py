@@ -241,7 +241,7 @@ def check_same_tokenizer(student_tokenizer, teacher_tokenizer, teacher_name: str
 def check_config(config: "Config") -> None:
     """What `stage: distill` refuses beyond its own keys (called after the config is parsed)."""
     d, t = config.method, config.training
-    d.check_run("distill", do_train=t.do_train, evaluates=t.do_eval or t.do_predict)
+    d.check_run("distill", t)
     teacher_model_arguments(config.model, d)
     resolve_generation_batch(t.per_device_train_batch_size, launched_processes(), 1, None, None,
                              t.gradient_accumulation_steps)

@@ -95,7 +95,7 @@ from ..rl.record import COMPLETIONS_FILE
 from ..rl.rollout import VLLMColocateSampler, completion_logps, rollout_seed
 from ..rl.stats import masked_mean, nan_std
 from ..rl.tools import ToolLoop, environment_reward, rollout_tensors, turn_seeds
-from .arguments import GroupRolloutArguments, GRPOArguments, check_vllm_mode
+from .arguments import GroupRolloutArguments, GRPOArguments, check_vllm_mode, resolve_generation_batch
 from .base import check_reference_sync, is_peft_model, run_stage_trainer
 from .online import PROMPT_COLUMNS, OnlineTrainer, data_order_seed, has_active_dropout
 
@@ -116,39 +116,10 @@ IMAGE_KEY_PREFIX = "images/"
 ENTROPY_CONTROLLER_FILE = "grpo_entropy_controller.json"
 
 
-def resolve_generation_batch(per_device_train_batch_size: int, num_processes: int, num_generations: int,
-                             steps_per_generation: Optional[int], generation_batch_size: Optional[int],
-                             gradient_accumulation_steps: int) -> tuple[int, int]:
-    """`(steps_per_generation, generation_batch_size)` from whichever is given, as TRL 1.16 derives them.
-
-    Neither given: `steps_per_generation = gradient_accumulation_steps`. Example: batch 4, 1 process, GA 2,
-    nothing set → (2, 8).
-
-    Raises:
-        ConfigError: the generation batch is not a whole number of micro-batches or of groups.
-    """
-    global_batch = per_device_train_batch_size * num_processes
-    if steps_per_generation is None and generation_batch_size is None:
-        steps_per_generation = gradient_accumulation_steps
-    if steps_per_generation is None:
-        if generation_batch_size % global_batch:
-            raise ConfigError(f"generation_batch_size={generation_batch_size} must be a multiple of "
-                              f"per_device_train_batch_size x processes = {global_batch}.")
-        steps_per_generation = generation_batch_size // global_batch
-    generation_batch_size = global_batch * steps_per_generation
-    if generation_batch_size % num_generations:
-        raise ConfigError(
-            f"the generation batch ({generation_batch_size} = per_device_train_batch_size "
-            f"{per_device_train_batch_size} x steps_per_generation {steps_per_generation}) must hold whole groups of "
-            f"num_generations={num_generations} completions: make per_device_train_batch_size x steps_per_generation "
-            f"a multiple of {num_generations} (e.g. per_device_train_batch_size: {num_generations}).")
-    return steps_per_generation, generation_batch_size
-
-
 def check_config(config: "Config") -> None:
     """What `stage: grpo` (and `rloo`) refuses beyond its own keys (called after the config is parsed)."""
     g, t = config.method, config.training
-    g.check_run(config.finetuning.stage, do_train=t.do_train, evaluates=t.do_eval or t.do_predict)
+    g.check_run(config.finetuning.stage, t)
     if g.uses_tools:
         from ..rl.tools import check_tool_keys
 

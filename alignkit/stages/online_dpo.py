@@ -70,8 +70,7 @@ def choose_pairs(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_config(config: "Config") -> None:
     """What `stage: online_dpo` refuses beyond its own keys (called after the config is parsed)."""
-    t = config.training
-    config.method.check_run("online_dpo", do_train=t.do_train, evaluates=t.do_eval or t.do_predict)
+    config.method.check_run("online_dpo", config.training)
 
 
 class OnlineDPOTrainer(OnlineTrainer):

@@ -1,7 +1,7 @@
 """Issue 30: `alignkit --help`, each command's help, `alignkit train --help-keys` and the config errors a user makes
 most (an unknown key, a value of the wrong type, an unknown stage, another stage's key, a value the model, data,
 fine-tuning, generation, training or stage keys refuse, a key the stage has no use for, an online stage without
-a reward or asked to evaluate, a dataset that does not exist) come back without
+a reward, asked to evaluate or with a generation batch of partial groups, a dataset that does not exist) come back without
 importing torch, transformers, peft or datasets (seconds of imports before anything is said): the key table
 (`alignkit.config.keytable`) stands in for the dataclasses.
 
@@ -69,6 +69,8 @@ def test_help_and_early_errors_do_not_import_torch(tmp_path):
         (["train", str(good_yaml), "stage=grpo"], 2, "stage grpo needs reward_funcs"),
         (["train", str(good_yaml), "stage=ppo"], 2, "stage ppo needs a reward"),
         (["train", str(good_yaml), "stage=grpo", "reward_funcs=accuracy", "do_eval=true"], 2, "stage grpo trains only"),
+        (["train", str(good_yaml), "stage=grpo", "reward_funcs=accuracy", "per_device_train_batch_size=4"], 2,
+         "must hold whole groups of num_generations=8"),
         (["train", str(good_yaml), "dataset=nowhere.jsonl"], 2, "dataset 'nowhere.jsonl': no such file"),
         (["train", str(good_yaml), "dataset=no_such_name"], 2, "dataset 'no_such_name' is not a file"),
         (["eval", "--dataset", "demo_math_eval"], 2, "needs --dataset and --reward"),

@@ -186,9 +186,11 @@ def test_config_errors_name_the_fix(monkeypatch):
 def test_config_check_counts_the_launched_processes(monkeypatch):
     """The generation batch holds whole groups over all processes: batch 4 x 2 processes = one group of 8."""
     base = {"stage": "grpo", "dataset": "demo_math", "reward_funcs": "accuracy", "per_device_train_batch_size": 4}
-    monkeypatch.setattr("alignkit.stages.grpo.launched_processes", lambda: 2)
+    for module in ("alignkit.stages.grpo", "alignkit.stages.arguments"):  # check_generation_loop, check_run
+        monkeypatch.setattr(f"{module}.launched_processes", lambda: 2)
     assert parse_config(base).method.steps_per_generation is None  # checked, left as given
-    monkeypatch.setattr("alignkit.stages.grpo.launched_processes", lambda: 1)
+    for module in ("alignkit.stages.grpo", "alignkit.stages.arguments"):
+        monkeypatch.setattr(f"{module}.launched_processes", lambda: 1)
     with pytest.raises(ConfigError, match="multiple of 8"):
         parse_config(base)
 

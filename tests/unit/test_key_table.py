@@ -162,7 +162,11 @@ def test_the_full_parse_gives_the_same_messages(tmp_path, monkeypatch):
                       ["stage=grpo", "reward_funcs=accuracy", "do_eval=true"],
                       ["stage=grpo", "reward_funcs=accuracy", "eval_strategy=steps"],
                       ["stage=ppo", "reward_funcs=accuracy", "do_predict=true"], ["stage=ppo", "do_eval=true"],
-                      ["stage=online_dpo", "reward_funcs=accuracy", "do_eval=true"], ["stage=distill", "do_eval=true"]):
+                      ["stage=online_dpo", "reward_funcs=accuracy", "do_eval=true"], ["stage=distill", "do_eval=true"],
+                      ["stage=grpo", "reward_funcs=accuracy", "per_device_train_batch_size=4"],
+                      ["stage=rloo", "reward_funcs=accuracy", "per_device_train_batch_size=3"],
+                      ["stage=grpo", "reward_funcs=accuracy", "per_device_train_batch_size=4",
+                       "generation_batch_size=10"]):
         with pytest.raises(ConfigError) as early:
             check_config_early(path, overrides, table)
         with pytest.raises(ConfigError) as full:
@@ -191,7 +195,9 @@ def test_values_the_parse_accepts_pass_the_early_check(tmp_path, monkeypatch):
                       ["temperature=0.7"], ["packing=true", "mask_history=true"], ["pissa_init=true"],
                       ["stage=grpo", "reward_funcs=accuracy"], ["stage=ppo", "reward_funcs=accuracy"],
                       ["stage=grpo", "reward_funcs=accuracy", "eval_strategy=steps", "do_eval=false", "do_train=true"],
-                      ["stage=ppo", "do_train=true", "do_eval=false", "reward_funcs=format"]):
+                      ["stage=ppo", "do_train=true", "do_eval=false", "reward_funcs=format"],
+                      ["stage=grpo", "reward_funcs=accuracy", "per_device_train_batch_size=4",
+                       "gradient_accumulation_steps=2"]):
         read_config(path, overrides)
         check_config_early(path, overrides, table)
 

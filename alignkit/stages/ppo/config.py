@@ -48,7 +48,7 @@ def check_config(config: "Config") -> None:
     from ...errors import ConfigError
 
     m, t = config.method, config.training
-    m.check_run("ppo", do_train=t.do_train, evaluates=t.do_eval or t.do_predict)
+    m.check_run("ppo", t)
     if m.ppo_critic == "adapter":
         if config.finetuning.finetuning_type != "lora" or not m.reward_model or m.reward_model_type == "full":
             raise ConfigError("ppo_critic=adapter initialises the critic from a LoRA reward model: it needs "

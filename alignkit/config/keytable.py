@@ -180,7 +180,8 @@ def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, A
     `check_training_values` on the training keys given over transformers' defaults (as `TrainingArguments` runs it,
     after the parse's own defaults and its `do_eval` rule); then the checks of `check_combinations` that read only
     those sections and the stage (`check_section_combinations`, `check_generation_keys`), and the stage keys' own
-    part of the stage's `check_config` (the online stages: training only, with a reward: `check_run`). The rest of
+    part of the stage's `check_config` (the online stages: training only, with a reward and whole generation groups:
+    `check_run`). The rest of
     `check_combinations` and of a stage's `check_config`, and transformers' own checks, stay with the parse."""
     import importlib
 
@@ -203,12 +204,9 @@ def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, A
             except (ValueError, TypeError) as err:
                 raise ConfigError(f"invalid {name} settings in {path}: {err}") from None
         elif entry["name"] == table.get("training_class") and "training_defaults" in table:
-            values = {**table["training_defaults"], **sections.TRAINING_DEFAULTS, **keys}
-            if keys.get("do_eval") is False:
-                values["eval_strategy"] = "no"  # as the parse sets it (transformers' default do_eval is false too)
             sections.check_warmup_keys(keys, f" in {path}")
             try:
-                sections.check_training_values(SimpleNamespace(**values))
+                sections.check_training_values(_training_view(keys, table, given))
             except ConfigError as err:
                 raise ConfigError(f"{err} ({path})") from None
             except (AttributeError, TypeError):  # a default the table lacks, or an odd value: the parse decides
@@ -223,18 +221,26 @@ def _check_values_early(per_class: dict[str, dict[str, Any]], table: dict[str, A
     sections.check_generation_keys(stage, data_kind, own_keys, given, built["GeneratingArguments"])
     method = built.get(method_name) if method_name else None
     if method is not None and hasattr(method, "check_run"):  # what its check_config refuses from it and the mode
-        training = per_class.get(table.get("training_class", ""), {})
-        values = {**table.get("training_defaults", {}), **sections.TRAINING_DEFAULTS, **training}
-        # `read_config`'s rule: a config silent on all three trains.
-        if not {"do_train", "do_eval", "do_predict"} & set(given):
-            values["do_train"] = True
-        # transformers turns do_eval on for an eval_strategy but `no`; the parse sets it to `no` for do_eval=false.
-        strategy = "no" if training.get("do_eval") is False else str(values.get("eval_strategy", "no"))
-        values["do_eval"] = bool(values.get("do_eval")) or strategy != "no"
         try:
-            method.check_run(stage, SimpleNamespace(**values))
+            method.check_run(stage, _training_view(per_class.get(table.get("training_class", ""), {}), table, given))
         except (AttributeError, TypeError):  # a default the table lacks, or an odd value: the parse decides
             pass
+
+
+def _training_view(keys: dict[str, Any], table: dict[str, Any], given: dict[str, Any]) -> SimpleNamespace:
+    """The training keys as the parse hands them to `TrainingArguments`, and the mode it then runs in: the keys given
+    over transformers' defaults (the table's) and the parse's own (`TRAINING_DEFAULTS`); `do_train` on for a config
+    silent on `do_train`, `do_eval` and `do_predict` (`read_config`); `eval_strategy` off for `do_eval: false` (the
+    parse) and `do_eval` on for any other eval strategy (transformers)."""
+    from .sections import TRAINING_DEFAULTS
+
+    values = {**table.get("training_defaults", {}), **TRAINING_DEFAULTS, **keys}
+    if not {"do_train", "do_eval", "do_predict"} & set(given):
+        values["do_train"] = True
+    if keys.get("do_eval") is False:
+        values["eval_strategy"] = "no"
+    values["do_eval"] = bool(values.get("do_eval")) or str(values.get("eval_strategy", "no")) != "no"
+    return SimpleNamespace(**values)
 
 
 @contextlib.contextmanager

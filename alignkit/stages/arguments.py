@@ -230,11 +230,14 @@ class KTOArguments:
             raise ConfigError(f"pref_ftx={self.pref_ftx} must be >= 0 (the weight of an added SFT loss).")
 
 
-def check_vllm_mode(mode: str) -> None:
-    """`vllm_mode`: colocate is the only mode alignkit runs (GRPO, RLOO, distill)."""
-    if mode != "colocate":
-        raise ConfigError(f"vllm_mode={mode}: alignkit runs vLLM inside the training process (TRL's colocate mode) "
-                          "and talks to no `trl vllm-serve` server; set vllm_mode: colocate (or leave it out).")
+def check_vllm_keys(args: Any) -> None:
+    """The vLLM keys GRPO, RLOO and distill share: `vllm_gpu_memory_utilization` in (0, 1], and `vllm_mode`
+    colocate, the only mode alignkit runs."""
+    if not 0 < args.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(f"vllm_gpu_memory_utilization={args.vllm_gpu_memory_utilization} must be in (0, 1].")
+    if args.vllm_mode != "colocate":
+        raise ConfigError(f"vllm_mode={args.vllm_mode}: alignkit runs vLLM inside the training process (TRL's colocate "
+                          "mode) and talks to no `trl vllm-serve` server; set vllm_mode: colocate (or leave it out).")
 
 
 def resolve_generation_batch(per_device_train_batch_size: int, num_processes: int, num_generations: int,
@@ -364,9 +367,7 @@ class GroupRolloutArguments(ReferenceSyncArguments, RewardFunctionArguments):
             self.epsilon_high = self.epsilon
         elif not self.epsilon_high >= 0:
             raise ConfigError(f"epsilon_high={self.epsilon_high} must be >= 0 (default: epsilon).")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
-        check_vllm_mode(self.vllm_mode)
+        check_vllm_keys(self)
         if isinstance(self.tools, str):
             self.tools = [t.strip() for t in self.tools.split(",") if t.strip()]
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
@@ -768,9 +769,7 @@ class DistillArguments:
         if not self.temperature > 0:
             raise ConfigError(f"temperature={self.temperature} must be > 0: the student samples its completions.")
         check_sampling_knobs(self)
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].")
-        check_vllm_mode(self.vllm_mode)
+        check_vllm_keys(self)
 
     def check_run(self, stage: str, training: Any) -> None:
         """Refuse evaluation (the stage trains only); `training` as for `GroupRolloutArguments.check_run`."""

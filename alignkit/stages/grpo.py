@@ -95,7 +95,7 @@ from ..rl.record import COMPLETIONS_FILE
 from ..rl.rollout import VLLMColocateSampler, completion_logps, rollout_seed
 from ..rl.stats import masked_mean, nan_std
 from ..rl.tools import ToolLoop, environment_reward, rollout_tensors, turn_seeds
-from .arguments import GroupRolloutArguments, GRPOArguments, check_vllm_mode, resolve_generation_batch
+from .arguments import GroupRolloutArguments, GRPOArguments, check_vllm_keys, resolve_generation_batch
 from .base import check_reference_sync, is_peft_model, run_stage_trainer
 from .online import PROMPT_COLUMNS, OnlineTrainer, data_order_seed, has_active_dropout
 
@@ -940,7 +940,7 @@ __all__ = [
     "build_online_trainer",
     "check_config",
     "check_generation_loop",
-    "check_vllm_mode",
+    "check_vllm_keys",
     "resolve_generation_batch",
     "GenerationBatchSampler",
     "GRPOTrainer",

@@ -102,8 +102,8 @@ def sigmoid_loss(
     Returns:
         [B] per-pair losses.
     """
-    logits = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
-    return _smoothed_sigmoid(beta * logits, label_smoothing)
+    return _reverse_kl_pair_loss("sigmoid", chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                                 beta=beta, label_smoothing=label_smoothing)
 
 
 def hinge_loss(
@@ -124,8 +124,8 @@ def hinge_loss(
     Returns:
         [B] per-pair losses.
     """
-    logits = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
-    return torch.relu(1 - beta * logits)
+    return _reverse_kl_pair_loss("hinge", chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                                 beta=beta)
 
 
 def ipo_loss(
@@ -150,9 +150,20 @@ def ipo_loss(
     Returns:
         [B] per-pair losses.
     """
-    chosen_avg = (chosen_logps - ref_chosen_logps) / chosen_lengths.clamp(min=1)
-    rejected_avg = (rejected_logps - ref_rejected_logps) / rejected_lengths.clamp(min=1)
-    return (chosen_avg - rejected_avg - 1 / (2 * beta)) ** 2
+    return _reverse_kl_pair_loss("ipo", chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                                 chosen_lengths, rejected_lengths, beta=beta)
+
+
+def _reverse_kl_pair_loss(loss_type: str, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
+                          ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor,
+                          chosen_lengths: Optional[torch.Tensor] = None, rejected_lengths: Optional[torch.Tensor] = None,
+                          **parameters) -> torch.Tensor:
+    """`pair_loss` of summed log-probs under plain DPO's divergence (the scores are the log-ratios themselves)."""
+    chosen, rejected = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    ones = torch.ones_like(chosen)
+    return pair_loss(loss_type, chosen, rejected, chosen, rejected,
+                     ones if chosen_lengths is None else chosen_lengths,
+                     ones if rejected_lengths is None else rejected_lengths, **parameters)
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
